@@ -1,0 +1,3 @@
+from aiproxy.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,61 @@
+# Strict HTTP/1.1 head scanner and chunked decoder (RFC 9112).
+
+cdef enum:
+    F_HOP = 1          # hop-by-hop: never forwarded as-is
+    F_CONTENT_LENGTH = 2
+    F_TRANSFER_ENCODING = 4
+    F_HOST = 8
+    F_UPGRADE = 16
+    F_CONNECTION = 32
+    F_EXPECT = 64
+    F_XFF = 128        # x-forwarded-for: merged with the client address
+    F_XFP = 256        # x-forwarded-proto: replaced
+    F_NAMED_BY_CONNECTION = 512
+
+
+cdef class Head:
+    cdef readonly bytes raw
+    cdef readonly Py_ssize_t consumed
+    cdef readonly int version
+    cdef readonly long long content_length
+    cdef readonly bint chunked
+    cdef readonly bint keep_alive
+    cdef readonly bint connection_upgrade
+    cdef readonly object upgrade
+    cdef readonly Py_ssize_t header_count
+    cdef int *offs
+    cdef unsigned short *flags
+    cdef Py_ssize_t start_line_end
+
+    cdef _store(self, const unsigned char *p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t nh)
+    cpdef object get(self, bytes lname)
+    cpdef list get_all(self, bytes lname)
+    cpdef bytes serialize(self, bytes start_line, bytes extra, unsigned int drop_mask)
+
+
+cdef class RequestHead(Head):
+    cdef readonly bytes method
+    cdef readonly bytes target
+    cdef readonly object host
+    cdef readonly bint expect_continue
+    cdef readonly bint expect_unknown
+    cdef readonly bint has_xff
+
+
+cdef class ResponseHead(Head):
+    cdef readonly int status
+    cdef readonly bytes reason
+
+
+cdef class ChunkedDecoder:
+    cdef int state
+    cdef unsigned long long remaining
+    cdef int digits
+    cdef Py_ssize_t ext_len
+    cdef Py_ssize_t trailer_len
+    cdef Py_ssize_t max_trailer
+    cdef bytearray _trailers
+    cdef readonly bint done
+    cdef readonly Py_ssize_t tail
+
+    cdef int _trailer_byte(self, unsigned char c) except -1

@@ -1,0 +1,792 @@
+# cython: language_level=3
+"""Strict HTTP/1.1 head scanner and chunked decoder (RFC 9112).
+
+One pass over the head in C: the request/status line and every field line are
+validated and indexed by offset; only the fields the proxy needs for framing
+and hop-by-hop handling are looked at by name. Forwarding is one copy of the
+kept field lines (`Head.serialize`). Anything ambiguous is rejected with the
+status an origin server would send (400, 414, 431, 501, 505); the caller maps
+errors in upstream responses to 502.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.string cimport memcpy
+
+
+class ParseError(Exception):
+    """A message that cannot be framed safely; `status` is the reply to send."""
+
+    def __init__(self, int status, str message):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+cdef enum:
+    MAX_HEADERS_CAP = 1024
+    MAX_CONN_TOKENS = 32
+    MAX_CL_DIGITS = 18
+    MAX_CHUNK_HEX = 16
+    MAX_CHUNK_EXT = 4096
+
+cdef unsigned char TCHAR[256]
+cdef unsigned char FVCHAR[256]
+cdef unsigned char TARGET[256]
+cdef unsigned char HOSTCHAR[256]
+cdef signed char HEXVAL[256]
+
+cdef int _offs[MAX_HEADERS_CAP * 5]
+cdef unsigned short _flags[MAX_HEADERS_CAP]
+cdef Py_ssize_t _ctok[MAX_CONN_TOKENS * 2]
+
+
+cdef void _init_tables():
+    cdef int c
+    cdef bytes tspecial = b"!#$%&'*+-.^_`|~"
+    cdef bytes hostextra = b"-._~!$&'()*+,;=:[]%"
+    for c in range(256):
+        TCHAR[c] = 0
+        FVCHAR[c] = 0
+        TARGET[c] = 0
+        HOSTCHAR[c] = 0
+        HEXVAL[c] = -1
+    for c in range(ord("0"), ord("9") + 1):
+        TCHAR[c] = 1
+        HOSTCHAR[c] = 1
+        HEXVAL[c] = c - ord("0")
+    for c in range(ord("a"), ord("z") + 1):
+        TCHAR[c] = 1
+        TCHAR[c - 32] = 1
+        HOSTCHAR[c] = 1
+        HOSTCHAR[c - 32] = 1
+    for c in range(6):
+        HEXVAL[ord("a") + c] = 10 + c
+        HEXVAL[ord("A") + c] = 10 + c
+    for c in tspecial:
+        TCHAR[c] = 1
+    for c in hostextra:
+        HOSTCHAR[c] = 1
+    for c in range(0x21, 0x7F):
+        FVCHAR[c] = 1
+        TARGET[c] = 1
+    for c in range(0x80, 0x100):
+        FVCHAR[c] = 1
+    FVCHAR[0x20] = 1
+    FVCHAR[0x09] = 1
+
+
+_init_tables()
+
+
+cdef inline bint _ieq(const unsigned char *a, Py_ssize_t n, const char *lit, Py_ssize_t m) noexcept:
+    # `lit` is lower case letters and '-'; OR-ing 0x20 folds only A-Z onto them
+    # for token characters, so this is an exact case-insensitive compare.
+    cdef Py_ssize_t i
+    if n != m:
+        return 0
+    for i in range(n):
+        if (a[i] | 0x20) != <unsigned char>lit[i]:
+            return 0
+    return 1
+
+
+cdef inline bint _ieq2(const unsigned char *a, const unsigned char *b, Py_ssize_t n) noexcept:
+    cdef Py_ssize_t i
+    cdef unsigned char x, y
+    for i in range(n):
+        x = a[i]
+        y = b[i]
+        if 65 <= x <= 90:
+            x += 32
+        if 65 <= y <= 90:
+            y += 32
+        if x != y:
+            return 0
+    return 1
+
+
+cdef long long _parse_content_length(const unsigned char *p, Py_ssize_t a, Py_ssize_t b):
+    """1*DIGIT, or a list of identical values (RFC 9110 8.6). -1 on any error."""
+    cdef long long value = -1, cur
+    cdef Py_ssize_t i = a, digits
+    while True:
+        while i < b and (p[i] == 32 or p[i] == 9):
+            i += 1
+        cur = 0
+        digits = 0
+        while i < b and 48 <= p[i] <= 57:
+            cur = cur * 10 + (p[i] - 48)
+            digits += 1
+            i += 1
+            if digits > MAX_CL_DIGITS:
+                return -1
+        if digits == 0:
+            return -1
+        if value != -1 and cur != value:
+            return -1
+        value = cur
+        while i < b and (p[i] == 32 or p[i] == 9):
+            i += 1
+        if i == b:
+            return value
+        if p[i] != 44:  # ','
+            return -1
+        i += 1
+
+
+cdef class Head:
+    def __cinit__(self):
+        self.offs = NULL
+        self.flags = NULL
+        self.content_length = -1
+        self.upgrade = None
+
+    def __dealloc__(self):
+        if self.offs != NULL:
+            PyMem_Free(self.offs)
+        if self.flags != NULL:
+            PyMem_Free(self.flags)
+
+    cdef _store(self, const unsigned char *p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t nh):
+        self.raw = PyBytes_FromStringAndSize(<const char *>p + start, end - start)
+        self.header_count = nh
+        if nh:
+            self.offs = <int *>PyMem_Malloc(nh * 5 * sizeof(int))
+            self.flags = <unsigned short *>PyMem_Malloc(nh * sizeof(unsigned short))
+            if self.offs == NULL or self.flags == NULL:
+                raise MemoryError()
+            memcpy(self.offs, _offs, nh * 5 * sizeof(int))
+            memcpy(self.flags, _flags, nh * sizeof(unsigned short))
+
+    cpdef object get(self, bytes lname):
+        """First value of the field `lname` (lower case), or None."""
+        cdef const unsigned char *r = <const unsigned char *>PyBytes_AS_STRING(self.raw)
+        cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lname)
+        cdef Py_ssize_t m = len(lname), i
+        cdef int *o
+        for i in range(self.header_count):
+            o = self.offs + 5 * i
+            if o[1] - o[0] == m and _ieq2(r + o[0], q, m):
+                return PyBytes_FromStringAndSize(<const char *>r + o[2], o[3] - o[2])
+        return None
+
+    cpdef list get_all(self, bytes lname):
+        cdef const unsigned char *r = <const unsigned char *>PyBytes_AS_STRING(self.raw)
+        cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lname)
+        cdef Py_ssize_t m = len(lname), i
+        cdef int *o
+        cdef list out = []
+        for i in range(self.header_count):
+            o = self.offs + 5 * i
+            if o[1] - o[0] == m and _ieq2(r + o[0], q, m):
+                out.append(PyBytes_FromStringAndSize(<const char *>r + o[2], o[3] - o[2]))
+        return out
+
+    def headers(self):
+        """All fields as (name, value) in arrival order, names as sent."""
+        cdef const char *r = PyBytes_AS_STRING(self.raw)
+        cdef Py_ssize_t i
+        cdef int *o
+        out = []
+        for i in range(self.header_count):
+            o = self.offs + 5 * i
+            out.append((PyBytes_FromStringAndSize(r + o[0], o[1] - o[0]),
+                        PyBytes_FromStringAndSize(r + o[2], o[3] - o[2])))
+        return out
+
+    def header_flags(self):
+        return [self.flags[i] for i in range(self.header_count)]
+
+    cpdef bytes serialize(self, bytes start_line, bytes extra, unsigned int drop_mask):
+        """start_line + every field line whose flags miss drop_mask + extra + CRLF."""
+        cdef Py_ssize_t total = len(start_line) + len(extra) + 2, i, ln
+        cdef int *o
+        for i in range(self.header_count):
+            if not (self.flags[i] & drop_mask):
+                o = self.offs + 5 * i
+                total += o[4] - o[0]
+        cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
+        cdef char *dst = PyBytes_AS_STRING(out)
+        cdef const char *r = PyBytes_AS_STRING(self.raw)
+        ln = len(start_line)
+        memcpy(dst, PyBytes_AS_STRING(start_line), ln)
+        dst += ln
+        for i in range(self.header_count):
+            if not (self.flags[i] & drop_mask):
+                o = self.offs + 5 * i
+                ln = o[4] - o[0]
+                memcpy(dst, r + o[0], ln)
+                dst += ln
+        ln = len(extra)
+        memcpy(dst, PyBytes_AS_STRING(extra), ln)
+        dst += ln
+        dst[0] = 13
+        dst[1] = 10
+        return out
+
+
+cdef class RequestHead(Head):
+    def __repr__(self):
+        return f"<RequestHead {self.method!r} {self.target!r} HTTP/1.{self.version % 10}>"
+
+
+cdef class ResponseHead(Head):
+    def __repr__(self):
+        return f"<ResponseHead {self.status} HTTP/1.{self.version % 10}>"
+
+
+cdef struct FieldState:
+    Py_ssize_t nh
+    int cl_count
+    long long content_length
+    bint te_present
+    bint te_last_chunked
+    int te_chunked_count
+    bint te_other
+    bint te_empty
+    bint conn_close
+    bint conn_keepalive
+    bint conn_upgrade
+    int ntok
+    int host_count
+    Py_ssize_t host_idx
+    Py_ssize_t upgrade_idx
+    Py_ssize_t expect_idx
+    bint has_xff
+
+
+cdef int _scan_list_tokens(const unsigned char *p, Py_ssize_t a, Py_ssize_t b,
+                           FieldState *st, int which) except -1:
+    """Split a field value on commas. which: 0 = Connection, 1 = Transfer-Encoding."""
+    cdef Py_ssize_t i = a, ts, te
+    while i <= b:
+        while i < b and (p[i] == 32 or p[i] == 9):
+            i += 1
+        ts = i
+        while i < b and p[i] != 44:
+            i += 1
+        te = i
+        while te > ts and (p[te - 1] == 32 or p[te - 1] == 9):
+            te -= 1
+        i += 1
+        if te == ts:
+            continue  # empty list elements are allowed and ignored
+        if which == 0:
+            if _ieq(p + ts, te - ts, b"close", 5):
+                st.conn_close = 1
+            elif _ieq(p + ts, te - ts, b"keep-alive", 10):
+                st.conn_keepalive = 1
+            elif _ieq(p + ts, te - ts, b"upgrade", 7):
+                st.conn_upgrade = 1
+            if st.ntok >= MAX_CONN_TOKENS:
+                raise ParseError(400, "too many Connection options")
+            _ctok[2 * st.ntok] = ts
+            _ctok[2 * st.ntok + 1] = te
+            st.ntok += 1
+        else:
+            st.te_present = 1
+            if _ieq(p + ts, te - ts, b"chunked", 7):
+                st.te_chunked_count += 1
+                st.te_last_chunked = 1
+            else:
+                st.te_other = 1
+                st.te_last_chunked = 0
+    return 0
+
+
+cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t n,
+                             Py_ssize_t start, Py_ssize_t max_head, Py_ssize_t max_headers,
+                             FieldState *st) except -2:
+    """Scan field lines from pos. Returns the end of the head (after the empty
+    line) or -1 when more bytes are needed. Offsets are stored relative to start."""
+    cdef Py_ssize_t k, v, vs, ve, nlen, i, j
+    cdef unsigned short fl
+    cdef int *o
+    cdef const unsigned char *name
+    cdef long long cl
+    while True:
+        if pos - start > max_head:
+            raise ParseError(431, "request header section too large")
+        if pos >= n:
+            return -1
+        if p[pos] == 13:
+            if pos + 1 >= n:
+                return -1
+            if p[pos + 1] != 10:
+                raise ParseError(400, "bare CR in header section")
+            pos += 2
+            break
+        if p[pos] == 10:
+            raise ParseError(400, "bare LF in header section")
+        if p[pos] == 32 or p[pos] == 9:
+            raise ParseError(400, "obsolete line folding or leading whitespace in header section")
+        k = pos
+        while k < n and TCHAR[p[k]]:
+            k += 1
+        if k >= n:
+            if k - start > max_head:
+                raise ParseError(431, "request header section too large")
+            return -1
+        if p[k] != 58:  # ':'
+            raise ParseError(400, "invalid header field name")
+        if k == pos:
+            raise ParseError(400, "empty header field name")
+        v = k + 1
+        while v < n and (p[v] == 32 or p[v] == 9):
+            v += 1
+        vs = v
+        while v < n and FVCHAR[p[v]]:
+            v += 1
+        if v >= n or (p[v] == 13 and v + 1 >= n):
+            if v - start > max_head:
+                raise ParseError(431, "request header section too large")
+            return -1
+        if p[v] != 13:
+            if p[v] == 10:
+                raise ParseError(400, "bare LF in header field")
+            raise ParseError(400, "invalid character in header field value")
+        if p[v + 1] != 10:
+            raise ParseError(400, "bare CR in header field")
+        ve = v
+        while ve > vs and (p[ve - 1] == 32 or p[ve - 1] == 9):
+            ve -= 1
+        if st.nh >= max_headers or st.nh >= MAX_HEADERS_CAP:
+            raise ParseError(431, "too many header fields")
+        name = p + pos
+        nlen = k - pos
+        fl = 0
+        if nlen == 4 and _ieq(name, 4, b"host", 4):
+            fl = F_HOST
+            st.host_count += 1
+            st.host_idx = st.nh
+        elif nlen == 14 and _ieq(name, 14, b"content-length", 14):
+            fl = F_CONTENT_LENGTH
+            st.cl_count += 1
+            cl = _parse_content_length(p, vs, ve)
+            if cl < 0:
+                raise ParseError(400, "invalid Content-Length")
+            if st.content_length != -1 and st.content_length != cl:
+                raise ParseError(400, "conflicting Content-Length values")
+            st.content_length = cl
+        elif nlen == 17 and _ieq(name, 17, b"transfer-encoding", 17):
+            fl = F_TRANSFER_ENCODING | F_HOP
+            st.te_present = 1
+            _scan_list_tokens(p, vs, ve, st, 1)
+        elif nlen == 10 and _ieq(name, 10, b"connection", 10):
+            fl = F_CONNECTION | F_HOP
+            _scan_list_tokens(p, vs, ve, st, 0)
+        elif nlen == 10 and _ieq(name, 10, b"keep-alive", 10):
+            fl = F_HOP
+        elif nlen == 2 and _ieq(name, 2, b"te", 2):
+            fl = F_HOP
+        elif nlen == 7 and _ieq(name, 7, b"trailer", 7):
+            fl = F_HOP
+        elif nlen == 7 and _ieq(name, 7, b"upgrade", 7):
+            fl = F_UPGRADE | F_HOP
+            st.upgrade_idx = st.nh
+        elif nlen == 6 and _ieq(name, 6, b"expect", 6):
+            fl = F_EXPECT | F_HOP
+            st.expect_idx = st.nh
+        elif nlen == 15 and _ieq(name, 15, b"x-forwarded-for", 15):
+            fl = F_XFF
+            st.has_xff = 1
+        elif nlen == 17 and _ieq(name, 17, b"x-forwarded-proto", 17):
+            fl = F_XFP
+        elif nlen == 5 and _ieq(name, 5, b"proxy", 5):
+            fl = F_HOP  # httpoxy
+        elif nlen > 6 and _ieq(name, 6, b"proxy-", 6):
+            fl = F_HOP
+        o = _offs + 5 * st.nh
+        o[0] = <int>(pos - start)
+        o[1] = <int>(k - start)
+        o[2] = <int>(vs - start)
+        o[3] = <int>(ve - start)
+        o[4] = <int>(v + 2 - start)
+        _flags[st.nh] = fl
+        st.nh += 1
+        pos = v + 2
+    if pos - start > max_head:
+        raise ParseError(431, "request header section too large")
+    # Fields named by Connection are hop-by-hop too, except the ones framing and
+    # routing depend on (a classic smuggling trick is `Connection: content-length`).
+    for j in range(st.ntok):
+        for i in range(st.nh):
+            o = _offs + 5 * i
+            if (o[1] - o[0] == _ctok[2 * j + 1] - _ctok[2 * j]
+                    and not (_flags[i] & (F_HOST | F_CONTENT_LENGTH))
+                    and _ieq2(p + start + o[0], p + _ctok[2 * j], o[1] - o[0])):
+                _flags[i] |= F_HOP | F_NAMED_BY_CONNECTION
+    return pos
+
+
+cdef inline void _init_state(FieldState *st) noexcept:
+    st.nh = 0
+    st.cl_count = 0
+    st.content_length = -1
+    st.te_present = 0
+    st.te_last_chunked = 0
+    st.te_chunked_count = 0
+    st.te_other = 0
+    st.te_empty = 0
+    st.conn_close = 0
+    st.conn_keepalive = 0
+    st.conn_upgrade = 0
+    st.ntok = 0
+    st.host_count = 0
+    st.host_idx = -1
+    st.upgrade_idx = -1
+    st.expect_idx = -1
+    st.has_xff = 0
+
+
+cdef int _check_prefix(const unsigned char *p, Py_ssize_t a, Py_ssize_t n, const char *lit, Py_ssize_t m) except -2:
+    """1 if p[a:a+m] == lit, 0 if the bytes present so far match but are too few, raise otherwise."""
+    cdef Py_ssize_t i
+    for i in range(m):
+        if a + i >= n:
+            return 0
+        if p[a + i] != <unsigned char>lit[i]:
+            return -1
+    return 1
+
+
+cdef int _parse_version(const unsigned char *p, Py_ssize_t a, Py_ssize_t n, int *version) except -2:
+    """HTTP/D.D at p[a:]. 1 ok, 0 incomplete, -1 invalid; version as 10*major+minor."""
+    cdef int r = _check_prefix(p, a, n, b"HTTP/", 5)
+    if r != 1:
+        return r
+    if a + 5 >= n:
+        return 0
+    if not (48 <= p[a + 5] <= 57):
+        return -1
+    if a + 6 >= n:
+        return 0
+    if p[a + 6] != 46:
+        return -1
+    if a + 7 >= n:
+        return 0
+    if not (48 <= p[a + 7] <= 57):
+        return -1
+    version[0] = (p[a + 5] - 48) * 10 + (p[a + 7] - 48)
+    return 1
+
+
+def parse_request(const unsigned char[::1] buf, Py_ssize_t max_head=32768,
+                  Py_ssize_t max_line=8192, Py_ssize_t max_headers=100):
+    """Parse a request head at the start of buf. None when incomplete."""
+    cdef Py_ssize_t n = buf.shape[0]
+    if n == 0:
+        return None
+    cdef const unsigned char *p = &buf[0]
+    cdef Py_ssize_t start = 0, i, j, k, line_end, end
+    cdef int version = 0, r
+    cdef int *o
+    cdef FieldState st
+    # RFC 9112 2.2: ignore empty lines received before the request-line.
+    while start + 1 < n and p[start] == 13 and p[start + 1] == 10:
+        start += 2
+        if start > max_head:
+            raise ParseError(400, "too many empty lines before request")
+    if start >= n or (p[start] == 13 and start + 1 >= n):
+        return None
+    i = start
+    while i < n and TCHAR[p[i]]:
+        i += 1
+    if i >= n:
+        if i - start > max_line:
+            raise ParseError(414, "request line too long")
+        return None
+    if i == start or p[i] != 32:
+        raise ParseError(400, "invalid request method")
+    j = i + 1
+    while j < n and TARGET[p[j]]:
+        j += 1
+    if j - start > max_line:
+        raise ParseError(414, "request line too long")
+    if j >= n:
+        return None
+    if j == i + 1 or p[j] != 32:
+        raise ParseError(400, "invalid request target")
+    r = _parse_version(p, j + 1, n, &version)
+    if r == -1:
+        raise ParseError(400, "invalid HTTP version")
+    if r == 0:
+        return None
+    line_end = j + 9
+    if line_end >= n or (p[line_end] == 13 and line_end + 1 >= n):
+        return None
+    if p[line_end] != 13 or p[line_end + 1] != 10:
+        raise ParseError(400, "invalid request line ending")
+    if version // 10 != 1:
+        raise ParseError(505, "HTTP version not supported")
+    if version > 11:
+        version = 11
+    _init_state(&st)
+    end = _scan_fields(p, line_end + 2, n, start, max_head, max_headers, &st)
+    if end < 0:
+        return None
+
+    cdef RequestHead h = RequestHead.__new__(RequestHead)
+    h._store(p, start, end, st.nh)
+    h.consumed = end
+    h.start_line_end = line_end + 2 - start
+    h.version = version
+    h.method = PyBytes_FromStringAndSize(<const char *>p + start, i - start)
+    h.target = PyBytes_FromStringAndSize(<const char *>p + i + 1, j - i - 1)
+    _finish_framing(h, &st, 1)
+    if st.host_count > 1:
+        raise ParseError(400, "multiple Host fields")
+    if st.host_count == 0:
+        if version == 11:
+            raise ParseError(400, "missing Host field")
+        h.host = None
+    else:
+        o = h.offs + 5 * st.host_idx
+        for k in range(o[2], o[3]):
+            if not HOSTCHAR[p[start + k]]:
+                raise ParseError(400, "invalid Host field")
+        h.host = PyBytes_FromStringAndSize(<const char *>p + start + o[2], o[3] - o[2])
+    if st.expect_idx >= 0:
+        o = h.offs + 5 * st.expect_idx
+        if _ieq(p + start + o[2], o[3] - o[2], b"100-continue", 12):
+            h.expect_continue = 1
+        else:
+            h.expect_unknown = 1
+    h.has_xff = st.has_xff
+    return h
+
+
+cdef _finish_framing(Head h, FieldState *st, bint is_request):
+    if st.te_present:
+        if h.version == 10:
+            raise ParseError(400, "Transfer-Encoding in an HTTP/1.0 message")
+        if st.cl_count:
+            raise ParseError(400, "both Content-Length and Transfer-Encoding")
+        if st.te_chunked_count == 0 and not st.te_other:
+            raise ParseError(400, "empty Transfer-Encoding")
+        if st.te_chunked_count > 1:
+            raise ParseError(400, "chunked applied more than once")
+        if not st.te_last_chunked:
+            raise ParseError(400, "chunked is not the final transfer coding")
+        if st.te_other:
+            raise ParseError(501, "unsupported transfer coding")
+        h.chunked = 1
+    h.content_length = st.content_length
+    h.connection_upgrade = st.conn_upgrade
+    if h.version >= 11:
+        h.keep_alive = not st.conn_close
+    else:
+        h.keep_alive = st.conn_keepalive and not st.conn_close
+    cdef int *o
+    if st.upgrade_idx >= 0 and st.conn_upgrade and h.version >= 11:
+        o = h.offs + 5 * st.upgrade_idx
+        h.upgrade = PyBytes_FromStringAndSize(PyBytes_AS_STRING(h.raw) + o[2], o[3] - o[2])
+
+
+def parse_response(const unsigned char[::1] buf, Py_ssize_t max_head=32768,
+                   Py_ssize_t max_headers=100):
+    """Parse a response head at the start of buf. None when incomplete."""
+    cdef Py_ssize_t n = buf.shape[0]
+    if n == 0:
+        return None
+    cdef const unsigned char *p = &buf[0]
+    cdef Py_ssize_t i, line_end, end, rs
+    cdef int version = 0, r, status
+    cdef FieldState st
+    r = _parse_version(p, 0, n, &version)
+    if r == -1:
+        raise ParseError(502, "invalid status line")
+    if r == 0:
+        return None
+    if version // 10 != 1:
+        raise ParseError(502, "unsupported HTTP version in response")
+    if version > 11:
+        version = 11
+    if n < 13:
+        return None
+    if p[8] != 32 or not (48 <= p[9] <= 57 and 48 <= p[10] <= 57 and 48 <= p[11] <= 57):
+        raise ParseError(502, "invalid status line")
+    status = (p[9] - 48) * 100 + (p[10] - 48) * 10 + (p[11] - 48)
+    if status < 100 or status > 599:
+        raise ParseError(502, "invalid status code")
+    i = 12
+    if p[i] == 32:
+        i += 1
+    elif p[i] != 13:
+        raise ParseError(502, "invalid status line")
+    rs = i
+    while i < n and FVCHAR[p[i]]:
+        i += 1
+        if i > max_head:
+            raise ParseError(502, "status line too long")
+    if i >= n or (p[i] == 13 and i + 1 >= n):
+        return None
+    if p[i] != 13 or p[i + 1] != 10:
+        raise ParseError(502, "invalid status line ending")
+    line_end = i
+    _init_state(&st)
+    try:
+        end = _scan_fields(p, line_end + 2, n, 0, max_head, max_headers, &st)
+    except ParseError as exc:
+        raise ParseError(502, "invalid response header section: " + exc.message) from None
+    if end < 0:
+        return None
+    cdef ResponseHead h = ResponseHead.__new__(ResponseHead)
+    h._store(p, 0, end, st.nh)
+    h.consumed = end
+    h.start_line_end = line_end + 2
+    h.version = version
+    h.status = status
+    h.reason = PyBytes_FromStringAndSize(<const char *>p + rs, line_end - rs)
+    try:
+        _finish_framing(h, &st, 0)
+    except ParseError as exc:
+        raise ParseError(502, "invalid response framing: " + exc.message) from None
+    return h
+
+
+cdef enum:
+    C_SIZE = 0
+    C_SIZE_WS = 1
+    C_EXT = 2
+    C_SIZE_LF = 3
+    C_DATA = 4
+    C_DATA_CR = 5
+    C_DATA_LF = 6
+    C_TRAILER_START = 7
+    C_TRAILER_LINE = 8
+    C_TRAILER_LF = 9
+    C_END_LF = 10
+    C_DONE = 11
+
+
+cdef class ChunkedDecoder:
+    """Incremental, validating chunked decoder.
+
+    feed(data) returns the payload pieces found in data. When the last chunk and
+    trailer section are complete, `done` is set and `tail` is the index in the
+    last fed buffer where the next message starts.
+    """
+
+    def __init__(self, Py_ssize_t max_trailer=32768):
+        self.state = C_SIZE
+        self.max_trailer = max_trailer
+        self._trailers = bytearray()
+
+    @property
+    def trailers(self) -> bytes:
+        return bytes(self._trailers)
+
+    def feed(self, data):
+        cdef const unsigned char[::1] mv = data
+        cdef Py_ssize_t n = mv.shape[0], i = 0, take, ts
+        cdef list out = []
+        cdef const unsigned char *p
+        cdef unsigned char c
+        cdef int hv
+        if self.done:
+            raise ParseError(400, "data after the end of a chunked body")
+        if n == 0:
+            return out
+        p = &mv[0]
+        while i < n:
+            c = p[i]
+            if self.state == C_DATA:
+                take = n - i
+                if <unsigned long long>take > self.remaining:
+                    take = <Py_ssize_t>self.remaining
+                if i == 0 and take == n and type(data) is bytes:
+                    out.append(data)
+                else:
+                    out.append(PyBytes_FromStringAndSize(<const char *>p + i, take))
+                i += take
+                self.remaining -= take
+                if self.remaining == 0:
+                    self.state = C_DATA_CR
+                continue
+            elif self.state == C_SIZE:
+                hv = HEXVAL[c]
+                if hv >= 0:
+                    self.digits += 1
+                    if self.digits > MAX_CHUNK_HEX:
+                        raise ParseError(400, "chunk size too large")
+                    self.remaining = (self.remaining << 4) | <unsigned long long>hv
+                elif self.digits == 0:
+                    raise ParseError(400, "invalid chunk size")
+                elif c == 13:
+                    self.state = C_SIZE_LF
+                elif c == 59:  # ';'
+                    self.state = C_EXT
+                elif c == 32 or c == 9:
+                    self.state = C_SIZE_WS
+                else:
+                    raise ParseError(400, "invalid chunk size")
+            elif self.state == C_SIZE_WS:
+                if c == 59:
+                    self.state = C_EXT
+                elif c != 32 and c != 9:
+                    raise ParseError(400, "invalid chunk size line")
+            elif self.state == C_EXT:
+                if c == 13:
+                    self.state = C_SIZE_LF
+                elif FVCHAR[c]:
+                    self.ext_len += 1
+                    if self.ext_len > MAX_CHUNK_EXT:
+                        raise ParseError(400, "chunk extension too long")
+                else:
+                    raise ParseError(400, "invalid chunk extension")
+            elif self.state == C_SIZE_LF:
+                if c != 10:
+                    raise ParseError(400, "bare CR in chunk size line")
+                self.digits = 0
+                self.ext_len = 0
+                if self.remaining == 0:
+                    self.state = C_TRAILER_START
+                else:
+                    self.state = C_DATA
+            elif self.state == C_DATA_CR:
+                if c != 13:
+                    raise ParseError(400, "chunk data not followed by CRLF")
+                self.state = C_DATA_LF
+            elif self.state == C_DATA_LF:
+                if c != 10:
+                    raise ParseError(400, "chunk data not followed by CRLF")
+                self.state = C_SIZE
+            elif self.state == C_TRAILER_START:
+                if c == 13:
+                    self.state = C_END_LF
+                elif TCHAR[c]:
+                    self.state = C_TRAILER_LINE
+                    self._trailer_byte(c)
+                else:
+                    raise ParseError(400, "invalid trailer field")
+            elif self.state == C_TRAILER_LINE:
+                if c == 13:
+                    self.state = C_TRAILER_LF
+                elif FVCHAR[c]:
+                    self._trailer_byte(c)
+                else:
+                    raise ParseError(400, "invalid trailer field")
+            elif self.state == C_TRAILER_LF:
+                if c != 10:
+                    raise ParseError(400, "bare CR in trailer section")
+                self._trailer_byte(13)
+                self._trailer_byte(10)
+                self.state = C_TRAILER_START
+            elif self.state == C_END_LF:
+                if c != 10:
+                    raise ParseError(400, "bare CR after last chunk")
+                self.state = C_DONE
+                self.done = 1
+                self.tail = i + 1
+                return out
+            i += 1
+        return out
+
+    cdef inline int _trailer_byte(self, unsigned char c) except -1:
+        self.trailer_len += 1
+        if self.trailer_len > self.max_trailer:
+            raise ParseError(431, "trailer section too large")
+        self._trailers.append(c)
+        return 0

@@ -1,0 +1,88 @@
+"""Command line: `aiproxy -c FILE`, `aiproxy run|check|demo-upstream ...`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from aiproxy import __version__
+
+COMMANDS = ("run", "check", "demo-upstream")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiproxy",
+        description="AI-native edge reverse proxy. `aiproxy -c FILE` runs in the foreground.",
+    )
+    parser.add_argument("--version", action="version", version=f"aiproxy {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the proxy in the foreground (the default command)",
+                         description="Run the proxy in the foreground, logging to stderr.")
+    _config_args(run)
+    run.add_argument("--log-level", default="info",
+                     choices=["debug", "info", "warning", "error"], help="log level (info)")
+
+    check = sub.add_parser("check", help="validate a config file and print a summary",
+                           description="Validate a config file. Exit 0 and print a summary, "
+                           "or exit 2 with FILE:LINE: key.path: problem lines.")
+    _config_args(check)
+
+    sub.add_parser("demo-upstream", add_help=False,
+                   help="run the bundled OpenAI-style demo upstream (see its --help)")
+    return parser
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", required=True, metavar="FILE", help="TOML config file")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo-upstream":
+        from aiproxy.demo.upstream import main as demo_main
+
+        return demo_main(argv[1:])
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version"):
+        argv.insert(0, "run")  # `aiproxy -c FILE` is `aiproxy run -c FILE`
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    if args.command == "check":
+        return _check(args.config)
+    return _run(args.config, args.log_level)
+
+
+def _load(path: str):
+    from aiproxy.config import ConfigError, load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+
+
+def _check(path: str) -> int:
+    from aiproxy.config import summary
+
+    cfg = _load(path)
+    if cfg is None:
+        return 2
+    print(summary(cfg))
+    print(f"{path}: ok")
+    return 0
+
+
+def _run(path: str, level: str) -> int:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = _load(path)
+    if cfg is None:
+        return 2
+    from aiproxy.server.app import run
+
+    return run(cfg)

@@ -1,0 +1,38 @@
+"""Configuration: TOML file -> validated, immutable :class:`Config`."""
+
+from .address import format_address, parse_address
+from .describe import summary
+from .errors import ConfigError, Problem
+from .loader import BALANCERS, PROTOCOLS, load_config, load_config_text
+from .schema import (
+    AdminConfig,
+    ClusterConfig,
+    Config,
+    Endpoint,
+    HttpConfig,
+    ListenerConfig,
+    RouteConfig,
+    RouteMatch,
+    ServerConfig,
+)
+
+__all__ = [
+    "BALANCERS",
+    "PROTOCOLS",
+    "AdminConfig",
+    "ClusterConfig",
+    "Config",
+    "ConfigError",
+    "Endpoint",
+    "HttpConfig",
+    "ListenerConfig",
+    "Problem",
+    "RouteConfig",
+    "RouteMatch",
+    "ServerConfig",
+    "format_address",
+    "load_config",
+    "load_config_text",
+    "parse_address",
+    "summary",
+]

@@ -1,0 +1,42 @@
+"""``host:port`` parsing shared by listeners, the admin endpoint and cluster endpoints."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split ``host:port`` or ``[v6]:port``; the IPv6 host is returned without brackets.
+
+    Raises ValueError with a short reason.
+    """
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        if not sep or not _is_ipv6(host):
+            raise ValueError("expected host:port")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or not HOSTNAME.fullmatch(host):
+            raise ValueError("expected host:port")
+    if not port.isascii() or not port.isdigit():
+        raise ValueError("expected host:port")
+    number = int(port)
+    if not 1 <= number <= 65535:
+        raise ValueError("port must be between 1 and 65535")
+    return host, number
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,45 @@
+"""Plain-text summary of a loaded configuration, as printed by ``aiproxy check``."""
+
+from __future__ import annotations
+
+from .schema import ClusterConfig, Config, RouteMatch
+
+
+def summary(cfg: Config) -> str:
+    lines = [
+        f"listener {listener.name} {listener.address} [{', '.join(listener.protocols)}]"
+        for listener in cfg.listeners
+    ]
+    if cfg.admin is not None:
+        lines.append(f"admin {cfg.admin.address}")
+    lines.extend(_cluster(cluster) for cluster in cfg.clusters)
+    lines.extend(
+        f"route {route.name} {_match(route.match)} -> {route.cluster}" for route in cfg.routes
+    )
+    return "\n".join(lines)
+
+
+def _cluster(cluster: ClusterConfig) -> str:
+    endpoints = ", ".join(
+        endpoint.address if endpoint.weight == 1 else f"{endpoint.address} weight={endpoint.weight}"
+        for endpoint in cluster.endpoints
+    )
+    return f"cluster {cluster.name} [{endpoints}] {cluster.balancer}"
+
+
+def _match(match: RouteMatch) -> str:
+    parts = []
+    if match.path is not None:
+        parts.append(f"path={_text(match.path)}")
+    if match.path_prefix is not None:
+        parts.append(f"path_prefix={_text(match.path_prefix)}")
+    if match.method:
+        parts.append("method=" + ",".join(_text(method) for method in match.method))
+    if match.host is not None:
+        parts.append(f"host={_text(match.host)}")
+    parts.extend(f"header:{_text(name)}={_text(value)}" for name, value in match.headers)
+    return " ".join(parts) or "*"
+
+
+def _text(value: bytes) -> str:
+    return value.decode("utf-8", "replace")

@@ -1,0 +1,113 @@
+"""Typed, immutable configuration produced by the loader.
+
+Durations are integer milliseconds and sizes integer bytes. Integer fields that the
+loader validates carry their allowed range in ``metadata["range"]`` as ``(min, max)``
+(``max`` is None when unbounded). Values the request path compares are stored as bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .address import format_address
+
+
+def _bounded(default: int, lo: int, hi: int | None = None) -> Any:
+    return field(default=default, metadata={"range": (lo, hi)})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    workers: int = _bounded(1, 1)
+    drain_timeout_ms: int = _bounded(10_000, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    max_header_bytes: int = _bounded(32_768, 1024, 1_048_576)
+    max_headers: int = _bounded(100, 1, 1000)
+    max_request_line_bytes: int = _bounded(8192, 64, 65_536)
+    max_body_bytes: int = _bounded(1_073_741_824, 0)
+    header_timeout_ms: int = _bounded(60_000, 1)
+    body_timeout_ms: int = _bounded(60_000, 1)
+    keepalive_timeout_ms: int = _bounded(75_000, 0)
+    max_keepalive_requests: int = _bounded(1000, 0)
+    x_forwarded: bool = True
+    via: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerConfig:
+    name: str
+    address: str
+    host: str
+    port: int
+    protocols: tuple[str, ...] = ("http1",)
+    backlog: int = _bounded(1024, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    address: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    host: str
+    port: int
+    weight: int = _bounded(1, 1)
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    name: str
+    endpoints: tuple[Endpoint, ...]
+    connect_timeout_ms: int = _bounded(1000, 1)
+    request_timeout_ms: int = _bounded(30_000, 1)
+    read_timeout_ms: int = _bounded(60_000, 1)
+    balancer: str = "round_robin"
+    max_idle_connections: int = _bounded(32, 0)
+    idle_timeout_ms: int = _bounded(60_000, 1)
+    max_requests_per_connection: int = _bounded(1000, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteMatch:
+    """All given conditions must hold; an empty match matches every request."""
+
+    path: bytes | None = None
+    path_prefix: bytes | None = None
+    method: tuple[bytes, ...] = ()
+    host: bytes | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    name: str
+    cluster: str
+    match: RouteMatch = field(default_factory=RouteMatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    source: str
+    server: ServerConfig = field(default_factory=ServerConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    listeners: tuple[ListenerConfig, ...] = ()
+    admin: AdminConfig | None = None
+    clusters: tuple[ClusterConfig, ...] = ()
+    routes: tuple[RouteConfig, ...] = ()
+
+    def cluster_by_name(self, name: str) -> ClusterConfig:
+        for cluster in self.clusters:
+            if cluster.name == name:
+                return cluster
+        raise KeyError(name)

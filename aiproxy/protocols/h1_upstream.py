@@ -1,0 +1,262 @@
+"""HTTP/1.1 client side of the proxy: one upstream connection, driven by an Exchange.
+
+The connection parses the response head and frames the body (Content-Length,
+chunked, or read-until-close) and hands the pieces to its exchange:
+  on_upstream_head(resp, mode), on_upstream_informational(resp),
+  on_upstream_body(data), on_upstream_end(), on_upstream_failed(status, code, message),
+  on_upstream_tunnel_data(data), on_upstream_pause_writing(), on_upstream_resume_writing().
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_response
+
+if TYPE_CHECKING:
+    from aiproxy.routing.pool import Pool
+
+# Response body modes.
+BODY_NONE = 0
+BODY_LENGTH = 1
+BODY_CHUNKED = 2
+BODY_UNTIL_CLOSE = 3
+BODY_TUNNEL = 4
+
+_IDLE = 0
+_HEAD = 1
+_BODY = 2
+_TUNNEL = 3
+_CLOSED = 4
+
+
+class H1UpstreamConnection(asyncio.Protocol):
+    __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
+                 "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
+                 "received", "reading_paused", "_head_kw")
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.exchange: Any = None
+        self.state = _IDLE
+        self.buf = bytearray()
+        self.mode = BODY_NONE
+        self.remaining = 0
+        self.decoder: ChunkedDecoder | None = None
+        self.no_body = False
+        self.keep_alive = True
+        self.broken = False
+        self.requests = 0
+        self.idle_since = 0.0
+        self.received = False
+        self.reading_paused = False
+
+    # -- driven by the exchange -------------------------------------------------
+
+    def start(self, exchange: Any, head: bytes, no_body: bool) -> None:
+        self.exchange = exchange
+        self.state = _HEAD
+        self.no_body = no_body
+        self.received = False
+        self.requests += 1
+        self.transport.write(head)
+
+    def usable(self) -> bool:
+        t = self.transport
+        return (self.state == _IDLE and not self.broken and self.keep_alive
+                and t is not None and not t.is_closing())
+
+    def park(self, now: float) -> None:
+        self.exchange = None
+        self.idle_since = now
+        if self.reading_paused:
+            self.resume()
+
+    def pause(self) -> None:
+        if not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.reading_paused and self.transport is not None:
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        self.broken = True
+        self.exchange = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.broken = True
+        self.exchange = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- asyncio.Protocol -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        state = self.state
+        self.received = True
+        if state == _BODY:
+            self._body(data)
+        elif state == _HEAD:
+            self.buf += data
+            self._head()
+        elif state == _TUNNEL:
+            self.exchange.on_upstream_tunnel_data(data)
+        else:
+            # Bytes on an idle connection: the peer is out of sync; never reuse it.
+            self.close()
+
+    def eof_received(self) -> bool:
+        self.keep_alive = False
+        if self.state == _BODY and self.mode == BODY_UNTIL_CLOSE:
+            self._finish()
+        elif self.state == _TUNNEL:
+            ex = self.exchange
+            if ex is not None:
+                ex.on_upstream_tunnel_eof()
+                return True
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        state = self.state
+        self.state = _CLOSED
+        self.broken = True
+        ex = self.exchange
+        self.exchange = None
+        if state == _IDLE:
+            self.pool.discard(self)
+        elif ex is not None:
+            if state == _BODY and self.mode == BODY_UNTIL_CLOSE and exc is None:
+                self.exchange = ex
+                self.state = _BODY
+                self._finish()
+                return
+            if state == _TUNNEL:
+                ex.on_upstream_tunnel_closed()
+                return
+            reason = "upstream closed the connection" if exc is None else f"upstream connection lost: {exc}"
+            ex.on_upstream_failed(502, "upstream_reset", reason)
+
+    def pause_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.on_upstream_pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.on_upstream_resume_writing()
+
+    # -- response parsing ---------------------------------------------------------
+
+    def _fail(self, code: str, message: str) -> None:
+        ex = self.exchange
+        self.abort()
+        self.state = _CLOSED
+        if ex is not None:
+            ex.on_upstream_failed(502, code, message)
+
+    def _head(self) -> None:
+        pool = self.pool
+        while True:
+            try:
+                resp = parse_response(self.buf, pool.max_head, pool.max_headers)
+            except ParseError as exc:
+                self._fail("upstream_bad_response", exc.message)
+                return
+            if resp is None:
+                if len(self.buf) > pool.max_head:
+                    self._fail("upstream_bad_response", "upstream response head too large")
+                return
+            del self.buf[:resp.consumed]
+            status = resp.status
+            if status < 200 and status != 101:
+                self.exchange.on_upstream_informational(resp)
+                if self.exchange is None:
+                    return
+                continue
+            break
+        self.keep_alive = resp.keep_alive
+        if status == 101:
+            mode = BODY_TUNNEL
+        elif self.no_body or status == 204 or status == 304:
+            mode = BODY_NONE
+        elif resp.chunked:
+            mode = BODY_CHUNKED
+            self.decoder = ChunkedDecoder(pool.max_head)
+        elif resp.content_length >= 0:
+            mode = BODY_LENGTH
+            self.remaining = resp.content_length
+        else:
+            mode = BODY_UNTIL_CLOSE
+            self.keep_alive = False
+        self.mode = mode
+        rest = bytes(self.buf)
+        self.buf.clear()
+        ex = self.exchange
+        if mode == BODY_TUNNEL:
+            self.state = _TUNNEL
+            self.keep_alive = False
+            ex.on_upstream_head(resp, mode)
+            if rest and self.exchange is not None:
+                self.exchange.on_upstream_tunnel_data(rest)
+            return
+        self.state = _BODY
+        ex.on_upstream_head(resp, mode)
+        if self.exchange is None:
+            return
+        if mode == BODY_NONE or (mode == BODY_LENGTH and self.remaining == 0):
+            if rest:
+                self.broken = True
+            self._finish()
+        elif rest:
+            self._body(rest)
+
+    def _body(self, data: bytes) -> None:
+        mode = self.mode
+        ex = self.exchange
+        if mode == BODY_LENGTH:
+            n = len(data)
+            if n < self.remaining:
+                self.remaining -= n
+                ex.on_upstream_body(data)
+                return
+            if n > self.remaining:
+                self.broken = True  # bytes past the declared length: never reuse
+                data = data[: self.remaining]
+            self.remaining = 0
+            if data:
+                ex.on_upstream_body(data)
+            if self.exchange is not None:
+                self._finish()
+        elif mode == BODY_CHUNKED:
+            decoder = self.decoder
+            try:
+                pieces = decoder.feed(data)
+            except ParseError as exc:
+                self._fail("upstream_bad_response", f"invalid chunked body: {exc.message}")
+                return
+            for piece in pieces:
+                ex.on_upstream_body(piece)
+                if self.exchange is None:
+                    return
+            if decoder.done:
+                if decoder.tail < len(data):
+                    self.broken = True
+                self._finish()
+        else:
+            ex.on_upstream_body(data)
+
+    def _finish(self) -> None:
+        ex = self.exchange
+        self.state = _IDLE
+        self.decoder = None
+        if ex is not None:
+            ex.on_upstream_end()

@@ -1,0 +1,63 @@
+"""Responses the proxy produces itself: precomputed status lines and JSON error bodies."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+
+SERVER = b"aiproxy"
+
+STATUS_LINES: dict[int, bytes] = {}
+for _s in HTTPStatus:
+    STATUS_LINES[_s.value] = b"HTTP/1.1 %d %s\r\n" % (_s.value, _s.phrase.encode())
+
+CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+# Machine-readable codes for the errors the proxy itself produces.
+DEFAULT_CODES = {
+    400: "bad_request",
+    404: "no_route",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "payload_too_large",
+    414: "uri_too_long",
+    417: "expectation_failed",
+    431: "request_header_fields_too_large",
+    500: "internal_error",
+    501: "not_implemented",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+    505: "http_version_not_supported",
+}
+
+
+def status_line(status: int) -> bytes:
+    line = STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d Unknown\r\n" % status
+    return line
+
+
+def error_body(status: int, code: str | None, message: str) -> bytes:
+    payload = {"error": {"code": code or DEFAULT_CODES.get(status, "error"), "message": message}}
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def error_response(status: int, message: str, code: str | None = None, close: bool = True,
+                   head_only: bool = False, keep_alive_10: bool = False) -> bytes:
+    """A complete HTTP/1.1 error response with a JSON body."""
+    body = error_body(status, code, message)
+    if close:
+        connection = b"Connection: close\r\n"
+    elif keep_alive_10:
+        connection = b"Connection: keep-alive\r\n"
+    else:
+        connection = b""
+    head = b"%sServer: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
+        status_line(status),
+        SERVER,
+        len(body),
+        connection,
+    )
+    return head if head_only else head + body

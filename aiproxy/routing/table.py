@@ -1,0 +1,62 @@
+"""Route table: first matching route wins."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from aiproxy.config import RouteConfig
+
+if TYPE_CHECKING:
+    from aiproxy._fast.h1 import RequestHead
+    from aiproxy.routing.cluster import Cluster
+
+
+def host_without_port(host: bytes) -> bytes:
+    if host.startswith(b"["):
+        end = host.find(b"]")
+        return host[: end + 1].lower() if end > 0 else host.lower()
+    colon = host.find(b":")
+    return (host[:colon] if colon >= 0 else host).lower()
+
+
+class Route:
+    __slots__ = ("name", "cluster", "path", "path_prefix", "methods", "host", "headers")
+
+    def __init__(self, cfg: RouteConfig, cluster: Cluster) -> None:
+        self.name = cfg.name
+        self.cluster = cluster
+        m = cfg.match
+        self.path = m.path
+        self.path_prefix = m.path_prefix
+        self.methods = frozenset(m.method) if m.method else None
+        self.host = m.host
+        self.headers = m.headers
+
+    def matches(self, method: bytes, path: bytes, host: bytes | None, head: RequestHead) -> bool:
+        if self.path_prefix is not None and not path.startswith(self.path_prefix):
+            return False
+        if self.path is not None and path != self.path:
+            return False
+        if self.methods is not None and method not in self.methods:
+            return False
+        if self.host is not None and (host is None or host_without_port(host) != self.host):
+            return False
+        for name, value in self.headers:
+            if head.get(name) != value:
+                return False
+        return True
+
+
+class RouteTable:
+    __slots__ = ("routes",)
+
+    def __init__(self, routes: Iterable[Route]) -> None:
+        self.routes = tuple(routes)
+
+    def match(self, method: bytes, path: bytes, host: bytes | None,
+              head: RequestHead) -> Route | None:
+        for route in self.routes:
+            if route.matches(method, path, host, head):
+                return route
+        return None

@@ -1,0 +1,25 @@
+"""Everything a request needs from the config, built once and swapped whole."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiproxy.config import Config
+from aiproxy.routing.cluster import Cluster
+from aiproxy.routing.table import Route, RouteTable
+
+
+class Runtime:
+    __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body")
+
+    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.http = config.http
+        self.clusters = {c.name: Cluster(c, config.http, loop) for c in config.clusters}
+        self.table = RouteTable(Route(r, self.clusters[r.cluster]) for r in config.routes)
+        self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
+        self.max_body = config.http.max_body_bytes
+
+    def close(self) -> None:
+        for cluster in self.clusters.values():
+            cluster.close()

@@ -1,0 +1,497 @@
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from aiproxy.config import (
+    ConfigError,
+    Endpoint,
+    HttpConfig,
+    Problem,
+    RouteMatch,
+    load_config,
+    load_config_text,
+    summary,
+)
+from aiproxy.config.locate import KeyPath, Locator, format_path
+
+BASE = """\
+[[listeners]]
+name = "public"
+address = "127.0.0.1:8080"
+
+[[clusters]]
+name = "backend"
+endpoints = ["127.0.0.1:9000"]
+"""
+
+FULL = """\
+# aiproxy example
+[server]
+workers = 4
+drain_timeout_ms = 0
+
+[http]
+max_header_bytes = 65536
+max_body_bytes = 0          # unlimited
+x_forwarded = false
+
+[[listeners]]
+name = "public"
+address = "0.0.0.0:8080"
+protocols = ["http1"]
+backlog = 512
+
+[[listeners]]
+name = "local6"
+address = "[::1]:8081"
+
+[admin]
+address = "localhost:9901"
+
+[[clusters]]
+name = "chat"
+endpoints = [
+  "10.0.0.1:8000",
+  { address = "chat.internal:8000", weight = 3 },
+]
+connect_timeout_ms = 250
+
+[[clusters]]
+name = "drained"
+endpoints = []
+
+[[routes]]
+name = "chat"
+cluster = "chat"
+match = { path_prefix = "/v1/", method = ["post", "GET"], host = "API.Example.com", headers = { "X-Model-Intent" = "chat" } }
+
+[[routes]]
+name = "health"
+cluster = "drained"
+[routes.match]
+path = "/healthz"
+method = "get"
+
+[[routes]]
+name = "default"
+cluster = "chat"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "aiproxy.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def problems(tmp_path: Path, text: str) -> list[str]:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    prefix = f"{path}:"
+    lines = str(info.value).splitlines()
+    assert [str(problem) for problem in info.value.problems] == lines
+    assert all(line.startswith(prefix) for line in lines), lines
+    return [line[len(prefix) :] for line in lines]
+
+
+def test_full_config_values_and_defaults(tmp_path):
+    path = write(tmp_path, FULL)
+    cfg = load_config(path)
+
+    assert cfg.source == str(path)
+    assert (cfg.server.workers, cfg.server.drain_timeout_ms) == (4, 0)
+    assert cfg.http == HttpConfig(max_header_bytes=65536, max_body_bytes=0, x_forwarded=False)
+    assert cfg.http.max_headers == 100 and cfg.http.header_timeout_ms == 60000 and cfg.http.via
+
+    public, local6 = cfg.listeners
+    assert (public.name, public.host, public.port) == ("public", "0.0.0.0", 8080)
+    assert (public.protocols, public.backlog) == (("http1",), 512)
+    assert (local6.address, local6.host, local6.port) == ("[::1]:8081", "::1", 8081)
+    assert local6.backlog == 1024
+    assert (cfg.admin.host, cfg.admin.port) == ("localhost", 9901)
+
+    chat = cfg.cluster_by_name("chat")
+    assert chat.endpoints == (Endpoint("10.0.0.1", 8000), Endpoint("chat.internal", 8000, 3))
+    assert chat.connect_timeout_ms == 250 and chat.request_timeout_ms == 30000
+    assert chat.balancer == "round_robin" and chat.max_idle_connections == 32
+    assert cfg.cluster_by_name("drained").endpoints == ()
+    with pytest.raises(KeyError):
+        cfg.cluster_by_name("nope")
+
+    assert [route.name for route in cfg.routes] == ["chat", "health", "default"]
+    assert cfg.routes[0].match == RouteMatch(
+        path_prefix=b"/v1/",
+        method=(b"POST", b"GET"),
+        host=b"api.example.com",
+        headers=((b"x-model-intent", b"chat"),),
+    )
+    assert cfg.routes[1].match == RouteMatch(path=b"/healthz", method=(b"GET",))
+    assert cfg.routes[2].match == RouteMatch()
+
+
+def test_minimal_config_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.http == HttpConfig()
+    assert cfg.admin is None and cfg.routes == ()
+    assert cfg.listeners[0].protocols == ("http1",)
+
+
+def test_summary(tmp_path):
+    cfg = load_config(write(tmp_path, FULL))
+    assert summary(cfg).splitlines() == [
+        "listener public 0.0.0.0:8080 [http1]",
+        "listener local6 [::1]:8081 [http1]",
+        "admin localhost:9901",
+        "cluster chat [10.0.0.1:8000, chat.internal:8000 weight=3] round_robin",
+        "cluster drained [] round_robin",
+        "route chat path_prefix=/v1/ method=POST,GET host=api.example.com"
+        " header:x-model-intent=chat -> chat",
+        "route health path=/healthz method=GET -> drained",
+        "route default * -> chat",
+    ]
+
+
+def test_unknown_key_in_routes_block(tmp_path):
+    text = BASE + textwrap.dedent("""
+        [[routes]]
+        name = "a"
+        cluster = "backend"
+
+        [[routes]]
+        name = "b"
+        clustr = "backend"
+        """)
+    assert problems(tmp_path, text) == [
+        "13: routes[1].cluster: missing required key",
+        "15: routes[1].clustr: unknown key 'clustr' (did you mean 'cluster'?)",
+    ]
+
+
+def test_unknown_key_in_inline_match(tmp_path):
+    text = BASE + textwrap.dedent("""
+        [[routes]]
+        name = "a"
+        cluster = "backend"
+        match = { path = "/x", methods = "GET" }
+        """)
+    assert problems(tmp_path, text) == [
+        "12: routes[0].match.methods: unknown key 'methods' (did you mean 'method'?)"
+    ]
+
+
+def test_unknown_top_level_key_without_suggestion(tmp_path):
+    assert problems(tmp_path, BASE + "\n[zzz]\nx = 1\n") == ["9: zzz: unknown key 'zzz'"]
+
+
+def test_wrong_types_in_http(tmp_path):
+    text = BASE + textwrap.dedent("""
+        [http]
+        via = true
+        max_headers = "100"
+        header_timeout_ms = true
+        x_forwarded = 1
+        """)
+    assert problems(tmp_path, text) == [
+        "11: http.max_headers: expected integer, got string",
+        "12: http.header_timeout_ms: expected integer, got boolean",
+        "13: http.x_forwarded: expected boolean, got integer",
+    ]
+
+
+def test_out_of_range(tmp_path):
+    text = BASE + "\n[http]\nmax_header_bytes = 10\nbody_timeout_ms = 0\n[server]\nworkers = 0\n"
+    assert problems(tmp_path, text) == [
+        "10: http.max_header_bytes: must be between 1024 and 1048576, got 10",
+        "11: http.body_timeout_ms: must be >= 1, got 0",
+        "13: server.workers: must be >= 1, got 0",
+    ]
+
+
+def test_unknown_cluster_in_second_route(tmp_path):
+    text = BASE + textwrap.dedent("""
+        [[clusters]]
+        name = "other"
+        endpoints = []
+
+        [[routes]]
+        name = "a"
+        cluster = "backend"
+
+        [[routes]]
+        name = "b"
+        cluster = "missing"
+        """)
+    assert problems(tmp_path, text) == [
+        "19: routes[1].cluster: unknown cluster 'missing' (defined: backend, other)"
+    ]
+
+
+def test_bad_address_in_multiline_endpoints(tmp_path):
+    text = BASE + textwrap.dedent("""
+        [[clusters]]
+        name = "pool"
+        endpoints = [
+          "10.0.0.1:80",
+          "10.0.0.2",  # no port
+          { address = "10.0.0.3:99999" },
+        ]
+        """)
+    assert problems(tmp_path, text) == [
+        "13: clusters[1].endpoints[1]: invalid address '10.0.0.2': expected host:port",
+        "14: clusters[1].endpoints[2].address: invalid address '10.0.0.3:99999':"
+        " port must be between 1 and 65535",
+    ]
+
+
+def test_bad_listener_address(tmp_path):
+    text = '[[listeners]]\nname = "x"\naddress = "::1:80"\n'
+    assert problems(tmp_path, text) == [
+        "3: listeners[0].address: invalid address '::1:80': expected host:port"
+    ]
+
+
+def test_duplicates(tmp_path):
+    text = textwrap.dedent("""\
+        [[listeners]]
+        name = "a"
+        address = "127.0.0.1:8080"
+
+        [[listeners]]
+        name = "a"
+        address = "127.0.0.1:8080"
+
+        [[clusters]]
+        name = "c"
+        endpoints = ["h:1", "H:1"]
+
+        [[clusters]]
+        name = "c"
+        endpoints = []
+
+        [[routes]]
+        name = "r"
+        cluster = "c"
+
+        [[routes]]
+        name = "r"
+        cluster = "c"
+        match = { headers = { "X-A" = "1", "x-a" = "2" } }
+        """)
+    assert problems(tmp_path, text) == [
+        "6: listeners[1].name: duplicate listener name 'a' (first defined at line 2)",
+        "7: listeners[1].address: duplicate listener address '127.0.0.1:8080'"
+        " (also used by listener 'a')",
+        "11: clusters[0].endpoints[1]: duplicate endpoint 'H:1'",
+        "14: clusters[1].name: duplicate cluster name 'c' (first defined at line 10)",
+        "22: routes[1].name: duplicate route name 'r' (first defined at line 18)",
+        "24: routes[1].match.headers.x-a: duplicate header 'x-a'",
+    ]
+
+
+def test_syntax_error(tmp_path):
+    text = BASE + "\n[http]\nvia = tru\n"
+    assert problems(tmp_path, text) == ["10: syntax: Invalid value"]
+
+
+def test_syntax_error_at_end_of_document(tmp_path):
+    assert problems(tmp_path, 'a = "x\n') == ["1: syntax: Illegal character '\\n'"]
+    assert problems(tmp_path, '[[listeners]]\nname = "a"\nb = [1,\n') == [
+        "3: syntax: Invalid value"
+    ]
+
+
+def test_missing_required_keys_point_at_table_header(tmp_path):
+    text = textwrap.dedent("""\
+        [[listeners]]
+        name = "public"
+
+        [admin]
+
+        [[clusters]]
+        name = "c"
+        """)
+    assert problems(tmp_path, text) == [
+        "1: listeners[0].address: missing required key",
+        "4: admin.address: missing required key",
+        "6: clusters[0].endpoints: missing required key",
+    ]
+
+
+def test_no_listeners(tmp_path):
+    assert problems(tmp_path, "[server]\nworkers = 1\n") == [
+        "1: listeners: at least one listener is required"
+    ]
+
+
+def test_missing_and_unreadable_file(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(missing)
+    assert str(info.value) == f"{missing}: cannot read: No such file or directory"
+    assert info.value.problems == [
+        Problem(str(missing), 0, "", "cannot read: No such file or directory")
+    ]
+
+
+def test_route_match_validation(tmp_path):
+    text = BASE + textwrap.dedent("""
+        [[routes]]
+        name = "r"
+        cluster = "backend"
+        [routes.match]
+        path = "v1"
+        path_prefix = "/a b"
+        method = ["GET", "BAD METHOD", 3]
+        host = "example.com:8080"
+        headers = { "bad header" = "x", ok = 5 }
+        """)
+    assert problems(tmp_path, text) == [
+        "13: routes[0].match.path: must start with '/'",
+        "14: routes[0].match.path_prefix: must be printable ASCII without spaces (percent-encode)",
+        "15: routes[0].match.method[1]: invalid method 'BAD METHOD': must be an HTTP token",
+        "15: routes[0].match.method[2]: expected string, got integer",
+        "16: routes[0].match.host: invalid host 'example.com:8080': must not include a port",
+        "17: routes[0].match.headers.\"bad header\": invalid header name 'bad header':"
+        " must be an HTTP token",
+        "17: routes[0].match.headers.ok: expected string, got integer",
+    ]
+
+
+def test_listener_protocols_and_cluster_balancer(tmp_path):
+    text = BASE.replace('8080"', '8080"\nprotocols = ["h2"]') + textwrap.dedent("""\
+        balancer = "random"
+        [[listeners]]
+        name = "x"
+        address = "127.0.0.1:1"
+        protocols = []
+        """)
+    assert problems(tmp_path, text) == [
+        "4: listeners[0].protocols[0]: unknown protocol 'h2' (allowed: http1)",
+        "9: clusters[0].balancer: unknown balancer 'random' (allowed: round_robin)",
+        "13: listeners[1].protocols: must not be empty",
+    ]
+
+
+def test_wrong_structure(tmp_path):
+    text = 'listeners = "x"\nclusters = [1]\n[[http]]\nvia = true\n'
+    assert problems(tmp_path, text) == [
+        "1: listeners: expected array of tables, got string",
+        "2: clusters[0]: expected table, got integer",
+        "3: http: expected table, got array",
+    ]
+
+
+def test_many_problems_reported_together(tmp_path):
+    text = textwrap.dedent("""\
+        [http]
+        max_headers = "lots"
+
+        [[listeners]]
+        name = "public"
+        address = "nowhere"
+
+        [[clusters]]
+        name = "c"
+        endpoints = ["a:1", "b"]
+        retries = 3
+
+        [[routes]]
+        name = "r"
+        cluster = "d"
+        """)
+    assert problems(tmp_path, text) == [
+        "2: http.max_headers: expected integer, got string",
+        "6: listeners[0].address: invalid address 'nowhere': expected host:port",
+        "10: clusters[0].endpoints[1]: invalid address 'b': expected host:port",
+        "11: clusters[0].retries: unknown key 'retries'",
+        "15: routes[0].cluster: unknown cluster 'd' (defined: c)",
+    ]
+
+
+def test_load_config_text_uses_filename():
+    with pytest.raises(ConfigError) as info:
+        load_config_text("[server]\nworkers = 0\n", "inline.toml")
+    assert [str(p) for p in info.value.problems] == [
+        "inline.toml:1: listeners: at least one listener is required",
+        "inline.toml:2: server.workers: must be >= 1, got 0",
+    ]
+
+
+TRICKY = '''\
+title = """
+[not.a.table]
+x = 1 # not a comment
+"""   # comment "with quotes"
+lit = \'\'\'
+[[also.not]]\'\'\'
+"quoted.key" = 'value # not comment'
+a.b."c d" = 1
+arr = [ # comment ]
+  [1, 2],   # nested
+  "x]y",
+  { k = "v", "n.m" = [3] },
+]
+
+[[outer]]
+name = "o0"
+
+[[outer]]
+name = "o1"
+[[outer.inner]]
+v = 1
+[[outer.inner]]
+v = 2
+[outer.tbl]
+w = "\\"" # escaped quote
+'''
+
+
+def leaf_paths(value: object, path: KeyPath = ()) -> list[KeyPath]:
+    found = [path] if path else []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += leaf_paths(item, path + (key,))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += leaf_paths(item, path + (index,))
+    return found
+
+
+def test_locator_tricky_toml():
+    locator = Locator(TRICKY)
+    expected = {
+        ("title",): 1,
+        ("lit",): 5,
+        ("quoted.key",): 7,
+        ("a", "b", "c d"): 8,
+        ("arr",): 9,
+        ("arr", 0, 1): 10,
+        ("arr", 1): 11,
+        ("arr", 2, "k"): 12,
+        ("arr", 2, "n.m", 0): 12,
+        ("outer", 0, "name"): 16,
+        ("outer", 1): 18,
+        ("outer", 1, "inner", 0, "v"): 21,
+        ("outer", 1, "inner", 1): 22,
+        ("outer", 1, "inner", 1, "v"): 23,
+        ("outer", 1, "tbl", "w"): 25,
+        ("outer", 1, "missing"): 18,
+        ("nothing",): 1,
+    }
+    assert {path: locator.line(path) for path in expected} == expected
+    recorded = locator._lines
+    assert [p for p in leaf_paths(tomllib.loads(TRICKY)) if p not in recorded] == []
+
+
+def test_locator_crlf():
+    locator = Locator(BASE.replace("\n", "\r\n"))
+    assert locator.line(("clusters", 0, "endpoints", 0)) == 7
+
+
+def test_format_path():
+    assert format_path(("routes", 1, "match", "path_prefix")) == "routes[1].match.path_prefix"
+    assert format_path(("clusters", 0, "endpoints", 1)) == "clusters[0].endpoints[1]"
+    assert format_path(("a", "x.y")) == 'a."x.y"'
