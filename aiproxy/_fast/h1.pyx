@@ -550,7 +550,8 @@ def parse_request(const unsigned char[::1] buf, Py_ssize_t max_head=32768,
     if st.expect_idx >= 0:
         o = h.offs + 5 * st.expect_idx
         if _ieq(p + start + o[2], o[3] - o[2], b"100-continue", 12):
-            h.expect_continue = 1
+            # RFC 9110 10.1.1: a 100-continue expectation in HTTP/1.0 MUST be ignored.
+            h.expect_continue = version >= 11
         else:
             h.expect_unknown = 1
     h.has_xff = st.has_xff
@@ -659,6 +660,7 @@ cdef enum:
     C_TRAILER_LF = 9
     C_END_LF = 10
     C_DONE = 11
+    C_TRAILER_NAME = 12
 
 
 cdef class ChunkedDecoder:
@@ -757,10 +759,17 @@ cdef class ChunkedDecoder:
                 if c == 13:
                     self.state = C_END_LF
                 elif TCHAR[c]:
-                    self.state = C_TRAILER_LINE
+                    self.state = C_TRAILER_NAME
                     self._trailer_byte(c)
                 else:
                     raise ParseError(400, "invalid trailer field")
+            elif self.state == C_TRAILER_NAME:
+                # field-name ":" (RFC 9112 5.1, 7.1.2): no whitespace before the colon
+                if c == 58:
+                    self.state = C_TRAILER_LINE
+                elif not TCHAR[c]:
+                    raise ParseError(400, "invalid trailer field name")
+                self._trailer_byte(c)
             elif self.state == C_TRAILER_LINE:
                 if c == 13:
                     self.state = C_TRAILER_LF
