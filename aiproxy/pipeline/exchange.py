@@ -49,6 +49,7 @@ PENDING_LIMIT = 256 * 1024
 REPLAY_LIMIT = 64 * 1024
 LAST_CHUNK = b"0\r\n\r\n"
 CRLF = b"\r\n"
+INFINITY = float("inf")
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 
 
@@ -58,8 +59,8 @@ class Exchange:
         "reading_body", "req_done", "req_mode", "req_remaining", "decoder", "req_bytes",
         "pending", "pending_size", "replay", "replay_size", "tried", "reused",
         "path", "up_target", "host_line", "head_sent", "finished", "keep_alive",
-        "down_chunked", "status", "resp_bytes", "timer", "activity", "body_activity",
-        "tunnel", "t_start",
+        "down_chunked", "status", "resp_bytes", "activity", "body_activity", "req_done_at",
+        "head_out", "tunnel", "t_start",
     )
 
     def __init__(self, conn: H1Connection, head: RequestHead, now: float) -> None:
@@ -93,9 +94,10 @@ class Exchange:
         self.down_chunked = False
         self.status = 0
         self.resp_bytes = 0
-        self.timer: asyncio.TimerHandle | None = None
         self.activity = now
         self.body_activity = now
+        self.req_done_at = now
+        self.head_out = b""
         self.tunnel = False
         self.t_start = now
 
@@ -176,9 +178,6 @@ class Exchange:
             self.reading_body = True
         else:
             self.req_done = True
-        if self.reading_body:
-            self.body_activity = self.loop.time()
-            self.conn.arm_body_timer()
         return True
 
     def _upstream_head(self, pool: Pool) -> bytes:
@@ -265,8 +264,7 @@ class Exchange:
     def _request_complete(self) -> None:
         self.reading_body = False
         self.req_done = True
-        if self.upstream is not None and not self.head_sent:
-            self._arm(self.route.cluster.cfg.request_timeout_ms / 1000)
+        self.req_done_at = self.loop.time()
 
     def _request_body_error(self, status: int, message: str) -> None:
         self.reading_body = False
@@ -338,32 +336,35 @@ class Exchange:
             self.conn.resume(P_PENDING)
         if self.conn.writing_paused:
             up.pause()
-        if self.req_done:
-            self._arm(self.route.cluster.cfg.request_timeout_ms / 1000)
 
-    # -- timers -------------------------------------------------------------------
+    # -- deadlines (checked by the connection's timer) ----------------------------------
 
-    def _arm(self, delay: float) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer = self.loop.call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self.timer = None
+    def check_deadline(self, now: float, body_timeout: float) -> float | None:
+        """Seconds until this exchange's current deadline, or None if it just ended it."""
         if self.finished or self.tunnel:
-            return
+            return INFINITY
+        if self.reading_body:
+            if self.conn.pause_mask:
+                return None if self.upload_stalled(now) else body_timeout
+            left = self.body_activity + body_timeout - now
+            if left <= 0:
+                self.client_body_timeout()
+                return None
+            return left
         cfg = self.route.cluster.cfg
         if not self.head_sent:
-            self.fail(504, "upstream_timeout",
-                      f"upstream sent no response head within {cfg.request_timeout_ms} ms")
-            return
-        timeout = cfg.read_timeout_ms / 1000
-        idle = self.loop.time() - self.activity
-        if idle >= timeout:
+            left = self.req_done_at + cfg.request_timeout_ms / 1000 - now
+            if left <= 0:
+                self.fail(504, "upstream_timeout",
+                          f"upstream sent no response head within {cfg.request_timeout_ms} ms")
+                return None
+            return left
+        left = self.activity + cfg.read_timeout_ms / 1000 - now
+        if left <= 0:
             log.warning("upstream read timeout on route %s", self.route.name)
             self._abort()
-        else:
-            self._arm(timeout - idle)
+            return None
+        return left
 
     # -- upstream callbacks ---------------------------------------------------------
 
@@ -401,23 +402,39 @@ class Exchange:
         elif head.version < 11:
             extra.append(b"Connection: keep-alive\r\n")
         self.keep_alive = keep
-        conn.transport.write(resp.serialize(start, b"".join(extra), drop))
-        if mode != BODY_NONE:
-            self._arm(self.route.cluster.cfg.read_timeout_ms / 1000)
+        # Written with the first body bytes (one syscall), or by flush().
+        self.head_out = resp.serialize(start, b"".join(extra), drop)
 
     def on_upstream_body(self, data: bytes) -> None:
         self.resp_bytes += len(data)
         self.activity = self.loop.time()
+        head = self.head_out
         if self.down_chunked:
-            self.conn.transport.writelines((b"%x\r\n" % len(data), data, CRLF))
+            if head:
+                self.head_out = b""
+                self.conn.transport.writelines((head, b"%x\r\n" % len(data), data, CRLF))
+            else:
+                self.conn.transport.writelines((b"%x\r\n" % len(data), data, CRLF))
+        elif head:
+            self.head_out = b""
+            self.conn.transport.writelines((head, data))
         else:
             self.conn.transport.write(data)
+
+    def flush(self) -> None:
+        if self.head_out:
+            head = self.head_out
+            self.head_out = b""
+            self.conn.transport.write(head)
 
     def on_upstream_end(self) -> None:
         up = self.upstream
         self.upstream = None
         if self.down_chunked:
-            self.conn.transport.write(LAST_CHUNK)
+            self.conn.transport.write(self.head_out + LAST_CHUNK)
+            self.head_out = b""
+        else:
+            self.flush()
         if up is not None:
             if self.req_done:
                 self.pool.release(up)
@@ -465,7 +482,6 @@ class Exchange:
         if self.finished:
             return
         self.finished = True
-        self._cancel_timer()
         self._drop_upstream()
 
     # -- tunnel (Upgrade) -------------------------------------------------------------
@@ -475,7 +491,6 @@ class Exchange:
         if self.head.upgrade is None or upgrade is None:
             self.on_upstream_failed(502, "upstream_bad_response", "unexpected 101 response")
             return
-        self._cancel_timer()
         self.tunnel = True
         self.conn.transport.write(resp.serialize(
             start, b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF, F_HOP))
@@ -536,22 +551,15 @@ class Exchange:
             self.upstream = None
             up.abort()
 
-    def _cancel_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
     def _finish(self, keep_alive: bool) -> None:
         if self.finished:
             return
         self.finished = True
-        self._cancel_timer()
         self.conn.exchange_done(self, keep_alive)
 
     def _abort(self) -> None:
         if self.finished:
             return
         self.finished = True
-        self._cancel_timer()
         self._drop_upstream()
         self.conn.close()

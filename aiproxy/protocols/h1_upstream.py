@@ -216,8 +216,11 @@ class H1UpstreamConnection(asyncio.Protocol):
             if rest:
                 self.broken = True
             self._finish()
-        elif rest:
+            return
+        if rest:
             self._body(rest)
+        if self.exchange is ex:
+            ex.flush()
 
     def _body(self, data: bytes) -> None:
         mode = self.mode

@@ -56,7 +56,7 @@ class H1Connection(asyncio.Protocol):
         self.peer = peer[0].encode() if peer else b""
         self.server.connections.add(self)
         self.head_started = self.idle_since = self.loop.time()
-        self._arm(self.server.runtime.http.header_timeout_ms / 1000)
+        self._arm(self.server.runtime.min_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self.tunnel:
@@ -73,8 +73,6 @@ class H1Connection(asyncio.Protocol):
             return
         if ex is None and not self.buf:
             self.head_started = self.loop.time()
-            if self.served:
-                self._arm(self.server.runtime.http.header_timeout_ms / 1000)
         self.buf += data
         self._process()
 
@@ -148,7 +146,6 @@ class H1Connection(asyncio.Protocol):
         if head is None:
             return False
         del self.buf[:head.consumed]
-        self._cancel_timer()
         self.exchange = ex = Exchange(self, head, self.head_started)
         ex.start()
         return True
@@ -177,15 +174,10 @@ class H1Connection(asyncio.Protocol):
         if self.pause_mask:
             self.pause_mask = 0
             self.transport.resume_reading()
-        now = self.loop.time()
-        self.idle_since = now
+        self.idle_since = self.head_started = self.loop.time()
         if self.buf:
-            self.head_started = now
-            self._arm(http.header_timeout_ms / 1000)
             self._process()
-        elif http.keepalive_timeout_ms:
-            self._arm(http.keepalive_timeout_ms / 1000)
-        else:
+        elif not http.keepalive_timeout_ms:
             self.close()
 
     def pause(self, reason: int) -> None:
@@ -199,12 +191,8 @@ class H1Connection(asyncio.Protocol):
             if not self.pause_mask and not self.closed:
                 self.transport.resume_reading()
 
-    def arm_body_timer(self) -> None:
-        self._arm(self.server.runtime.http.body_timeout_ms / 1000)
-
     def start_tunnel(self) -> None:
         self.tunnel = True
-        self._cancel_timer()
         if self.buf:
             data = bytes(self.buf)
             self.buf.clear()
@@ -253,35 +241,39 @@ class H1Connection(asyncio.Protocol):
             self.timer = None
 
     def _on_timer(self) -> None:
+        """One timer per connection, re-armed at most every `min_timeout`.
+
+        Requests only record timestamps; since every deadline lies at least
+        min_timeout after the moment it is set, a timer that re-arms for
+        min(time left, min_timeout) never fires late and costs nothing per request."""
         self.timer = None
         if self.closed:
             return
         if self.lingering:
             self.close()
             return
-        http = self.server.runtime.http
+        rt = self.server.runtime
+        http = rt.http
         now = self.loop.time()
         ex = self.exchange
+        left: float | None
         if ex is not None:
-            if not ex.reading_body:
-                return
-            if self.pause_mask:
-                # Paused by us (upstream backpressure): not the client's fault.
-                if not ex.upload_stalled(now):
-                    self._arm(http.body_timeout_ms / 1000)
-                return
-            wait = ex.body_activity + http.body_timeout_ms / 1000 - now
-            if wait > 0:
-                self._arm(wait)
-            else:
-                ex.client_body_timeout()
-            return
-        if self.buf:
-            wait = self.head_started + http.header_timeout_ms / 1000 - now
-            if wait > 0:
-                self._arm(wait)
-            else:
+            left = ex.check_deadline(now, http.body_timeout_ms / 1000)
+        elif self.buf:
+            left = self.head_started + http.header_timeout_ms / 1000 - now
+            if left <= 0:
                 self.reject(408, "timed out reading the request head")
+                return
+        else:
+            if self.served:
+                left = self.idle_since + http.keepalive_timeout_ms / 1000 - now
+            else:
+                left = self.head_started + http.header_timeout_ms / 1000 - now
+            if left <= 0:
+                self.close()  # idle: close quietly
+                return
+        if self.closed or self.timer is not None:
             return
-        # Idle between requests (or before the first one): close quietly.
-        self.close()
+        if left is None or left > rt.min_timeout:
+            left = rt.min_timeout
+        self.timer = self.loop.call_later(left, self._on_timer)

@@ -10,7 +10,7 @@ from aiproxy.routing.table import Route, RouteTable
 
 
 class Runtime:
-    __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body")
+    __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout")
 
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
@@ -19,6 +19,14 @@ class Runtime:
         self.table = RouteTable(Route(r, self.clusters[r.cluster]) for r in config.routes)
         self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
         self.max_body = config.http.max_body_bytes
+        http = config.http
+        timeouts = [http.header_timeout_ms, http.body_timeout_ms]
+        if http.keepalive_timeout_ms:
+            timeouts.append(http.keepalive_timeout_ms)
+        for c in config.clusters:
+            timeouts += (c.request_timeout_ms, c.read_timeout_ms)
+        # The connection timer's period: no deadline is shorter than this.
+        self.min_timeout = min(timeouts) / 1000
 
     def close(self) -> None:
         for cluster in self.clusters.values():
