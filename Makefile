@@ -1,0 +1,43 @@
+# Everything goes through scripts/bootstrap.sh, which installs what is missing and is quick
+# when nothing is.
+SHELL := /bin/bash
+VENV := .venv
+CONFIG := config/aiproxy.toml
+# Extra pytest arguments, e.g. make test PYTEST_ARGS="tests/test_demo_upstream.py -x"
+PYTEST_ARGS ?=
+
+.PHONY: run test lint bench clean
+
+# Two demo upstreams in the background, the proxy in the foreground. The trap stops the
+# upstreams when the proxy exits or on Ctrl-C; the proxy is not exec'ed because that would
+# drop the trap.
+run:
+	scripts/bootstrap.sh
+	@trap 'kill $$a $$b 2>/dev/null; wait 2>/dev/null' EXIT; \
+	trap 'exit 130' INT; \
+	trap 'exit 143' TERM; \
+	$(VENV)/bin/aiproxy demo-upstream --listen 127.0.0.1:9001 --name demo-a & a=$$!; \
+	$(VENV)/bin/aiproxy demo-upstream --listen 127.0.0.1:9002 --name demo-b & b=$$!; \
+	$(VENV)/bin/aiproxy -c $(CONFIG)
+
+# Slow tests are left out here rather than in pyproject, so `pytest -m slow` still selects
+# them. pytest exits 5 when it collected nothing, which must not pass quietly.
+test:
+	scripts/bootstrap.sh --test
+	@$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS); status=$$?; \
+	if [ $$status -eq 5 ]; then echo "no tests collected: treat as failure" >&2; fi; \
+	exit $$status
+
+lint:
+	scripts/bootstrap.sh --lint
+	$(VENV)/bin/ruff check .
+
+bench:
+	scripts/bootstrap.sh --test
+	$(VENV)/bin/python -m pytest bench --benchmark-only
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .benchmarks
+	rm -f aiproxy/_fast/*.c aiproxy/_fast/*.so aiproxy/_fast/*.html
+	rm -f $(VENV)/.aiproxy-install-stamp
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

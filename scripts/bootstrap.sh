@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Install what aiproxy needs into this machine and ./.venv. Safe to re-run; quick when
+# nothing changed.
+#
+#   scripts/bootstrap.sh          build tools + `pip install -e .`
+#   scripts/bootstrap.sh --lint   the same, with the [test] extras (ruff)
+#   scripts/bootstrap.sh --test   the same, plus nginx, wrk, h2load, haproxy, redis-server
+#
+# Debian packages are installed only when their command is missing (apt-get, as root or
+# through sudo). The package is reinstalled into .venv only when pyproject.toml, setup.py or
+# a .pyx/.pxd file changed since the last install, or a compiled extension is missing.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+extras=""
+system_test=0
+case "${1:-}" in
+    "") ;;
+    --lint) extras="test" ;;
+    --test) extras="test"; system_test=1 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "usage: $0 [--lint|--test]" >&2; exit 2 ;;
+esac
+
+VENV=.venv
+STAMP=$VENV/.aiproxy-install-stamp
+
+log() { printf 'bootstrap: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo "$@"
+    else
+        die "not root and no sudo: cannot run $*"
+    fi
+}
+
+# Daemons live in sbin, which is not on every user's PATH.
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
+
+missing=()
+need() {  # need PACKAGE CHECK-COMMAND...
+    local pkg=$1
+    shift
+    "$@" >/dev/null 2>&1 || missing+=("$pkg")
+}
+
+has_python_headers() {
+    python3 -c 'import os, sys, sysconfig
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'
+}
+
+need python3 have python3
+need python3-venv python3 -c 'import ensurepip, venv'
+need python3-dev has_python_headers
+need gcc have gcc
+need make have make
+need curl have curl
+if [ "$system_test" -eq 1 ]; then
+    need nginx-light have nginx
+    need wrk have wrk
+    need nghttp2-client have h2load
+    need haproxy have haproxy
+    need redis-server have redis-server
+fi
+
+if [ "${#missing[@]}" -gt 0 ]; then
+    command -v apt-get >/dev/null 2>&1 ||
+        die "no apt-get here; install these (or your system's equivalents): ${missing[*]}"
+    log "installing ${missing[*]}"
+    as_root apt-get update -qq
+    # Debian 13 dropped the nginx-light flavour; plain nginx has the same binary.
+    for i in "${!missing[@]}"; do
+        if [ "${missing[$i]}" = nginx-light ] && ! apt-cache show nginx-light >/dev/null 2>&1; then
+            missing[i]=nginx
+        fi
+    done
+    as_root env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    # Their packages start the system daemons; tests run their own with their own configs.
+    for pkg in "${missing[@]}"; do
+        case "$pkg" in
+            nginx*) svc=nginx ;;
+            haproxy | redis-server) svc=$pkg ;;
+            *) continue ;;
+        esac
+        if command -v service >/dev/null 2>&1 || [ -x /usr/sbin/service ]; then
+            as_root service "$svc" stop >/dev/null 2>&1 || true
+        fi
+    done
+fi
+
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
+    die "aiproxy needs Python >= 3.11; python3 is $(python3 -V 2>&1)"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating $VENV"
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+
+# The inputs of `pip install -e`: a change in any of them means a rebuild.
+build_inputs() {
+    printf '%s\n' pyproject.toml setup.py
+    find aiproxy -name '*.pyx' -o -name '*.pxd' | LC_ALL=C sort
+}
+fingerprint=$(build_inputs | xargs sha256sum | sha256sum | cut -d' ' -f1)
+
+up_to_date() {
+    [ -f "$STAMP" ] || return 1
+    local stamp_fp stamp_extras
+    read -r stamp_fp stamp_extras <"$STAMP" || true
+    [ "$stamp_fp" = "$fingerprint" ] || return 1
+    # An install with the [test] extras also serves a plain one.
+    [ -z "$extras" ] || [ "${stamp_extras:-}" = "$extras" ] || return 1
+    # `make clean` or `git clean` can remove the in-tree extensions while .venv stays.
+    local pyx
+    for pyx in aiproxy/_fast/*.pyx; do
+        [ -e "$pyx" ] || continue
+        compgen -G "${pyx%.pyx}.*.so" >/dev/null || return 1
+    done
+}
+
+if ! up_to_date; then
+    log "installing aiproxy into $VENV${extras:+ with [$extras]}"
+    # Build requirements go into the venv and the build reuses them (--no-build-isolation),
+    # so rebuilding after a .pyx edit does not set up a fresh build environment each time.
+    mapfile -t build_reqs < <("$VENV/bin/python" -c '
+import tomllib
+with open("pyproject.toml", "rb") as f:
+    print("\n".join(tomllib.load(f)["build-system"]["requires"]))')
+    "$VENV/bin/python" -m pip install -q "${build_reqs[@]}"
+    "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".${extras:+[$extras]}"
+    printf '%s %s\n' "$fingerprint" "$extras" >"$STAMP"
+fi

@@ -1,0 +1,106 @@
+"""Fixtures that run the real proxy and real upstreams as processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support import (
+    free_port,
+    process_log,
+    start_demo_upstream,
+    start_process,
+    stop_process,
+    wait_port,
+)
+
+# Lines that mean the proxy let an exception escape on a request path.
+CRASH_MARKERS = ("Traceback (most recent call last)", "Exception in callback", "exception was never retrieved")
+
+
+@dataclass
+class Proxy:
+    proc: subprocess.Popen
+    port: int
+    config_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return process_log(self.proc)
+
+
+@pytest.fixture
+def start_proxy(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
+    """start_proxy(body) writes a config with one listener on a free port plus `body`
+    (TOML text: [http], [[clusters]], [[routes]] ...), starts `python -m aiproxy -c`
+    and waits for the port. At teardown the proxy gets SIGTERM and its log must show
+    no escaped exception."""
+    started: list[Proxy] = []
+
+    def _start(body: str, listener_extra: str = "") -> Proxy:
+        port = free_port()
+        path = tmp_path / f"aiproxy-{len(started)}.toml"
+        path.write_text(
+            f'[[listeners]]\nname = "test"\naddress = "127.0.0.1:{port}"\n{listener_extra}\n'
+            + textwrap.dedent(body)
+        )
+        proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(path)])
+        proxy = Proxy(proc, port, path)
+        started.append(proxy)
+        wait_port("127.0.0.1", port, proc=proc)
+        return proxy
+
+    yield _start
+    failures = []
+    for proxy in started:
+        log = stop_process(proxy.proc)
+        if any(marker in log for marker in CRASH_MARKERS):
+            failures.append(log)
+    if failures:
+        pytest.fail("proxy log shows an escaped exception:\n" + "\n----\n".join(failures))
+
+
+@pytest.fixture(scope="module")
+def demo_upstream() -> Iterator[int]:
+    """A demo upstream (aiohttp) on a free port; yields the port."""
+    proc, port = start_demo_upstream("demo-a")
+    yield port
+    stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def demo_upstream_b() -> Iterator[int]:
+    proc, port = start_demo_upstream("demo-b")
+    yield port
+    stop_process(proc)
+
+
+def simple_config(*ports: int, http: str = "", cluster_extra: str = "") -> str:
+    """One cluster `up` over the given upstream ports and one catch-all route."""
+    endpoints = ", ".join(f'"127.0.0.1:{p}"' for p in ports)
+    return f"""
+[http]
+{http}
+
+[[clusters]]
+name = "up"
+endpoints = [{endpoints}]
+{cluster_extra}
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "up"
+"""
+
+
+__all__ = ["Proxy", "simple_config", "wait_port", "free_port"]
