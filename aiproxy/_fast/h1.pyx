@@ -252,7 +252,8 @@ cdef struct FieldState:
     int host_count
     Py_ssize_t host_idx
     Py_ssize_t upgrade_idx
-    Py_ssize_t expect_idx
+    bint expect_continue
+    bint expect_unknown
     bint has_xff
 
 
@@ -387,7 +388,10 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
             st.upgrade_idx = st.nh
         elif nlen == 6 and _ieq(name, 6, b"expect", 6):
             fl = F_EXPECT | F_HOP
-            st.expect_idx = st.nh
+            if _ieq(p + vs, ve - vs, b"100-continue", 12):
+                st.expect_continue = 1
+            else:
+                st.expect_unknown = 1  # any field with another expectation counts
         elif nlen == 15 and _ieq(name, 15, b"x-forwarded-for", 15):
             fl = F_XFF
             st.has_xff = 1
@@ -436,7 +440,8 @@ cdef inline void _init_state(FieldState *st) noexcept:
     st.host_count = 0
     st.host_idx = -1
     st.upgrade_idx = -1
-    st.expect_idx = -1
+    st.expect_continue = 0
+    st.expect_unknown = 0
     st.has_xff = 0
 
 
@@ -547,13 +552,9 @@ def parse_request(const unsigned char[::1] buf, Py_ssize_t max_head=32768,
             if not HOSTCHAR[p[start + k]]:
                 raise ParseError(400, "invalid Host field")
         h.host = PyBytes_FromStringAndSize(<const char *>p + start + o[2], o[3] - o[2])
-    if st.expect_idx >= 0:
-        o = h.offs + 5 * st.expect_idx
-        if _ieq(p + start + o[2], o[3] - o[2], b"100-continue", 12):
-            # RFC 9110 10.1.1: a 100-continue expectation in HTTP/1.0 MUST be ignored.
-            h.expect_continue = version >= 11
-        else:
-            h.expect_unknown = 1
+    # RFC 9110 10.1.1: a 100-continue expectation in HTTP/1.0 MUST be ignored.
+    h.expect_continue = st.expect_continue and version >= 11
+    h.expect_unknown = st.expect_unknown
     h.has_xff = st.has_xff
     return h
 

@@ -51,6 +51,10 @@ LAST_CHUNK = b"0\r\n\r\n"
 CRLF = b"\r\n"
 INFINITY = float("inf")
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
+# What the head parser accepts in a Host field (HOSTCHAR in aiproxy/_fast/h1.pyx); an
+# absolute-form authority becomes the upstream Host field, so it must pass the same check.
+HOST_CHARS = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+              b"-._~!$&'()*+,;=:[]%")
 
 
 class Exchange:
@@ -60,7 +64,7 @@ class Exchange:
         "pending", "pending_size", "replay", "replay_size", "tried", "reused",
         "path", "up_target", "host_line", "head_sent", "finished", "keep_alive",
         "down_chunked", "status", "resp_bytes", "activity", "body_activity", "req_done_at",
-        "head_out", "tunnel", "t_start",
+        "head_out", "tunnel", "tunnel_up_eof", "t_start",
     )
 
     def __init__(self, conn: H1Connection, head: RequestHead, now: float) -> None:
@@ -99,6 +103,7 @@ class Exchange:
         self.req_done_at = now
         self.head_out = b""
         self.tunnel = False
+        self.tunnel_up_eof = False
         self.t_start = now
 
     # -- request side -------------------------------------------------------------
@@ -151,8 +156,8 @@ class Exchange:
             if 0 <= i < end:
                 end = i
         authority = rest[:end]
-        if not authority or b"@" in authority or b"#" in rest:
-            return False
+        if not authority or authority.translate(None, HOST_CHARS) or b"#" in rest:
+            return False  # also rejects userinfo ('@' is not a host character)
         path = rest[end:] or b"/"
         if path[:1] == b"?":
             path = b"/" + path
@@ -505,16 +510,29 @@ class Exchange:
         self.conn.transport.write(data)
 
     def on_upstream_tunnel_eof(self) -> None:
+        self.tunnel_up_eof = True
         t = self.conn.transport
-        if t.can_write_eof():
-            t.write_eof()
+        if self.conn.client_eof or not t.can_write_eof():
+            self._close_tunnel()  # both directions are done
         else:
-            t.close()
+            t.write_eof()
 
     def tunnel_client_eof(self) -> None:
         up = self.upstream
-        if up is not None and up.transport is not None and up.transport.can_write_eof():
+        if self.tunnel_up_eof or up is None or up.transport is None:
+            self._close_tunnel()  # both directions are done
+        elif up.transport.can_write_eof():
             up.transport.write_eof()
+
+    def _close_tunnel(self) -> None:
+        # After EOF both ways nothing else closes the sockets (eof_received returned True
+        # to keep each half open), so close both here; close() still flushes queued bytes.
+        up = self.upstream
+        self.upstream = None
+        self.finished = True
+        if up is not None:
+            up.close()
+        self.conn.close()
 
     def on_upstream_tunnel_closed(self) -> None:
         self.upstream = None

@@ -1,0 +1,345 @@
+"""The command line: `python -m aiproxy` as a real process (version, help, check, run)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import aiproxy
+from tests.support import REPO_ROOT, free_port, start_process, stop_process
+
+pytestmark = pytest.mark.timeout(60)
+
+EXAMPLE_CONFIG = REPO_ROOT / "config" / "aiproxy.toml"
+
+
+def aiproxy_cli(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "aiproxy", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def line_of(text: str, needle: str, occurrence: int = 1) -> int:
+    """1-based line of the `occurrence`-th line containing needle."""
+    hits = [n for n, line in enumerate(text.splitlines(), 1) if needle in line]
+    assert len(hits) >= occurrence, f"{needle!r} not in config"
+    return hits[occurrence - 1]
+
+
+def write(tmp_path: Path, text: str, name: str = "aiproxy.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def valid_config(port: int = 8080) -> str:
+    return f"""\
+# test config
+[http]
+max_body_bytes = 4096
+
+[[listeners]]
+name = "public"
+address = "127.0.0.1:{port}"
+
+[[clusters]]
+name = "backend"
+endpoints = ["127.0.0.1:9000", "127.0.0.1:9001"]
+
+[[routes]]
+name = "api"
+match = {{ path_prefix = "/v1/", method = "POST" }}
+cluster = "backend"
+
+[[routes]]
+name = "fallback"
+cluster = "backend"
+"""
+
+
+# -- version and help ----------------------------------------------------------------------
+
+
+def test_version() -> None:
+    res = aiproxy_cli("--version")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"aiproxy {aiproxy.__version__}"
+
+
+def test_top_level_help_lists_commands() -> None:
+    res = aiproxy_cli("--help")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: aiproxy")
+    for command in ("run", "check", "demo-upstream"):
+        assert re.search(rf"^\s+{command}\b", res.stdout, re.M), res.stdout
+
+
+def test_no_command_prints_help_and_fails() -> None:
+    res = aiproxy_cli()
+    assert res.returncode == 2
+    assert "usage: aiproxy" in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    "command,options",
+    [("run", ("-c FILE", "--config FILE", "--log-level")),
+     ("check", ("-c FILE", "--config FILE")),
+     ("demo-upstream", ("--listen", "--name", "--token-delay-ms"))],
+)
+def test_subcommand_help(command: str, options: tuple[str, ...]) -> None:
+    res = aiproxy_cli(command, "--help")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"usage: aiproxy {command}"), res.stdout
+    for option in options:
+        assert option in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_config_option_is_required(command: str) -> None:
+    res = aiproxy_cli(command)
+    assert res.returncode == 2
+    assert "-c/--config" in res.stderr
+
+
+# -- check: valid configs ------------------------------------------------------------------
+
+
+def test_check_valid_config(tmp_path: Path) -> None:
+    path = write(tmp_path, valid_config())
+    res = aiproxy_cli("check", "-c", str(path))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.splitlines()
+    assert "listener public 127.0.0.1:8080 [http1]" in out
+    assert "cluster backend [127.0.0.1:9000, 127.0.0.1:9001] round_robin" in out
+    assert "route api path_prefix=/v1/ method=POST -> backend" in out
+    assert any(line.startswith("route fallback") and line.endswith("-> backend") for line in out)
+    assert out[-1] == f"{path}: ok"
+    assert res.stderr == ""
+
+
+def test_check_long_option(tmp_path: Path) -> None:
+    path = write(tmp_path, valid_config())
+    res = aiproxy_cli("check", "--config", str(path))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == f"{path}: ok"
+
+
+@pytest.mark.skipif(not EXAMPLE_CONFIG.exists(), reason="no bundled config/aiproxy.toml")
+def test_bundled_example_config_passes_check() -> None:
+    res = aiproxy_cli("check", "-c", str(EXAMPLE_CONFIG))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == f"{EXAMPLE_CONFIG}: ok"
+    assert any(line.startswith("route ") for line in res.stdout.splitlines()), res.stdout
+
+
+# -- check: configs with errors ------------------------------------------------------------
+
+PROBLEM = re.compile(r"^(?P<file>.+?):(?P<line>\d+): (?:(?P<path>[^:\s]+): )?(?P<message>.+)$")
+
+
+def problems(stderr: str) -> list[tuple[str, int, str | None, str]]:
+    out = []
+    for line in stderr.splitlines():
+        m = PROBLEM.match(line)
+        assert m, f"not FILE:LINE: key.path: message: {line!r}"
+        out.append((m["file"], int(m["line"]), m["path"], m["message"]))
+    return out
+
+
+def check_fails(path: Path) -> list[tuple[str, int, str | None, str]]:
+    res = aiproxy_cli("check", "-c", str(path))
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "ok" not in res.stdout
+    found = problems(res.stderr)
+    assert found, res.stderr
+    assert all(f == str(path) for f, *_ in found), found
+    return found
+
+
+def test_unknown_key_in_route_block(tmp_path: Path) -> None:
+    text = valid_config() + 'colour = "blue"\n'  # lands in the last [[routes]] block
+    path = write(tmp_path, text)
+    [(_, line, key, message)] = check_fails(path)
+    assert line == line_of(text, "colour")
+    assert key == "routes[1].colour"
+    assert "unknown key 'colour'" in message
+
+
+def test_unknown_key_in_first_route_block(tmp_path: Path) -> None:
+    text = valid_config().replace('name = "api"\n', 'name = "api"\nclustr = "backend"\n')
+    path = write(tmp_path, text)
+    [(_, line, key, message)] = check_fails(path)
+    assert (line, key) == (line_of(text, "clustr"), "routes[0].clustr")
+    assert "did you mean 'cluster'" in message
+
+
+def test_route_with_unknown_cluster(tmp_path: Path) -> None:
+    text = valid_config().replace('name = "fallback"\ncluster = "backend"',
+                                  'name = "fallback"\ncluster = "nowhere"')
+    path = write(tmp_path, text)
+    [(_, line, key, message)] = check_fails(path)
+    assert (line, key) == (line_of(text, 'cluster = "nowhere"'), "routes[1].cluster")
+    assert "unknown cluster 'nowhere'" in message
+    assert "backend" in message  # names the defined clusters
+
+
+@pytest.mark.parametrize(
+    "address,reason",
+    [("127.0.0.1", "expected host:port"), ("127.0.0.1:0", "port must be between"),
+     ("127.0.0.1:99999", "port must be between"), ("bad host:80", "expected host:port"),
+     ("[::1:80", "expected host:port")],
+)
+def test_bad_endpoint_address(tmp_path: Path, address: str, reason: str) -> None:
+    text = valid_config().replace(
+        'endpoints = ["127.0.0.1:9000", "127.0.0.1:9001"]',
+        f'endpoints = [\n  "127.0.0.1:9000",\n  "{address}",\n]')
+    path = write(tmp_path, text)
+    [(_, line, key, message)] = check_fails(path)
+    assert (line, key) == (line_of(text, f'"{address}"'), "clusters[0].endpoints[1]")
+    assert f"invalid address '{address}'" in message and reason in message
+
+
+def test_bad_listener_address(tmp_path: Path) -> None:
+    text = valid_config().replace('address = "127.0.0.1:8080"', 'address = "localhost"')
+    path = write(tmp_path, text)
+    [(_, line, key, message)] = check_fails(path)
+    assert (line, key) == (line_of(text, 'address = "localhost"'), "listeners[0].address")
+    assert "invalid address" in message
+
+
+@pytest.mark.parametrize(
+    "old,new,key,expected",
+    [("max_body_bytes = 4096", 'max_body_bytes = "4096"', "http.max_body_bytes",
+      "expected integer, got string"),
+     ('name = "backend"', "name = 7", "clusters[0].name", "expected string, got integer"),
+     ('endpoints = ["127.0.0.1:9000", "127.0.0.1:9001"]', 'endpoints = "127.0.0.1:9000"',
+      "clusters[0].endpoints", "expected array, got string"),
+     ('method = "POST"', "method = 1", "routes[0].match.method",
+      "expected string or array, got integer")],
+    ids=["integer", "string", "array", "method"],
+)
+def test_wrong_type(tmp_path: Path, old: str, new: str, key: str, expected: str) -> None:
+    text = valid_config().replace(old, new)
+    assert new in text
+    path = write(tmp_path, text)
+    found = check_fails(path)
+    assert (line_of(text, new), key) in [(line, k) for _, line, k, _ in found], found
+    assert any(expected in message for *_, k, message in found if k == key), found
+
+
+def test_out_of_range(tmp_path: Path) -> None:
+    text = valid_config().replace("max_body_bytes = 4096", "max_body_bytes = -1")
+    path = write(tmp_path, text)
+    [(_, line, key, message)] = check_fails(path)
+    assert (line, key) == (line_of(text, "max_body_bytes"), "http.max_body_bytes")
+    assert "-1" in message
+
+
+@pytest.mark.parametrize(
+    "old,new,bad",
+    [('name = "fallback"', 'name = "fallback', 'name = "fallback'),
+     ('name = "fallback"', 'name = = "fallback"', 'name = = "fallback"'),
+     ("[[routes]]", "[[routes]", "[[routes]"),
+     ('name = "fallback"', 'name = "fallback"\nname = "again"', 'name = "again"')],
+    ids=["unterminated-string", "double-equals", "bad-table-header", "duplicate-key"],
+)
+def test_toml_syntax_error(tmp_path: Path, old: str, new: str, bad: str) -> None:
+    text = valid_config().replace(old, new, 1)
+    path = write(tmp_path, text)
+    [(_, line, key, message)] = check_fails(path)
+    assert line == line_of(text, bad)
+    assert key == "syntax", (key, message)
+
+
+def test_several_problems_all_reported_in_line_order(tmp_path: Path) -> None:
+    text = (valid_config()
+            .replace("max_body_bytes = 4096", 'max_body_bytes = "big"')
+            .replace('"127.0.0.1:9001"', '"nope"')
+            .replace('cluster = "backend"\n\n[[routes]]', 'cluster = "ghost"\n\n[[routes]]')
+            + "unknown_thing = 1\n")
+    path = write(tmp_path, text)
+    found = check_fails(path)
+    assert [(line, key) for _, line, key, _ in found] == [
+        (line_of(text, "max_body_bytes"), "http.max_body_bytes"),
+        (line_of(text, '"nope"'), "clusters[0].endpoints[1]"),
+        (line_of(text, '"ghost"'), "routes[0].cluster"),
+        (line_of(text, "unknown_thing"), "routes[1].unknown_thing"),
+    ]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    res = aiproxy_cli("check", "-c", str(missing))
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"{missing}: cannot read"), res.stderr
+
+
+# -- run with a bad config -----------------------------------------------------------------
+
+
+def _port_accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("argv", [("-c",), ("run", "-c"), ("run", "--config")],
+                         ids=["default-command", "run", "run-long-option"])
+def test_run_with_bad_config_exits_2_before_binding(tmp_path: Path, argv: tuple[str, ...]
+                                                    ) -> None:
+    port = free_port()
+    text = valid_config(port).replace('cluster = "backend"\n\n[[routes]]',
+                                      'cluster = "ghost"\n\n[[routes]]')
+    path = write(tmp_path, text)
+    proc = start_process([sys.executable, "-m", "aiproxy", *argv, str(path)])
+    try:
+        accepted = False
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            accepted = accepted or _port_accepts(port)
+            time.sleep(0.01)
+        assert proc.poll() == 2, f"exit {proc.poll()}"
+    finally:
+        log = stop_process(proc)
+    assert not accepted, "the listener port accepted a connection"
+    assert f"{path}:{line_of(text, 'ghost')}: routes[0].cluster: unknown cluster 'ghost'" in log
+    assert "listener" not in log and "ready" not in log, log
+    with socket.socket() as sock:  # still free: nothing holds it
+        sock.bind(("127.0.0.1", port))
+
+
+def test_run_with_bad_config_does_not_touch_a_busy_port(tmp_path: Path) -> None:
+    """With the port already taken, a bind attempt would fail with exit 1 and a 'cannot
+    bind' message; exit 2 with the config problem shows it never tried."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        text = valid_config(port).replace("max_body_bytes = 4096", "max_body_bytes = true")
+        path = write(tmp_path, text)
+        res = aiproxy_cli("-c", str(path))
+    assert res.returncode == 2, res.stderr
+    assert "cannot bind" not in res.stderr
+    line = line_of(text, "max_body_bytes")
+    assert f"{path}:{line}: http.max_body_bytes: expected integer, got boolean" in res.stderr
+
+
+def test_run_with_syntax_error_exits_2(tmp_path: Path) -> None:
+    port = free_port()
+    text = valid_config(port) + "[[routes\n"
+    path = write(tmp_path, text)
+    res = aiproxy_cli("run", "-c", str(path))
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"{path}:{len(text.splitlines())}: "), res.stderr
+    assert not _port_accepts(port)
