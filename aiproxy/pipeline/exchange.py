@@ -390,7 +390,9 @@ class Exchange:
         if mode == BODY_TUNNEL:
             return self._start_tunnel(resp, start)
         extra = [rt.via_line] if rt.via_line else []
-        keep = head.keep_alive and not conn.server.draining
+        # The connection closes after this response if the request body is still arriving
+        # (the rest of it is not read) or this is the last request allowed on it: say so.
+        keep = head.keep_alive and self.req_done and conn.may_keep_alive()
         if mode == BODY_NONE:
             drop = F_HOP
         else:
@@ -550,7 +552,7 @@ class Exchange:
         head = self.head
         conn = self.conn
         self.reading_body = False
-        keep = head.keep_alive and self.req_done and not conn.server.draining
+        keep = head.keep_alive and self.req_done and conn.may_keep_alive()
         self.status = status
         self.head_sent = True
         conn.transport.write(replies.error_response(

@@ -180,6 +180,14 @@ class H1Connection(asyncio.Protocol):
         elif not http.keepalive_timeout_ms:
             self.close()
 
+    def may_keep_alive(self) -> bool:
+        """False when the connection closes after the current response regardless of the
+        request: draining, or the response is the last max_keepalive_requests allows."""
+        http = self.server.runtime.http
+        limit = http.max_keepalive_requests
+        return (not self.server.draining and http.keepalive_timeout_ms > 0
+                and not (limit and self.served + 1 >= limit))
+
     def pause(self, reason: int) -> None:
         if not self.pause_mask and not self.closed:
             self.transport.pause_reading()
