@@ -31,6 +31,7 @@ cdef class Head:
     cpdef object get(self, bytes lname)
     cpdef list get_all(self, bytes lname)
     cpdef bytes serialize(self, bytes start_line, bytes extra, unsigned int drop_mask)
+    cpdef list fields(self, unsigned int drop_mask)
 
 
 cdef class RequestHead(Head):

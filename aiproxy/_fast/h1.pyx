@@ -195,6 +195,27 @@ cdef class Head:
                         PyBytes_FromStringAndSize(r + o[2], o[3] - o[2])))
         return out
 
+    cpdef list fields(self, unsigned int drop_mask):
+        """(lower-cased name, value) for every field whose flags miss drop_mask."""
+        cdef const char *r = PyBytes_AS_STRING(self.raw)
+        cdef Py_ssize_t i, j, n
+        cdef int *o
+        cdef bytes name
+        cdef char *w
+        cdef list out = []
+        for i in range(self.header_count):
+            if self.flags[i] & drop_mask:
+                continue
+            o = self.offs + 5 * i
+            n = o[1] - o[0]
+            name = PyBytes_FromStringAndSize(r + o[0], n)
+            w = PyBytes_AS_STRING(name)
+            for j in range(n):
+                if 65 <= w[j] <= 90:
+                    w[j] += 32
+            out.append((name, PyBytes_FromStringAndSize(r + o[2], o[3] - o[2])))
+        return out
+
     def header_flags(self):
         return [self.flags[i] for i in range(self.header_count)]
 

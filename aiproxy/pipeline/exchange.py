@@ -1,31 +1,37 @@
-"""One proxied request/response: routing, upstream selection, framing and flow control.
+"""One proxied request/response: routing, upstream selection, retries and deadlines.
 
-The downstream connection (protocols.http1) creates an Exchange per request head
-and feeds it body bytes; the upstream connection (protocols.h1_upstream) calls
-back with the response. Bodies stream in both directions; the only buffering is
-body bytes that arrive while an upstream connection is still being opened
-(bounded: reading pauses) and a small copy of the request body kept so a request
-can be replayed on another endpoint after a connect failure.
+An Exchange sits between a downstream (the client side: an HTTP/1.1 connection,
+or one HTTP/2 stream) and an upstream (an HTTP/1.1 connection or one HTTP/2
+stream). It speaks to both through small interfaces, so every combination of
+protocols shares this code:
+
+downstream: loop, server, peer, scheme, pause_mask, writing_paused,
+    pause(reason)/resume(reason), send_continue(), send_informational(resp),
+    send_response(ex, resp, mode) -> keep_alive, send_body(data), flush(),
+    send_end(trailers), send_error(ex, status, message, code) -> keep_alive,
+    abort_response(), exchange_done(ex, keep_alive), and for Upgrade tunnels
+    start_tunnel(), tunnel_write(data), tunnel_eof(), close().
+upstream: start(ex), send_body(pieces), end_body(), pause()/resume(),
+    usable(), received, abort(), close(), and for tunnels tunnel_write(data),
+    tunnel_eof().
+
+Bodies stream in both directions. The only buffering is body bytes that arrive
+while an upstream connection is being opened (bounded: reading pauses) and a
+small copy of the request body kept so it can be replayed on another endpoint
+after a connect failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from aiproxy._fast.h1 import (
-    ChunkedDecoder,
-    ParseError,
-)
-from aiproxy.protocols import replies
-from aiproxy.protocols.h1_upstream import BODY_NONE, BODY_TUNNEL
+from aiproxy._fast.h1 import ChunkedDecoder, ParseError
+from aiproxy.protocols.h1_upstream import BODY_TUNNEL
 from aiproxy.routing.pool import UpstreamConnectError
 
 if TYPE_CHECKING:
-    from aiproxy._fast.h1 import RequestHead, ResponseHead
-    from aiproxy.protocols.h1_upstream import H1UpstreamConnection
-    from aiproxy.protocols.http1 import H1Connection
     from aiproxy.routing.pool import Pool
     from aiproxy.routing.table import Route
 
@@ -38,16 +44,16 @@ F_HOST = 8
 F_XFF = 128
 F_XFP = 256
 
-P_UPSTREAM = 1  # reasons the downstream connection stops reading
+P_UPSTREAM = 1  # reasons the downstream stops reading the request body
 P_PENDING = 2
 
 REQ_NONE = 0
-REQ_LENGTH = 1
-REQ_CHUNKED = 2
+REQ_LENGTH = 1   # HTTP/1.1 Content-Length body, framed here
+REQ_CHUNKED = 2  # HTTP/1.1 chunked body, decoded here
+REQ_STREAM = 3   # body pieces handed in by the downstream (HTTP/2 DATA frames)
 
 PENDING_LIMIT = 256 * 1024
 REPLAY_LIMIT = 64 * 1024
-LAST_CHUNK = b"0\r\n\r\n"
 CRLF = b"\r\n"
 INFINITY = float("inf")
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
@@ -55,27 +61,36 @@ IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"
 # absolute-form authority becomes the upstream Host field, so it must pass the same check.
 HOST_CHARS = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
               b"-._~!$&'()*+,;=:[]%")
+GRPC_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def grpc_timeout(value: bytes | None) -> float | None:
+    """Seconds from a grpc-timeout value ("100m", "5S", ...), None if absent or invalid."""
+    if not value or len(value) > 9 or not value[:-1].isdigit():
+        return None
+    unit = GRPC_TIMEOUT_UNITS.get(value[-1:])
+    return int(value[:-1]) * unit if unit is not None else None
 
 
 class Exchange:
     __slots__ = (
-        "conn", "loop", "rt", "head", "method", "route", "pool", "upstream", "connect_task",
+        "down", "loop", "rt", "head", "method", "route", "pool", "upstream", "connect_task",
         "reading_body", "req_done", "req_mode", "req_remaining", "decoder", "req_bytes",
-        "pending", "pending_size", "replay", "replay_size", "tried", "reused",
+        "pending", "pending_size", "pending_end", "replay", "replay_size", "tried", "reused",
         "path", "up_target", "host_line", "head_sent", "finished", "keep_alive",
-        "down_chunked", "status", "resp_bytes", "activity", "body_activity", "req_done_at",
-        "head_out", "tunnel", "tunnel_up_eof", "t_start",
+        "status", "resp_bytes", "activity", "body_activity", "req_done_at", "tunnel",
+        "tunnel_up_eof", "t_start", "grpc", "deadline_at", "up_chunked",
     )
 
-    def __init__(self, conn: H1Connection, head: RequestHead, now: float) -> None:
-        self.conn = conn
-        self.loop = conn.loop
-        self.rt = conn.server.runtime
+    def __init__(self, down: Any, head: Any, now: float) -> None:
+        self.down = down
+        self.loop = down.loop
+        self.rt = down.server.runtime
         self.head = head
         self.method = head.method
         self.route: Route | None = None
         self.pool: Pool | None = None
-        self.upstream: H1UpstreamConnection | None = None
+        self.upstream: Any = None
         self.connect_task: asyncio.Task | None = None
         self.reading_body = False
         self.req_done = False
@@ -85,6 +100,7 @@ class Exchange:
         self.req_bytes = 0
         self.pending: list[bytes] = []
         self.pending_size = 0
+        self.pending_end = False
         self.replay: list[bytes] | None = []
         self.replay_size = 0
         self.tried: tuple[Pool, ...] = ()
@@ -95,16 +111,17 @@ class Exchange:
         self.head_sent = False
         self.finished = False
         self.keep_alive = False
-        self.down_chunked = False
         self.status = 0
         self.resp_bytes = 0
         self.activity = now
         self.body_activity = now
         self.req_done_at = now
-        self.head_out = b""
         self.tunnel = False
         self.tunnel_up_eof = False
         self.t_start = now
+        self.grpc = False
+        self.deadline_at = INFINITY
+        self.up_chunked = False
 
     # -- request side -------------------------------------------------------------
 
@@ -112,6 +129,12 @@ class Exchange:
         head = self.head
         method = self.method
         target = head.target
+        ctype = head.get(b"content-type")
+        if ctype is not None and ctype[:16].lower() == b"application/grpc":
+            self.grpc = True
+            timeout = grpc_timeout(head.get(b"grpc-timeout"))
+            if timeout is not None:
+                self.deadline_at = self.t_start + timeout
         if method == b"CONNECT":
             self._framing()
             return self.local_reply(501, "CONNECT is not supported by this listener")
@@ -132,14 +155,14 @@ class Exchange:
         host = head.host if not self.host_line else self.host_line[6:-2]
         route = self.rt.table.match(method, self.path, host, head)
         if route is None:
-            return self.local_reply(404, "no route matches the request")
+            return self.local_reply(404, "no route matches the request", "no_route")
         self.route = route
         pool = route.cluster.pick()
         if pool is None:
             return self.local_reply(503, f"cluster {route.cluster.name!r} has no endpoints",
                                     "no_healthy_upstream")
         if head.expect_continue and self.reading_body:
-            self.conn.transport.write(replies.CONTINUE_100)
+            self.down.send_continue()
         self._use(pool)
 
     def _absolute_form(self, target: bytes) -> bool:
@@ -170,14 +193,20 @@ class Exchange:
 
     def _framing(self) -> bool:
         head = self.head
+        max_body = self.rt.max_body
+        if head.content_length > 0 and max_body and head.content_length > max_body:
+            self.local_reply(413, "request body larger than max_body_bytes")
+            return False
         if head.chunked:
             self.req_mode = REQ_CHUNKED
             self.decoder = ChunkedDecoder(self.rt.http.max_header_bytes)
             self.reading_body = True
+            self.up_chunked = True
+        elif getattr(head, "body_streamed", False):
+            self.req_mode = REQ_STREAM
+            self.reading_body = True
+            self.up_chunked = head.content_length < 0
         elif head.content_length > 0:
-            if self.rt.max_body and head.content_length > self.rt.max_body:
-                self.local_reply(413, "request body larger than max_body_bytes")
-                return False
             self.req_mode = REQ_LENGTH
             self.req_remaining = head.content_length
             self.reading_body = True
@@ -185,7 +214,8 @@ class Exchange:
             self.req_done = True
         return True
 
-    def _upstream_head(self, pool: Pool) -> bytes:
+    def h1_request_head(self, pool: Pool) -> bytes:
+        """The request head for an HTTP/1.1 upstream."""
         head = self.head
         rt = self.rt
         drop = F_HOP | F_CONTENT_LENGTH
@@ -197,13 +227,11 @@ class Exchange:
             extra.append(b"Host: " + pool.endpoint.address.encode() + CRLF)
         if rt.http.x_forwarded:
             drop |= F_XFF | F_XFP
-            peer = self.conn.peer
-            if head.has_xff:
-                peer = b", ".join([*head.get_all(b"x-forwarded-for"), peer])
-            extra.append(b"X-Forwarded-For: " + peer + b"\r\nX-Forwarded-Proto: http\r\n")
+            extra.append(b"X-Forwarded-For: " + self._xff() + b"\r\nX-Forwarded-Proto: "
+                         + self.down.scheme + CRLF)
         if rt.via_line:
             extra.append(rt.via_line)
-        if self.req_mode == REQ_CHUNKED:
+        if self.up_chunked:
             extra.append(b"Transfer-Encoding: chunked\r\n")
         elif head.content_length >= 0:
             extra.append(b"Content-Length: %d\r\n" % head.content_length)
@@ -212,8 +240,36 @@ class Exchange:
         return head.serialize(self.method + b" " + self.up_target + b" HTTP/1.1\r\n",
                               b"".join(extra), drop)
 
+    def h2_request_headers(self, pool: Pool) -> list[tuple[bytes, bytes]]:
+        """The request fields for an HTTP/2 upstream (RFC 9113 8.3.1 pseudo-fields first)."""
+        head = self.head
+        authority = self.host_line[6:-2] if self.host_line else head.host
+        if not authority:
+            authority = pool.endpoint.address.encode()
+        fields = [(b":method", self.method), (b":scheme", b"http"),
+                  (b":path", self.up_target), (b":authority", authority)]
+        drop = F_HOP | F_HOST
+        rt = self.rt
+        if rt.http.x_forwarded:
+            drop |= F_XFF | F_XFP
+        fields += head.fields(drop)
+        if rt.http.x_forwarded:
+            fields.append((b"x-forwarded-for", self._xff()))
+            fields.append((b"x-forwarded-proto", self.down.scheme))
+        if rt.via_line:
+            fields.append((b"via", b"2 aiproxy"))
+        if self.grpc or head.get(b"te") == b"trailers":
+            fields.append((b"te", b"trailers"))
+        return fields
+
+    def _xff(self) -> bytes:
+        peer = self.down.peer
+        if self.head.has_xff:
+            return b", ".join([*self.head.get_all(b"x-forwarded-for"), peer])
+        return peer
+
     def feed_body(self, data: bytes) -> int:
-        """Take request body bytes from data; returns how many belonged to the body."""
+        """HTTP/1.1: take request body bytes from data; returns how many were body."""
         self.body_activity = self.loop.time()
         if self.req_mode == REQ_LENGTH:
             n = len(data)
@@ -233,22 +289,34 @@ class Exchange:
         except ParseError as exc:
             self._request_body_error(exc.status, exc.message)
             return len(data)
-        parts = []
         for piece in pieces:
             self.req_bytes += len(piece)
-            parts += (b"%x\r\n" % len(piece), piece, CRLF)
         max_body = self.rt.max_body
         if max_body and self.req_bytes > max_body:
             self._request_body_error(413, "request body larger than max_body_bytes")
             return len(data)
+        if pieces:
+            self._forward(pieces)
         if decoder.done:
-            parts.append(LAST_CHUNK)
-            self._forward(parts)
             self._request_complete()
             return decoder.tail
-        if parts:
-            self._forward(parts)
         return len(data)
+
+    def body_data(self, data: bytes) -> None:
+        """HTTP/2: one DATA frame's payload."""
+        self.body_activity = self.loop.time()
+        self.req_bytes += len(data)
+        max_body = self.rt.max_body
+        if max_body and self.req_bytes > max_body:
+            self._request_body_error(413, "request body larger than max_body_bytes")
+            return
+        if data:
+            self._forward((data,))
+
+    def body_end(self) -> None:
+        """HTTP/2: END_STREAM from the client."""
+        if self.reading_body:
+            self._request_complete()
 
     def _forward(self, parts: tuple[bytes, ...] | list[bytes]) -> None:
         if self.replay is not None:
@@ -259,17 +327,22 @@ class Exchange:
                 self.replay.extend(parts)
         up = self.upstream
         if up is not None:
-            up.transport.writelines(parts)
+            up.send_body(parts)
         elif not self.finished:
             self.pending.extend(parts)
             self.pending_size += sum(map(len, parts))
             if self.pending_size > PENDING_LIMIT:
-                self.conn.pause(P_PENDING)
+                self.down.pause(P_PENDING)
 
     def _request_complete(self) -> None:
         self.reading_body = False
         self.req_done = True
         self.req_done_at = self.loop.time()
+        up = self.upstream
+        if up is not None:
+            up.end_body()
+        elif not self.finished:
+            self.pending_end = True
 
     def _request_body_error(self, status: int, message: str) -> None:
         self.reading_body = False
@@ -311,6 +384,11 @@ class Exchange:
         if self.finished:
             pool.release(up)
             return
+        if hasattr(up, "open_stream"):  # a multiplexed (HTTP/2) connection
+            up = up.open_stream()
+            if up is None:
+                self.fail(503, "upstream_overloaded", "upstream refused a new stream")
+                return
         self._attach(up, False)
 
     def _connect_failed(self, pool: Pool, exc: UpstreamConnectError) -> None:
@@ -329,33 +407,43 @@ class Exchange:
     def _replay_pending(self) -> None:
         self.pending = list(self.replay)
         self.pending_size = self.replay_size
+        self.pending_end = self.req_done
 
-    def _attach(self, up: H1UpstreamConnection, reused: bool) -> None:
+    def _attach(self, up: Any, reused: bool) -> None:
         self.upstream = up
         self.reused = reused
-        up.start(self, self._upstream_head(self.pool), self.method == b"HEAD")
+        up.start(self)
         if self.pending:
-            up.transport.writelines(self.pending)
+            up.send_body(self.pending)
             self.pending = []
             self.pending_size = 0
-            self.conn.resume(P_PENDING)
-        if self.conn.writing_paused:
+            self.down.resume(P_PENDING)
+        if self.pending_end or (self.req_done and self.req_mode == REQ_NONE):
+            self.pending_end = False
+            up.end_body()
+        if self.down.writing_paused:
             up.pause()
 
-    # -- deadlines (checked by the connection's timer) ----------------------------------
+    # -- deadlines (checked by the downstream's timer) ------------------------------------
 
     def check_deadline(self, now: float, body_timeout: float) -> float | None:
         """Seconds until this exchange's current deadline, or None if it just ended it."""
         if self.finished or self.tunnel:
             return INFINITY
+        if now >= self.deadline_at:
+            if self.head_sent:
+                self._abort()
+            else:
+                self.fail(504, "deadline_exceeded", "grpc-timeout expired")
+            return None
         if self.reading_body:
-            if self.conn.pause_mask:
+            if self.down.pause_mask:
                 return None if self.upload_stalled(now) else body_timeout
             left = self.body_activity + body_timeout - now
             if left <= 0:
                 self.client_body_timeout()
                 return None
-            return left
+            return min(left, self.deadline_at - now)
         cfg = self.route.cluster.cfg
         if not self.head_sent:
             left = self.req_done_at + cfg.request_timeout_ms / 1000 - now
@@ -363,85 +451,40 @@ class Exchange:
                 self.fail(504, "upstream_timeout",
                           f"upstream sent no response head within {cfg.request_timeout_ms} ms")
                 return None
-            return left
+            return min(left, self.deadline_at - now)
         left = self.activity + cfg.read_timeout_ms / 1000 - now
         if left <= 0:
             log.warning("upstream read timeout on route %s", self.route.name)
             self._abort()
             return None
-        return left
+        return min(left, self.deadline_at - now)
 
     # -- upstream callbacks ---------------------------------------------------------
 
-    def on_upstream_informational(self, resp: ResponseHead) -> None:
-        if resp.status == 100 or self.head.version < 11:
-            return
-        self.conn.transport.write(resp.serialize(
-            b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason), b"", F_HOP))
+    def on_upstream_informational(self, resp: Any) -> None:
+        if resp.status != 100:
+            self.down.send_informational(resp)
 
-    def on_upstream_head(self, resp: ResponseHead, mode: int) -> None:
-        head = self.head
-        rt = self.rt
-        conn = self.conn
-        self.status = status = resp.status
+    def on_upstream_head(self, resp: Any, mode: int) -> None:
+        self.status = resp.status
         self.head_sent = True
         self.activity = self.loop.time()
-        start = b"HTTP/1.1 %d %s\r\n" % (status, resp.reason)
         if mode == BODY_TUNNEL:
-            return self._start_tunnel(resp, start)
-        extra = [rt.via_line] if rt.via_line else []
-        # The connection closes after this response if the request body is still arriving
-        # (the rest of it is not read) or this is the last request allowed on it: say so.
-        keep = head.keep_alive and self.req_done and conn.may_keep_alive()
-        if mode == BODY_NONE:
-            drop = F_HOP
-        else:
-            drop = F_HOP | F_CONTENT_LENGTH
-            if resp.content_length >= 0 and not resp.chunked:
-                extra.append(b"Content-Length: %d\r\n" % resp.content_length)
-            elif head.version >= 11:
-                self.down_chunked = True
-                extra.append(b"Transfer-Encoding: chunked\r\n")
-            else:
-                keep = False  # HTTP/1.0 client: the end of the body is the close
-        if not keep:
-            extra.append(b"Connection: close\r\n")
-        elif head.version < 11:
-            extra.append(b"Connection: keep-alive\r\n")
-        self.keep_alive = keep
-        # Written with the first body bytes (one syscall), or by flush().
-        self.head_out = resp.serialize(start, b"".join(extra), drop)
+            return self._start_tunnel(resp)
+        self.keep_alive = self.down.send_response(self, resp, mode)
 
     def on_upstream_body(self, data: bytes) -> None:
         self.resp_bytes += len(data)
         self.activity = self.loop.time()
-        head = self.head_out
-        if self.down_chunked:
-            if head:
-                self.head_out = b""
-                self.conn.transport.writelines((head, b"%x\r\n" % len(data), data, CRLF))
-            else:
-                self.conn.transport.writelines((b"%x\r\n" % len(data), data, CRLF))
-        elif head:
-            self.head_out = b""
-            self.conn.transport.writelines((head, data))
-        else:
-            self.conn.transport.write(data)
+        self.down.send_body(data)
 
     def flush(self) -> None:
-        if self.head_out:
-            head = self.head_out
-            self.head_out = b""
-            self.conn.transport.write(head)
+        self.down.flush()
 
-    def on_upstream_end(self) -> None:
+    def on_upstream_end(self, trailers: list[tuple[bytes, bytes]] | None = None) -> None:
         up = self.upstream
         self.upstream = None
-        if self.down_chunked:
-            self.conn.transport.write(self.head_out + LAST_CHUNK)
-            self.head_out = b""
-        else:
-            self.flush()
+        self.down.send_end(trailers)
         if up is not None:
             if self.req_done:
                 self.pool.release(up)
@@ -459,8 +502,9 @@ class Exchange:
             self._abort()
             return
         if (self.reused and up is not None and not up.received and self.replay is not None
-                and self.method in IDEMPOTENT):
-            # A pooled connection the upstream had already closed: replay once, fresh.
+                and (self.method in IDEMPOTENT or status == 503)):
+            # A pooled connection the upstream had already closed (or an HTTP/2 stream
+            # it refused before processing): replay once on a fresh connection.
             self.reused = False
             self._replay_pending()
             self.connect_task = self.loop.create_task(self._connect(self.pool))
@@ -468,11 +512,11 @@ class Exchange:
         self.fail(status, code, message)
 
     def on_upstream_pause_writing(self) -> None:
-        self.conn.pause(P_UPSTREAM)
+        self.down.pause(P_UPSTREAM)
 
     def on_upstream_resume_writing(self) -> None:
         self.body_activity = self.loop.time()
-        self.conn.resume(P_UPSTREAM)
+        self.down.resume(P_UPSTREAM)
 
     # -- downstream callbacks -------------------------------------------------------
 
@@ -493,38 +537,31 @@ class Exchange:
 
     # -- tunnel (Upgrade) -------------------------------------------------------------
 
-    def _start_tunnel(self, resp: ResponseHead, start: bytes) -> None:
+    def _start_tunnel(self, resp: Any) -> None:
         upgrade = resp.upgrade or resp.get(b"upgrade")
         if self.head.upgrade is None or upgrade is None:
             self.on_upstream_failed(502, "upstream_bad_response", "unexpected 101 response")
             return
         self.tunnel = True
-        self.conn.transport.write(resp.serialize(
-            start, b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF, F_HOP))
-        self.conn.start_tunnel()
+        self.down.start_tunnel(resp, upgrade)
 
     def tunnel_from_client(self, data: bytes) -> None:
         up = self.upstream
-        if up is not None and up.transport is not None:
-            up.transport.write(data)
+        if up is not None:
+            up.tunnel_write(data)
 
     def on_upstream_tunnel_data(self, data: bytes) -> None:
-        self.conn.transport.write(data)
+        self.down.tunnel_write(data)
 
     def on_upstream_tunnel_eof(self) -> None:
         self.tunnel_up_eof = True
-        t = self.conn.transport
-        if self.conn.client_eof or not t.can_write_eof():
+        if not self.down.tunnel_eof():
             self._close_tunnel()  # both directions are done
-        else:
-            t.write_eof()
 
     def tunnel_client_eof(self) -> None:
         up = self.upstream
-        if self.tunnel_up_eof or up is None or up.transport is None:
+        if self.tunnel_up_eof or up is None or not up.tunnel_eof():
             self._close_tunnel()  # both directions are done
-        elif up.transport.can_write_eof():
-            up.transport.write_eof()
 
     def _close_tunnel(self) -> None:
         # After EOF both ways nothing else closes the sockets (eof_received returned True
@@ -534,12 +571,12 @@ class Exchange:
         self.finished = True
         if up is not None:
             up.close()
-        self.conn.close()
+        self.down.close()
 
     def on_upstream_tunnel_closed(self) -> None:
         self.upstream = None
         self.finished = True
-        self.conn.close()
+        self.down.close()
 
     # -- endings --------------------------------------------------------------------
 
@@ -548,16 +585,11 @@ class Exchange:
         self.local_reply(status, message, code)
 
     def local_reply(self, status: int, message: str, code: str | None = None) -> None:
-        """Answer with a JSON error; the connection stays open only if that is safe."""
-        head = self.head
-        conn = self.conn
+        """Answer with the proxy's own error; the connection stays open only if safe."""
         self.reading_body = False
-        keep = head.keep_alive and self.req_done and conn.may_keep_alive()
         self.status = status
         self.head_sent = True
-        conn.transport.write(replies.error_response(
-            status, message, code, close=not keep, head_only=self.method == b"HEAD",
-            keep_alive_10=keep and head.version < 11))
+        keep = self.down.send_error(self, status, message, code)
         self._drop_upstream()
         self._finish(keep)
 
@@ -575,11 +607,11 @@ class Exchange:
         if self.finished:
             return
         self.finished = True
-        self.conn.exchange_done(self, keep_alive)
+        self.down.exchange_done(self, keep_alive)
 
     def _abort(self) -> None:
         if self.finished:
             return
         self.finished = True
         self._drop_upstream()
-        self.conn.close()
+        self.down.abort_response()

@@ -34,7 +34,7 @@ _CLOSED = 4
 class H1UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
-                 "received", "reading_paused", "_head_kw")
+                 "received", "reading_paused", "chunked")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
@@ -52,16 +52,43 @@ class H1UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.received = False
         self.reading_paused = False
+        self.chunked = False
 
     # -- driven by the exchange -------------------------------------------------
 
-    def start(self, exchange: Any, head: bytes, no_body: bool) -> None:
+    def start(self, exchange: Any) -> None:
         self.exchange = exchange
         self.state = _HEAD
-        self.no_body = no_body
+        self.no_body = exchange.method == b"HEAD"
+        self.chunked = exchange.up_chunked
         self.received = False
         self.requests += 1
-        self.transport.write(head)
+        self.transport.write(exchange.h1_request_head(self.pool))
+
+    def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:
+        if not self.chunked:
+            self.transport.writelines(pieces)
+            return
+        out = []
+        for piece in pieces:
+            out += (b"%x\r\n" % len(piece), piece, b"\r\n")
+        self.transport.writelines(out)
+
+    def end_body(self) -> None:
+        if self.chunked:
+            self.transport.write(b"0\r\n\r\n")
+
+    def tunnel_write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def tunnel_eof(self) -> bool:
+        """Half-close towards the upstream; False if that is not possible."""
+        t = self.transport
+        if t is None or t.is_closing() or not t.can_write_eof():
+            return False
+        t.write_eof()
+        return True
 
     def usable(self) -> bool:
         t = self.transport

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ParseError, parse_request
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import replies
+from aiproxy.protocols.h1_upstream import BODY_NONE
 
 if TYPE_CHECKING:
     from aiproxy.server.app import ProxyServer
 
 log = logging.getLogger("aiproxy.http1")
 
+F_HOP = 1  # header flags from aiproxy/_fast/h1.pxd
+F_CONTENT_LENGTH = 2
+CRLF = b"\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
 P_PIPELINE = 4
 LINGER_SECONDS = 2.0
 
@@ -27,7 +32,8 @@ LINGER_SECONDS = 2.0
 class H1Connection(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "buf", "exchange", "peer", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
-                 "timer", "head_started", "idle_since", "in_process", "client_eof")
+                 "timer", "head_started", "idle_since", "in_process", "client_eof",
+                 "scheme", "head_out", "chunked_out")
 
     def __init__(self, server: ProxyServer) -> None:
         self.server = server
@@ -47,6 +53,9 @@ class H1Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.in_process = False
         self.client_eof = False
+        self.scheme = b"http"
+        self.head_out = b""
+        self.chunked_out = False
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -54,6 +63,8 @@ class H1Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = peer[0].encode() if peer else b""
+        if transport.get_extra_info("sslcontext") is not None:
+            self.scheme = b"https"
         self.server.connections.add(self)
         self.head_started = self.idle_since = self.loop.time()
         self._arm(self.server.runtime.min_timeout)
@@ -199,12 +210,113 @@ class H1Connection(asyncio.Protocol):
             if not self.pause_mask and not self.closed:
                 self.transport.resume_reading()
 
-    def start_tunnel(self) -> None:
+    # -- the downstream side of an Exchange: writing the response --------------------
+
+    def send_continue(self) -> None:
+        self.transport.write(replies.CONTINUE_100)
+
+    def send_informational(self, resp: Any) -> None:
+        ex = self.exchange
+        if ex is not None and ex.head.version >= 11:
+            self.transport.write(resp.serialize(
+                b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason), b"", F_HOP))
+
+    def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
+        """Frame the response for this client; returns whether the connection stays open.
+
+        The head is held until the first body bytes so both go out in one write."""
+        head = ex.head
+        rt = self.server.runtime
+        extra = [rt.via_line] if rt.via_line else []
+        # The connection closes after this response if the request body is still arriving
+        # (the rest of it is not read) or this is the last request allowed on it: say so.
+        keep = head.keep_alive and ex.req_done and self.may_keep_alive()
+        if mode == BODY_NONE:
+            drop = F_HOP
+        else:
+            drop = F_HOP | F_CONTENT_LENGTH
+            if resp.content_length >= 0 and not resp.chunked:
+                extra.append(b"Content-Length: %d\r\n" % resp.content_length)
+            elif head.version >= 11:
+                self.chunked_out = True
+                extra.append(b"Transfer-Encoding: chunked\r\n")
+            else:
+                keep = False  # HTTP/1.0 client: the end of the body is the close
+        if not keep:
+            extra.append(b"Connection: close\r\n")
+        elif head.version < 11:
+            extra.append(b"Connection: keep-alive\r\n")
+        self.head_out = resp.serialize(b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason),
+                                       b"".join(extra), drop)
+        return keep
+
+    def send_body(self, data: bytes) -> None:
+        head = self.head_out
+        if self.chunked_out:
+            if head:
+                self.head_out = b""
+                self.transport.writelines((head, b"%x\r\n" % len(data), data, CRLF))
+            else:
+                self.transport.writelines((b"%x\r\n" % len(data), data, CRLF))
+        elif head:
+            self.head_out = b""
+            self.transport.writelines((head, data))
+        else:
+            self.transport.write(data)
+
+    def flush(self) -> None:
+        if self.head_out:
+            head = self.head_out
+            self.head_out = b""
+            self.transport.write(head)
+
+    def send_end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
+        if self.chunked_out:
+            self.chunked_out = False
+            end = LAST_CHUNK
+            ex = self.exchange
+            if trailers and ex is not None and b"trailers" in (ex.head.get(b"te") or b""):
+                end = b"0\r\n" + b"".join(b"%s: %s\r\n" % t for t in trailers) + CRLF
+            self.transport.write(self.head_out + end)
+            self.head_out = b""
+        else:
+            self.flush()
+
+    def send_error(self, ex: Exchange, status: int, message: str, code: str | None) -> bool:
+        head = ex.head
+        keep = head.keep_alive and ex.req_done and self.may_keep_alive()
+        self.head_out = b""
+        self.chunked_out = False
+        self.transport.write(replies.error_response(
+            status, message, code, close=not keep, head_only=ex.method == b"HEAD",
+            keep_alive_10=keep and head.version < 11))
+        return keep
+
+    def abort_response(self) -> None:
+        # A response cut short: closing is the only signal HTTP/1.1 has (a missing last
+        # chunk or a short Content-Length body tells the client it is incomplete).
+        self.close()
+
+    def start_tunnel(self, resp: Any, upgrade: bytes) -> None:
+        self.transport.write(resp.serialize(
+            b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason),
+            b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF, F_HOP))
         self.tunnel = True
         if self.buf:
             data = bytes(self.buf)
             self.buf.clear()
             self.exchange.tunnel_from_client(data)
+
+    def tunnel_write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def tunnel_eof(self) -> bool:
+        """Half-close towards the client; False if the client is done too or cannot."""
+        t = self.transport
+        if self.client_eof or t.is_closing() or not t.can_write_eof():
+            return False
+        t.write_eof()
+        return True
 
     def close(self) -> None:
         if not self.closed:

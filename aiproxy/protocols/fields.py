@@ -1,0 +1,165 @@
+"""Request/response heads that arrive as field lists (HTTP/2), with the same
+interface as the Cython heads of aiproxy._fast.h1, so the Exchange and both
+upstream kinds handle either without caring where a head came from."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+# Flags, as in aiproxy/_fast/h1.pxd.
+F_HOP = 1
+F_CONTENT_LENGTH = 2
+F_TRANSFER_ENCODING = 4
+F_HOST = 8
+F_XFF = 128
+F_XFP = 256
+
+# Fields that never cross a hop, whatever the protocol (RFC 9110 7.6.1, RFC 9113 8.2.2).
+_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade",
+        b"te", b"trailer", b"proxy", b"expect"}
+_FLAGS = {b"content-length": F_CONTENT_LENGTH, b"host": F_HOST, b"x-forwarded-for": F_XFF,
+          b"x-forwarded-proto": F_XFP}
+
+
+class MalformedHead(Exception):
+    """A field list that is not a valid message head (RFC 9113 8.1.1: malformed)."""
+
+
+def _flag(name: bytes) -> int:
+    if name in _HOP or name.startswith(b"proxy-"):
+        return F_HOP
+    return _FLAGS.get(name, 0)
+
+
+def _content_length(values: list[bytes]) -> int:
+    length = -1
+    for value in values:
+        for part in value.split(b","):
+            part = part.strip(b" \t")
+            if not part.isdigit() or len(part) > 18:
+                raise MalformedHead("invalid content-length")
+            n = int(part)
+            if length not in (-1, n):
+                raise MalformedHead("conflicting content-length values")
+            length = n
+    return length
+
+
+class FieldsHead:
+    """Regular fields (lower-case names, no pseudo-fields) plus derived framing."""
+
+    __slots__ = ("items", "flags", "content_length")
+
+    chunked = False
+    keep_alive = True
+    upgrade = None
+
+    def __init__(self, items: list[tuple[bytes, bytes]]) -> None:
+        self.items = items
+        self.flags = [_flag(name) for name, _ in items]
+        cls = [v for (n, v), f in zip(items, self.flags, strict=True) if f == F_CONTENT_LENGTH]
+        self.content_length = _content_length(cls) if cls else -1
+
+    def get(self, lname: bytes) -> bytes | None:
+        for name, value in self.items:
+            if name == lname:
+                return value
+        return None
+
+    def get_all(self, lname: bytes) -> list[bytes]:
+        return [value for name, value in self.items if name == lname]
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return list(self.items)
+
+    def fields(self, drop_mask: int) -> list[tuple[bytes, bytes]]:
+        return [item for item, f in zip(self.items, self.flags, strict=True) if not f & drop_mask]
+
+    def serialize(self, start_line: bytes, extra: bytes, drop_mask: int) -> bytes:
+        lines = [start_line]
+        for (name, value), f in zip(self.items, self.flags, strict=True):
+            if not f & drop_mask:
+                lines.append(b"%s: %s\r\n" % (name, value))
+        lines.append(extra)
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+
+class H2RequestHead(FieldsHead):
+    """A request from HTTP/2 pseudo-fields and fields, checked per RFC 9113 8.3."""
+
+    __slots__ = ("method", "target", "host", "scheme", "has_xff", "body_streamed")
+
+    version = 20
+    expect_continue = False
+    expect_unknown = False
+
+    def __init__(self, headers: list[tuple[bytes, bytes]], end_stream: bool) -> None:
+        pseudo: dict[bytes, bytes] = {}
+        items: list[tuple[bytes, bytes]] = []
+        cookies: list[bytes] = []
+        for name, value in headers:
+            if name[:1] == b":":
+                if name in pseudo or items:
+                    raise MalformedHead("duplicate or misplaced pseudo-header")
+                pseudo[name] = value
+            elif name == b"cookie":
+                cookies.append(value)  # RFC 9113 8.2.3: joined again for HTTP/1.1
+            else:
+                items.append((name, value))
+        if cookies:
+            items.append((b"cookie", b"; ".join(cookies)))
+        method = pseudo.get(b":method")
+        if not method:
+            raise MalformedHead("missing :method")
+        if method == b"CONNECT":
+            raise MalformedHead("CONNECT is not supported")
+        path = pseudo.get(b":path")
+        scheme = pseudo.get(b":scheme")
+        if not path or not scheme:
+            raise MalformedHead("missing :path or :scheme")
+        if path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"):
+            raise MalformedHead("invalid :path")
+        unknown = set(pseudo) - {b":method", b":path", b":scheme", b":authority"}
+        if unknown:
+            raise MalformedHead("unknown pseudo-header")
+        super().__init__(items)
+        authority = pseudo.get(b":authority")
+        host = self.get(b"host")
+        if authority is not None and host is not None and host != authority:
+            raise MalformedHead(":authority and host differ")
+        self.method = method
+        self.target = path
+        self.scheme = scheme
+        self.host = authority if authority is not None else host
+        self.has_xff = any(f == F_XFF for f in self.flags)
+        self.body_streamed = not end_stream
+
+    def serialize(self, start_line: bytes, extra: bytes, drop_mask: int) -> bytes:
+        # RFC 9113 8.3.1: an HTTP/1.1 request needs a Host field; :authority supplies it.
+        if self.host is not None and not drop_mask & F_HOST and self.get(b"host") is None:
+            extra = b"Host: " + self.host + b"\r\n" + extra
+        return super().serialize(start_line, extra, drop_mask)
+
+
+class H2ResponseHead(FieldsHead):
+    __slots__ = ("status", "reason")
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        status = None
+        items = []
+        for name, value in headers:
+            if name == b":status":
+                status = value
+            elif name[:1] == b":":
+                raise MalformedHead("unknown response pseudo-header")
+            else:
+                items.append((name, value))
+        if status is None or len(status) != 3 or not status.isdigit():
+            raise MalformedHead("missing or invalid :status")
+        super().__init__(items)
+        self.status = int(status)
+        try:
+            self.reason = HTTPStatus(self.status).phrase.encode()
+        except ValueError:
+            self.reason = b"Unknown"
