@@ -361,7 +361,7 @@ def test_route_match_validation(tmp_path):
 
 
 def test_listener_protocols_and_cluster_balancer(tmp_path):
-    text = BASE.replace('8080"', '8080"\nprotocols = ["h2"]') + textwrap.dedent("""\
+    text = BASE.replace('8080"', '8080"\nprotocols = ["h3"]') + textwrap.dedent("""\
         balancer = "random"
         [[listeners]]
         name = "x"
@@ -369,7 +369,7 @@ def test_listener_protocols_and_cluster_balancer(tmp_path):
         protocols = []
         """)
     assert problems(tmp_path, text) == [
-        "4: listeners[0].protocols[0]: unknown protocol 'h2' (allowed: http1)",
+        "4: listeners[0].protocols[0]: unknown protocol 'h3' (allowed: http1, h2c, h2)",
         "9: clusters[0].balancer: unknown balancer 'random' (allowed: round_robin)",
         "13: listeners[1].protocols: must not be empty",
     ]
@@ -495,3 +495,30 @@ def test_format_path():
     assert format_path(("routes", 1, "match", "path_prefix")) == "routes[1].match.path_prefix"
     assert format_path(("clusters", 0, "endpoints", 1)) == "clusters[0].endpoints[1]"
     assert format_path(("a", "x.y")) == 'a."x.y"'
+
+
+def test_h2_needs_tls_and_tls_files_exist(tmp_path):
+    text = BASE.replace('8080"', '8080"\nprotocols = ["h2"]')
+    assert problems(tmp_path, text) == [
+        "4: listeners[0].protocols: 'h2' needs TLS: add tls = { cert, key }"
+        " (use 'h2c' for cleartext HTTP/2)",
+    ]
+    text = BASE.replace('8080"', '8080"\nprotocols = ["h2", "http1"]\n'
+                        'tls = { cert = "c.pem", key = "k.pem" }')
+    assert problems(tmp_path, text) == [
+        "5: listeners[0].tls.cert: no such file 'c.pem'",
+        "5: listeners[0].tls.key: no such file 'k.pem'",
+    ]
+
+
+def test_grpc_match_and_upstream_protocol(tmp_path):
+    text = BASE.replace('name = "backend"', 'name = "backend"\nprotocol = "h3"') + textwrap.dedent("""\
+        [[routes]]
+        name = "r"
+        cluster = "backend"
+        match = { grpc_service = "a/b" }
+        """)
+    assert problems(tmp_path, text) == [
+        "7: clusters[0].protocol: unknown protocol 'h3' (allowed: http1, h2)",
+        "12: routes[0].match.grpc_service: invalid grpc_service 'a/b'",
+    ]

@@ -14,6 +14,7 @@ from .schema import (
     RouteConfig,
     RouteMatch,
     ServerConfig,
+    TlsConfig,
 )
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "RouteConfig",
     "RouteMatch",
     "ServerConfig",
+    "TlsConfig",
     "format_address",
     "load_config",
     "load_config_text",

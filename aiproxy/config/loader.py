@@ -25,16 +25,20 @@ from .schema import (
     RouteConfig,
     RouteMatch,
     ServerConfig,
+    TlsConfig,
 )
 
-PROTOCOLS = ("http1",)
+PROTOCOLS = ("http1", "h2c", "h2")
+UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin",)
 
 _TOP_KEYS = ("server", "http", "listeners", "admin", "clusters", "routes")
-_LISTENER_KEYS = ("name", "address", "protocols", "backlog")
+_LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls")
+_TLS_KEYS = ("cert", "key", "ca")
 _ENDPOINT_KEYS = ("address", "weight")
 _ROUTE_KEYS = ("name", "cluster", "match")
-_MATCH_KEYS = ("path", "path_prefix", "method", "host", "headers")
+_MATCH_KEYS = ("path", "path_prefix", "method", "host", "headers", "grpc_service",
+               "grpc_method")
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
@@ -263,9 +267,14 @@ class _Checker:
                     )
                 bound.setdefault(key, name or "?")
             protocols = self.protocols(item, path)
+            tls = self.tls(item, path)
+            if tls is None and "h2" in protocols:
+                self.error(path + ("protocols",), "'h2' needs TLS: add tls = { cert, key }"
+                           " (use 'h2c' for cleartext HTTP/2)")
             extra = self.scalars(ListenerConfig, item, path)
             if len(self.problems) == before:
-                listeners.append(ListenerConfig(name, *address, protocols=protocols, **extra))
+                listeners.append(ListenerConfig(name, *address, protocols=protocols, tls=tls,
+                                                **extra))
         self.unique_names(names, "listener")
         return tuple(listeners)
 
@@ -286,6 +295,31 @@ class _Checker:
             elif value not in result:
                 result.append(value)
         return tuple(result)
+
+    def tls(self, data: dict[str, Any], path: KeyPath) -> TlsConfig | None:
+        if "tls" not in data:
+            return None
+        table = self.get(data, path, "tls", "table")
+        if table is None:
+            return None
+        path += ("tls",)
+        self.check_keys(table, path, _TLS_KEYS)
+        files = {}
+        for key in _TLS_KEYS:
+            if key not in table:
+                if key != "ca":
+                    self.error(path + (key,), "missing required key")
+                continue
+            value = self.get(table, path, key, "string")
+            if value is None:
+                continue
+            full = os.path.join(os.path.dirname(os.path.abspath(self.filename)), value)
+            if not os.path.isfile(full):
+                self.error(path + (key,), f"no such file '{value}'")
+            files[key] = full
+        if len(files) < 2 or "cert" not in files or "key" not in files:
+            return None
+        return TlsConfig(**files)
 
     def choice(
         self, data: dict[str, Any], path: KeyPath, key: str, allowed: tuple[str, ...]
@@ -326,9 +360,11 @@ class _Checker:
                 names.append((path + ("name",), name))
             endpoints = self.endpoints(item, path)
             balancer = self.choice(item, path, "balancer", BALANCERS)
+            protocol = self.choice(item, path, "protocol", UPSTREAM_PROTOCOLS)
             extra = self.scalars(ClusterConfig, item, path)
             if len(self.problems) == before:
-                clusters.append(ClusterConfig(name, endpoints, balancer=balancer, **extra))
+                clusters.append(ClusterConfig(name, endpoints, balancer=balancer,
+                                              protocol=protocol, **extra))
         self.unique_names(names, "cluster")
         return tuple(clusters), [name for _, name in names]
 
@@ -399,10 +435,21 @@ class _Checker:
             "method": self.match_methods(table, path),
             "host": self.match_host(table, path),
             "headers": self.match_headers(table, path),
+            "grpc_service": self.match_grpc(table, path, "grpc_service"),
+            "grpc_method": self.match_grpc(table, path, "grpc_method"),
         }
         if len(self.problems) != before:
             return None
         return RouteMatch(**{key: value for key, value in fields.items() if value is not None})
+
+    def match_grpc(self, data: dict[str, Any], path: KeyPath, key: str) -> bytes | None:
+        value = self.get(data, path, key, "string")
+        if value is None:
+            return None
+        if not value or "/" in value or not _VISIBLE_ASCII.fullmatch(value):
+            self.error(path + (key,), f"invalid {key} '{value}'")
+            return None
+        return value.encode()
 
     def match_path(self, data: dict[str, Any], path: KeyPath, key: str) -> bytes | None:
         value = self.get(data, path, key, "string")

@@ -35,6 +35,16 @@ class HttpConfig:
     max_keepalive_requests: int = _bounded(1000, 0)
     x_forwarded: bool = True
     via: bool = True
+    h2_max_concurrent_streams: int = _bounded(100, 1, 10_000)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """Server certificate and key (PEM files); `ca` turns on client-certificate checks."""
+
+    cert: str
+    key: str
+    ca: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +55,7 @@ class ListenerConfig:
     port: int
     protocols: tuple[str, ...] = ("http1",)
     backlog: int = _bounded(1024, 1)
+    tls: TlsConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +84,7 @@ class ClusterConfig:
     request_timeout_ms: int = _bounded(30_000, 1)
     read_timeout_ms: int = _bounded(60_000, 1)
     balancer: str = "round_robin"
+    protocol: str = "http1"
     max_idle_connections: int = _bounded(32, 0)
     idle_timeout_ms: int = _bounded(60_000, 1)
     max_requests_per_connection: int = _bounded(1000, 0)
@@ -87,6 +99,8 @@ class RouteMatch:
     method: tuple[bytes, ...] = ()
     host: bytes | None = None
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    grpc_service: bytes | None = None
+    grpc_method: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

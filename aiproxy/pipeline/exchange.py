@@ -384,11 +384,6 @@ class Exchange:
         if self.finished:
             pool.release(up)
             return
-        if hasattr(up, "open_stream"):  # a multiplexed (HTTP/2) connection
-            up = up.open_stream()
-            if up is None:
-                self.fail(503, "upstream_overloaded", "upstream refused a new stream")
-                return
         self._attach(up, False)
 
     def _connect_failed(self, pool: Pool, exc: UpstreamConnectError) -> None:

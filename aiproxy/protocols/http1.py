@@ -8,12 +8,15 @@ connection-level timers: header read, keep-alive idle and request body idle.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ParseError, parse_request
 from aiproxy.pipeline.exchange import Exchange
-from aiproxy.protocols import replies
+from aiproxy.protocols import h2_server, replies
+from aiproxy.protocols.fields import H2RequestHead, MalformedHead
 from aiproxy.protocols.h1_upstream import BODY_NONE
 
 if TYPE_CHECKING:
@@ -23,20 +26,32 @@ log = logging.getLogger("aiproxy.http1")
 
 F_HOP = 1  # header flags from aiproxy/_fast/h1.pxd
 F_CONTENT_LENGTH = 2
+F_HOST = 8
 CRLF = b"\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 P_PIPELINE = 4
 LINGER_SECONDS = 2.0
 
 
+def valid_h2_settings(value: bytes) -> bool:
+    """HTTP2-Settings: base64url SETTINGS payload, a whole number of 6-byte entries."""
+    try:
+        raw = base64.urlsafe_b64decode(value + b"=" * (-len(value) % 4))
+    except (binascii.Error, ValueError):
+        return False
+    return len(raw) % 6 == 0
+
+
 class H1Connection(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "buf", "exchange", "peer", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
-                 "scheme", "head_out", "chunked_out")
+                 "scheme", "head_out", "chunked_out", "h2c", "switched")
 
-    def __init__(self, server: ProxyServer) -> None:
+    def __init__(self, server: ProxyServer, h2c: bool = False) -> None:
         self.server = server
+        self.h2c = h2c
+        self.switched = False
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
@@ -98,6 +113,8 @@ class H1Connection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.switched:
+            return
         self.closed = True
         self.server.connections.discard(self)
         self._cancel_timer()
@@ -148,6 +165,12 @@ class H1Connection(asyncio.Protocol):
 
     def _start_exchange(self) -> bool:
         http = self.server.runtime.http
+        if self.h2c and not self.served and self.buf[:1] == b"P":
+            if h2_server.preface_pending(self.buf):
+                return False
+            if h2_server.is_preface(self.buf):
+                self._switch(h2_server.H2ServerConnection(self.server, self.scheme))
+                return False
         try:
             head = parse_request(self.buf, http.max_header_bytes, http.max_request_line_bytes,
                                  http.max_headers)
@@ -157,9 +180,45 @@ class H1Connection(asyncio.Protocol):
         if head is None:
             return False
         del self.buf[:head.consumed]
+        if self.h2c and head.upgrade is not None and self._upgrade_h2c(head):
+            return False
         self.exchange = ex = Exchange(self, head, self.head_started)
         ex.start()
         return True
+
+    def _upgrade_h2c(self, head: Any) -> bool:
+        """RFC 7540 3.2 `Upgrade: h2c` (bodyless requests; others stay on HTTP/1.1)."""
+        tokens = [t.strip().lower() for t in head.upgrade.split(b",")]
+        settings = head.get(b"http2-settings")
+        if (b"h2c" not in tokens or settings is None or head.chunked or head.content_length > 0
+                or not valid_h2_settings(settings)):
+            return False
+        fields = [(b":method", head.method), (b":scheme", b"http"), (b":path", head.target)]
+        if head.host is not None:
+            fields.append((b":authority", head.host))
+        try:
+            h2head = H2RequestHead(fields + head.fields(F_HOP | F_HOST), True)
+        except MalformedHead:
+            return False
+        self.transport.write(b"HTTP/1.1 101 Switching Protocols\r\n"
+                             b"Connection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+        self._switch(h2_server.H2ServerConnection(self.server, self.scheme,
+                                                  upgrade=(h2head, settings)))
+        return True
+
+    def _switch(self, proto: asyncio.Protocol) -> None:
+        """Hand the socket (and what was read past the HTTP/1.1 part) to HTTP/2."""
+        self.switched = True
+        self.closed = True
+        self._cancel_timer()
+        self.server.connections.discard(self)
+        data = bytes(self.buf)
+        self.buf.clear()
+        if self.pause_mask:
+            self.pause_mask = 0
+            self.transport.resume_reading()
+        self.transport.set_protocol(proto)
+        proto.connection_made(self.transport, data)
 
     def reject(self, status: int, message: str) -> None:
         """Answer a message that cannot be framed, then close."""

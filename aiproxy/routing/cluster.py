@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from aiproxy.config import ClusterConfig, HttpConfig
-from aiproxy.routing.pool import Pool
+from aiproxy.routing.pool import H2Pool, Pool
 
 
 class Cluster:
@@ -17,7 +17,8 @@ class Cluster:
                  loop: asyncio.AbstractEventLoop) -> None:
         self.name = cfg.name
         self.cfg = cfg
-        self.pools = [Pool(loop, ep, cfg, http) for ep in cfg.endpoints]
+        pool_type = H2Pool if cfg.protocol == "h2" else Pool
+        self.pools = [pool_type(loop, ep, cfg, http) for ep in cfg.endpoints]
         self._weights = [ep.weight for ep in cfg.endpoints]
         self._current = [0] * len(self.pools)
         self._total = sum(self._weights)

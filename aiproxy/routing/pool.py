@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from aiproxy.config import ClusterConfig, Endpoint
 from aiproxy.protocols.h1_upstream import H1UpstreamConnection
+from aiproxy.protocols.h2_upstream import H2UpstreamConnection, H2UpstreamStream
 
 if TYPE_CHECKING:
     from aiproxy.config import HttpConfig
@@ -16,6 +17,21 @@ class UpstreamConnectError(Exception):
     def __init__(self, timeout: bool, message: str) -> None:
         super().__init__(message)
         self.timeout = timeout
+
+
+async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protocol:
+    timeout = pool.cluster_cfg.connect_timeout_ms / 1000
+    address = pool.endpoint.address
+    try:
+        async with asyncio.timeout(timeout):
+            _, conn = await pool.loop.create_connection(
+                lambda: protocol(pool), pool.host, pool.port)
+    except TimeoutError:
+        raise UpstreamConnectError(True, f"connect to {address} timed out") from None
+    except OSError as exc:
+        raise UpstreamConnectError(
+            False, f"connect to {address} failed: {exc.strerror or exc}") from None
+    return conn
 
 
 class Pool:
@@ -50,16 +66,7 @@ class Pool:
         return None
 
     async def connect(self) -> H1UpstreamConnection:
-        timeout = self.cluster_cfg.connect_timeout_ms / 1000
-        try:
-            async with asyncio.timeout(timeout):
-                _, conn = await self.loop.create_connection(
-                    lambda: H1UpstreamConnection(self), self.host, self.port)
-        except TimeoutError:
-            raise UpstreamConnectError(True, f"connect to {self.endpoint.address} timed out") from None
-        except OSError as exc:
-            raise UpstreamConnectError(
-                False, f"connect to {self.endpoint.address} failed: {exc.strerror or exc}") from None
+        conn = await open_connection(self, H1UpstreamConnection)
         self.opened += 1
         return conn
 
@@ -103,4 +110,73 @@ class Pool:
             self._sweep = None
         idle, self.idle = self.idle, []
         for conn in idle:
+            conn.close()
+
+
+class H2Pool:
+    """HTTP/2 endpoint: requests share connections as streams; a new connection is
+    opened only when every open one is at the peer's concurrent stream limit."""
+
+    __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "conns",
+                 "connecting", "opened", "reused", "closed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
+                 cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
+        self.loop = loop
+        self.endpoint = endpoint
+        self.host = endpoint.host
+        self.port = endpoint.port
+        self.cluster_cfg = cluster_cfg
+        self.max_head = http.max_header_bytes
+        self.conns: list[H2UpstreamConnection] = []
+        self.connecting: asyncio.Task | None = None
+        self.opened = 0
+        self.reused = 0
+        self.closed = False
+
+    def take(self) -> H2UpstreamStream | None:
+        for conn in reversed(self.conns):
+            stream = conn.open_stream()
+            if stream is not None:
+                self.reused += 1
+                return stream
+        return None
+
+    async def connect(self) -> H2UpstreamStream:
+        for _ in range(3):
+            task = self.connecting
+            if task is None:
+                task = self.connecting = self.loop.create_task(self._open())
+            try:
+                conn = await asyncio.shield(task)
+            finally:
+                if self.connecting is task and task.done():
+                    self.connecting = None
+            stream = conn.open_stream() or self.take()
+            if stream is not None:
+                return stream
+        raise UpstreamConnectError(False, f"{self.endpoint.address}: no HTTP/2 stream capacity")
+
+    async def _open(self) -> H2UpstreamConnection:
+        conn = await open_connection(self, H2UpstreamConnection)
+        self.opened += 1
+        if self.closed:
+            conn.close()
+            raise UpstreamConnectError(False, "cluster closed")
+        self.conns.append(conn)
+        return conn
+
+    def release(self, stream: H2UpstreamStream) -> None:
+        pass  # the stream is done; its connection stays in self.conns
+
+    def discard(self, conn: H2UpstreamConnection) -> None:
+        try:
+            self.conns.remove(conn)
+        except ValueError:
+            pass
+
+    def close(self) -> None:
+        self.closed = True
+        conns, self.conns = self.conns, []
+        for conn in conns:
             conn.close()

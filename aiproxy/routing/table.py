@@ -21,7 +21,8 @@ def host_without_port(host: bytes) -> bytes:
 
 
 class Route:
-    __slots__ = ("name", "cluster", "path", "path_prefix", "methods", "host", "headers")
+    __slots__ = ("name", "cluster", "path", "path_prefix", "methods", "host", "headers",
+                 "grpc_service", "grpc_method")
 
     def __init__(self, cfg: RouteConfig, cluster: Cluster) -> None:
         self.name = cfg.name
@@ -32,6 +33,8 @@ class Route:
         self.methods = frozenset(m.method) if m.method else None
         self.host = m.host
         self.headers = m.headers
+        self.grpc_service = m.grpc_service
+        self.grpc_method = m.grpc_method
 
     def matches(self, method: bytes, path: bytes, host: bytes | None, head: RequestHead) -> bool:
         if self.path_prefix is not None and not path.startswith(self.path_prefix):
@@ -44,6 +47,13 @@ class Route:
             return False
         for name, value in self.headers:
             if head.get(name) != value:
+                return False
+        if self.grpc_service is not None or self.grpc_method is not None:
+            # gRPC paths are /package.Service/Method.
+            service, _, method = path[1:].partition(b"/")
+            if self.grpc_service is not None and service != self.grpc_service:
+                return False
+            if self.grpc_method is not None and method != self.grpc_method:
                 return False
         return True
 

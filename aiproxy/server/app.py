@@ -6,10 +6,13 @@ import asyncio
 import logging
 import signal
 import socket
+import ssl
+from typing import Any
 
 import uvloop
 
-from aiproxy.config import Config
+from aiproxy.config import Config, ListenerConfig
+from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
 from aiproxy.server.runtime import Runtime
 
@@ -27,8 +30,9 @@ class ProxyServer:
 
     async def start(self) -> None:
         for listener in self.config.listeners:
+            factory, ctx = self._factory(listener)
             server = await self.loop.create_server(
-                lambda: H1Connection(self), listener.host, listener.port,
+                factory, listener.host, listener.port, ssl=ctx,
                 backlog=listener.backlog, reuse_address=True)
             self.servers.append(server)
             for sock in server.sockets:
@@ -52,6 +56,60 @@ class ProxyServer:
         self.runtime.close()
 
 
+    def _factory(self, listener: ListenerConfig) -> tuple[Any, ssl.SSLContext | None]:
+        protocols = listener.protocols
+        if listener.tls is not None:
+            ctx = tls_context(listener)
+            return (lambda: AlpnDispatch(self, protocols)), ctx
+        if protocols == ("h2c",):
+            return (lambda: H2ServerConnection(self)), None
+        h2c = "h2c" in protocols
+        return (lambda: H1Connection(self, h2c)), None
+
+
+def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
+    """TLS 1.2+ with ALPN from the listener's protocols (RFC 9113 9.2 cipher rules)."""
+    tls = listener.tls
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
+    ctx.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
+    ctx.load_cert_chain(tls.cert, tls.key)
+    if tls.ca:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(tls.ca)
+    alpn = []
+    if "h2" in listener.protocols:
+        alpn.append("h2")
+    if "http1" in listener.protocols:
+        alpn.append("http/1.1")
+    ctx.set_alpn_protocols(alpn)
+    return ctx
+
+
+class AlpnDispatch(asyncio.Protocol):
+    """Runs once the TLS handshake is done and hands the connection to HTTP/2 or
+    HTTP/1.1 by what ALPN chose (no ALPN means HTTP/1.1)."""
+
+    def __init__(self, server: ProxyServer, protocols: tuple[str, ...]) -> None:
+        self.server = server
+        self.protocols = protocols
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sslobj = transport.get_extra_info("ssl_object")
+        chosen = sslobj.selected_alpn_protocol() if sslobj is not None else None
+        proto: asyncio.Protocol
+        if chosen == "h2":
+            proto = H2ServerConnection(self.server, b"https")
+        elif "http1" in self.protocols:
+            proto = H1Connection(self.server)
+        else:
+            transport.close()
+            return
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+
+
 def _sockname(sock: socket.socket) -> str:
     name = sock.getsockname()
     host, port = name[0], name[1]
@@ -63,6 +121,10 @@ async def serve(config: Config) -> int:
     server = ProxyServer(config, loop)
     try:
         await server.start()
+    except ssl.SSLError as exc:
+        log.error("cannot load TLS certificate or key: %s", exc)
+        server.runtime.close()
+        return 1
     except OSError as exc:
         log.error("cannot bind listener: %s", exc)
         server.runtime.close()

@@ -1,0 +1,608 @@
+"""Downstream HTTP/2 (h2c prior knowledge, h2c upgrade, TLS with ALPN) on the h2 library.
+
+One protocol instance per client connection; each stream is an `H2Stream`, the
+downstream side of one Exchange. Flow control runs end to end: request DATA is
+acknowledged (WINDOW_UPDATE) only once it has been handed to the upstream, and
+response data beyond the client's window waits in the stream while the
+upstream is paused, so neither direction buffers without bound.
+
+Abuse handling (RFC 9113 and the known CVEs): excess concurrent streams are
+refused with RST_STREAM(REFUSED_STREAM) without killing the connection; client
+resets are budgeted (CVE-2023-44487 rapid reset) and a peer over budget gets
+GOAWAY(ENHANCE_YOUR_CALM); CONTINUATION floods hit h2's frame backlog limit and
+the header list size limit (CVE-2024-27316); a peer that does not read its
+socket while sending control frames is cut off once the write buffer passes a
+bound (ping/settings floods).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+from h2.errors import ErrorCodes
+from h2.stream import StreamClosedBy
+from hyperframe.frame import RstStreamFrame
+
+from aiproxy.pipeline.exchange import Exchange
+from aiproxy.protocols import replies
+from aiproxy.protocols.fields import F_HOP, H2RequestHead, MalformedHead
+from aiproxy.protocols.h1_upstream import BODY_NONE
+
+if TYPE_CHECKING:
+    from aiproxy.server.app import ProxyServer
+
+log = logging.getLogger("aiproxy.h2")
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+STREAM_WINDOW = 256 * 1024
+CONNECTION_WINDOW = 4 * 1024 * 1024
+OUT_HIGH = 256 * 1024       # buffered response bytes per stream before pausing the upstream
+WRITE_BUFFER_LIMIT = 8 * 1024 * 1024
+RESET_BUDGET = 200.0        # client stream resets allowed in a burst ...
+RESET_REFILL = 100.0        # ... and per second after it
+# The proxy's own errors for gRPC callers (https://grpc.github.io/grpc/core/md_doc_statuscodes.html).
+GRPC_STATUS = {400: 13, 401: 16, 403: 7, 404: 12, 408: 4, 413: 8, 429: 8, 431: 8,
+               501: 12, 502: 14, 503: 14, 504: 4}
+
+
+def grpc_status_for(status: int, code: str | None) -> int:
+    if code == "deadline_exceeded":
+        return 4
+    return GRPC_STATUS.get(status, 2)
+
+
+class _ServerH2(h2.connection.H2Connection):
+    """h2 with RFC 9113 5.1.2 as a stream error: a HEADERS frame over the concurrent
+    stream limit refuses that stream only (h2 itself would end the connection)."""
+
+    def _receive_headers_frame(self, frame: Any) -> tuple[list, list]:
+        sid = frame.stream_id
+        if (sid not in self.streams and sid % 2 == 1 and sid > self.highest_inbound_stream_id
+                and self.open_inbound_streams >= self.local_settings.max_concurrent_streams):
+            # Decode the block anyway: the HPACK table must stay in step with the peer.
+            h2.connection._decode_headers(self.decoder, frame.data)
+            self.highest_inbound_stream_id = sid
+            self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
+            rst = RstStreamFrame(sid)
+            rst.error_code = ErrorCodes.REFUSED_STREAM
+            return [rst], []
+        return super()._receive_headers_frame(frame)
+
+
+class H2ServerConnection(asyncio.Protocol):
+    def __init__(self, server: ProxyServer, scheme: bytes = b"http",
+                 upgrade: tuple[Any, bytes] | None = None) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.scheme = scheme
+        self.upgrade = upgrade
+        self.transport: asyncio.Transport | None = None
+        self.h2: _ServerH2 | None = None
+        self.streams: dict[int, H2Stream] = {}
+        self.peer = b""
+        self.writing_paused = False
+        self.closed = False
+        self.goaway_sent = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0
+        self.reset_budget = RESET_BUDGET
+        self.reset_at = 0.0
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport, data: bytes = b"") -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0].encode() if peer else b""
+        self.server.connections.add(self)
+        http = self.server.runtime.http
+        config = h2.config.H2Configuration(
+            client_side=False, header_encoding=None, validate_inbound_headers=True,
+            normalize_inbound_headers=True, validate_outbound_headers=False,
+            normalize_outbound_headers=False)
+        conn = _ServerH2(config=config)
+        conn.local_settings = h2.settings.Settings(client=False, initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: http.h2_max_concurrent_streams,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: http.max_header_bytes,
+            h2.settings.SettingCodes.ENABLE_PUSH: 0,
+        })
+        conn.decoder.max_header_list_size = http.max_header_bytes
+        self.h2 = conn
+        self.idle_since = self.reset_at = self.loop.time()
+        if self.upgrade is not None:
+            head, settings = self.upgrade
+            conn.initiate_upgrade_connection(settings)
+        else:
+            conn.initiate_connection()
+        conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+        self._flush()
+        self.timer = self.loop.call_later(self.server.runtime.min_timeout, self._on_timer)
+        if self.upgrade is not None:
+            self._start_stream(1, self.upgrade[0], True)
+            self.upgrade = None
+            self._flush()
+        if data:
+            self.data_received(data)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            self._connection_error(exc)
+            return
+        for event in events:
+            handler = _HANDLERS.get(type(event))
+            if handler is not None:
+                handler(self, event)
+            if self.closed:
+                return
+        self._flush()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.lost()
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+        for stream in list(self.streams.values()):
+            ex = stream.exchange
+            if ex is not None:
+                ex.on_client_pause_writing()
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        for stream in list(self.streams.values()):
+            stream.try_send()
+            ex = stream.exchange
+            if ex is not None and not stream.writing_paused:
+                ex.on_client_resume_writing()
+        self._flush()
+
+    # -- events -----------------------------------------------------------------------
+
+    def _on_request(self, ev: h2.events.RequestReceived) -> None:
+        if self.goaway_sent:
+            self.h2.reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
+            return
+        try:
+            head = H2RequestHead(ev.headers, bool(ev.stream_ended))
+        except MalformedHead as exc:
+            log.info("malformed HTTP/2 request on stream %d: %s", ev.stream_id, exc)
+            self.h2.reset_stream(ev.stream_id, ErrorCodes.PROTOCOL_ERROR)
+            return
+        self._start_stream(ev.stream_id, head, bool(ev.stream_ended))
+
+    def _start_stream(self, sid: int, head: Any, ended: bool) -> None:
+        stream = H2Stream(self, sid, head)
+        self.streams[sid] = stream
+        ex = Exchange(stream, head, self.loop.time())
+        stream.exchange = ex
+        ex.start()
+
+    def _on_data(self, ev: h2.events.DataReceived) -> None:
+        stream = self.streams.get(ev.stream_id)
+        if stream is None or stream.exchange is None or stream.exchange.finished:
+            self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            return
+        stream.on_data(ev.data, ev.flow_controlled_length)
+
+    def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
+        stream = self.streams.get(ev.stream_id)
+        if stream is not None and stream.exchange is not None:
+            stream.exchange.body_end()
+
+    def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
+        stream = self.streams.get(ev.stream_id)
+        if stream is not None:
+            stream.request_trailers = ev.headers
+
+    def _on_reset(self, ev: h2.events.StreamReset) -> None:
+        stream = self.streams.pop(ev.stream_id, None)
+        if stream is None:
+            return
+        now = self.loop.time()
+        self.reset_budget = min(RESET_BUDGET,
+                                self.reset_budget + (now - self.reset_at) * RESET_REFILL)
+        self.reset_at = now
+        self.reset_budget -= 1
+        stream.lost()
+        if self.reset_budget < 0:
+            log.warning("client %s reset streams too fast: GOAWAY", self.peer.decode())
+            self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
+
+    def _on_window(self, ev: h2.events.WindowUpdated) -> None:
+        if ev.stream_id == 0:
+            for stream in list(self.streams.values()):
+                stream.try_send()
+        else:
+            stream = self.streams.get(ev.stream_id)
+            if stream is not None:
+                stream.try_send()
+
+    def _on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+        if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in ev.changed_settings:
+            for stream in list(self.streams.values()):
+                stream.try_send()
+
+    def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
+        # The client is going away: streams it still counts on finish, nothing new starts.
+        self.goaway_sent = True
+        if not self.streams:
+            self.close()
+
+    # -- output and lifecycle --------------------------------------------------------------
+
+    def _flush(self) -> None:
+        if self.closed:
+            return
+        data = self.h2.data_to_send()
+        if data:
+            self.transport.write(data)
+            if self.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+                log.warning("client %s does not read its socket: closing", self.peer.decode())
+                self.close()
+
+    def _connection_error(self, exc: Exception) -> None:
+        code = getattr(exc, "error_code", None) or ErrorCodes.PROTOCOL_ERROR
+        log.info("HTTP/2 connection error from %s: %s", self.peer.decode(), exc)
+        self._goaway(code, close=True)
+
+    def _goaway(self, code: int, close: bool) -> None:
+        try:
+            self.h2.close_connection(error_code=code)
+        except h2.exceptions.ProtocolError:
+            pass
+        self.goaway_sent = True
+        self._flush()
+        if close:
+            self.close()
+
+    def stream_done(self, stream: H2Stream) -> None:
+        self.streams.pop(stream.sid, None)
+        if not self.streams:
+            self.idle_since = self.loop.time()
+            if self.goaway_sent or self.server.draining:
+                self.close()
+
+    def drain(self) -> None:
+        """Graceful stop: GOAWAY now, close once the streams in flight are done."""
+        if self.closed or self.goaway_sent:
+            return
+        self._goaway(ErrorCodes.NO_ERROR, close=not self.streams)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            self.transport.close()
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.closed:
+            return
+        rt = self.server.runtime
+        http = rt.http
+        now = self.loop.time()
+        left = rt.min_timeout
+        for stream in list(self.streams.values()):
+            ex = stream.exchange
+            if ex is not None and not ex.finished:
+                remaining = ex.check_deadline(now, http.body_timeout_ms / 1000)
+                if remaining is not None and remaining < left:
+                    left = remaining
+        self._flush()
+        if not self.streams and http.keepalive_timeout_ms:
+            idle = self.idle_since + http.keepalive_timeout_ms / 1000 - now
+            if idle <= 0:
+                self._goaway(ErrorCodes.NO_ERROR, close=True)
+                return
+            left = min(left, idle)
+        if not self.closed:
+            self.timer = self.loop.call_later(max(left, 0.001), self._on_timer)
+
+
+_HANDLERS = {
+    h2.events.RequestReceived: H2ServerConnection._on_request,
+    h2.events.DataReceived: H2ServerConnection._on_data,
+    h2.events.StreamEnded: H2ServerConnection._on_stream_ended,
+    h2.events.TrailersReceived: H2ServerConnection._on_trailers,
+    h2.events.StreamReset: H2ServerConnection._on_reset,
+    h2.events.WindowUpdated: H2ServerConnection._on_window,
+    h2.events.RemoteSettingsChanged: H2ServerConnection._on_settings,
+    h2.events.ConnectionTerminated: H2ServerConnection._on_terminated,
+}
+
+
+class H2Stream:
+    """One request/response on an HTTP/2 connection: the downstream of an Exchange."""
+
+    __slots__ = ("conn", "sid", "head", "exchange", "out", "out_size", "end_pending",
+                 "trailers_pending", "pause_mask", "unacked", "request_trailers", "done",
+                 "ended", "upstream_paused")
+
+    def __init__(self, conn: H2ServerConnection, sid: int, head: Any) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.head = head
+        self.exchange: Exchange | None = None
+        self.out: deque[bytes] = deque()
+        self.out_size = 0
+        self.end_pending = False
+        self.trailers_pending: list | None = None
+        self.pause_mask = 0
+        self.unacked = 0
+        self.request_trailers: list | None = None
+        self.done = False
+        self.ended = False
+        self.upstream_paused = False
+
+    # what the Exchange reads
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.conn.loop
+
+    @property
+    def server(self) -> ProxyServer:
+        return self.conn.server
+
+    @property
+    def peer(self) -> bytes:
+        return self.conn.peer
+
+    @property
+    def scheme(self) -> bytes:
+        return self.conn.scheme
+
+    @property
+    def writing_paused(self) -> bool:
+        return self.conn.writing_paused or self.out_size > OUT_HIGH
+
+    # -- request body flow control ---------------------------------------------------
+
+    def on_data(self, data: bytes, flow_len: int) -> None:
+        if self.pause_mask:
+            self.unacked += flow_len
+        else:
+            self.conn.h2.acknowledge_received_data(flow_len, self.sid)
+        self.exchange.body_data(data)
+
+    def pause(self, reason: int) -> None:
+        self.pause_mask |= reason
+
+    def resume(self, reason: int) -> None:
+        if self.pause_mask & reason:
+            self.pause_mask &= ~reason
+            if not self.pause_mask and self.unacked:
+                n, self.unacked = self.unacked, 0
+                self._ack(n)
+
+    def _ack(self, n: int) -> None:
+        conn = self.conn
+        if conn.closed:
+            return
+        try:
+            conn.h2.acknowledge_received_data(n, self.sid)
+        except h2.exceptions.ProtocolError:
+            return
+        conn._flush()
+
+    # -- response --------------------------------------------------------------------
+
+    def send_continue(self) -> None:
+        pass  # HTTP/2 clients send the body without waiting for 100
+
+    def send_informational(self, resp: Any) -> None:
+        self._headers([(b":status", b"%d" % resp.status), *resp.fields(F_HOP)], False)
+
+    def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
+        fields = [(b":status", b"%d" % resp.status), *resp.fields(F_HOP)]
+        if self.server.runtime.via_line:
+            fields.append((b"via", b"1.1 aiproxy"))
+        if mode == BODY_NONE:
+            # One HEADERS frame with END_STREAM: keeps a gRPC trailers-only response one.
+            self._headers(fields, True)
+            self.ended = True
+        else:
+            self._headers(fields, False)
+        return True
+
+    def send_body(self, data: bytes) -> None:
+        if self.ended or self.done:
+            return
+        if self.out:
+            self.out.append(data)
+            self.out_size += len(data)
+        else:
+            self._send(data)
+        if self.out_size > OUT_HIGH and not self.upstream_paused and self.exchange is not None:
+            self.upstream_paused = True
+            self.exchange.on_client_pause_writing()
+        self.conn._flush()
+
+    def flush(self) -> None:
+        self.conn._flush()
+
+    def send_end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
+        if self.ended or self.done:
+            return
+        if self.out:
+            self.end_pending = True
+            self.trailers_pending = trailers
+            return
+        self._end(trailers)
+
+    def send_error(self, ex: Exchange, status: int, message: str, code: str | None) -> bool:
+        if self.ended or self.done:
+            return True
+        if ex.grpc:
+            # gRPC callers get a trailers-only response, never an HTTP error page.
+            self._headers([(b":status", b"200"), (b"content-type", b"application/grpc"),
+                           (b"grpc-status", b"%d" % grpc_status_for(status, code)),
+                           (b"grpc-message", quote(message).encode())], True)
+            self.ended = True
+            self.conn._flush()
+            return True
+        body = replies.error_body(status, code, message)
+        self._headers([(b":status", b"%d" % status), (b"content-type", b"application/json"),
+                       (b"content-length", b"%d" % len(body)), (b"server", replies.SERVER)],
+                      ex.method == b"HEAD")
+        if ex.method == b"HEAD":
+            self.ended = True
+            self.conn._flush()
+        else:
+            self.send_body(body)
+            self.send_end(None)
+        return True
+
+    def abort_response(self, code: int = ErrorCodes.INTERNAL_ERROR) -> None:
+        self.out.clear()
+        self.out_size = 0
+        self._reset(code)
+        self._finish()
+
+    def close(self) -> None:
+        self.abort_response(ErrorCodes.CANCEL)
+
+    def exchange_done(self, ex: Exchange, keep_alive: bool) -> None:
+        if self.ended:
+            self._finish()
+
+    def start_tunnel(self, resp: Any, upgrade: bytes) -> None:  # pragma: no cover
+        self.abort_response()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _headers(self, fields: list[tuple[bytes, bytes]], end: bool) -> None:
+        conn = self.conn
+        if conn.closed:
+            return
+        try:
+            conn.h2.send_headers(self.sid, fields, end_stream=end)
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as exc:
+            log.info("cannot send headers on stream %d: %s", self.sid, exc)
+            self._finish()
+            return
+        conn._flush()
+
+    def _send(self, data: bytes) -> None:
+        conn = self.conn
+        if conn.closed:
+            return
+        h2c = conn.h2
+        try:
+            window = 0 if conn.writing_paused else h2c.local_flow_control_window(self.sid)
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
+            self._finish()
+            return
+        frame = h2c.max_outbound_frame_size
+        view = memoryview(data)
+        n = len(view)
+        off = 0
+        while off < n and window > 0:
+            size = min(n - off, window, frame)
+            h2c.send_data(self.sid, view[off:off + size])
+            off += size
+            window -= size
+        if off < n:
+            rest = bytes(view[off:])
+            self.out.append(rest)
+            self.out_size += len(rest)
+
+    def try_send(self) -> None:
+        """Send what waited for window; finish the stream if its end was waiting too."""
+        if self.done:
+            return
+        out = self.out
+        while out:
+            data = out.popleft()
+            self.out_size -= len(data)
+            before = len(out)
+            self._send(data)
+            if len(out) > before:
+                # _send appended the unsent rest at the back: put it first again.
+                out.rotate(1)
+                break
+        if not out and self.end_pending:
+            self.end_pending = False
+            self._end(self.trailers_pending)
+        if self.upstream_paused and self.out_size <= OUT_HIGH // 2:
+            self.upstream_paused = False
+            if self.exchange is not None:
+                self.exchange.on_client_resume_writing()
+        self.conn._flush()
+
+    def _end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
+        conn = self.conn
+        if conn.closed:
+            return
+        try:
+            if trailers:
+                conn.h2.send_headers(self.sid, trailers, end_stream=True)
+            else:
+                conn.h2.end_stream(self.sid)
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as exc:
+            log.info("cannot end stream %d: %s", self.sid, exc)
+        self.ended = True
+        ex = self.exchange
+        if ex is None or ex.finished:
+            self._finish()
+        conn._flush()
+
+    def _reset(self, code: int) -> None:
+        conn = self.conn
+        if conn.closed or self.done:
+            return
+        try:
+            conn.h2.reset_stream(self.sid, code)
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
+            pass
+        conn._flush()
+
+    def _finish(self) -> None:
+        if self.done:
+            return
+        ex = self.exchange
+        if ex is not None and not ex.req_done and self.ended:
+            # RFC 9113 8.1: a complete response may end the request early.
+            self._reset(ErrorCodes.NO_ERROR)
+        self.done = True
+        self.conn.stream_done(self)
+
+    def lost(self) -> None:
+        """The client reset the stream or the connection went away."""
+        self.done = True
+        ex = self.exchange
+        if ex is not None:
+            ex.on_client_lost()
+
+
+def is_preface(data: bytes | bytearray) -> bool:
+    return data[:len(PREFACE)] == PREFACE
+
+
+def preface_pending(data: bytes | bytearray) -> bool:
+    """True while data could still become the HTTP/2 connection preface."""
+    return len(data) < len(PREFACE) and PREFACE.startswith(bytes(data))
+
+

@@ -1,0 +1,399 @@
+"""HTTP/2 client side (h2c prior knowledge): one multiplexed connection per endpoint.
+
+Each proxied request is an `H2UpstreamStream`, the upstream side of one Exchange.
+Trailers (gRPC's grpc-status/grpc-message) travel back with the end of the
+stream; flow control is end to end as on the server side: response DATA is
+acknowledged only while the client keeps up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+from h2.errors import ErrorCodes
+
+from aiproxy.protocols.fields import H2ResponseHead, MalformedHead
+from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE
+
+if TYPE_CHECKING:
+    from aiproxy.routing.pool import H2Pool
+
+log = logging.getLogger("aiproxy.h2.upstream")
+
+STREAM_WINDOW = 1024 * 1024
+CONNECTION_WINDOW = 8 * 1024 * 1024
+OUT_HIGH = 256 * 1024
+
+
+class H2UpstreamConnection(asyncio.Protocol):
+    def __init__(self, pool: H2Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.h2: h2.connection.H2Connection | None = None
+        self.streams: dict[int, H2UpstreamStream] = {}
+        self.closed = False
+        self.goaway = False
+        self.writing_paused = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        config = h2.config.H2Configuration(
+            client_side=True, header_encoding=None, validate_inbound_headers=True,
+            normalize_inbound_headers=True, validate_outbound_headers=False,
+            normalize_outbound_headers=False)
+        conn = h2.connection.H2Connection(config=config)
+        conn.local_settings = h2.settings.Settings(client=True, initial_values={
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            h2.settings.SettingCodes.ENABLE_PUSH: 0,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: self.pool.max_head,
+        })
+        conn.decoder.max_header_list_size = self.pool.max_head
+        conn.initiate_connection()
+        conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
+        self.h2 = conn
+        self.flush()
+
+    # -- streams ---------------------------------------------------------------------
+
+    def available(self) -> bool:
+        if self.closed or self.goaway or self.transport is None or self.transport.is_closing():
+            return False
+        return len(self.streams) < self.h2.remote_settings.max_concurrent_streams
+
+    def open_stream(self) -> H2UpstreamStream | None:
+        if not self.available():
+            return None
+        return H2UpstreamStream(self)
+
+    def flush(self) -> None:
+        if not self.closed:
+            data = self.h2.data_to_send()
+            if data:
+                self.transport.write(data)
+
+    def stream_done(self, stream: H2UpstreamStream) -> None:
+        self.streams.pop(stream.sid, None)
+        if not self.streams:
+            self.idle_since = self.pool.loop.time()
+            if self.goaway:
+                self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
+    # -- asyncio.Protocol -----------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            log.warning("HTTP/2 protocol error from upstream %s: %s",
+                        self.pool.endpoint.address, exc)
+            try:
+                self.h2.close_connection(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR))
+            except h2.exceptions.ProtocolError:
+                pass
+            self.flush()
+            self._fail_all("upstream_bad_response", f"HTTP/2 protocol error: {exc}")
+            self.close()
+            return
+        for event in events:
+            sid = getattr(event, "stream_id", 0)
+            stream = self.streams.get(sid) if sid else None
+            kind = type(event)
+            if kind is h2.events.DataReceived:
+                if stream is None or stream.paused:
+                    if stream is not None:
+                        stream.unacked += event.flow_controlled_length
+                    else:
+                        self.h2.acknowledge_received_data(event.flow_controlled_length, sid)
+                else:
+                    self.h2.acknowledge_received_data(event.flow_controlled_length, sid)
+                if stream is not None:
+                    stream.on_data(event.data)
+            elif kind is h2.events.ResponseReceived:
+                if stream is not None:
+                    stream.on_head(event.headers, bool(event.stream_ended))
+            elif kind is h2.events.InformationalResponseReceived:
+                if stream is not None:
+                    stream.on_informational(event.headers)
+            elif kind is h2.events.TrailersReceived:
+                if stream is not None:
+                    stream.trailers = event.headers
+            elif kind is h2.events.StreamEnded:
+                if stream is not None:
+                    stream.on_end()
+            elif kind is h2.events.StreamReset:
+                if stream is not None:
+                    stream.on_reset(event.error_code)
+            elif kind is h2.events.WindowUpdated:
+                if sid == 0:
+                    for s in list(self.streams.values()):
+                        s.try_send()
+                elif stream is not None:
+                    stream.try_send()
+            elif kind is h2.events.RemoteSettingsChanged:
+                for s in list(self.streams.values()):
+                    s.try_send()
+            elif kind is h2.events.ConnectionTerminated:
+                self.goaway = True
+                last = event.last_stream_id if event.last_stream_id is not None else 0
+                for s in list(self.streams.values()):
+                    if s.sid > last:
+                        # Never processed by the upstream: safe to retry elsewhere.
+                        s.fail(503, "upstream_goaway", "upstream sent GOAWAY")
+                self.pool.discard(self)
+        self.flush()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.discard(self)
+        reason = "upstream closed the connection" if exc is None else f"upstream connection lost: {exc}"
+        self._fail_all("upstream_reset", reason)
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for stream in list(self.streams.values()):
+            stream.fail(502, code, message)
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        for stream in list(self.streams.values()):
+            stream.try_send()
+        self.flush()
+
+
+class H2UpstreamStream:
+    """The upstream side of one Exchange over a shared HTTP/2 connection."""
+
+    __slots__ = ("conn", "sid", "exchange", "out", "out_size", "end_pending", "paused",
+                 "unacked", "received", "trailers", "done", "ended_local", "body_paused")
+
+    def __init__(self, conn: H2UpstreamConnection) -> None:
+        self.conn = conn
+        self.sid = 0
+        self.exchange: Any = None
+        self.out: deque[bytes] = deque()
+        self.out_size = 0
+        self.end_pending = False
+        self.paused = False
+        self.unacked = 0
+        self.received = False
+        self.trailers: list | None = None
+        self.done = False
+        self.ended_local = False
+        self.body_paused = False
+
+    # -- driven by the exchange ----------------------------------------------------------
+
+    def start(self, exchange: Any) -> None:
+        conn = self.conn
+        self.exchange = exchange
+        self.sid = conn.h2.get_next_available_stream_id()
+        conn.streams[self.sid] = self
+        try:
+            conn.h2.send_headers(self.sid, exchange.h2_request_headers(conn.pool))
+        except h2.exceptions.ProtocolError as exc:
+            self.fail(503, "upstream_overloaded", f"cannot open an upstream stream: {exc}")
+            return
+        conn.flush()
+
+    def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:
+        for piece in pieces:
+            if self.out:
+                self.out.append(piece)
+                self.out_size += len(piece)
+            else:
+                self._send(piece)
+        if self.out_size > OUT_HIGH and not self.body_paused and self.exchange is not None:
+            self.body_paused = True
+            self.exchange.on_upstream_pause_writing()
+        self.conn.flush()
+
+    def end_body(self) -> None:
+        if self.done or self.ended_local:
+            return
+        if self.out:
+            self.end_pending = True
+            return
+        self._end()
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.unacked and not self.conn.closed:
+                n, self.unacked = self.unacked, 0
+                try:
+                    self.conn.h2.acknowledge_received_data(n, self.sid)
+                except h2.exceptions.ProtocolError:
+                    pass
+                self.conn.flush()
+
+    def usable(self) -> bool:
+        return False  # a stream carries one exchange; the connection is what is shared
+
+    def abort(self) -> None:
+        self._reset(ErrorCodes.CANCEL)
+
+    def close(self) -> None:
+        if not self.done:
+            self._reset(ErrorCodes.CANCEL)
+
+    def tunnel_write(self, data: bytes) -> None:  # pragma: no cover - no Upgrade over h2
+        pass
+
+    def tunnel_eof(self) -> bool:  # pragma: no cover
+        return False
+
+    # -- connection events ---------------------------------------------------------------
+
+    def on_head(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        self.received = True
+        ex = self.exchange
+        if ex is None:
+            return
+        try:
+            resp = H2ResponseHead(headers)
+        except MalformedHead as exc:
+            self._reset(ErrorCodes.PROTOCOL_ERROR)
+            ex.on_upstream_failed(502, "upstream_bad_response", str(exc))
+            return
+        if ended:
+            mode = BODY_NONE
+        elif resp.content_length >= 0:
+            mode = BODY_LENGTH
+        else:
+            mode = BODY_UNTIL_CLOSE
+        ex.on_upstream_head(resp, mode)
+
+    def on_informational(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self.received = True
+        if self.exchange is None:
+            return
+        try:
+            self.exchange.on_upstream_informational(H2ResponseHead(headers))
+        except MalformedHead:
+            pass
+
+    def on_data(self, data: bytes) -> None:
+        self.received = True
+        if self.exchange is not None and data:
+            self.exchange.on_upstream_body(data)
+
+    def on_end(self) -> None:
+        ex = self.exchange
+        self.exchange = None
+        self.done = True
+        self.conn.stream_done(self)
+        if ex is not None:
+            ex.on_upstream_end(self.trailers)
+
+    def on_reset(self, code: int) -> None:
+        ex = self.exchange
+        self.exchange = None
+        self.done = True
+        self.conn.stream_done(self)
+        if ex is None:
+            return
+        if code == ErrorCodes.REFUSED_STREAM:
+            ex.on_upstream_failed(503, "upstream_refused_stream", "upstream refused the stream")
+        else:
+            ex.on_upstream_failed(502, "upstream_reset",
+                                  f"upstream reset the stream ({ErrorCodes(code).name})"
+                                  if code in ErrorCodes._value2member_map_
+                                  else f"upstream reset the stream ({code})")
+
+    def fail(self, status: int, code: str, message: str) -> None:
+        ex = self.exchange
+        self.exchange = None
+        self.done = True
+        self.conn.stream_done(self)
+        if ex is not None:
+            ex.on_upstream_failed(status, code, message)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _send(self, data: bytes) -> None:
+        conn = self.conn
+        if conn.closed or self.done:
+            return
+        h2c = conn.h2
+        try:
+            window = 0 if conn.writing_paused else h2c.local_flow_control_window(self.sid)
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
+            return
+        frame = h2c.max_outbound_frame_size
+        view = memoryview(data)
+        n = len(view)
+        off = 0
+        while off < n and window > 0:
+            size = min(n - off, window, frame)
+            h2c.send_data(self.sid, view[off:off + size])
+            off += size
+            window -= size
+        if off < n:
+            rest = bytes(view[off:])
+            self.out.append(rest)
+            self.out_size += len(rest)
+
+    def try_send(self) -> None:
+        out = self.out
+        while out and not self.done:
+            data = out.popleft()
+            self.out_size -= len(data)
+            before = len(out)
+            self._send(data)
+            if len(out) > before:
+                out.rotate(1)
+                break
+        if not out and self.end_pending:
+            self.end_pending = False
+            self._end()
+        if self.body_paused and self.out_size <= OUT_HIGH // 2 and self.exchange is not None:
+            self.body_paused = False
+            self.exchange.on_upstream_resume_writing()
+
+    def _end(self) -> None:
+        conn = self.conn
+        if conn.closed or self.done:
+            return
+        try:
+            conn.h2.end_stream(self.sid)
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
+            return
+        self.ended_local = True
+        conn.flush()
+
+    def _reset(self, code: int) -> None:
+        conn = self.conn
+        if self.done:
+            return
+        self.done = True
+        self.exchange = None
+        if not conn.closed and self.sid:
+            try:
+                conn.h2.reset_stream(self.sid, code)
+            except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
+                pass
+            conn.flush()
+        conn.stream_done(self)
