@@ -5,6 +5,7 @@ from .describe import summary
 from .errors import ConfigError, Problem
 from .loader import BALANCERS, PROTOCOLS, load_config, load_config_text
 from .schema import (
+    AccessLogConfig,
     AdminConfig,
     ClusterConfig,
     Config,
@@ -18,6 +19,7 @@ from .schema import (
 )
 
 __all__ = [
+    "AccessLogConfig",
     "BALANCERS",
     "PROTOCOLS",
     "AdminConfig",

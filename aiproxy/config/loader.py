@@ -16,6 +16,7 @@ from .errors import ConfigError, Problem
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
 from .schema import (
+    AccessLogConfig,
     AdminConfig,
     ClusterConfig,
     Config,
@@ -32,7 +33,7 @@ PROTOCOLS = ("http1", "h2c", "h2")
 UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin",)
 
-_TOP_KEYS = ("server", "http", "listeners", "admin", "clusters", "routes")
+_TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes")
 _LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls")
 _TLS_KEYS = ("cert", "key", "ca")
 _ENDPOINT_KEYS = ("address", "weight")
@@ -237,6 +238,7 @@ class _Checker:
             http=HttpConfig(**self.scalars(HttpConfig, http or {}, ("http",))),
             listeners=listeners,
             admin=self.admin(data, listeners),
+            access_log=self.access_log(data),
             clusters=clusters,
             routes=self.routes(data, cluster_names),
         )
@@ -334,9 +336,10 @@ class _Checker:
     def admin(
         self, data: dict[str, Any], listeners: tuple[ListenerConfig, ...]
     ) -> AdminConfig | None:
-        table = self.section(data, "admin", ("address",))
+        table = self.section(data, "admin", ("address", "token"))
         if table is None:
             return None
+        token = self.get(table, ("admin",), "token", "string")
         address = self.address(table, ("admin",))
         if address is None:
             return None
@@ -346,7 +349,18 @@ class _Checker:
                     ("admin", "address"),
                     f"address '{address[0]}' is already used by listener '{listener.name}'",
                 )
-        return AdminConfig(*address)
+        return AdminConfig(*address, token=token or None)
+
+    def access_log(self, data: dict[str, Any]) -> AccessLogConfig:
+        table = self.section(data, "access_log", _field_names(AccessLogConfig))
+        if table is None:
+            return AccessLogConfig()
+        path = self.get(table, ("access_log",), "path", "string")
+        extra = self.scalars(AccessLogConfig, table, ("access_log",))
+        if path is not None and not path:
+            self.error(("access_log", "path"), 'must not be empty (use "-" or "off")')
+            path = None
+        return AccessLogConfig(path=path if path is not None else "-", **extra)
 
     def clusters(self, data: dict[str, Any]) -> tuple[tuple[ClusterConfig, ...], list[str]]:
         """Valid clusters, plus every cluster name given (so routes can refer to broken ones)."""

@@ -36,6 +36,7 @@ class HttpConfig:
     x_forwarded: bool = True
     via: bool = True
     h2_max_concurrent_streams: int = _bounded(100, 1, 10_000)
+    server_timing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,15 @@ class AdminConfig:
     address: str
     host: str
     port: int
+    token: str | None = None  # bearer token the admin API asks for (redacted in GET /config)
+
+
+@dataclass(frozen=True, slots=True)
+class AccessLogConfig:
+    """One JSON line per request: path "-" is stderr, "off" turns it off."""
+
+    path: str = "-"
+    flush_interval_ms: int = _bounded(200, 10, 60_000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +127,7 @@ class Config:
     http: HttpConfig = field(default_factory=HttpConfig)
     listeners: tuple[ListenerConfig, ...] = ()
     admin: AdminConfig | None = None
+    access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     clusters: tuple[ClusterConfig, ...] = ()
     routes: tuple[RouteConfig, ...] = ()
 

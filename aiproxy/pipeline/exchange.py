@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError
@@ -80,6 +81,8 @@ class Exchange:
         "path", "up_target", "host_line", "head_sent", "finished", "keep_alive",
         "status", "resp_bytes", "activity", "body_activity", "req_done_at", "tunnel",
         "tunnel_up_eof", "t_start", "grpc", "deadline_at", "up_chunked",
+        "t_parsed", "t_routed", "t_connect", "t_connected", "t_sent", "t_first", "reported",
+        "client_lost", "t_start_pc",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -122,6 +125,16 @@ class Exchange:
         self.grpc = False
         self.deadline_at = INFINITY
         self.up_chunked = False
+        # Stage stamps use perf_counter: the loop clock has millisecond resolution.
+        self.t_parsed = perf_counter()
+        self.t_start_pc = self.t_parsed - max(0.0, self.loop.time() - now)
+        self.t_routed = 0.0
+        self.t_connect = 0.0
+        self.t_connected = 0.0
+        self.t_sent = 0.0
+        self.t_first = 0.0
+        self.reported = False
+        self.client_lost = False
 
     # -- request side -------------------------------------------------------------
 
@@ -161,6 +174,7 @@ class Exchange:
         if pool is None:
             return self.local_reply(503, f"cluster {route.cluster.name!r} has no endpoints",
                                     "no_healthy_upstream")
+        self.t_routed = perf_counter()
         if head.expect_continue and self.reading_body:
             self.down.send_continue()
         self._use(pool)
@@ -370,6 +384,7 @@ class Exchange:
         if up is not None:
             self._attach(up, True)
         else:
+            self.t_connect = perf_counter()
             self.connect_task = self.loop.create_task(self._connect(pool))
 
     async def _connect(self, pool: Pool) -> None:
@@ -381,6 +396,7 @@ class Exchange:
                 self._connect_failed(pool, exc)
             return
         self.connect_task = None
+        self.t_connected = perf_counter()
         if self.finished:
             pool.release(up)
             return
@@ -407,6 +423,7 @@ class Exchange:
     def _attach(self, up: Any, reused: bool) -> None:
         self.upstream = up
         self.reused = reused
+        self.t_sent = perf_counter()
         up.start(self)
         if self.pending:
             up.send_body(self.pending)
@@ -464,6 +481,7 @@ class Exchange:
         self.status = resp.status
         self.head_sent = True
         self.activity = self.loop.time()
+        self.t_first = perf_counter()
         if mode == BODY_TUNNEL:
             return self._start_tunnel(resp)
         self.keep_alive = self.down.send_response(self, resp, mode)
@@ -527,8 +545,10 @@ class Exchange:
     def on_client_lost(self) -> None:
         if self.finished:
             return
+        self.client_lost = True
         self.finished = True
         self._drop_upstream()
+        self._report()
 
     # -- tunnel (Upgrade) -------------------------------------------------------------
 
@@ -564,6 +584,7 @@ class Exchange:
         up = self.upstream
         self.upstream = None
         self.finished = True
+        self._report()
         if up is not None:
             up.close()
         self.down.close()
@@ -571,6 +592,7 @@ class Exchange:
     def on_upstream_tunnel_closed(self) -> None:
         self.upstream = None
         self.finished = True
+        self._report()
         self.down.close()
 
     # -- endings --------------------------------------------------------------------
@@ -602,11 +624,30 @@ class Exchange:
         if self.finished:
             return
         self.finished = True
+        self._report()
         self.down.exchange_done(self, keep_alive)
 
     def _abort(self) -> None:
         if self.finished:
             return
         self.finished = True
+        self._report()
         self._drop_upstream()
         self.down.abort_response()
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per stage, for metrics, the access log and Server-Timing."""
+        out = {"accept_to_headers": self.t_parsed - self.t_start_pc,
+               "total": perf_counter() - self.t_start_pc}
+        if self.t_routed:
+            out["route_decision"] = self.t_routed - self.t_parsed
+        if self.t_connected:
+            out["upstream_connect"] = self.t_connected - self.t_connect
+        if self.t_first and self.t_sent:
+            out["upstream_ttfb"] = self.t_first - self.t_sent
+        return out
+
+    def _report(self) -> None:
+        if not self.reported:
+            self.reported = True
+            self.down.server.telemetry.exchange_done(self)

@@ -127,6 +127,7 @@ class H1UpstreamConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.pool.open_count += 1
 
     def data_received(self, data: bytes) -> None:
         state = self.state
@@ -154,6 +155,7 @@ class H1UpstreamConnection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.pool.open_count -= 1
         state = self.state
         self.state = _CLOSED
         self.broken = True

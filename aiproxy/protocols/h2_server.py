@@ -36,6 +36,7 @@ from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import replies
 from aiproxy.protocols.fields import F_HOP, H2RequestHead, MalformedHead
 from aiproxy.protocols.h1_upstream import BODY_NONE
+from aiproxy.telemetry.recorder import server_timing
 
 if TYPE_CHECKING:
     from aiproxy.server.app import ProxyServer
@@ -417,8 +418,11 @@ class H2Stream:
 
     def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
         fields = [(b":status", b"%d" % resp.status), *resp.fields(F_HOP)]
-        if self.server.runtime.via_line:
+        rt = self.server.runtime
+        if rt.via_line:
             fields.append((b"via", b"1.1 aiproxy"))
+        if rt.http.server_timing:
+            fields.append((b"server-timing", server_timing(ex)))
         if mode == BODY_NONE:
             # One HEADERS frame with END_STREAM: keeps a gRPC trailers-only response one.
             self._headers(fields, True)

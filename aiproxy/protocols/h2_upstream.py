@@ -46,6 +46,7 @@ class H2UpstreamConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.pool.open_count += 1
         config = h2.config.H2Configuration(
             client_side=True, header_encoding=None, validate_inbound_headers=True,
             normalize_inbound_headers=True, validate_outbound_headers=False,
@@ -161,6 +162,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.pool.open_count -= 1
         self.closed = True
         self.pool.discard(self)
         reason = "upstream closed the connection" if exc is None else f"upstream connection lost: {exc}"

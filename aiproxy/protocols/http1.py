@@ -18,6 +18,7 @@ from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_server, replies
 from aiproxy.protocols.fields import H2RequestHead, MalformedHead
 from aiproxy.protocols.h1_upstream import BODY_NONE
+from aiproxy.telemetry.recorder import server_timing
 
 if TYPE_CHECKING:
     from aiproxy.server.app import ProxyServer
@@ -301,6 +302,8 @@ class H1Connection(asyncio.Protocol):
                 extra.append(b"Transfer-Encoding: chunked\r\n")
             else:
                 keep = False  # HTTP/1.0 client: the end of the body is the close
+        if rt.http.server_timing:
+            extra.append(b"Server-Timing: " + server_timing(ex) + CRLF)
         if not keep:
             extra.append(b"Connection: close\r\n")
         elif head.version < 11:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from aiproxy.config import ClusterConfig, HttpConfig
+from aiproxy.config import ClusterConfig, Endpoint, HttpConfig
 from aiproxy.routing.pool import H2Pool, Pool
+
+
+def pool_key(cfg: ClusterConfig, endpoint: Endpoint) -> tuple:
+    """Pools are shared across reloads by cluster, protocol and endpoint address."""
+    return (cfg.name, cfg.protocol, endpoint.host, endpoint.port)
 
 
 class Cluster:
@@ -13,12 +18,20 @@ class Cluster:
 
     __slots__ = ("name", "cfg", "pools", "_weights", "_current", "_total")
 
-    def __init__(self, cfg: ClusterConfig, http: HttpConfig,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, cfg: ClusterConfig, http: HttpConfig, loop: asyncio.AbstractEventLoop,
+                 reuse: dict[tuple, Pool | H2Pool] | None = None) -> None:
         self.name = cfg.name
         self.cfg = cfg
         pool_type = H2Pool if cfg.protocol == "h2" else Pool
-        self.pools = [pool_type(loop, ep, cfg, http) for ep in cfg.endpoints]
+        self.pools = []
+        for ep in cfg.endpoints:
+            pool = (reuse or {}).pop(pool_key(cfg, ep), None)
+            if pool is None:
+                pool = pool_type(loop, ep, cfg, http)
+            else:
+                pool.cluster_cfg = cfg  # timeouts and limits follow the new config
+                pool.endpoint = ep
+            self.pools.append(pool)
         self._weights = [ep.weight for ep in cfg.endpoints]
         self._current = [0] * len(self.pools)
         self._total = sum(self._weights)

@@ -38,7 +38,7 @@ class Pool:
     """Idle connections are reused most-recent-first so the oldest age out."""
 
     __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "max_headers",
-                 "idle", "_sweep", "opened", "reused", "closed")
+                 "idle", "_sweep", "opened", "reused", "closed", "open_count")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
@@ -53,6 +53,7 @@ class Pool:
         self._sweep: asyncio.TimerHandle | None = None
         self.opened = 0
         self.reused = 0
+        self.open_count = 0
         self.closed = False
 
     def take(self) -> H1UpstreamConnection | None:
@@ -118,7 +119,7 @@ class H2Pool:
     opened only when every open one is at the peer's concurrent stream limit."""
 
     __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "conns",
-                 "connecting", "opened", "reused", "closed")
+                 "connecting", "opened", "reused", "closed", "open_count")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
@@ -132,6 +133,7 @@ class H2Pool:
         self.connecting: asyncio.Task | None = None
         self.opened = 0
         self.reused = 0
+        self.open_count = 0
         self.closed = False
 
     def take(self) -> H2UpstreamStream | None:

@@ -1,4 +1,4 @@
-"""Process lifecycle: bind listeners, serve, stop gracefully on SIGTERM/SIGINT."""
+"""Process lifecycle: bind listeners, serve, reload on SIGHUP, stop gracefully on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -7,14 +7,21 @@ import logging
 import signal
 import socket
 import ssl
+import time
 from typing import Any
 
 import uvloop
 
-from aiproxy.config import Config, ListenerConfig
+from aiproxy.admin.server import AdminServer
+from aiproxy.config import Config, ConfigError, ListenerConfig, load_config
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
+from aiproxy.server import sd_notify
 from aiproxy.server.runtime import Runtime
+from aiproxy.telemetry.access_log import AccessLog
+from aiproxy.telemetry.access_log import resolve as resolve_log_path
+from aiproxy.telemetry.metrics import Metrics
+from aiproxy.telemetry.recorder import Telemetry
 
 log = logging.getLogger("aiproxy.server")
 
@@ -24,9 +31,16 @@ class ProxyServer:
         self.loop = loop
         self.config = config
         self.runtime = Runtime(config, loop)
-        self.connections: set[H1Connection] = set()
+        self.connections: set[Any] = set()
         self.draining = False
         self.servers: list[asyncio.Server] = []
+        self.metrics = Metrics()
+        path = resolve_log_path(config.access_log.path, config.source)
+        self.access_log = (AccessLog(path, loop, config.access_log.flush_interval_ms / 1000)
+                           if path is not None else None)
+        self.telemetry = Telemetry(self.metrics, self.access_log)
+        self.admin: AdminServer | None = None
+        self.reload_lock = asyncio.Lock()
 
     async def start(self) -> None:
         for listener in self.config.listeners:
@@ -37,6 +51,46 @@ class ProxyServer:
             self.servers.append(server)
             for sock in server.sockets:
                 log.info("listener %s on %s", listener.name, _sockname(sock))
+        admin = self.config.admin
+        if admin is not None:
+            self.admin = AdminServer(self)
+            await self.admin.start(admin.host, admin.port)
+            log.info("admin API on %s", admin.address)
+
+    async def reload(self) -> tuple[bool, str]:
+        """Re-read the config file; swap the runtime only if it is valid.
+
+        Requests in flight finish on the runtime they started with; pools of
+        endpoints the new config keeps carry over with their connections."""
+        async with self.reload_lock:
+            sd_notify.reloading()
+            try:
+                config = await self.loop.run_in_executor(None, load_config, self.config.source)
+            except ConfigError as exc:
+                self.metrics.reload_failures += 1
+                self.metrics.last_reload_ok = 0
+                log.error("reload rejected, keeping the running config:\n%s", exc)
+                sd_notify.notify("READY=1")
+                return False, str(exc)
+            notes = []
+            if config.listeners != self.config.listeners or config.admin != self.config.admin:
+                notes.append("listener and admin changes take effect on restart")
+                log.warning("reload: %s", notes[-1])
+            old = self.runtime
+            self.runtime = Runtime(config, self.loop, previous=old)
+            self.config = config
+            old.retire(self.runtime)
+            self.metrics.reloads += 1
+            self.metrics.last_reload_ok = 1
+            self.metrics.last_reload_time = time.time()
+            log.info("config reloaded (%d routes, %d clusters)", len(config.routes),
+                     len(config.clusters))
+            sd_notify.notify("READY=1")
+            return True, "; ".join(notes) or "ok"
+
+    def reopen_logs(self) -> None:
+        if self.access_log is not None:
+            self.access_log.reopen()
 
     async def stop(self, timeout: float) -> None:
         """Stop accepting, let in-flight requests finish (bounded), then close."""
@@ -53,8 +107,11 @@ class ProxyServer:
             for conn in list(self.connections):
                 if conn.transport is not None:
                     conn.transport.abort()
+        if self.admin is not None:
+            await self.admin.stop()
         self.runtime.close()
-
+        if self.access_log is not None:
+            self.access_log.close()
 
     def _factory(self, listener: ListenerConfig) -> tuple[Any, ssl.SSLContext | None]:
         protocols = listener.protocols
@@ -123,19 +180,33 @@ async def serve(config: Config) -> int:
         await server.start()
     except ssl.SSLError as exc:
         log.error("cannot load TLS certificate or key: %s", exc)
-        server.runtime.close()
+        await server.stop(0)
         return 1
     except OSError as exc:
         log.error("cannot bind listener: %s", exc)
-        server.runtime.close()
+        await server.stop(0)
         return 1
+    if config.server.workers > 1:
+        log.warning("workers = %d: multi-process mode is not implemented yet; running one "
+                    "process", config.server.workers)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
+    loop.add_signal_handler(signal.SIGUSR1, server.reopen_logs)
+    watchdog = sd_notify.watchdog_interval()
+    if watchdog:
+        def _ping() -> None:
+            sd_notify.notify("WATCHDOG=1")
+            loop.call_later(watchdog, _ping)
+        _ping()
     log.info("aiproxy ready (%d routes, %d clusters)", len(config.routes), len(config.clusters))
+    sd_notify.notify("READY=1")
     await stop.wait()
-    log.info("stopping: draining for up to %d ms", config.server.drain_timeout_ms)
-    await server.stop(config.server.drain_timeout_ms / 1000)
+    sd_notify.notify("STOPPING=1")
+    drain = server.config.server.drain_timeout_ms
+    log.info("stopping: draining for up to %d ms", drain)
+    await server.stop(drain / 1000)
     log.info("stopped")
     return 0
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 
 from aiproxy.config import Config
-from aiproxy.routing.cluster import Cluster
+from aiproxy.routing.cluster import Cluster, pool_key
 from aiproxy.routing.table import Route, RouteTable
 
 
 class Runtime:
     __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout")
 
-    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
+                 previous: Runtime | None = None) -> None:
         self.config = config
         self.http = config.http
-        self.clusters = {c.name: Cluster(c, config.http, loop) for c in config.clusters}
+        pools = previous.pools_by_endpoint() if previous is not None else {}
+        self.clusters = {c.name: Cluster(c, config.http, loop, pools) for c in config.clusters}
         self.table = RouteTable(Route(r, self.clusters[r.cluster]) for r in config.routes)
         self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
         self.max_body = config.http.max_body_bytes
@@ -27,6 +29,19 @@ class Runtime:
             timeouts += (c.request_timeout_ms, c.read_timeout_ms)
         # The connection timer's period: no deadline is shorter than this.
         self.min_timeout = min(timeouts) / 1000
+
+    def pools_by_endpoint(self) -> dict[tuple, object]:
+        return {pool_key(c.cfg, p.endpoint): p
+                for c in self.clusters.values() for p in c.pools}
+
+    def retire(self, successor: Runtime) -> None:
+        """Close the pools the successor did not take over (idle connections now, busy
+        ones when their exchange releases them)."""
+        kept = {id(p) for c in successor.clusters.values() for p in c.pools}
+        for cluster in self.clusters.values():
+            for pool in cluster.pools:
+                if id(pool) not in kept:
+                    pool.close()
 
     def close(self) -> None:
         for cluster in self.clusters.values():

@@ -1,0 +1,127 @@
+"""Admin HTTP API on its own listener (loopback by default), served by aiohttp.
+
+GET /healthz, /readyz, /metrics (Prometheus text), /config (secrets redacted),
+/config/routes, /clusters; POST /config/reload. With [admin] token set, every
+endpoint but /healthz and /readyz wants `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from aiproxy.telemetry.metrics import registry_for
+
+if TYPE_CHECKING:
+    from aiproxy.server.app import ProxyServer
+
+OPEN_PATHS = {"/healthz", "/readyz"}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("latin-1")
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def effective_config(server: ProxyServer) -> dict[str, Any]:
+    data = _plain(dataclasses.asdict(server.config))
+    admin = data.get("admin")
+    if admin and admin.get("token"):
+        admin["token"] = "<redacted>"
+    return data
+
+
+class AdminServer:
+    def __init__(self, server: ProxyServer) -> None:
+        self.server = server
+        self.registry = registry_for(server)
+        self.runner: web.AppRunner | None = None
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/config", self.config)
+        app.router.add_get("/config/routes", self.routes)
+        app.router.add_get("/clusters", self.clusters)
+        app.router.add_post("/config/reload", self.reload)
+        self.app = app
+
+    async def start(self, host: str, port: int) -> None:
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, host, port, reuse_address=True).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        admin = self.server.config.admin
+        token = admin.token if admin is not None else None
+        if token and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return web.json_response(
+                    {"error": {"code": "unauthorized", "message": "bearer token required"}},
+                    status=401, headers={"WWW-Authenticate": 'Bearer realm="aiproxy-admin"'})
+        return await handler(request)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        server = self.server
+        problems = []
+        if not server.servers or server.draining:
+            problems.append("listeners not bound" if not server.servers else "draining")
+        for cluster in server.runtime.clusters.values():
+            if not cluster.pools:
+                problems.append(f"cluster {cluster.name} has no endpoints")
+        if problems:
+            return web.json_response({"ready": False, "problems": problems}, status=503)
+        return web.json_response({"ready": True})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def config(self, request: web.Request) -> web.Response:
+        return web.json_response(effective_config(self.server))
+
+    async def routes(self, request: web.Request) -> web.Response:
+        rt = self.server.runtime
+        return web.json_response([
+            {"name": r.name, "cluster": r.cluster.name,
+             "match": _plain(dataclasses.asdict(cfg.match))}
+            for r, cfg in zip(rt.table.routes, rt.config.routes, strict=True)])
+
+    async def clusters(self, request: web.Request) -> web.Response:
+        out = []
+        for cluster in self.server.runtime.clusters.values():
+            out.append({
+                "name": cluster.name,
+                "protocol": cluster.cfg.protocol,
+                "balancer": cluster.cfg.balancer,
+                "endpoints": [{"address": p.endpoint.address, "weight": p.endpoint.weight,
+                               "connections_open": p.open_count, "opened": p.opened,
+                               "reused": p.reused} for p in cluster.pools],
+            })
+        return web.json_response(out)
+
+    async def reload(self, request: web.Request) -> web.Response:
+        ok, message = await self.server.reload()
+        if ok:
+            return web.json_response({"reloaded": True, "message": message})
+        return web.json_response(
+            {"reloaded": False, "error": {"code": "invalid_config", "message": message}},
+            status=400)

@@ -1,0 +1,130 @@
+"""Process metrics: plain counters bumped in place, rendered only when scraped.
+
+The request path touches ints and lists; the Prometheus text format is produced
+by prometheus_client from a collector at scrape time.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.registry import CollectorRegistry
+
+if TYPE_CHECKING:
+    from aiproxy.server.app import ProxyServer
+
+# Seconds; from 100 us (a local reply) to a minute (a long generation).
+BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+           0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STAGES = ("accept_to_headers", "route_decision", "semantic_classify", "upstream_connect",
+          "upstream_ttfb", "total")
+
+
+class Histogram:
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(BUCKETS, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out = []
+        total = 0
+        for bound, count in zip(BUCKETS, self.counts, strict=False):
+            total += count
+            out.append((repr(bound), total))
+        out.append(("+Inf", total + self.counts[-1]))
+        return out
+
+
+class Metrics:
+    """Counters of one process. Keys are plain tuples; nothing is formatted here."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str, int], int] = {}
+        self.stages = {name: Histogram() for name in STAGES}
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.reloads = 0
+        self.reload_failures = 0
+        self.last_reload_ok = 1
+        self.last_reload_time = 0.0
+
+    def exchange_done(self, route: str, cluster: str, status: int, bytes_in: int,
+                      bytes_out: int, timings: dict[str, float]) -> None:
+        key = (route, cluster, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        self.bytes_in += bytes_in
+        self.bytes_out += bytes_out
+        stages = self.stages
+        for name, value in timings.items():
+            stages[name].observe(value)
+
+
+class ProxyCollector:
+    """Turns Metrics and live server state into metric families on each scrape."""
+
+    def __init__(self, server: ProxyServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Any]:
+        server = self.server
+        m = server.metrics
+        requests = CounterMetricFamily(
+            "aiproxy_requests", "Requests answered, by route, cluster and status",
+            labels=["route", "cluster", "status"])
+        for (route, cluster, status), count in sorted(m.requests.items()):
+            requests.add_metric([route, cluster, str(status)], count)
+        yield requests
+        for name, hist in m.stages.items():
+            family = HistogramMetricFamily(
+                f"aiproxy_stage_{name}_seconds", f"Time spent in stage {name}")
+            family.add_metric([], hist.cumulative(), hist.sum)
+            yield family
+        yield CounterMetricFamily("aiproxy_request_bytes", "Request body bytes received",
+                                  value=m.bytes_in)
+        yield CounterMetricFamily("aiproxy_response_bytes", "Response body bytes sent",
+                                  value=m.bytes_out)
+        yield GaugeMetricFamily("aiproxy_active_connections", "Open client connections",
+                                value=len(server.connections))
+        opened = CounterMetricFamily("aiproxy_upstream_connections_opened",
+                                     "Upstream connections opened", labels=["cluster", "endpoint"])
+        reused = CounterMetricFamily("aiproxy_upstream_connections_reused",
+                                     "Requests sent on a reused upstream connection",
+                                     labels=["cluster", "endpoint"])
+        open_now = GaugeMetricFamily("aiproxy_upstream_connections_open",
+                                     "Upstream connections open now",
+                                     labels=["cluster", "endpoint"])
+        for cluster in server.runtime.clusters.values():
+            for pool in cluster.pools:
+                labels = [cluster.name, pool.endpoint.address]
+                opened.add_metric(labels, pool.opened)
+                reused.add_metric(labels, pool.reused)
+                open_now.add_metric(labels, pool.open_count)
+        yield opened
+        yield reused
+        yield open_now
+        yield CounterMetricFamily("aiproxy_config_reloads", "Successful config reloads",
+                                  value=m.reloads)
+        yield CounterMetricFamily("aiproxy_config_reload_failures", "Rejected config reloads",
+                                  value=m.reload_failures)
+        yield GaugeMetricFamily("aiproxy_config_last_reload_success",
+                                "1 if the last reload succeeded (or none happened)",
+                                value=m.last_reload_ok)
+
+
+def registry_for(server: ProxyServer) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ProxyCollector(server))
+    return registry

@@ -1,0 +1,69 @@
+"""What happens when an exchange ends: metrics, then the access log line."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiproxy.telemetry.access_log import AccessLog, iso_now
+from aiproxy.telemetry.metrics import Metrics
+
+if TYPE_CHECKING:
+    from aiproxy.pipeline.exchange import Exchange
+
+# nginx's code for "the client closed the connection before the response".
+CLIENT_CLOSED = 499
+
+
+def trace_id(traceparent: bytes | None) -> str | None:
+    """The trace-id of a W3C traceparent ("00-<32 hex>-<16 hex>-<2 hex>")."""
+    if traceparent is None or len(traceparent) < 55 or traceparent[2:3] != b"-":
+        return None
+    return traceparent[3:35].decode("ascii", "replace")
+
+
+class Telemetry:
+    __slots__ = ("metrics", "access_log")
+
+    def __init__(self, metrics: Metrics, access_log: AccessLog | None) -> None:
+        self.metrics = metrics
+        self.access_log = access_log
+
+    def exchange_done(self, ex: Exchange) -> None:
+        timings = ex.timings()
+        route = ex.route
+        route_name = route.name if route is not None else ""
+        cluster = route.cluster.name if route is not None else ""
+        status = ex.status if not (ex.client_lost and not ex.head_sent) else CLIENT_CLOSED
+        self.metrics.exchange_done(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
+                                   timings)
+        log = self.access_log
+        if log is None:
+            return
+        head = ex.head
+        record: dict[str, Any] = {
+            "time": iso_now(),
+            "client": ex.down.peer.decode(),
+            "method": ex.method.decode("latin-1"),
+            "path": (ex.path or head.target).decode("latin-1"),
+            "protocol": "HTTP/2" if head.version == 20 else f"HTTP/1.{head.version % 10}",
+            "status": status,
+            "bytes_in": ex.req_bytes,
+            "bytes_out": ex.resp_bytes,
+            "route": route_name or None,
+            "cluster": cluster or None,
+            "endpoint": ex.pool.endpoint.address if ex.pool is not None else None,
+            "intent": None,
+            "duration_ms": round(timings["total"] * 1000, 3),
+            "timings_ms": {k: round(v * 1000, 3) for k, v in timings.items() if k != "total"},
+            "trace_id": trace_id(head.get(b"traceparent")),
+        }
+        if ex.client_lost:
+            record["client_closed"] = True
+        log.write(record)
+
+
+def server_timing(ex: Exchange) -> bytes:
+    """Server-Timing field value for the stages known when the response head goes out."""
+    timings = ex.timings()
+    return b", ".join(b"%s;dur=%.3f" % (name.encode(), value * 1000)
+                      for name, value in timings.items())

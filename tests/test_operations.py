@@ -1,0 +1,235 @@
+"""Operations: admin API, Prometheus metrics, access log, reload, sd_notify."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import simple_config
+from tests.support import free_port, start_process, stop_process, wait_port
+
+
+def admin_block(port: int, token: str | None = None) -> str:
+    line = f'token = "{token}"\n' if token else ""
+    return f'\n[admin]\naddress = "127.0.0.1:{port}"\n{line}'
+
+
+def scrape(port: int, token: str | None = None) -> dict[tuple, float]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_metrics_count_traffic_and_parse(start_proxy, demo_upstream):
+    admin = free_port()
+    body = simple_config(demo_upstream) + admin_block(admin) + """
+[[routes]]
+name = "never"
+match = { path_prefix = "/" }
+cluster = "up"
+"""
+    proxy = start_proxy(body)
+    wait_port("127.0.0.1", admin)
+    with httpx.Client(base_url=proxy.url) as client:
+        for _ in range(5):
+            assert client.get("/echo").status_code == 200
+        for _ in range(2):
+            assert client.get("/status/404").status_code == 404
+        assert client.post("/echo", content=b"x" * 1000).status_code == 200
+    samples = scrape(admin)
+    key = ("aiproxy_requests_total", (("cluster", "up"), ("route", "all"), ("status", "200")))
+    assert samples[key] == 6
+    key404 = ("aiproxy_requests_total", (("cluster", "up"), ("route", "all"), ("status", "404")))
+    assert samples[key404] == 2
+    assert samples[("aiproxy_request_bytes_total", ())] == 1000
+    assert samples[("aiproxy_stage_total_seconds_count", ())] == 8
+    assert samples[("aiproxy_stage_upstream_ttfb_seconds_count", ())] == 8
+    opened = samples[("aiproxy_upstream_connections_opened_total",
+                      (("cluster", "up"), ("endpoint", f"127.0.0.1:{demo_upstream}")))]
+    assert 1 <= opened < 8  # keep-alive reuse
+    health = httpx.get(f"http://127.0.0.1:{admin}/healthz")
+    assert health.status_code == 200
+    ready = httpx.get(f"http://127.0.0.1:{admin}/readyz").json()
+    assert ready == {"ready": True}
+    clusters = httpx.get(f"http://127.0.0.1:{admin}/clusters").json()
+    assert clusters[0]["name"] == "up"
+    routes = httpx.get(f"http://127.0.0.1:{admin}/config/routes").json()
+    assert [r["name"] for r in routes] == ["all", "never"]
+
+
+def test_admin_token_and_redacted_config(start_proxy, demo_upstream):
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream) + admin_block(admin, "s3cret"))
+    wait_port("127.0.0.1", admin)
+    base = f"http://127.0.0.1:{admin}"
+    denied = httpx.get(base + "/metrics")
+    assert denied.status_code == 401
+    assert denied.headers["www-authenticate"].startswith("Bearer")
+    assert httpx.get(base + "/healthz").status_code == 200
+    cfg = httpx.get(base + "/config", headers={"Authorization": "Bearer s3cret"}).json()
+    assert cfg["admin"]["token"] == "<redacted>"
+    assert "s3cret" not in json.dumps(cfg)
+    assert cfg["clusters"][0]["name"] == "up"
+    assert proxy.proc.poll() is None
+
+
+def test_reload_under_load_drops_nothing(start_proxy, demo_upstream):
+    admin = free_port()
+    base_cfg = simple_config(demo_upstream) + admin_block(admin)
+    flip = base_cfg + """
+[[routes]]
+name = "extra"
+match = { path_prefix = "/x" }
+cluster = "up"
+"""
+    proxy = start_proxy(base_cfg)
+    wait_port("127.0.0.1", admin)
+    original = proxy.config_path.read_text()
+    prefix = original[:original.index(base_cfg)]
+    results: list[int] = []
+    errors: list[str] = []
+
+    async def load(stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+            while not stop.is_set():
+                try:
+                    r = await client.get("/echo")
+                    results.append(r.status_code)
+                except httpx.HTTPError as exc:
+                    errors.append(repr(exc))
+
+    async def flips() -> list[float]:
+        stop = asyncio.Event()
+        workers = [asyncio.create_task(load(stop)) for _ in range(8)]
+        lags = []
+        async with httpx.AsyncClient(timeout=10) as admin_client:
+            for i in range(20):
+                proxy.config_path.write_text(prefix + (flip if i % 2 == 0 else base_cfg))
+                r = await admin_client.post(f"http://127.0.0.1:{admin}/config/reload")
+                assert r.status_code == 200, r.text
+                done = time.monotonic()
+                if i % 2 == 0:
+                    # the new route answers right after the reload returns
+                    async with httpx.AsyncClient(base_url=proxy.url) as c:
+                        resp = await c.get("/x/echo")
+                    lags.append(time.monotonic() - done)
+                    assert resp.status_code in (200, 404)
+                await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.gather(*workers)
+        return lags
+
+    asyncio.run(flips())
+    assert not errors, errors[:3]
+    assert results and set(results) == {200}, set(results)
+    samples = scrape(admin)
+    assert samples[("aiproxy_config_reloads_total", ())] == 20
+
+
+def test_bad_reload_keeps_running_config(start_proxy, demo_upstream):
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream) + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    good = proxy.config_path.read_text()
+    proxy.config_path.write_text(good + "\n[[routes]]\nname = \"bad\"\ncluster = \"nope\"\n")
+    r = httpx.post(f"http://127.0.0.1:{admin}/config/reload")
+    assert r.status_code == 400
+    assert "unknown cluster 'nope'" in r.json()["error"]["message"]
+    assert httpx.get(proxy.url + "/echo").status_code == 200
+    proxy.proc.send_signal(signal.SIGHUP)  # same bad file through the signal path
+    time.sleep(0.5)
+    assert httpx.get(proxy.url + "/echo").status_code == 200
+    samples = scrape(admin)
+    assert samples[("aiproxy_config_reload_failures_total", ())] == 2
+    assert samples[("aiproxy_config_last_reload_success", ())] == 0
+
+
+def test_access_log_lines_and_reopen(start_proxy, demo_upstream, tmp_path: Path):
+    log = tmp_path / "access.log"
+    proxy = start_proxy(simple_config(demo_upstream, http="server_timing = true")
+                        + f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n')
+    r = httpx.get(proxy.url + "/echo?q=1", headers={
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+    assert r.status_code == 200
+    assert "upstream_ttfb;dur=" in r.headers["server-timing"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not log.exists() or not log.read_text():
+        time.sleep(0.05)
+    record = json.loads(log.read_text().splitlines()[0])
+    assert record["method"] == "GET" and record["path"] == "/echo" and record["status"] == 200
+    assert record["route"] == "all" and record["cluster"] == "up"
+    assert record["endpoint"] == f"127.0.0.1:{demo_upstream}"
+    assert record["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert record["bytes_out"] == len(r.content)
+    assert "upstream_ttfb" in record["timings_ms"]
+    rotated = tmp_path / "access.log.1"
+    log.rename(rotated)
+    proxy.proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.3)
+    httpx.get(proxy.url + "/echo")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (not log.exists() or not log.read_text()):
+        time.sleep(0.05)
+    assert len(log.read_text().splitlines()) == 1
+    assert len(rotated.read_text().splitlines()) == 1
+
+
+def test_sd_notify_sequence(tmp_path: Path, demo_upstream):
+    notify_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    sock.settimeout(10)
+    port = free_port()
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
+                   + simple_config(demo_upstream))
+    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(cfg)],
+                         env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000",
+                              "WATCHDOG_PID": ""})
+    try:
+        messages = []
+
+        def expect(prefix: str) -> None:
+            while True:
+                msg = sock.recv(4096).decode()
+                messages.append(msg)
+                if msg.startswith(prefix):
+                    return
+
+        expect("READY=1")
+        wait_port("127.0.0.1", port)  # READY came after the listener was bound
+        expect("WATCHDOG=1")
+        proc.send_signal(signal.SIGHUP)
+        expect("RELOADING=1")
+        assert "MONOTONIC_USEC=" in messages[-1]
+        expect("READY=1")
+        proc.send_signal(signal.SIGTERM)
+        expect("STOPPING=1")
+        assert proc.wait(10) == 0
+        order = [m.split("\n")[0] for m in messages if not m.startswith("WATCHDOG")]
+        assert order == ["READY=1", "RELOADING=1", "READY=1", "STOPPING=1"]
+    finally:
+        stop_process(proc)
+        sock.close()
+        os.unlink(notify_path)
+
+
+@pytest.mark.parametrize("workers", [2])
+def test_workers_setting_warns_single_process(start_proxy, demo_upstream, workers):
+    proxy = start_proxy(f"[server]\nworkers = {workers}\n" + simple_config(demo_upstream))
+    assert httpx.get(proxy.url + "/echo").status_code == 200
+    assert "multi-process mode is not implemented yet" in proxy.log()
