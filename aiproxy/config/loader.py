@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import os
 import re
 import tomllib
@@ -22,18 +23,27 @@ from .schema import (
     Config,
     Endpoint,
     HttpConfig,
+    KernelConfig,
     ListenerConfig,
     RouteConfig,
     RouteMatch,
     ServerConfig,
     TlsConfig,
+    TrafficClass,
 )
 
 PROTOCOLS = ("http1", "h2c", "h2")
 UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin",)
 
-_TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes")
+_TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes",
+             "kernel")
+_KERNEL_KEYS = tuple(f.name for f in dataclasses.fields(KernelConfig))
+_CLASS_KEYS = ("name", "ports", "payload", "dscp", "priority")
+XDP_MODES = ("auto", "native", "generic")
+PAYLOAD_SIGNATURES = ("h2_preface", "post_v1")
+MAX_TRAFFIC_CLASSES = 15  # class ids 1..15 (bpf/include/classify.h: CLASSIFY_MAX_CLASSES - 1)
+_IFNAME = re.compile(r"[^\s/:]{1,15}")
 _LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls")
 _TLS_KEYS = ("cert", "key", "ca")
 _ENDPOINT_KEYS = ("address", "weight")
@@ -241,6 +251,7 @@ class _Checker:
             access_log=self.access_log(data),
             clusters=clusters,
             routes=self.routes(data, cluster_names),
+            kernel=self.kernel(data, listeners),
         )
 
     def listeners(self, data: dict[str, Any]) -> tuple[ListenerConfig, ...]:
@@ -431,6 +442,134 @@ class _Checker:
                 routes.append(RouteConfig(name, cluster, match))
         self.unique_names(names, "route")
         return tuple(routes)
+
+    # -- kernel fast paths -------------------------------------------------------------
+
+    def kernel(self, data: dict[str, Any], listeners: tuple[ListenerConfig, ...]) -> KernelConfig:
+        table = self.section(data, "kernel", _KERNEL_KEYS)
+        if table is None:
+            return KernelConfig()
+        path: KeyPath = ("kernel",)
+        extra = self.scalars(KernelConfig, table, path)
+        syn_ports = self.port_list(table, path, "syn_ports")
+        if "syn_ports" not in table and extra.get("syn_rate_per_source"):
+            syn_ports = tuple(sorted({listener.port for listener in listeners}))
+        return KernelConfig(
+            interfaces=self.interfaces(table, path),
+            xdp_mode=self.choice(table, path, "xdp_mode", XDP_MODES),
+            deny_cidrs=self.cidrs(table, path),
+            syn_ports=syn_ports,
+            classes=self.traffic_classes(table, path),
+            **extra,
+        )
+
+    def string_list(self, data: dict[str, Any], path: KeyPath, key: str) -> list[tuple[KeyPath, str]]:
+        values = self.get(data, path, key, "array") or []
+        items = []
+        for index, value in enumerate(values):
+            if isinstance(value, str):
+                items.append((path + (key, index), value))
+            else:
+                self.error(path + (key, index), f"expected string, got {_kind(value)}")
+        return items
+
+    def interfaces(self, data: dict[str, Any], path: KeyPath) -> tuple[str, ...]:
+        names: list[str] = []
+        for item_path, name in self.string_list(data, path, "interfaces"):
+            if not _IFNAME.fullmatch(name):
+                self.error(item_path, f"invalid interface name '{name}'")
+            elif name in names:
+                self.error(item_path, f"duplicate interface '{name}'")
+            else:
+                names.append(name)
+        return tuple(names)
+
+    def cidrs(self, data: dict[str, Any], path: KeyPath) -> tuple[str, ...]:
+        networks: list[str] = []
+        for item_path, text in self.string_list(data, path, "deny_cidrs"):
+            try:
+                network = ipaddress.ip_network(text.strip(), strict=True)
+            except ValueError as exc:
+                hint = ""
+                try:
+                    hint = f" (did you mean '{ipaddress.ip_network(text.strip(), strict=False)}'?)"
+                except ValueError:
+                    pass
+                self.error(item_path, f"invalid CIDR '{text}': {exc}{hint}")
+                continue
+            if str(network) not in networks:
+                networks.append(str(network))
+        return tuple(networks)
+
+    def port_list(self, data: dict[str, Any], path: KeyPath, key: str) -> tuple[int, ...]:
+        values = self.get(data, path, key, "array") or []
+        ports: list[int] = []
+        for index, value in enumerate(values):
+            if not isinstance(value, int) or isinstance(value, bool):
+                self.error(path + (key, index), f"expected integer, got {_kind(value)}")
+            elif not 1 <= value <= 65535:
+                self.error(path + (key, index), f"port must be between 1 and 65535, got {value}")
+            elif value not in ports:
+                ports.append(value)
+        return tuple(ports)
+
+    def traffic_classes(self, data: dict[str, Any], path: KeyPath) -> tuple[TrafficClass, ...]:
+        if "classes" not in data:
+            return ()
+        values = self.get(data, path, "classes", "array")
+        if values is None:
+            return ()
+        path += ("classes",)
+        if len(values) > MAX_TRAFFIC_CLASSES:
+            self.error(path, f"at most {MAX_TRAFFIC_CLASSES} classes, got {len(values)}")
+        classes: list[TrafficClass] = []
+        names: list[tuple[KeyPath, str]] = []
+        port_owner: dict[int, str] = {}
+        sig_owner: dict[str, str] = {}
+        for index, item in enumerate(values):
+            item_path = path + (index,)
+            if not isinstance(item, dict):
+                self.error(item_path, f"expected table, got {_kind(item)}")
+                continue
+            before = len(self.problems)
+            self.check_keys(item, item_path, _CLASS_KEYS)
+            name = self.name(item, item_path)
+            if name is not None:
+                names.append((item_path + ("name",), name))
+            ports = self.port_list(item, item_path, "ports")
+            for port in ports:
+                if port in port_owner:
+                    self.error(item_path + ("ports",),
+                               f"port {port} is already in class '{port_owner[port]}'")
+                port_owner.setdefault(port, name or "?")
+            payload: list[str] = []
+            for sig_path, sig in self.string_list(item, item_path, "payload"):
+                if sig not in PAYLOAD_SIGNATURES:
+                    allowed = ", ".join(PAYLOAD_SIGNATURES)
+                    self.error(sig_path, f"unknown payload signature '{sig}' (allowed: {allowed})")
+                elif sig in sig_owner:
+                    self.error(sig_path, f"signature '{sig}' is already in class '{sig_owner[sig]}'")
+                elif sig not in payload:
+                    payload.append(sig)
+                    sig_owner[sig] = name or "?"
+            dscp = self.optional_int(item, item_path, "dscp", 0, 63)
+            priority = self.optional_int(item, item_path, "priority", 0, 0xFFFFFFFF)
+            if not ports and not payload and len(self.problems) == before:
+                self.error(item_path, "a class needs ports or payload to match anything")
+            if dscp is None and priority is None and len(self.problems) == before:
+                self.error(item_path, "a class needs dscp or priority to mark anything")
+            if len(self.problems) == before:
+                classes.append(TrafficClass(name, len(classes) + 1, ports, tuple(payload),
+                                            dscp, priority))
+        self.unique_names(names, "class")
+        return tuple(classes)
+
+    def optional_int(self, data: dict[str, Any], path: KeyPath, key: str, lo: int, hi: int):
+        value = self.get(data, path, key, "integer")
+        if value is not None and not lo <= value <= hi:
+            self.error(path + (key,), _range_message((lo, hi), value))
+            return None
+        return value
 
     # -- route matching ----------------------------------------------------------------
 

@@ -121,6 +121,36 @@ class RouteConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TrafficClass:
+    """A `[[kernel.classes]]` entry: traffic tc_classify marks (class ids count from 1)."""
+
+    name: str
+    id: int
+    ports: tuple[int, ...] = ()
+    payload: tuple[str, ...] = ()  # payload signatures: "h2_preface", "post_v1"
+    dscp: int | None = None  # 0..63
+    priority: int | None = None  # skb->priority
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """`[kernel]`: XDP guard, TC classifier and socket splicing. Off unless configured."""
+
+    interfaces: tuple[str, ...] = ()
+    xdp_mode: str = "auto"  # "native" | "generic" | "auto" (native, else generic)
+    deny_cidrs: tuple[str, ...] = ()  # normalised networks, e.g. "10.0.0.0/8"
+    syn_rate_per_source: int = _bounded(0, 0, 1_000_000)  # new connections/s; 0 = off
+    syn_burst: int = _bounded(0, 0, 1_000_000)  # 0 = same as syn_rate_per_source
+    syn_ports: tuple[int, ...] = ()  # default: every listener's port
+    splice_tunnels: bool = False
+    classes: tuple[TrafficClass, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.interfaces) or self.splice_tunnels
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     source: str
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -130,6 +160,7 @@ class Config:
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     clusters: tuple[ClusterConfig, ...] = ()
     routes: tuple[RouteConfig, ...] = ()
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
     def cluster_by_name(self, name: str) -> ClusterConfig:
         for cluster in self.clusters:
