@@ -51,6 +51,22 @@ bench-e2e:
 bpf:
 	$(MAKE) -C bpf
 
+# The shipped intent model (builtin:clinc150), trained with numpy on the CLINC150 train
+# split plus its out-of-scope rows; the validation split only picks the oos threshold and
+# is recorded in the model's metadata. Same seed, same weights.
+CLINC150 ?= ../shared/data/clinc150
+.PHONY: model
+model:
+	scripts/bootstrap.sh
+	$(VENV)/bin/aiproxy router train --seed 1 \
+	  --data $(CLINC150)/train.jsonl --data $(CLINC150)/oos_train.jsonl \
+	  --val $(CLINC150)/val.jsonl --val $(CLINC150)/oos_val.jsonl \
+	  --domains $(CLINC150)/domains.json \
+	  --buckets 32768 --dim 128 --hidden 0 --word-ngrams 3 --char-ngrams 3,5 \
+	  --pooling mean --epochs 10 --batch 32 --lr 0.01 --lr-embed 0.03 --lr-decay 0.1 \
+	  --dropout 0.3 --average-from 4 --no-output-bias --threshold-target 0.55 --dtype int8 \
+	  -o aiproxy/semantic/models/clinc150.onnx
+
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .benchmarks
 	rm -f aiproxy/kernel/objects/*.bpf.o

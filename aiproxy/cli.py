@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo-upstream", add_help=False,
                    help="run the bundled OpenAI-style demo upstream (see its --help)")
+    sub.add_parser("router", add_help=False,
+                   help="train, evaluate and try semantic-routing models (see its --help)")
     return parser
 
 
@@ -51,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from aiproxy.demo.upstream import main as demo_main
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "router":
+        from aiproxy.semantic.cli import main as router_main
+
+        return router_main(argv[1:])
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version"):
         argv.insert(0, "run")  # `aiproxy -c FILE` is `aiproxy run -c FILE`
     args = _parser().parse_args(argv)

@@ -1,0 +1,427 @@
+"""Numpy training of the intent classifier (no torch).
+
+Model (fastText-style, plus one hidden layer):
+
+    pooled = sum_k w_k * E[id_k]          # embedding bag, w_k = 1/n (mean) or 1/sqrt(n)
+    hidden = relu(pooled @ W1 + b1)       # H units (H = 0: no hidden layer)
+    probs  = softmax(hidden @ W2 + b2)
+
+Trained with Adam on shuffled mini-batches (sparse "lazy" Adam for the embedding
+table: only rows a batch touches are updated), dropout on the pooled vector and the
+hidden layer, and optional word dropout. Everything random comes from one
+`numpy.random.Generator(seed)`, so a seed gives the same weights on every run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aiproxy._fast.intent import Vectorizer
+
+
+@dataclass
+class TrainConfig:
+    buckets: int = 1 << 15
+    seed: int = 1
+    word_ngrams: int = 3
+    char_min: int = 3
+    char_max: int = 5
+    max_features: int = 2048
+    pooling: str = "mean"
+    dim: int = 128
+    hidden: int = 0            # 0: linear head on the pooled vector (fastest; as accurate here)
+    epochs: int = 10
+    batch: int = 32
+    lr: float = 0.01
+    lr_embed: float = 0.03
+    lr_decay: float = 0.1      # final lr = lr * lr_decay (linear)
+    dropout: float = 0.3       # on the pooled vector
+    feature_dropout: float = 0.0  # drop this share of a text's features per step
+    hidden_dropout: float = 0.3
+    weight_decay: float = 0.0  # L2 on dense weights
+    label_smoothing: float = 0.0
+    output_bias: bool = False  # no output bias: one graph node less, same accuracy here
+    average_from: int = 4      # >0: final weights = mean of the weights after each epoch from this one
+    oos_label: str = "oos"
+    threshold_target: float = 0.55  # oos recall the threshold search aims for
+    dtype: str = "int8"           # embedding table as shipped: int8 (per-row scale), float16, float32
+
+    def feature_settings(self) -> dict[str, Any]:
+        return self.vectorizer().settings()
+
+    def vectorizer(self) -> Vectorizer:
+        return Vectorizer(buckets=self.buckets, seed=self.seed, word_ngrams=self.word_ngrams,
+                          char_min=self.char_min, char_max=self.char_max,
+                          max_features=self.max_features, pooling=self.pooling)
+
+
+@dataclass
+class Dataset:
+    texts: list[str]
+    labels: list[str]
+    files: list[str] = field(default_factory=list)
+    domains: dict[str, str] = field(default_factory=dict)  # label -> domain seen in rows
+
+
+def load_jsonl(paths: list[str] | tuple[str, ...], text_field: str = "text",
+               label_field: str = "intent", domain_field: str | None = "domain") -> Dataset:
+    """Rows of JSON-lines files; `domain_field` (when a row has it) builds label -> domain."""
+    texts: list[str] = []
+    labels: list[str] = []
+    domains: dict[str, str] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                    text, label = row[text_field], row[label_field]
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}:{lineno}: cannot read row "
+                                     f"({text_field!r}/{label_field!r}): {exc}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{lineno}: a row must be a JSON object")
+                texts.append(str(text))
+                labels.append(str(label))
+                if domain_field and domain_field in row:
+                    domains.setdefault(str(label), str(row[domain_field]))
+    return Dataset(texts, labels, [str(p) for p in paths], domains)
+
+
+def featurize(vec: Vectorizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat ids, flat pooling weights and offsets (len(texts) + 1) for a list of texts."""
+    buf = np.empty(vec.max_features, dtype=np.int64)
+    wbuf = np.empty(vec.max_features, dtype=np.float32)
+    chunks, wchunks = [], []
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    for i, text in enumerate(texts):
+        n = vec.encode_into(text, buf, wbuf)
+        chunks.append(buf[:n].copy())
+        wchunks.append(wbuf[:n].copy())
+        offsets[i + 1] = offsets[i] + n
+    return np.concatenate(chunks), np.concatenate(wchunks), offsets
+
+
+@dataclass
+class Weights:
+    E: np.ndarray   # [buckets, dim]
+    W1: np.ndarray  # [dim, hidden] (empty when hidden == 0)
+    b1: np.ndarray
+    W2: np.ndarray  # [hidden or dim, classes]
+    b2: np.ndarray
+    E_scale: float | None = None  # E = int8 table * E_scale
+
+    def dense_E(self) -> np.ndarray:
+        if self.E.dtype == np.int8:
+            return self.E.astype(np.float32) * np.float32(self.E_scale)
+        return self.E.astype(np.float32) if self.E.dtype != np.float32 else self.E
+
+
+def quantize(weights: Weights, dtype: str) -> Weights:
+    """The embedding table as shipped: int8 with one scale for the table (the export folds
+    it into the next layer's weights, so it costs nothing at run time; on CLINC150 this
+    loses no accuracy against float32), float16, or float32 as trained."""
+    E = weights.E.astype(np.float32)
+    if dtype == "int8":
+        scale = float(np.abs(E).max()) / 127.0 or 1.0
+        q = np.clip(np.rint(E / scale), -127, 127).astype(np.int8)
+        return Weights(q, weights.W1, weights.b1, weights.W2, weights.b2, scale)
+    if dtype == "float16":
+        return Weights(E.astype(np.float16), weights.W1, weights.b1, weights.W2, weights.b2)
+    if dtype == "float32":
+        return Weights(E, weights.W1, weights.b1, weights.W2, weights.b2)
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+class _Adam:
+    def __init__(self, shape, lr: float, b1=0.9, b2=0.999, eps=1e-8):
+        self.m = np.zeros(shape, np.float32)
+        self.v = np.zeros(shape, np.float32)
+        self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
+        self.t = 0
+
+    def step(self, p, g, scale=1.0):
+        self.t += 1
+        self.m *= self.b1
+        self.m += (1 - self.b1) * g
+        self.v *= self.b2
+        self.v += (1 - self.b2) * g * g
+        lr = self.lr * scale * np.sqrt(1 - self.b2 ** self.t) / (1 - self.b1 ** self.t)
+        p -= lr * self.m / (np.sqrt(self.v) + self.eps)
+
+
+class _LazyAdam:
+    """Adam on the rows a batch touched (per-row step counts for the bias correction)."""
+
+    def __init__(self, shape, lr: float, b1=0.9, b2=0.999, eps=1e-8):
+        self.m = np.zeros(shape, np.float32)
+        self.v = np.zeros(shape, np.float32)
+        self.t = np.zeros(shape[0], np.int32)
+        self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
+
+    def step(self, p, rows, g, scale=1.0):
+        self.t[rows] += 1
+        t = self.t[rows].astype(np.float32)[:, None]
+        m = self.b1 * self.m[rows] + (1 - self.b1) * g
+        v = self.b2 * self.v[rows] + (1 - self.b2) * g * g
+        self.m[rows] = m
+        self.v[rows] = v
+        lr = self.lr * scale * np.sqrt(1 - self.b2 ** t) / (1 - self.b1 ** t)
+        p[rows] -= lr * m / (np.sqrt(v) + self.eps)
+
+
+def _pool(E, ids, w, offsets, rows):
+    """Pooled vectors for example indices `rows`; also the flat occurrence arrays."""
+    starts, ends = offsets[rows], offsets[rows + 1]
+    lens = ends - starts
+    occ = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens) + np.arange(lens.sum())
+    bid = ids[occ]
+    bw = w[occ]
+    seg = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    pooled = np.add.reduceat(E[bid] * bw[:, None], seg, axis=0)
+    ex = np.repeat(np.arange(len(rows)), lens)
+    return pooled.astype(np.float32), bid, bw, ex
+
+
+def _pool_dropped(E, ids, w, offsets, rows, cfg, rng):
+    """Like _pool, with a random share of each text's features dropped (at least one kept)
+    and the pooling weights recomputed for the ones kept."""
+    starts, ends = offsets[rows], offsets[rows + 1]
+    lens = ends - starts
+    occ = np.repeat(starts - np.concatenate(([0], np.cumsum(lens)[:-1])), lens) + np.arange(lens.sum())
+    ex = np.repeat(np.arange(len(rows)), lens)
+    keep = rng.random(len(occ)) >= cfg.feature_dropout
+    first = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    keep[first] = True
+    occ, ex = occ[keep], ex[keep]
+    kept = np.bincount(ex, minlength=len(rows)).astype(np.float32)
+    bw = (1.0 / np.sqrt(kept) if cfg.pooling == "sqrt" else 1.0 / kept)[ex].astype(np.float32)
+    bid = ids[occ]
+    seg = np.concatenate(([0], np.cumsum(kept.astype(np.int64))[:-1]))
+    pooled = np.add.reduceat(E[bid] * bw[:, None], seg, axis=0)
+    return pooled.astype(np.float32), bid, bw, ex
+
+
+def forward(weights: Weights, ids, w, offsets, rows=None, batch=2048):
+    """Class probabilities and hidden activations for the given examples (no dropout)."""
+    probs, hid = [], []
+    E = weights.dense_E()
+    rows = np.arange(len(offsets) - 1) if rows is None else rows
+    for i in range(0, len(rows), batch):
+        r = rows[i:i + batch]
+        p, _, _, _ = _pool(E, ids, w, offsets, r)
+        if weights.W1.size:
+            h = np.maximum(p @ weights.W1 + weights.b1, 0)
+        else:
+            h = p
+        z = h @ weights.W2 + weights.b2
+        z -= z.max(axis=1, keepdims=True)
+        e = np.exp(z)
+        probs.append(e / e.sum(axis=1, keepdims=True))
+        hid.append(h)
+    return np.concatenate(probs), np.concatenate(hid)
+
+
+def train_weights(cfg: TrainConfig, ids, w, offsets, y: np.ndarray, n_classes: int,
+                  log=None, on_epoch=None, member: int = 0) -> Weights:
+    rng = np.random.default_rng([cfg.seed, member])
+    D, H, C = cfg.dim, cfg.hidden, n_classes
+    E = rng.uniform(-1.0 / D, 1.0 / D, (cfg.buckets, D)).astype(np.float32)
+    if H:
+        W1 = (rng.standard_normal((D, H)) * np.sqrt(2.0 / D)).astype(np.float32)
+        b1 = np.zeros(H, np.float32)
+        W2 = (rng.standard_normal((H, C)) * np.sqrt(1.0 / H)).astype(np.float32)
+    else:
+        W1 = np.zeros((0, 0), np.float32)
+        b1 = np.zeros(0, np.float32)
+        W2 = np.zeros((D, C), np.float32)
+    b2 = np.zeros(C, np.float32)
+    optE = _LazyAdam(E.shape, cfg.lr_embed)
+    dense = [W1, b1, W2, b2] if H else [W2, b2]
+    opts = [_Adam(p.shape, cfg.lr) for p in dense]
+    n = len(y)
+    steps_total = cfg.epochs * ((n + cfg.batch - 1) // cfg.batch)
+    step = 0
+    avg: list[np.ndarray] | None = None
+    n_avg = 0
+    eye = np.eye(C, dtype=np.float32)
+    if cfg.label_smoothing:
+        eye = eye * (1 - cfg.label_smoothing) + cfg.label_smoothing / C
+    for epoch in range(cfg.epochs):
+        order = rng.permutation(n)
+        loss_sum = 0.0
+        for i in range(0, n, cfg.batch):
+            rows = order[i:i + cfg.batch]
+            B = len(rows)
+            scale = 1.0 - (1.0 - cfg.lr_decay) * step / max(1, steps_total)
+            step += 1
+            if cfg.feature_dropout:
+                p, bid, bw, ex = _pool_dropped(E, ids, w, offsets, rows, cfg, rng)
+            else:
+                p, bid, bw, ex = _pool(E, ids, w, offsets, rows)
+            if cfg.dropout:
+                mp = (rng.random(p.shape) >= cfg.dropout).astype(np.float32) / (1 - cfg.dropout)
+                p = p * mp
+            if H:
+                z1 = p @ W1 + b1
+                h = np.maximum(z1, 0)
+                if cfg.hidden_dropout:
+                    mh = (rng.random(h.shape) >= cfg.hidden_dropout).astype(np.float32)
+                    mh /= (1 - cfg.hidden_dropout)
+                    h = h * mh
+            else:
+                h = p
+            z = h @ W2 + b2
+            z -= z.max(axis=1, keepdims=True)
+            e = np.exp(z)
+            prob = e / e.sum(axis=1, keepdims=True)
+            t = eye[y[rows]]
+            loss_sum += float(-(t * np.log(prob + 1e-9)).sum())
+            dz = (prob - t) / B
+            gW2 = h.T @ dz
+            gb2 = dz.sum(axis=0) if cfg.output_bias else np.zeros_like(b2)
+            dh = dz @ W2.T
+            if H:
+                if cfg.hidden_dropout:
+                    dh *= mh
+                dz1 = dh * (z1 > 0)
+                gW1 = p.T @ dz1
+                gb1 = dz1.sum(axis=0)
+                dp = dz1 @ W1.T
+                grads = [gW1, gb1, gW2, gb2]
+            else:
+                dp = dh
+                grads = [gW2, gb2]
+            if cfg.dropout:
+                dp *= mp
+            if cfg.weight_decay:
+                grads = [g + cfg.weight_decay * prm if g.ndim == 2 else g
+                         for g, prm in zip(grads, dense, strict=True)]
+            for opt, prm, g in zip(opts, dense, grads, strict=True):
+                opt.step(prm, g.astype(np.float32), scale)
+            vals = dp[ex] * bw[:, None]
+            order_occ = np.argsort(bid, kind="stable")
+            sid = bid[order_occ]
+            starts = np.flatnonzero(np.concatenate(([True], sid[1:] != sid[:-1])))
+            gE = np.add.reduceat(vals[order_occ], starts, axis=0)
+            optE.step(E, sid[starts], gE.astype(np.float32), scale)
+        if log:
+            log(f"epoch {epoch + 1}/{cfg.epochs} loss {loss_sum / n:.4f}")
+        current = [E, W1, b1, W2, b2]
+        if cfg.average_from and epoch + 1 >= cfg.average_from:
+            n_avg += 1
+            if avg is None:
+                avg = [p.copy() for p in current]
+            else:
+                for a, p in zip(avg, current, strict=True):
+                    a += (p - a) / n_avg  # running mean
+            current = avg
+        if on_epoch:
+            on_epoch(epoch + 1, Weights(*current))
+    return Weights(*(avg if avg is not None else [E, W1, b1, W2, b2]))
+
+
+# ---- metrics and threshold ----
+
+def predict_labels(probs: np.ndarray, classes: list[str], threshold: float,
+                   oos_label: str) -> list[str]:
+    top = probs.argmax(axis=1)
+    conf = probs[np.arange(len(top)), top]
+    return [oos_label if c < threshold else classes[k] for k, c in zip(top, conf, strict=True)]
+
+
+def metrics(pred: list[str], gold: list[str], oos_label: str = "oos") -> dict[str, Any]:
+    gold_a = np.array(gold, dtype=object)
+    pred_a = np.array(pred, dtype=object)
+    ins = gold_a != oos_label
+    out: dict[str, Any] = {"rows": len(gold)}
+    out["accuracy"] = float((pred_a[ins] == gold_a[ins]).mean()) if ins.any() else None
+    labels = sorted(set(gold) | set(pred))
+    f1s = []
+    for lab in labels:
+        if lab == oos_label:
+            continue
+        tp = int(((pred_a == lab) & (gold_a == lab)).sum())
+        fp = int(((pred_a == lab) & (gold_a != lab)).sum())
+        fn = int(((pred_a != lab) & (gold_a == lab)).sum())
+        if tp + fp + fn == 0:
+            continue
+        f1s.append(2 * tp / (2 * tp + fp + fn))
+    out["macro_f1"] = float(np.mean(f1s)) if f1s else None
+    oos = ~ins
+    if oos.any():
+        tp = int(((pred_a == oos_label) & oos).sum())
+        predicted = int((pred_a == oos_label).sum())
+        out["oos_rows"] = int(oos.sum())
+        out["oos_recall"] = tp / int(oos.sum())
+        out["oos_precision"] = tp / predicted if predicted else 0.0
+    return out
+
+
+def choose_threshold(probs: np.ndarray, classes: list[str], gold: list[str], oos_label: str,
+                     target_recall: float) -> tuple[float, dict[str, Any]]:
+    """Lowest confidence threshold whose oos recall reaches `target_recall` (the least
+    in-scope accuracy given up for it); without oos rows, 0."""
+    if oos_label not in gold:
+        return 0.0, metrics(predict_labels(probs, classes, 0.0, oos_label), gold, oos_label)
+    best = None
+    for t in np.round(np.arange(0.0, 0.951, 0.01), 2):
+        m = metrics(predict_labels(probs, classes, float(t), oos_label), gold, oos_label)
+        if m["oos_recall"] >= target_recall:
+            return float(t), m
+        score = m["accuracy"] + m["oos_recall"]
+        if best is None or score > best[0]:
+            best = (score, float(t), m)
+    return best[1], best[2]
+
+
+@dataclass
+class Trained:
+    cfg: TrainConfig
+    classes: list[str]
+    weights: Weights
+    threshold: float
+    val_metrics: dict[str, Any] | None
+    meta: dict[str, Any]
+
+
+def train(cfg: TrainConfig, data: Dataset, val: Dataset | None = None, log=None) -> Trained:
+    t0 = time.time()
+    vec = cfg.vectorizer()
+    classes = sorted(set(data.labels))
+    index = {c: i for i, c in enumerate(classes)}
+    y = np.array([index[lab] for lab in data.labels], dtype=np.int64)
+    ids, w, offsets = featurize(vec, data.texts)
+    weights = train_weights(cfg, ids, w, offsets, y, len(classes), log=log)
+    weights = quantize(weights, cfg.dtype)
+    threshold, val_metrics = 0.0, None
+    if val is not None and val.texts:
+        vids, vw, voff = featurize(vec, val.texts)
+        probs, _ = forward(weights, vids, vw, voff)
+        threshold, val_metrics = choose_threshold(probs, classes, val.labels, cfg.oos_label,
+                                                  cfg.threshold_target)
+    meta = {
+        "data": data.files,
+        "rows": len(data.texts),
+        "val": val.files if val is not None else [],
+        "val_rows": len(val.texts) if val is not None else 0,
+        "seed": cfg.seed,
+        "config": asdict(cfg),
+        "train_seconds": round(time.time() - t0, 1),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    return Trained(cfg, classes, weights, threshold, val_metrics, meta)
+
+
+def load_domains(path: str | Path) -> dict[str, str]:
+    """intent -> domain from a domains.json ({domain: [intent, ...]})."""
+    raw = json.loads(Path(path).read_text())
+    return {intent: domain for domain, intents in raw.items() for intent in intents}

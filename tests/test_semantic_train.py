@@ -1,0 +1,190 @@
+"""Training on a small synthetic data set: deterministic with a seed, a loadable
+self-describing ONNX model, the router CLI, and ModelError for bad model files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from aiproxy.semantic.classifier import IntentModel, ModelError
+from aiproxy.semantic.cli import main as router_main
+
+INTENTS = {
+    "weather": ("travel", ["weather", "rain", "sunny", "forecast", "temperature", "umbrella"]),
+    "balance": ("banking", ["balance", "account", "checking", "savings", "money", "funds"]),
+    "play_music": ("media", ["play", "song", "music", "album", "playlist", "artist"]),
+    "book_flight": ("travel", ["flight", "book", "airline", "ticket", "plane", "airport"]),
+}
+FILLERS = ["please", "can you", "i want to know", "tell me", "now", "today", "my", "the", "what is"]
+OOS = ["how tall is mount everest", "who wrote hamlet", "what is the meaning of life",
+       "tell me a joke about cats", "how many legs does a spider have"]
+
+
+def _rows(n_per_class: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for intent, (domain, words) in INTENTS.items():
+        for _ in range(n_per_class):
+            toks = rng.sample(words, 3) + rng.sample(FILLERS, 2)
+            rng.shuffle(toks)
+            rows.append({"text": " ".join(toks), "intent": intent, "domain": domain})
+    for text in OOS:
+        rows.append({"text": text, "intent": "oos", "domain": "oos"})
+    rng.shuffle(rows)
+    return rows
+
+
+def _write(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+FAST = ["--buckets", "4096", "--dim", "16", "--hidden", "32", "--epochs", "4", "--batch", "16",
+        "--lr", "0.01", "--lr-embed", "0.05", "-q"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("tiny")
+    train = _write(d / "train.jsonl", _rows(40, 1))
+    val = _write(d / "val.jsonl", _rows(10, 2))
+    model = str(d / "tiny.onnx")
+    assert router_main(["train", "--data", train, "--val", val, "--seed", "3", *FAST,
+                        "-o", model]) == 0
+    return {"dir": d, "train": train, "val": val, "model": model}
+
+
+def test_training_is_deterministic_with_a_seed(tiny, capsys):
+    d = tiny["dir"]
+    again = str(d / "again.onnx")
+    other = str(d / "other.onnx")
+    assert router_main(["train", "--data", tiny["train"], "--val", tiny["val"], "--seed", "3",
+                        *FAST, "-o", again]) == 0
+    assert router_main(["train", "--data", tiny["train"], "--seed", "4", *FAST, "-o", other]) == 0
+
+    def weights(path):
+        m = onnx.load(path)
+        return {t.name: hashlib.sha256(t.raw_data).hexdigest() for t in m.graph.initializer}
+
+    assert weights(tiny["model"]) == weights(again)
+    assert weights(tiny["model"])["E"] != weights(other)["E"]
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert summary["classes"] == 5 and summary["val"]["accuracy"] >= 0.9
+
+
+def test_model_is_self_describing(tiny):
+    m = onnx.load(tiny["model"])
+    onnx.checker.check_model(m)
+    meta = {p.key: p.value for p in m.metadata_props}
+    labels = json.loads(meta["aiproxy.labels"])
+    assert labels == sorted([*INTENTS, "oos"])
+    assert json.loads(meta["aiproxy.domains"])["balance"] == "banking"
+    feats = json.loads(meta["aiproxy.features"])
+    assert feats["buckets"] == 4096 and feats["seed"] == 3 and feats["hash"]
+    assert feats["char_ngrams"] == [3, 5] and feats["word_ngrams"] == 3
+    assert 0.0 <= float(meta["aiproxy.threshold"]) < 1.0
+    training = json.loads(meta["aiproxy.training"])
+    assert training["rows"] == 165 and training["seed"] == 3 and training["date"]
+    assert training["data"] == [tiny["train"]] and training["val_metrics"]["rows"] == 45
+    assert [i.name for i in m.graph.input] == ["ids", "weights"]
+    assert {o.name for o in m.graph.output} >= {"probs", "embedding"}
+
+
+def test_model_classifies(tiny):
+    model = IntentModel(tiny["model"])
+    d = model.classify("what is the weather forecast today, will it rain")
+    assert d.label == "weather" and d.domain == "travel"
+    assert 0 < d.confidence <= 1 and len(d.top) == 3 and d.top[0][0] == "weather"
+    assert d.embedding.dtype == np.float32 and abs(np.linalg.norm(d.embedding) - 1) < 1e-4
+    batch = model.classify_batch(["play my favourite song", b"check my savings balance", ""])
+    assert [x.label for x in batch[:2]] == ["play_music", "balance"]
+    single = model.classify("play my favourite song")
+    assert single.top[0][1] == pytest.approx(batch[0].top[0][1], abs=1e-5)
+    probs, emb = model.probabilities(["play my favourite song"])
+    assert probs.shape == (1, 5) and probs.sum() == pytest.approx(1.0, abs=1e-4)
+    # a threshold of 1 sends everything to the oos label
+    strict = IntentModel(tiny["model"], threshold=1.01)
+    assert strict.classify("play my favourite song").label == "oos"
+
+
+def test_cli_classify_and_eval(tiny, capsys):
+    assert router_main(["classify", "-m", tiny["model"], "book", "a", "flight", "ticket"]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert lines[0] == "label: book_flight"
+    assert lines[1].startswith("confidence: ") and lines[2] == "domain: travel"
+    assert lines[3] == "top:" and len(lines) == 7
+    assert router_main(["classify", "--json", "-m", tiny["model"], "play a song"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["label"] == "play_music" and len(d["top"]) == 3
+    assert router_main(["eval", "-m", tiny["model"], "--data", tiny["val"],
+                        "--latency-rows", "20"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1
+    res = json.loads(out)
+    for key in ("accuracy", "macro_f1", "oos_recall", "oos_precision", "latency_us", "throughput"):
+        assert key in res
+    assert res["latency_us"]["p50"] > 0 and res["throughput"]["requests_per_s"] > 0
+
+
+def test_model_errors_name_the_file(tmp_path, tiny, capsys):
+    missing = tmp_path / "nope.onnx"
+    with pytest.raises(ModelError, match="nope.onnx"):
+        IntentModel(missing)
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a model at all")
+    with pytest.raises(ModelError, match="garbage.onnx"):
+        IntentModel(garbage)
+    # a valid ONNX model that is not an intent model
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    other = tmp_path / "other.onnx"
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(other))
+    with pytest.raises(ModelError, match="other.onnx.*not an aiproxy intent model"):
+        IntentModel(other)
+    with pytest.raises(ModelError, match="builtin:nope"):
+        IntentModel("builtin:nope")
+    assert router_main(["classify", "-m", str(missing), "hi"]) == 2
+    assert "nope.onnx" in capsys.readouterr().err
+
+
+def test_train_reports_bad_rows(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok", "intent": "a"}\n{"text": "no label"}\n')
+    assert router_main(["train", "--data", str(bad), "-o", str(tmp_path / "m.onnx"), "-q"]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype,hidden,bias", [("int8", 32, False), ("int8", 0, True),
+                                               ("float16", 0, False), ("float32", 32, True)])
+def test_onnx_matches_numpy_forward(tmp_path, dtype, hidden, bias):
+    from aiproxy.semantic import export
+    from aiproxy.semantic.train import Dataset, TrainConfig, featurize, forward, train
+
+    rows = _rows(20, 5)
+    data = Dataset([r["text"] for r in rows], [r["intent"] for r in rows], ["mem"])
+    cfg = TrainConfig(buckets=2048, dim=16, hidden=hidden, epochs=2, batch=16, seed=1, dtype=dtype,
+                      output_bias=bias)
+    trained = train(cfg, data)
+    assert bool(np.any(trained.weights.b2)) == bias
+    path = export.save(trained, tmp_path / f"m-{dtype}.onnx", {"weather": "travel"})
+    model = IntentModel(path)
+    texts = data.texts[:10] + ["", "unseen words entirely"]
+    ids, w, off = featurize(cfg.vectorizer(), texts)
+    want, hid = forward(trained.weights, ids, w, off)
+    got, emb = model.probabilities(texts)
+    assert np.allclose(got, want, atol=2e-4)
+    norm = hid / np.maximum(np.linalg.norm(hid, axis=1, keepdims=True), 1e-12)
+    assert np.allclose(emb, norm, atol=2e-4)
+    assert model.domains["weather"] == "travel" and model.domains["oos"] == "oos"

@@ -1,0 +1,319 @@
+"""UnifiedRequest extraction: OpenAI JSON, protobuf/gRPC without schema, image and audio
+headers, query strings; truncated input at every length never raises."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import wave
+import zlib
+
+import pytest
+
+from aiproxy.semantic.unified import Modality, extract, protobuf_strings, sniff_media
+
+# ------------------------------------------------------------------ sample payloads
+
+
+def png(width: int, height: int) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    raw = b"".join(b"\x00" + b"\x00\x00\x00" * width for _ in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def gif(width: int, height: int) -> bytes:
+    return (b"GIF89a" + struct.pack("<HH", width, height) + b"\x80\x00\x00"
+            + b"\xff\xff\xff\x00\x00\x00"
+            + b"," + struct.pack("<HHHH", 0, 0, width, height) + b"\x00"
+            + b"\x02\x02D\x01\x00;")
+
+
+def jpeg(width: int, height: int) -> bytes:
+    def seg(marker: int, data: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(data) + 2) + data
+
+    app0 = seg(0xE0, b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00")
+    dqt = seg(0xDB, b"\x00" + bytes(range(1, 65)))
+    sof = seg(0xC0, struct.pack(">BHHB", 8, height, width, 3)
+              + b"\x01\x22\x00\x02\x11\x01\x03\x11\x01")
+    dht = seg(0xC4, b"\x00" + bytes([0, 1] + [0] * 14) + b"\x00")
+    sos = seg(0xDA, b"\x03\x01\x00\x02\x11\x03\x11\x00\x3f\x00")
+    return b"\xff\xd8" + app0 + dqt + sof + dht + sos + b"\x00\x01\x02" + b"\xff\xd9"
+
+
+def webp_lossless(width: int, height: int) -> bytes:
+    bits = (width - 1) | ((height - 1) << 14)
+    payload = b"\x2f" + struct.pack("<I", bits) + b"\x00" * 8
+    return b"RIFF" + struct.pack("<I", 4 + 8 + len(payload)) + b"WEBP" + b"VP8L" + struct.pack(
+        "<I", len(payload)) + payload
+
+
+def webp_lossy(width: int, height: int) -> bytes:
+    payload = b"\x50\x01\x00" + b"\x9d\x01\x2a" + struct.pack("<HH", width, height) + b"\x00" * 10
+    return b"RIFF" + struct.pack("<I", 4 + 8 + len(payload)) + b"WEBP" + b"VP8 " + struct.pack(
+        "<I", len(payload)) + payload
+
+
+def webp_extended(width: int, height: int) -> bytes:
+    payload = b"\x10\x00\x00\x00" + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    return b"RIFF" + struct.pack("<I", 4 + 8 + len(payload)) + b"WEBP" + b"VP8X" + struct.pack(
+        "<I", len(payload)) + payload
+
+
+def wav(rate: int, channels: int, seconds: float) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"\x00\x00" * channels * int(rate * seconds))
+    return buf.getvalue()
+
+
+def flac(rate: int, channels: int, total_samples: int) -> bytes:
+    packed = (rate << 44) | ((channels - 1) << 41) | ((16 - 1) << 36) | total_samples
+    streaminfo = struct.pack(">HH", 4096, 4096) + b"\x00\x00\x00" + b"\x00\x00\x00" + struct.pack(
+        ">Q", packed) + b"\x00" * 16
+    return b"fLaC" + bytes([0x80]) + len(streaminfo).to_bytes(3, "big") + streaminfo
+
+
+def mp3(frames: int) -> bytes:
+    # MPEG-1 Layer III, 128 kbit/s, 44.1 kHz, joint stereo: 417-byte frames
+    header = b"\xff\xfb\x90\x64"
+    id3 = b"ID3\x04\x00\x00\x00\x00\x00\x0a" + b"\x00" * 10
+    return id3 + (header + b"\x00" * 413) * frames
+
+
+def ogg_opus(seconds: float, channels: int = 2) -> bytes:
+    def page(granule: int, seq: int, packet: bytes, kind: int) -> bytes:
+        return (b"OggS\x00" + bytes([kind]) + struct.pack("<qIII", granule, 1234, seq, 0)
+                + bytes([1, len(packet)]) + packet)
+
+    head = b"OpusHead\x01" + bytes([channels]) + struct.pack("<HIhB", 312, 16000, 0, 0)
+    return (page(0, 0, head, 2) + page(0, 1, b"OpusTags" + b"\x00" * 8, 0)
+            + page(int(seconds * 48000) + 312, 2, b"\x00" * 20, 4))
+
+
+def ogg_vorbis(rate: int = 44100, channels: int = 1) -> bytes:
+    ident = b"\x01vorbis" + struct.pack("<IBIiiiBB", 0, channels, rate, 0, 128000, 0, 0xB8, 1)
+    return b"OggS\x00\x02" + struct.pack("<qIII", 0, 1, 0, 0) + bytes([1, len(ident)]) + ident
+
+
+def chat_proto_class():
+    """A real protobuf message type built from a descriptor (no generated code)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    fdp = descriptor_pb2.FileDescriptorProto(name="chat_test.proto", package="aiproxytest",
+                                             syntax="proto3")
+    msg = fdp.message_type.add(name="Message")
+    msg.field.add(name="role", number=1, type=9, label=1)
+    msg.field.add(name="content", number=2, type=9, label=1)
+    req = fdp.message_type.add(name="ChatRequest")
+    req.field.add(name="model", number=1, type=9, label=1)
+    req.field.add(name="messages", number=2, type=11, label=3, type_name=".aiproxytest.Message")
+    req.field.add(name="max_tokens", number=3, type=5, label=1)
+    req.field.add(name="temperature", number=4, type=2, label=1)
+    req.field.add(name="blob", number=5, type=12, label=1)
+    req.field.add(name="seed", number=6, type=6, label=1)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("aiproxytest.ChatRequest"))
+
+
+@pytest.fixture(scope="module")
+def chat_bytes() -> bytes:
+    cls = chat_proto_class()
+    m = cls(model="small-llm", max_tokens=256, temperature=0.5, blob=bytes(range(256)) * 2,
+            seed=2**40)
+    m.messages.add(role="user", content="transfer 100 dollars to my savings account")
+    m.messages.add(role="assistant", content="Sure — from which account? ✓")
+    return m.SerializeToString()
+
+
+# ------------------------------------------------------------------ JSON
+
+
+def test_openai_chat_messages():
+    body = json.dumps({
+        "model": "gpt-4o-mini",
+        "messages": [
+            {"role": "system", "content": "You are a helpful banking assistant."},
+            {"role": "user", "content": "what is my checking balance"},
+            {"role": "assistant", "content": "Let me look."},
+            {"role": "user", "content": [
+                {"type": "text", "text": "and my savings?"},
+                {"type": "image_url", "image_url": {
+                    "url": "data:image/png;base64," + base64.b64encode(png(4, 3)).decode()}},
+            ]},
+        ],
+    }).encode()
+    r = extract(b"application/json; charset=utf-8", body, request_id="r1")
+    assert r.id == "r1" and r.modality == Modality.TEXT
+    assert r.text == "what is my checking balance\nand my savings?"
+    assert r.metadata["model"] == "gpt-4o-mini" and r.metadata["content_type"] == "application/json"
+    assert r.metadata["body_size"] == len(body) and r.metadata["images"] == 1
+    assert r.metadata["image_meta"] == {"kind": "image", "format": "png", "width": 4, "height": 3}
+
+
+def test_prompt_input_and_configured_fields():
+    r = extract(b"application/json", json.dumps({"prompt": "say hi", "x": 1}).encode())
+    assert r.text == "say hi"
+    r = extract(b"application/json", json.dumps({"prompt": ["one", "two", 3]}).encode())
+    assert r.text == "one\ntwo"
+    r = extract(b"application/json", json.dumps({"input": "embed me"}).encode())
+    assert r.text == "embed me"
+    r = extract(b"application/json", json.dumps({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "responses api"}]}]}).encode())
+    assert r.text == "responses api"
+    doc = {"query": {"q": "find hotels"}, "tags": ["a", "b"], "n": 5, "items": [{"t": "x"}]}
+    r = extract(b"application/json", json.dumps(doc).encode(),
+                json_fields=("query.q", "tags", "n", "missing.path", "items.0.t"))
+    assert r.text == "find hotels\na\nb\nx"
+    assert r.id and len(r.id) == 16
+
+
+def test_query_string_and_plain_text():
+    r = extract(b"", b"", b"?q=weather+in+paris&lang=en&empty=")
+    assert r.text == "weather in paris\nen" and r.modality == Modality.TEXT
+    r = extract(b"text/plain", "héllo wörld".encode(), b"")
+    assert r.text == "héllo wörld"
+    r = extract(b"application/x-www-form-urlencoded", b"message=book+a+table&x=1")
+    assert r.text == "book a table\n1"
+
+
+def test_truncated_json_is_read_leniently():
+    body = json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "first question about \"quoted\" things"},
+        {"role": "user", "content": "a second long question " + "x" * 200}]}).encode()
+    r = extract(b"application/json", body[:120], body_size=len(body))
+    assert r.metadata["json"] == "partial" and r.metadata["truncated"] is True
+    assert r.text.startswith('first question about "quoted" things')
+    assert r.metadata["body_size"] == len(body)
+
+
+# ------------------------------------------------------------------ protobuf / gRPC
+
+
+def test_protobuf_without_schema(chat_bytes):
+    out: list[str] = []
+    assert protobuf_strings(chat_bytes, out)
+    assert "small-llm" in out and "transfer 100 dollars to my savings account" in out
+    assert "Sure — from which account? ✓" in out and "user" in out
+    assert not any("\x00" in s for s in out)  # the bytes field is not text
+    r = extract(b"application/x-protobuf", chat_bytes)
+    assert r.modality == Modality.TEXT and "transfer 100 dollars" in r.text
+
+
+def test_grpc_frames(chat_bytes):
+    frame = b"\x00" + struct.pack(">I", len(chat_bytes)) + chat_bytes
+    r = extract(b"application/grpc+proto", frame + frame)
+    assert r.metadata["grpc_frames"] == 2
+    assert r.text.count("transfer 100 dollars to my savings account") == 2
+    # compressed frames are not decoded
+    r = extract(b"application/grpc", b"\x01" + struct.pack(">I", 3) + b"abc")
+    assert r.metadata.get("grpc_compressed") and r.modality == Modality.BINARY
+
+
+def test_protobuf_struct_well_known_type():
+    from google.protobuf import struct_pb2
+
+    s = struct_pb2.Struct()
+    s.update({"question": "where is my package", "n": 3, "nested": {"k": "deep value"}})
+    out: list[str] = []
+    protobuf_strings(s.SerializeToString(), out)
+    assert "where is my package" in out and "deep value" in out
+
+
+# ------------------------------------------------------------------ media
+
+
+@pytest.mark.parametrize("make,fmt", [(png, "png"), (gif, "gif"), (jpeg, "jpeg"),
+                                      (webp_lossless, "webp"), (webp_lossy, "webp"),
+                                      (webp_extended, "webp")])
+def test_image_headers(make, fmt):
+    data = make(321, 123)
+    r = extract(b"image/" + fmt.encode(), data)
+    assert r.modality == Modality.IMAGE and r.text == ""
+    assert (r.metadata["format"], r.metadata["width"], r.metadata["height"]) == (fmt, 321, 123)
+    # the declared content type does not matter: the header does
+    assert extract(b"application/octet-stream", data).metadata["width"] == 321
+
+
+def test_wav():
+    data = wav(16000, 2, 0.5)
+    r = extract(b"audio/wav", data)
+    assert r.modality == Modality.AUDIO
+    m = r.metadata
+    assert (m["format"], m["sample_rate"], m["channels"]) == ("wav", 16000, 2)
+    assert m["duration"] == pytest.approx(0.5)
+    # only the header inspected: duration still comes from the data chunk's size
+    r = extract(b"audio/wav", data[:64], body_size=len(data))
+    assert r.metadata["duration"] == pytest.approx(0.5)
+
+
+def test_flac_mp3_ogg():
+    m = sniff_media(flac(44100, 2, 44100 * 3), None)
+    assert (m["format"], m["sample_rate"], m["channels"], m["duration"]) == ("flac", 44100, 2, 3.0)
+    data = mp3(100)
+    m = extract(b"audio/mpeg", data).metadata
+    assert (m["format"], m["sample_rate"], m["channels"], m["bitrate_kbps"]) == ("mp3", 44100, 2, 128)
+    assert m["duration"] == pytest.approx(100 * 417 * 8 / 128000, rel=1e-3)
+    m = extract(b"audio/ogg", ogg_opus(2.0)).metadata
+    assert (m["codec"], m["channels"], m["sample_rate"], m["duration"]) == ("opus", 2, 16000, 2.0)
+    m = sniff_media(ogg_vorbis(22050, 1), None)
+    assert (m["codec"], m["sample_rate"], m["channels"]) == ("vorbis", 22050, 1)
+
+
+def test_unknown_binary():
+    r = extract(b"application/octet-stream", bytes(range(256)))
+    assert r.modality == Modality.BINARY and r.text == ""
+    r = extract(b"", b"")
+    assert r.modality == Modality.TEXT and r.text == "" and r.metadata["body_size"] == 0
+
+
+# ------------------------------------------------------------------ truncation
+
+
+def _samples(chat: bytes) -> list[tuple[bytes, bytes]]:
+    grpc = b"\x00" + struct.pack(">I", len(chat)) + chat
+    openai = json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi \\ \"there\" \u00e9"},
+        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,"
+                                            + base64.b64encode(jpeg(9, 9)).decode()}}]}]}).encode()
+    return [
+        (b"application/json", openai),
+        (b"application/x-protobuf", chat),
+        (b"application/grpc", grpc),
+        (b"image/png", png(5, 5)), (b"image/gif", gif(5, 5)), (b"image/jpeg", jpeg(5, 5)),
+        (b"image/webp", webp_lossless(5, 5)), (b"image/webp", webp_lossy(5, 5)),
+        (b"image/webp", webp_extended(5, 5)),
+        (b"audio/wav", wav(8000, 1, 0.01)), (b"audio/flac", flac(8000, 1, 80)),
+        (b"audio/mpeg", mp3(2)), (b"audio/ogg", ogg_opus(0.1)), (b"audio/ogg", ogg_vorbis()),
+        (b"application/octet-stream", chat), (b"text/plain", "héllo".encode()),
+    ]
+
+
+def test_truncated_input_never_raises(chat_bytes):
+    for ctype, data in _samples(chat_bytes):
+        for cut in range(len(data) + 1):
+            r = extract(ctype, data[:cut], b"a=%ff&b", body_size=len(data))
+            assert isinstance(r.text, str) and r.metadata["body_size"] == len(data)
+
+
+def test_garbage_never_raises():
+    import random
+
+    rng = random.Random(7)
+    prefixes = [b"", b"\x89PNG\r\n\x1a\n", b"GIF89a", b"\xff\xd8\xff", b"RIFF\x00\x00\x00\x00WEBP",
+                b"RIFF\x00\x00\x00\x00WAVE", b"fLaC", b"OggS", b"ID3", b"\xff\xfb", b"{\"messages\":"]
+    for i in range(600):
+        data = prefixes[i % len(prefixes)] + bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
+        for ctype in (b"application/json", b"application/grpc", b"application/x-protobuf",
+                      b"application/octet-stream", b"image/png", b"audio/wav"):
+            extract(ctype, data)
