@@ -25,6 +25,7 @@ from .schema import (
     ListenerConfig,
     RouteConfig,
     RouteMatch,
+    SemanticConfig,
     ServerConfig,
     TlsConfig,
 )
@@ -33,13 +34,14 @@ PROTOCOLS = ("http1", "h2c", "h2")
 UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin",)
 
-_TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes")
+_TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes",
+             "semantic")
 _LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls")
 _TLS_KEYS = ("cert", "key", "ca")
 _ENDPOINT_KEYS = ("address", "weight")
 _ROUTE_KEYS = ("name", "cluster", "match")
 _MATCH_KEYS = ("path", "path_prefix", "method", "host", "headers", "grpc_service",
-               "grpc_method")
+               "grpc_method", "intent", "intent_domain")
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
@@ -227,6 +229,7 @@ class _Checker:
     # -- sections ----------------------------------------------------------------------
 
     def config(self, data: dict[str, Any]) -> Config:
+        self.data = data
         self.check_keys(data, (), _TOP_KEYS)
         server = self.section(data, "server", _field_names(ServerConfig))
         http = self.section(data, "http", _field_names(HttpConfig))
@@ -239,6 +242,7 @@ class _Checker:
             listeners=listeners,
             admin=self.admin(data, listeners),
             access_log=self.access_log(data),
+            semantic=self.semantic(data),
             clusters=clusters,
             routes=self.routes(data, cluster_names),
         )
@@ -351,6 +355,42 @@ class _Checker:
                 )
         return AdminConfig(*address, token=token or None)
 
+    def semantic(self, data: dict[str, Any]) -> SemanticConfig | None:
+        table = self.section(data, "semantic", _field_names(SemanticConfig))
+        if table is None:
+            return None
+        where = ("semantic",)
+        values: dict[str, Any] = self.scalars(SemanticConfig, table, where)
+        model = self.get(table, where, "model", "string")
+        if model is not None:
+            if not model.startswith("builtin:"):
+                full = os.path.join(os.path.dirname(os.path.abspath(self.filename)), model)
+                if not os.path.isfile(full):
+                    self.error(where + ("model",), f"no such model file '{model}'")
+                model = full
+            values["model"] = model
+        if "threshold" in table:
+            threshold = table["threshold"]
+            if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+                self.error(where + ("threshold",), f"expected number, got {_kind(threshold)}")
+            elif not 0 <= threshold <= 1:
+                self.error(where + ("threshold",), "must be between 0 and 1")
+            else:
+                values["threshold"] = float(threshold)
+        fields = self.get(table, where, "json_fields", "array")
+        if fields is not None:
+            if not all(isinstance(f, str) and f for f in fields):
+                self.error(where + ("json_fields",), "expected an array of non-empty strings")
+            else:
+                values["json_fields"] = tuple(fields)
+        header = self.get(table, where, "intent_header", "string")
+        if header is not None:
+            if not _TOKEN.fullmatch(header):
+                self.error(where + ("intent_header",), f"invalid header name '{header}'")
+            else:
+                values["intent_header"] = header.lower()
+        return SemanticConfig(**values)
+
     def access_log(self, data: dict[str, Any]) -> AccessLogConfig:
         table = self.section(data, "access_log", _field_names(AccessLogConfig))
         if table is None:
@@ -451,10 +491,25 @@ class _Checker:
             "headers": self.match_headers(table, path),
             "grpc_service": self.match_grpc(table, path, "grpc_service"),
             "grpc_method": self.match_grpc(table, path, "grpc_method"),
+            "intent": self.match_label(data, table, path, "intent"),
+            "intent_domain": self.match_label(data, table, path, "intent_domain"),
         }
         if len(self.problems) != before:
             return None
         return RouteMatch(**{key: value for key, value in fields.items() if value is not None})
+
+    def match_label(self, route: dict[str, Any], data: dict[str, Any], path: KeyPath,
+                    key: str) -> str | None:
+        value = self.get(data, path, key, "string")
+        if value is None:
+            return None
+        if not value:
+            self.error(path + (key,), "must not be empty")
+            return None
+        if "semantic" not in self.data:
+            self.error(path + (key,), f"matching on {key} needs a [semantic] section")
+            return None
+        return value
 
     def match_grpc(self, data: dict[str, Any], path: KeyPath, key: str) -> bytes | None:
         value = self.get(data, path, key, "string")

@@ -111,6 +111,8 @@ class RouteMatch:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     grpc_service: bytes | None = None
     grpc_method: bytes | None = None
+    intent: str | None = None          # a label the [semantic] model predicts
+    intent_domain: str | None = None   # or one of its domains
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,19 @@ class RouteConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SemanticConfig:
+    """Intent classification of requests for routes that match on intent/domain."""
+
+    model: str = "builtin:clinc150"       # "builtin:NAME" or a path (relative to the config)
+    inspect_bytes: int = _bounded(65_536, 0, 16 * 1024 * 1024)
+    threshold: float | None = None        # below it the label is "oos"; None: the model's own
+    json_fields: tuple[str, ...] = ()     # extra JSON string fields to read
+    intent_header: str = "x-model-intent"  # an explicit intent skips the model
+    max_batch: int = _bounded(16, 1, 1024)
+    max_wait_us: int = _bounded(0, 0, 100_000)  # >0: micro-batch concurrent requests
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     source: str
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -128,6 +143,7 @@ class Config:
     listeners: tuple[ListenerConfig, ...] = ()
     admin: AdminConfig | None = None
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
+    semantic: SemanticConfig | None = None
     clusters: tuple[ClusterConfig, ...] = ()
     routes: tuple[RouteConfig, ...] = ()
 

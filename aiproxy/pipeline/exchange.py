@@ -82,7 +82,8 @@ class Exchange:
         "status", "resp_bytes", "activity", "body_activity", "req_done_at", "tunnel",
         "tunnel_up_eof", "t_start", "grpc", "deadline_at", "up_chunked",
         "t_parsed", "t_routed", "t_connect", "t_connected", "t_sent", "t_first", "reported",
-        "client_lost", "t_start_pc",
+        "client_lost", "t_start_pc", "inspecting", "intent", "intent_domain", "intent_conf",
+        "t_classify",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -135,6 +136,11 @@ class Exchange:
         self.t_first = 0.0
         self.reported = False
         self.client_lost = False
+        self.inspecting = False
+        self.intent: str | None = None
+        self.intent_domain: str | None = None
+        self.intent_conf = 0.0
+        self.t_classify = 0.0
 
     # -- request side -------------------------------------------------------------
 
@@ -165,8 +171,81 @@ class Exchange:
             return self.local_reply(417, "unsupported expectation")
         if not self._framing():
             return
+        sem = self.rt.semantic
+        if sem is not None and self.rt.table.uses_intent:
+            explicit = head.get(sem.header)
+            if explicit is not None:
+                self.intent = explicit.decode("latin-1")
+                self.intent_domain = sem.domain_of(self.intent)
+                self.intent_conf = 1.0
+                sem.explicit += 1
+            elif self.reading_body and sem.inspect_bytes:
+                # Route once inspect_bytes of the body (or all of it) has arrived; the
+                # bytes wait in `pending` and go upstream untouched afterwards.
+                self.inspecting = True
+                if head.expect_continue:
+                    self.down.send_continue()
+                return
+            else:
+                return self._classify(b"")
+        self._route()
+
+    def _inspected(self) -> None:
+        self.inspecting = False
+        limit = self.rt.semantic.inspect_bytes
+        body = b"".join(self.pending)
+        self._classify(body[:limit])
+
+    def _classify(self, body: bytes) -> None:
+        sem = self.rt.semantic
+        t0 = perf_counter()
+        q = self.up_target.find(b"?")
+        try:
+            text = sem.text_of(self.head, body, self.up_target[q + 1:] if q >= 0 else b"")
+        except Exception:  # never fail a request on its content: route without an intent
+            log.exception("semantic extraction failed")
+            sem.failures += 1
+            text = ""
+        if not text:
+            self.t_classify = perf_counter() - t0
+            return self._route()
+        if sem.batcher is not None:
+            task = self.loop.create_task(sem.batcher.classify(text))
+            task.add_done_callback(lambda t: self._classified(t, t0))
+            return
+        try:
+            decision = sem.model.classify(text)
+        except Exception:
+            log.exception("intent classification failed; routing without it")
+            sem.failures += 1
+            decision = None
+        self._decided(decision, t0)
+
+    def _classified(self, task: asyncio.Task, t0: float) -> None:
+        if self.finished:
+            return
+        decision = None
+        if not task.cancelled() and task.exception() is None:
+            decision = task.result()
+        else:
+            self.rt.semantic.failures += 1
+        self._decided(decision, t0)
+
+    def _decided(self, decision: Any, t0: float) -> None:
+        if decision is not None:
+            self.intent = decision.label
+            self.intent_domain = decision.domain or None
+            self.intent_conf = decision.confidence
+            self.rt.semantic.count(decision)
+        self.t_classify = perf_counter() - t0
+        self._route()
+
+    def _route(self) -> None:
+        head = self.head
+        method = self.method
         host = head.host if not self.host_line else self.host_line[6:-2]
-        route = self.rt.table.match(method, self.path, host, head)
+        route = self.rt.table.match(method, self.path, host, head, self.intent,
+                                    self.intent_domain)
         if route is None:
             return self.local_reply(404, "no route matches the request", "no_route")
         self.route = route
@@ -175,7 +254,7 @@ class Exchange:
             return self.local_reply(503, f"cluster {route.cluster.name!r} has no endpoints",
                                     "no_healthy_upstream")
         self.t_routed = perf_counter()
-        if head.expect_continue and self.reading_body:
+        if head.expect_continue and self.reading_body and not self.inspecting:
             self.down.send_continue()
         self._use(pool)
 
@@ -245,6 +324,11 @@ class Exchange:
                          + self.down.scheme + CRLF)
         if rt.via_line:
             extra.append(rt.via_line)
+        if self.intent is not None:
+            extra.append(b"x-aiproxy-intent: %s\r\nx-aiproxy-intent-confidence: %.4f\r\n"
+                         % (self.intent.encode(), self.intent_conf))
+            if self.intent_domain:
+                extra.append(b"x-aiproxy-intent-domain: " + self.intent_domain.encode() + CRLF)
         if self.up_chunked:
             extra.append(b"Transfer-Encoding: chunked\r\n")
         elif head.content_length >= 0:
@@ -272,6 +356,11 @@ class Exchange:
             fields.append((b"x-forwarded-proto", self.down.scheme))
         if rt.via_line:
             fields.append((b"via", b"2 aiproxy"))
+        if self.intent is not None:
+            fields.append((b"x-aiproxy-intent", self.intent.encode()))
+            fields.append((b"x-aiproxy-intent-confidence", b"%.4f" % self.intent_conf))
+            if self.intent_domain:
+                fields.append((b"x-aiproxy-intent-domain", self.intent_domain.encode()))
         if self.grpc or head.get(b"te") == b"trailers":
             fields.append((b"te", b"trailers"))
         return fields
@@ -347,6 +436,8 @@ class Exchange:
             self.pending_size += sum(map(len, parts))
             if self.pending_size > PENDING_LIMIT:
                 self.down.pause(P_PENDING)
+            if self.inspecting and self.pending_size >= self.rt.semantic.inspect_bytes:
+                self._inspected()
 
     def _request_complete(self) -> None:
         self.reading_body = False
@@ -357,6 +448,8 @@ class Exchange:
             up.end_body()
         elif not self.finished:
             self.pending_end = True
+            if self.inspecting:
+                self._inspected()
 
     def _request_body_error(self, status: int, message: str) -> None:
         self.reading_body = False
@@ -640,7 +733,9 @@ class Exchange:
         out = {"accept_to_headers": self.t_parsed - self.t_start_pc,
                "total": perf_counter() - self.t_start_pc}
         if self.t_routed:
-            out["route_decision"] = self.t_routed - self.t_parsed
+            out["route_decision"] = self.t_routed - self.t_parsed - self.t_classify
+        if self.t_classify:
+            out["semantic_classify"] = self.t_classify
         if self.t_connected:
             out["upstream_connect"] = self.t_connected - self.t_connect
         if self.t_first and self.t_sent:

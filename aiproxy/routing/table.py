@@ -22,7 +22,7 @@ def host_without_port(host: bytes) -> bytes:
 
 class Route:
     __slots__ = ("name", "cluster", "path", "path_prefix", "methods", "host", "headers",
-                 "grpc_service", "grpc_method")
+                 "grpc_service", "grpc_method", "intent", "intent_domain")
 
     def __init__(self, cfg: RouteConfig, cluster: Cluster) -> None:
         self.name = cfg.name
@@ -35,8 +35,11 @@ class Route:
         self.headers = m.headers
         self.grpc_service = m.grpc_service
         self.grpc_method = m.grpc_method
+        self.intent = m.intent
+        self.intent_domain = m.intent_domain
 
-    def matches(self, method: bytes, path: bytes, host: bytes | None, head: RequestHead) -> bool:
+    def matches(self, method: bytes, path: bytes, host: bytes | None, head: RequestHead,
+                intent: str | None = None, domain: str | None = None) -> bool:
         if self.path_prefix is not None and not path.startswith(self.path_prefix):
             return False
         if self.path is not None and path != self.path:
@@ -48,6 +51,10 @@ class Route:
         for name, value in self.headers:
             if head.get(name) != value:
                 return False
+        if self.intent is not None and intent != self.intent:
+            return False
+        if self.intent_domain is not None and domain != self.intent_domain:
+            return False
         if self.grpc_service is not None or self.grpc_method is not None:
             # gRPC paths are /package.Service/Method.
             service, _, method = path[1:].partition(b"/")
@@ -59,14 +66,16 @@ class Route:
 
 
 class RouteTable:
-    __slots__ = ("routes",)
+    __slots__ = ("routes", "uses_intent")
 
     def __init__(self, routes: Iterable[Route]) -> None:
         self.routes = tuple(routes)
+        self.uses_intent = any(r.intent is not None or r.intent_domain is not None
+                               for r in self.routes)
 
-    def match(self, method: bytes, path: bytes, host: bytes | None,
-              head: RequestHead) -> Route | None:
+    def match(self, method: bytes, path: bytes, host: bytes | None, head: RequestHead,
+              intent: str | None = None, domain: str | None = None) -> Route | None:
         for route in self.routes:
-            if route.matches(method, path, host, head):
+            if route.matches(method, path, host, head, intent, domain):
                 return route
         return None

@@ -52,7 +52,7 @@ class Telemetry:
             "route": route_name or None,
             "cluster": cluster or None,
             "endpoint": ex.pool.endpoint.address if ex.pool is not None else None,
-            "intent": None,
+            "intent": ex.intent,
             "duration_ms": round(timings["total"] * 1000, 3),
             "timings_ms": {k: round(v * 1000, 3) for k, v in timings.items() if k != "total"},
             "trace_id": trace_id(head.get(b"traceparent")),
