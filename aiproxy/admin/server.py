@@ -101,7 +101,7 @@ class AdminServer:
     async def routes(self, request: web.Request) -> web.Response:
         rt = self.server.runtime
         return web.json_response([
-            {"name": r.name, "cluster": r.cluster.name,
+            {"name": r.name, **r.describe(),
              "match": _plain(dataclasses.asdict(cfg.match))}
             for r, cfg in zip(rt.table.routes, rt.config.routes, strict=True)])
 

@@ -166,7 +166,10 @@ class Exchange:
         if not self._framing():
             return
         host = head.host if not self.host_line else self.host_line[6:-2]
-        route = self.rt.table.match(method, self.path, host, head)
+        up_target = self.up_target
+        q = up_target.find(b"?")
+        route = self.rt.table.match(method, self.path, host, head,
+                                    up_target[q + 1:] if q >= 0 else b"")
         if route is None:
             return self.local_reply(404, "no route matches the request", "no_route")
         self.route = route

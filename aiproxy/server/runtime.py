@@ -18,7 +18,7 @@ class Runtime:
         self.http = config.http
         pools = previous.pools_by_endpoint() if previous is not None else {}
         self.clusters = {c.name: Cluster(c, config.http, loop, pools) for c in config.clusters}
-        self.table = RouteTable(Route(r, self.clusters[r.cluster]) for r in config.routes)
+        self.table = RouteTable(Route(r, self.clusters, i) for i, r in enumerate(config.routes))
         self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
         self.max_body = config.http.max_body_bytes
         http = config.http
