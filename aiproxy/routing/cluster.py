@@ -356,8 +356,9 @@ class Cluster:
         od = self.cfg.outlier_detection
         if (od.consecutive_failures and s.consecutive_failures >= od.consecutive_failures
                 and not s.ejected):
-            ejected = sum(1 for p in self.pools if p.stats.ejected)
-            if ejected * 100 < od.max_ejection_pct * len(self.pools):
+            # Capped: after this ejection at most max_ejection_pct are out.
+            ejected = sum(1 for p in self.pools if p.stats.ejected) + 1
+            if ejected * 100 <= od.max_ejection_pct * len(self.pools):
                 self._eject(pool)
 
     def _eject(self, pool: Pool) -> None:
