@@ -192,9 +192,10 @@ class Exchange:
         self.route = route
         cluster = route.pick_cluster(head) if route.cum_weights else route.cluster
         self.cluster = cluster
-        why = cluster.overflow()
-        if why is not None:
-            return self.local_reply(503, why, "upstream_overflow")
+        if cluster.cfg.max_requests:
+            why = cluster.overflow()
+            if why is not None:
+                return self.local_reply(503, why, "upstream_overflow")
         pool = cluster.pick(self)
         if pool is None:
             return self.local_reply(503, f"cluster {cluster.name!r} has no endpoints",
@@ -434,9 +435,11 @@ class Exchange:
         if up is not None:
             self._attach(up, True)
         else:
-            why = self.cluster.connect_overflow()
-            if why is not None:
-                return self.fail(503, "upstream_overflow", why)
+            cluster = self.cluster
+            if cluster.limits_connections:
+                why = cluster.connect_overflow()
+                if why is not None:
+                    return self.fail(503, "upstream_overflow", why)
             self._new_connection(pool)
 
     def _new_connection(self, pool: Pool) -> None:
@@ -593,8 +596,12 @@ class Exchange:
         t_first = perf_counter()
         cluster = self.cluster
         pool = self.pool
-        cluster.record(pool, status >= 500)
         stats = pool.stats
+        if status < 500:
+            stats.requests += 1
+            stats.consecutive_failures = 0
+        else:
+            cluster.record(pool, True)
         if self.t_sent:
             stats.observe_ttfb((t_first - self.t_sent) * 1000, cluster.score_alpha)
         if cluster.track_tokens:

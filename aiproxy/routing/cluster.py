@@ -278,7 +278,8 @@ BALANCER_TYPES = {"round_robin": RoundRobin, "least_request": LeastRequest,
 
 class Cluster:
     __slots__ = ("name", "cfg", "pools", "loop", "balancer", "active", "pending",
-                 "retries_active", "overflows", "checker", "track_tokens", "score_alpha")
+                 "retries_active", "overflows", "checker", "track_tokens", "score_alpha",
+                 "limits_connections")
 
     def __init__(self, cfg: ClusterConfig, http: HttpConfig, loop: asyncio.AbstractEventLoop,
                  reuse: dict[tuple, Pool | H2Pool] | None = None) -> None:
@@ -304,6 +305,7 @@ class Cluster:
         self.pending = 0  # requests waiting for a new upstream connection
         self.retries_active = 0
         self.overflows = 0  # requests refused by a circuit breaker
+        self.limits_connections = bool(cfg.max_pending or cfg.max_connections)
         self.track_tokens = cfg.balancer == "llm_score"
         self.score_alpha = cfg.llm_score.ewma_alpha
         self.balancer: Balancer = BALANCER_TYPES[cfg.balancer](self)
@@ -314,7 +316,10 @@ class Cluster:
             self.checker = HealthChecker(self)
 
     def pick(self, ex: Exchange | None = None, exclude: tuple = ()) -> Pool | None:
-        if not self.pools:
+        pools = self.pools
+        if len(pools) == 1:  # the common case: nothing to balance
+            return pools[0] if not exclude or pools[0] not in exclude else None
+        if not pools:
             return None
         return self.balancer.pick(ex, exclude)
 
