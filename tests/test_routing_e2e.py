@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 from collections.abc import Iterator
 
@@ -170,3 +171,51 @@ retries = { attempts = 3, on = ["502"] }
     a.fail_first = 1
     assert httpx.get(proxy.url + "/x").status_code == 503
     assert a.requests == 1
+
+
+def test_model_override_rewrites_small_json_bodies(start_proxy, tunable):
+    up = tunable("t")
+    proxy = start_proxy(cluster("c", up.port) + """
+[[routes]]
+name = "chat"
+match = { path_prefix = "/" }
+cluster = "c"
+model = "gpt-4o-mini"
+""", listener_extra='protocols = ["http1", "h2c"]')
+    payload = {"model": "whatever", "messages": [{"role": "user", "content": "héllo"}]}
+    for http2 in (False, True):
+        with httpx.Client(base_url=proxy.url, http1=not http2, http2=http2) as client:
+            r = client.post("/v1/chat/completions", json=payload)
+            assert r.status_code == 200, r.text
+            seen = r.json()
+            assert seen["headers"]["x-model-id"] == "gpt-4o-mini"
+            sent = json.loads(seen["body"])
+            assert sent == {**payload, "model": "gpt-4o-mini"}
+            assert seen["body_bytes"] == int(seen["headers"]["content-length"])
+            # Not JSON, or too big to hold: forwarded untouched, header only.
+            r = client.post("/x", content=b"model=abc", headers={"content-type": "text/plain"})
+            assert r.json()["body"] == "model=abc"
+            big = json.dumps({"model": "m", "pad": "x" * 70_000}).encode()
+            r = client.post("/x", content=big, headers={"content-type": "application/json"})
+            assert r.json()["body_bytes"] == len(big)
+            assert r.json()["headers"]["x-model-id"] == "gpt-4o-mini"
+
+
+def test_retry_on_reset(start_proxy, tunable):
+    a = tunable("a")
+    proxy = start_proxy(cluster("c", a.port) + """
+[[routes]]
+name = "r"
+match = { path_prefix = "/" }
+cluster = "c"
+retries = { attempts = 1, on = ["reset"], backoff_ms = 1 }
+""")
+    a.reset_first = 1
+    assert httpx.get(proxy.url + "/x").status_code == 200
+    # Now on a pooled connection: a reset before any byte is first replayed once on a
+    # fresh connection (a stale keep-alive connection, not a retry), then the policy's
+    # one retry; the third reset is the answer.
+    before = a.requests
+    a.reset_first = 3
+    assert httpx.get(proxy.url + "/x").status_code == 502
+    assert a.requests - before == 3

@@ -21,6 +21,7 @@ class TunableUpstream:
         self.health_status = 200
         self.fail_first = 0  # answer this many requests with fail_status first
         self.fail_status = 503
+        self.reset_first = 0  # close this many connections without answering first
         self.extra_headers: dict[str, str] = {}
         self.tokens = 100
         self.requests = 0
@@ -96,6 +97,10 @@ class TunableUpstream:
             extra: dict[str, str] = {}
         else:
             self.requests += 1
+            if self.reset_first > 0:
+                self.reset_first -= 1
+                writer.transport.abort()
+                return
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
@@ -111,6 +116,7 @@ class TunableUpstream:
             payload = json.dumps({
                 "upstream": self.name, "method": method, "target": target,
                 "headers": headers, "body_bytes": len(body),
+                "body": body.decode("utf-8", "replace") if len(body) <= 4096 else None,
                 "usage": {"total_tokens": self.tokens},
             }).encode()
             extra = dict(self.extra_headers)

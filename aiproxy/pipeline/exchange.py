@@ -24,6 +24,7 @@ after a connect failure.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from random import random
@@ -91,7 +92,7 @@ class Exchange:
         "tunnel_up_eof", "t_start", "grpc", "deadline_at", "up_chunked",
         "t_parsed", "t_routed", "t_connect", "t_connected", "t_sent", "t_first", "reported",
         "client_lost", "t_start_pc", "cluster", "counted", "pending_conn", "attempts",
-        "is_retry", "retry_handle", "req_timeout", "tok_tail",
+        "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -152,6 +153,8 @@ class Exchange:
         self.retry_handle: asyncio.TimerHandle | None = None
         self.req_timeout = 0.0
         self.tok_tail: bytes | None = None
+        self.hold: Pool | None = None  # the pool to use once the held body is rewritten
+        self.body_len = -1  # Content-Length of a rewritten body
 
     # -- request side -------------------------------------------------------------
 
@@ -210,7 +213,34 @@ class Exchange:
         self.t_routed = perf_counter()
         if head.expect_continue and self.reading_body:
             self.down.send_continue()
+        if route.model is not None and self._model_body(head):
+            self.hold = pool  # connect once the whole (small JSON) body is here
+            return
         self._use(pool)
+
+    def _model_body(self, head: Any) -> bool:
+        """Whether to hold the body to rewrite its JSON `model` field: only a JSON body of
+        known length that fits in the replay buffer (it is kept whole anyway)."""
+        if not self.reading_body or not 0 < head.content_length <= REPLAY_LIMIT:
+            return False
+        ctype = head.get(b"content-type")
+        return ctype is not None and ctype[:16].lower() == b"application/json"
+
+    def _rewrite_model(self) -> None:
+        body = b"".join(self.pending)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return  # not JSON after all: forward it untouched
+        if not isinstance(data, dict):
+            return
+        data["model"] = self.route.model.decode("ascii")
+        body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        self.pending = [body]
+        self.pending_size = len(body)
+        self.replay = [body]
+        self.replay_size = len(body)
+        self.body_len = len(body)
 
     def _absolute_form(self, target: bytes) -> bool:
         lower = target[:8].lower()
@@ -280,6 +310,8 @@ class Exchange:
             extra.append(rt.via_line)
         if self.up_chunked:
             extra.append(b"Transfer-Encoding: chunked\r\n")
+        elif self.body_len >= 0:
+            extra.append(b"Content-Length: %d\r\n" % self.body_len)
         elif head.content_length >= 0:
             extra.append(b"Content-Length: %d\r\n" % head.content_length)
         if head.upgrade is not None:
@@ -303,6 +335,9 @@ class Exchange:
         fields = [(b":method", self.method), (b":scheme", b"http"),
                   (b":path", self.up_target), (b":authority", authority)]
         drop = F_HOP | F_HOST
+        if self.body_len >= 0:
+            drop |= F_CONTENT_LENGTH
+            fields.append((b"content-length", b"%d" % self.body_len))
         rt = self.rt
         if rt.http.x_forwarded:
             drop |= F_XFF | F_XFP
@@ -399,6 +434,13 @@ class Exchange:
         self.reading_body = False
         self.req_done = True
         self.req_done_at = self.loop.time()
+        pool = self.hold
+        if pool is not None and not self.finished:
+            self.hold = None
+            self._rewrite_model()
+            self.pending_end = True
+            self._use(pool)
+            return
         up = self.upstream
         if up is not None:
             up.end_body()
