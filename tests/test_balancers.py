@@ -174,3 +174,16 @@ def test_circuit_breakers(loop):
     c.pools[0].open_count = 3
     assert "max_connections" in c.connect_overflow()
     assert c.overflows == 3
+
+
+def test_gauge_value_parses_prometheus_text():
+    from aiproxy.routing.cluster import gauge_value
+    text = (b"# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage.\n"
+            b"# TYPE vllm:gpu_cache_usage_perc gauge\n"
+            b'vllm:gpu_cache_usage_perc{model_name="a"} 0.25\n'
+            b'vllm:gpu_cache_usage_perc{model_name="b"} 0.5 1700000000\n'
+            b"vllm:gpu_cache_usage_perc_other 9\n"
+            b"vllm:num_requests_running 3\n")
+    assert gauge_value(text, b"vllm:gpu_cache_usage_perc") == 0.5
+    assert gauge_value(text, b"vllm:num_requests_running") == 3.0
+    assert gauge_value(text, b"missing") is None

@@ -535,6 +535,7 @@ hash_key = "header:X-User-Id"
 max_requests = 10
 health_check = { path = "/health", interval_ms = 100, unhealthy_threshold = 2 }
 outlier_detection = { consecutive_failures = 3, base_ejection_ms = 500 }
+load_metrics = { gauge = "vllm:num_requests_running", full = 16 }
 [clusters.llm_score]
 latency_weight = 0.5
 tpm = 1000
@@ -558,6 +559,8 @@ model = "gpt-4o-mini"
     assert v2.endpoints[0].capacity == 8 and v2.max_requests == 10
     assert v2.health_check.path == b"/health" and v2.health_check.unhealthy_threshold == 2
     assert v2.outlier_detection.consecutive_failures == 3
+    assert v2.load_metrics.gauge == "vllm:num_requests_running" and v2.load_metrics.full == 16
+    assert v2.load_metrics.path == b"/metrics"
     assert v2.llm_score.latency_weight == 0.5 and v2.llm_score.tpm == 1000
     route = cfg.routes[0]
     assert route.cluster is None and route.clusters == ("v2", "backend")

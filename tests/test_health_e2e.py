@@ -119,3 +119,24 @@ def test_max_connections_breaker(start_proxy, tunable):  # noqa: F811
 
     statuses = asyncio.run(burst())
     assert sorted(statuses) == [200, 503, 503]
+
+
+def test_llm_score_uses_polled_backend_load(start_proxy, tunable):  # noqa: F811
+    busy, idle = tunable("busy", delay_ms=5), tunable("idle", delay_ms=5)
+    busy.metrics_text = ('# TYPE vllm:gpu_cache_usage_perc gauge\n'
+                         'vllm:gpu_cache_usage_perc{model_name="m"} 0.97\n')
+    idle.metrics_text = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.05\n'
+    admin_port = free_port()
+    proxy = start_proxy(cluster("c", busy.port, idle.port, extra="""
+balancer = "llm_score"
+load_metrics = { path = "/metrics", interval_ms = 100 }
+[clusters.llm_score]
+tpm_weight = 0.0
+""") + ROUTE + admin(admin_port))
+    wait_port("127.0.0.1", admin_port)
+    time.sleep(0.4)  # a few polls
+    seen = counts(asyncio.run(fan_out(proxy.url, 100, concurrency=2)))
+    assert seen["idle"] > 85, seen
+    info = httpx.get(f"http://127.0.0.1:{admin_port}/clusters").json()[0]
+    loads = {e["address"]: e["reported_load_pct"] for e in info["endpoints"]}
+    assert loads[f"127.0.0.1:{busy.port}"] == 97.0

@@ -21,6 +21,7 @@ class TunableUpstream:
         self.health_status = 200
         self.fail_first = 0  # answer this many requests with fail_status first
         self.fail_status = 503
+        self.metrics_text = ""  # served at GET /metrics
         self.reset_first = 0  # close this many connections without answering first
         self.extra_headers: dict[str, str] = {}
         self.tokens = 100
@@ -90,6 +91,12 @@ class TunableUpstream:
 
     async def _respond(self, writer: asyncio.StreamWriter, method: str, target: str,
                        headers: dict[str, str], body: bytes) -> None:
+        if target == "/metrics":
+            payload = self.metrics_text.encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d"
+                         b"\r\n\r\n" % len(payload) + payload)
+            await writer.drain()
+            return
         if target == "/healthz":
             self.health_checks += 1
             status = self.health_status

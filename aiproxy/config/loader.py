@@ -28,6 +28,7 @@ from .schema import (
     KernelConfig,
     ListenerConfig,
     LlmScoreConfig,
+    LoadMetricsConfig,
     OutlierConfig,
     RetryPolicy,
     RouteConfig,
@@ -408,11 +409,13 @@ class _Checker:
             hash_key = self.hash_key(item, path)
             llm_score = self.llm_score(item, path)
             health = self.health_check(item, path)
+            load_metrics = self.load_metrics(item, path)
             outlier = self.outlier(item, path)
             if len(self.problems) == before:
                 clusters.append(ClusterConfig(name, endpoints, balancer=balancer,
                                               protocol=protocol, hash_key=hash_key,
                                               llm_score=llm_score, health_check=health,
+                                              load_metrics=load_metrics,
                                               outlier_detection=outlier, **extra))
         self.unique_names(names, "cluster")
         return tuple(clusters), [name for _, name in names]
@@ -475,6 +478,29 @@ class _Checker:
         if probe is not None:
             values["path"] = probe
         return HealthCheckConfig(**values)
+
+    def load_metrics(self, data: dict[str, Any], path: KeyPath) -> LoadMetricsConfig | None:
+        found = self.subtable(data, path, "load_metrics", LoadMetricsConfig)
+        if found is None:
+            return None
+        table, path = found
+        values: dict[str, Any] = self.scalars(LoadMetricsConfig, table, path)
+        probe = self.match_path(table, path, "path")
+        if probe is not None:
+            values["path"] = probe
+        gauge = self.get(table, path, "gauge", "string")
+        if gauge is not None:
+            if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", gauge):
+                self.error(path + ("gauge",), f"invalid metric name '{gauge}'")
+            else:
+                values["gauge"] = gauge
+        if "full" in table:
+            full = table["full"]
+            if isinstance(full, bool) or not isinstance(full, int | float) or full <= 0:
+                self.error(path + ("full",), "expected a number greater than 0")
+            else:
+                values["full"] = float(full)
+        return LoadMetricsConfig(**values)
 
     def outlier(self, data: dict[str, Any], path: KeyPath) -> OutlierConfig:
         found = self.subtable(data, path, "outlier_detection", OutlierConfig)

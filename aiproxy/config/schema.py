@@ -113,6 +113,18 @@ class HealthCheckConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadMetricsConfig:
+    """`load_metrics = {...}`: poll each endpoint's Prometheus text endpoint for a gauge
+    that says how loaded it is (e.g. vLLM's vllm:gpu_cache_usage_perc, 0..1)."""
+
+    path: bytes = b"/metrics"
+    interval_ms: int = _bounded(2000, 100, 5000)  # a reported load is trusted for 10 s
+    timeout_ms: int = _bounded(1000, 1)
+    gauge: str = "vllm:gpu_cache_usage_perc"
+    full: float = 1.0  # the gauge value that means 100% loaded
+
+
+@dataclass(frozen=True, slots=True)
 class OutlierConfig:
     """`outlier_detection = {...}`: passive ejection on consecutive failures."""
 
@@ -138,6 +150,7 @@ class ClusterConfig:
     hash_key: str = "client_ip"
     llm_score: LlmScoreConfig = field(default_factory=LlmScoreConfig)
     health_check: HealthCheckConfig | None = None
+    load_metrics: LoadMetricsConfig | None = None
     outlier_detection: OutlierConfig = field(default_factory=OutlierConfig)
     # Circuit breakers, 0 = unlimited: excess requests get 503 at once.
     max_connections: int = _bounded(0, 0)

@@ -279,7 +279,7 @@ BALANCER_TYPES = {"round_robin": RoundRobin, "least_request": LeastRequest,
 class Cluster:
     __slots__ = ("name", "cfg", "pools", "loop", "balancer", "active", "pending",
                  "retries_active", "overflows", "checker", "track_tokens", "score_alpha",
-                 "limits_connections")
+                 "limits_connections", "poller")
 
     def __init__(self, cfg: ClusterConfig, http: HttpConfig, loop: asyncio.AbstractEventLoop,
                  reuse: dict[tuple, Pool | H2Pool] | None = None) -> None:
@@ -310,10 +310,13 @@ class Cluster:
         self.score_alpha = cfg.llm_score.ewma_alpha
         self.balancer: Balancer = BALANCER_TYPES[cfg.balancer](self)
         self.checker: HealthChecker | None = None
+        self.poller: LoadPoller | None = None
 
     def start(self) -> None:
         if self.cfg.health_check is not None and self.pools and self.checker is None:
             self.checker = HealthChecker(self)
+        if self.cfg.load_metrics is not None and self.pools and self.poller is None:
+            self.poller = LoadPoller(self)
 
     def pick(self, ex: Exchange | None = None, exclude: tuple = ()) -> Pool | None:
         pools = self.pools
@@ -406,6 +409,9 @@ class Cluster:
         if self.checker is not None:
             self.checker.stop()
             self.checker = None
+        if self.poller is not None:
+            self.poller.stop()
+            self.poller = None
 
 
 def _uneject(s: EndpointStats) -> None:
@@ -463,23 +469,90 @@ class HealthChecker:
 
     async def probe(self, pool: Pool) -> tuple[bool, str]:
         cfg = self.cfg
-        writer = None
         try:
-            async with asyncio.timeout(cfg.timeout_ms / 1000):
-                reader, writer = await asyncio.open_connection(pool.host, pool.port)
-                writer.write(b"GET " + cfg.path + b" HTTP/1.1\r\nHost: "
-                             + pool.endpoint.address.encode()
-                             + b"\r\nUser-Agent: aiproxy-health\r\nConnection: close\r\n\r\n")
-                line = await reader.readline()
+            status, _ = await http_get(pool, cfg.path, cfg.timeout_ms / 1000, False)
         except TimeoutError:
             return False, "timeout"
         except OSError as exc:
             return False, f"connect failed: {exc.strerror or exc}"
-        finally:
-            if writer is not None:
-                writer.close()
-        parts = line.split(None, 2)
-        if len(parts) < 2 or not parts[1].isdigit():
+        except ValueError:
             return False, "bad response"
-        status = int(parts[1])
         return 200 <= status < 300, f"HTTP {status}"
+
+
+async def http_get(pool: Pool, path: bytes, timeout: float, body: bool,
+                   limit: int = 1 << 20) -> tuple[int, bytes]:
+    """A one-off HTTP/1.1 GET (control path: health checks, load polling); the body (up
+    to `limit` bytes, read until close) only if asked for."""
+    writer = None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(pool.host, pool.port)
+            writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: " + pool.endpoint.address.encode()
+                         + b"\r\nUser-Agent: aiproxy\r\nConnection: close\r\n\r\n")
+            line = await reader.readline()
+            parts = line.split(None, 2)
+            if len(parts) < 2 or not parts[1].isdigit():
+                raise ValueError("bad response")
+            if not body:
+                return int(parts[1]), b""
+            data = await reader.read(limit)
+            while len(data) < limit:
+                more = await reader.read(limit - len(data))
+                if not more:
+                    break
+                data += more
+            head, _, rest = data.partition(b"\r\n\r\n")
+            if b"chunked" in head.lower():
+                raise ValueError("chunked metrics are not supported")
+            return int(parts[1]), rest
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def gauge_value(text: bytes, name: bytes) -> float | None:
+    """The largest sample of gauge `name` in Prometheus text (any labels)."""
+    best = None
+    n = len(name)
+    for line in text.split(b"\n"):
+        if line.startswith(name) and line[n:n + 1] in (b" ", b"{"):
+            rest = line.rsplit(b"}", 1)[-1] if line[n:n + 1] == b"{" else line[n:]
+            try:
+                value = float(rest.split()[0])
+            except (ValueError, IndexError):
+                continue
+            best = value if best is None else max(best, value)
+    return best
+
+
+class LoadPoller:
+    """Polls every endpoint's metrics for the configured gauge; the value becomes the
+    endpoint's reported load (llm_score), like an x-backend-load response header."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.cfg = cluster.cfg.load_metrics
+        self.tasks = [cluster.loop.create_task(self._run(pool)) for pool in cluster.pools]
+
+    def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.tasks = []
+
+    async def _run(self, pool: Pool) -> None:
+        cfg = self.cfg
+        name = cfg.gauge.encode()
+        loop = self.cluster.loop
+        while True:
+            try:
+                status, text = await http_get(pool, cfg.path, cfg.timeout_ms / 1000, True)
+            except (TimeoutError, OSError, ValueError) as exc:
+                log.debug("load poll of %s failed: %s", pool.endpoint.address, exc)
+            else:
+                value = gauge_value(text, name) if status == 200 else None
+                if value is not None:
+                    s = pool.stats
+                    s.reported_load = min(100.0, max(0.0, value / cfg.full * 100))
+                    s.reported_at = loop.time()
+            await asyncio.sleep(cfg.interval_ms / 1000)
