@@ -607,7 +607,7 @@ model = ""
         "20: routes[0].match.path_regex: invalid regular expression: missing ), unterminated "
         "subpattern at position 0",
         "21: routes[0].retries.on[0]: unknown retry condition 'timeout' (allowed: "
-        "connect-failure, reset, 502, 503, 504)",
+        "connect-failure, reset, 502, 503, 504, unavailable)",
         "22: routes[0].request_headers_add.Host: header 'host' is managed by the proxy",
         "24: routes[0].model: must be non-empty printable ASCII without spaces",
     ]

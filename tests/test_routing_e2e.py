@@ -219,3 +219,23 @@ retries = { attempts = 1, on = ["reset"], backoff_ms = 1 }
     a.reset_first = 3
     assert httpx.get(proxy.url + "/x").status_code == 502
     assert a.requests - before == 3
+
+
+def test_retry_on_grpc_unavailable(start_proxy, tunable):
+    a = tunable("a")
+    proxy = start_proxy(cluster("c", a.port) + """
+[[routes]]
+name = "r"
+match = { path_prefix = "/" }
+cluster = "c"
+retries = { attempts = 2, on = ["unavailable"], backoff_ms = 1 }
+""")
+    a.extra_headers = {"grpc-status": "14", "grpc-message": "warming up"}
+    headers = {"content-type": "application/grpc"}
+    before = a.requests
+    r = httpx.post(proxy.url + "/pkg.Svc/Run", content=b"\0\0\0\0\0", headers=headers)
+    # Every answer says UNAVAILABLE: two retries, then the third answer goes back as is.
+    assert r.headers["grpc-status"] == "14" and a.requests - before == 3
+    a.extra_headers = {"grpc-status": "0"}
+    assert httpx.post(proxy.url + "/pkg.Svc/Run", content=b"\0\0\0\0\0",
+                      headers=headers).headers["grpc-status"] == "0"

@@ -182,7 +182,8 @@ class SplitTarget:
     weight: int
 
 
-RETRY_ON = ("connect-failure", "reset", "502", "503", "504")
+# "unavailable": a gRPC trailers-only answer with grpc-status 14 (UNAVAILABLE).
+RETRY_ON = ("connect-failure", "reset", "502", "503", "504", "unavailable")
 
 
 @dataclass(frozen=True, slots=True)

@@ -658,7 +658,9 @@ class Exchange:
                         pass
                     break
         route = self.route
-        if status in route.retry_statuses and self._may_retry(route.retries):
+        if ((status in route.retry_statuses
+             or (route.retry_unavailable and self.grpc and resp.get(b"grpc-status") == b"14"))
+                and self._may_retry(route.retries)):
             up = self.upstream
             self.upstream = None
             self.tried += (pool,)

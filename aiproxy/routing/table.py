@@ -58,7 +58,7 @@ class Route:
                  "header_rules", "query", "path_regex", "grpc_service", "grpc_method",
                  "has_rest", "timeout", "retries", "req_add", "req_remove", "resp_add",
                  "resp_remove", "prefix_rewrite", "model", "has_policy", "retry_statuses",
-                 "req_add_lines", "resp_add_lines", "resp_edit")
+                 "req_add_lines", "resp_add_lines", "resp_edit", "retry_unavailable")
 
     def __init__(self, cfg: RouteConfig, clusters: Cluster | Mapping[str, Cluster],
                  index: int = 0) -> None:
@@ -109,6 +109,7 @@ class Route:
         self.has_policy = bool(self.req_add or self.req_remove or self.prefix_rewrite)
         self.retry_statuses = frozenset(
             int(c) for c in (cfg.retries.on if cfg.retries else ()) if c.isdigit())
+        self.retry_unavailable = bool(cfg.retries and "unavailable" in cfg.retries.on)
         self.req_add_lines = b"".join(n + b": " + v + b"\r\n" for n, v in self.req_add)
         self.resp_add_lines = b"".join(n + b": " + v + b"\r\n" for n, v in self.resp_add)
         self.resp_edit = bool(self.resp_add or self.resp_remove)
