@@ -441,7 +441,10 @@ class HealthChecker:
         cfg = self.cfg
         s = pool.stats
         while True:
-            ok, detail = await self.probe(pool)
+            try:
+                ok, detail = await self.probe(pool)
+            except Exception as exc:  # a check must never die: report it as a failure
+                ok, detail = False, f"check failed: {exc!r}"
             s.hc_last = detail
             if ok:
                 s.hc_fail = 0
@@ -547,8 +550,8 @@ class LoadPoller:
         while True:
             try:
                 status, text = await http_get(pool, cfg.path, cfg.timeout_ms / 1000, True)
-            except (TimeoutError, OSError, ValueError) as exc:
-                log.debug("load poll of %s failed: %s", pool.endpoint.address, exc)
+            except Exception as exc:  # keep polling whatever went wrong
+                log.debug("load poll of %s failed: %r", pool.endpoint.address, exc)
             else:
                 value = gauge_value(text, name) if status == 200 else None
                 if value is not None:
