@@ -5,8 +5,11 @@ VENV := .venv
 CONFIG := config/aiproxy.toml
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="tests/test_demo_upstream.py -x"
 PYTEST_ARGS ?=
+# Extra arguments for `make bench` (pytest-benchmark) and `make bench-e2e` (bench/e2e.py).
+BENCH_ARGS ?=
+E2E_ARGS ?=
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench bench-e2e clean
 
 # Two demo upstreams in the background, the proxy in the foreground. The trap stops the
 # upstreams when the proxy exits or on Ctrl-C; the proxy is not exec'ed because that would
@@ -32,12 +35,25 @@ lint:
 	scripts/bootstrap.sh --lint
 	$(VENV)/bin/ruff check .
 
+# Micro benchmarks; every run is saved under .benchmarks/ so a later one can compare:
+# make bench BENCH_ARGS="--benchmark-compare --benchmark-compare-fail=median:10%"
 bench:
 	scripts/bootstrap.sh --test
-	$(VENV)/bin/python -m pytest bench --benchmark-only
+	$(VENV)/bin/python -m pytest bench --benchmark-only --benchmark-autosave --benchmark-storage=.benchmarks $(BENCH_ARGS)
+
+# aiproxy beside nginx and haproxy (wrk, several minutes); E2E_ARGS="--quick" for a short pass.
+bench-e2e:
+	scripts/bootstrap.sh --test
+	$(VENV)/bin/python bench/e2e.py $(E2E_ARGS)
+
+# BPF objects for the kernel fast paths (the package build also runs this).
+.PHONY: bpf
+bpf:
+	$(MAKE) -C bpf
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .benchmarks
+	rm -f aiproxy/kernel/objects/*.bpf.o
 	rm -f aiproxy/_fast/*.c aiproxy/_fast/*.so aiproxy/_fast/*.html
 	rm -f $(VENV)/.aiproxy-install-stamp
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -7,8 +7,12 @@ Knobs from the environment:
 """
 
 import os
+import subprocess
+import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 try:
     from Cython.Build import cythonize
@@ -29,7 +33,45 @@ extensions = [
     for name in FAST_MODULES
 ]
 
+
+
+# BPF objects for the kernel fast paths (bpf/*.c -> aiproxy/kernel/objects/*.bpf.o).
+# Optional: without clang/libbpf-dev (or make) the package builds and runs without them,
+# and the build says why. AIPROXY_BPF=0 skips them; AIPROXY_BPF=strict fails the build
+# when they do not compile.
+def _build_bpf() -> None:
+    mode = os.environ.get("AIPROXY_BPF", "1")
+    if mode == "0" or getattr(_build_bpf, "done", False):
+        return
+    _build_bpf.done = True
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = os.path.join(here, "aiproxy", "kernel", "objects")
+    try:
+        res = subprocess.run(["make", "-s", "-C", os.path.join(here, "bpf"), f"OUT={out}"])
+    except FileNotFoundError:
+        print("aiproxy: 'make' not found: building without kernel fast paths", file=sys.stderr)
+        return
+    if res.returncode != 0:
+        message = "aiproxy: BPF objects failed to build: the kernel fast paths will be off"
+        if mode == "strict":
+            raise SystemExit(message)
+        print(message, file=sys.stderr)
+
+
+class BuildPyWithBpf(build_py):
+    def run(self):
+        _build_bpf()
+        super().run()
+
+
+class BuildExtWithBpf(build_ext):
+    def run(self):
+        _build_bpf()  # editable installs run build_ext, not build_py
+        super().run()
+
+
 setup(
+    cmdclass={"build_py": BuildPyWithBpf, "build_ext": BuildExtWithBpf},
     ext_modules=cythonize(
         extensions,
         language_level=3,

@@ -8,7 +8,7 @@ import sys
 
 from aiproxy import __version__
 
-COMMANDS = ("run", "check", "demo-upstream")
+COMMANDS = ("run", "check", "demo-upstream", "bpf")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +29,12 @@ def _parser() -> argparse.ArgumentParser:
                            description="Validate a config file. Exit 0 and print a summary, "
                            "or exit 2 with FILE:LINE: key.path: problem lines.")
     _config_args(check)
+
+    bpf = sub.add_parser("bpf", help="kernel fast paths: status, attach, detach (XDP/TC)",
+                         description="Kernel fast paths from the config's [kernel] section.")
+    from aiproxy.kernel.cli import add_arguments as _bpf_arguments
+
+    _bpf_arguments(bpf)
 
     sub.add_parser("demo-upstream", add_help=False,
                    help="run the bundled OpenAI-style demo upstream (see its --help)")
@@ -53,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "check":
         return _check(args.config)
+    if args.command == "bpf":
+        from aiproxy.kernel.cli import run as bpf_run
+
+        return bpf_run(args)
     return _run(args.config, args.log_level)
 
 

@@ -60,12 +60,18 @@ need python3-dev has_python_headers
 need gcc have gcc
 need make have make
 need curl have curl
+# Kernel fast paths (bpf/): the build compiles them when clang and libbpf-dev are there.
+need clang have clang
+need llvm have llc
+need libbpf-dev test -f /usr/include/bpf/bpf_helpers.h
 if [ "$system_test" -eq 1 ]; then
     need nginx-light have nginx
     need wrk have wrk
     need nghttp2-client have h2load
     need haproxy have haproxy
     need redis-server have redis-server
+    need bpftool have bpftool
+    need iproute2 have ip
 fi
 
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -107,6 +113,7 @@ fi
 build_inputs() {
     printf '%s\n' pyproject.toml setup.py
     find aiproxy -name '*.pyx' -o -name '*.pxd' | LC_ALL=C sort
+    find bpf -name '*.c' -o -name '*.h' -o -name Makefile | LC_ALL=C sort
 }
 fingerprint=$(build_inputs | xargs sha256sum | sha256sum | cut -d' ' -f1)
 
@@ -123,6 +130,15 @@ up_to_date() {
         [ -e "$pyx" ] || continue
         compgen -G "${pyx%.pyx}.*.so" >/dev/null || return 1
     done
+    # BPF objects are built when the toolchain is there; a missing one means rebuild.
+    if have clang && [ -f /usr/include/bpf/bpf_helpers.h ]; then
+        local c
+        for c in bpf/*.c; do
+            [ -e "$c" ] || continue
+            c=${c##*/}
+            [ -f "aiproxy/kernel/objects/${c%.c}.bpf.o" ] || return 1
+        done
+    fi
 }
 
 if ! up_to_date; then

@@ -25,7 +25,9 @@ class Runtime:
         self.http = config.http
         pools = previous.pools_by_endpoint() if previous is not None else {}
         self.clusters = {c.name: Cluster(c, config.http, loop, pools) for c in config.clusters}
-        self.table = RouteTable(Route(r, self.clusters[r.cluster]) for r in config.routes)
+        for cluster in self.clusters.values():
+            cluster.start()
+        self.table = RouteTable(Route(r, self.clusters, i) for i, r in enumerate(config.routes))
         self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
         self.max_body = config.http.max_body_bytes
         http = config.http
@@ -34,6 +36,7 @@ class Runtime:
             timeouts.append(http.keepalive_timeout_ms)
         for c in config.clusters:
             timeouts += (c.request_timeout_ms, c.read_timeout_ms)
+        timeouts += [r.timeout_ms for r in config.routes if r.timeout_ms]
         # The connection timer's period: no deadline is shorter than this.
         self.min_timeout = min(timeouts) / 1000
 
@@ -46,6 +49,7 @@ class Runtime:
         ones when their exchange releases them)."""
         kept = {id(p) for c in successor.clusters.values() for p in c.pools}
         for cluster in self.clusters.values():
+            cluster.stop()
             for pool in cluster.pools:
                 if id(pool) not in kept:
                     pool.close()

@@ -32,7 +32,7 @@ class Telemetry:
         timings = ex.timings()
         route = ex.route
         route_name = route.name if route is not None else ""
-        cluster = route.cluster.name if route is not None else ""
+        cluster = ex.cluster.name if ex.cluster is not None else ""
         status = ex.status if not (ex.client_lost and not ex.head_sent) else CLIENT_CLOSED
         self.metrics.exchange_done(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
                                    timings)

@@ -1,0 +1,206 @@
+"""Attach and detach XDP and TC programs with pyroute2 (by program fd).
+
+Every function takes ``netns``: None for the current namespace, else the name of a
+namespace under /var/run/netns (as made by `ip netns add`). Attachments outlive the
+process that made them: detach explicitly.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from .libbpf import BPFError, Program
+
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
+XDP_FLAGS_SKB_MODE = 1 << 1
+XDP_FLAGS_DRV_MODE = 1 << 2
+XDP_MODE_FLAGS = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
+
+TC_PARENTS = {"ingress": "ffff:fff2", "egress": "ffff:fff3"}
+TC_PRIO = 0xA1  # our filters' preference on the clsact hooks
+TC_HANDLE = 1
+TC_NAME = "aiproxy_tc"
+
+
+class AttachError(BPFError):
+    pass
+
+
+@contextmanager
+def iproute(netns: str | None = None) -> Iterator:
+    try:
+        from pyroute2 import IPRoute
+    except ImportError as exc:  # pragma: no cover - a runtime dependency
+        raise AttachError(f"pyroute2 is not installed: {exc}") from None
+    try:
+        ipr = IPRoute(netns=netns) if netns else IPRoute()
+    except Exception as exc:
+        where = f"network namespace {netns!r}" if netns else "netlink"
+        raise AttachError(f"cannot open {where}: {exc}") from None
+    try:
+        yield ipr
+    finally:
+        ipr.close()
+
+
+def _index(ipr, ifname: str, netns: str | None) -> int:
+    found = ipr.link_lookup(ifname=ifname)
+    if not found:
+        where = f" in netns {netns}" if netns else ""
+        raise AttachError(f"no interface {ifname!r}{where}", errno.ENODEV)
+    return found[0]
+
+
+def _netlink_errno(exc: Exception) -> int:
+    code = getattr(exc, "code", 0) or 0
+    return abs(code)
+
+
+# -- XDP --------------------------------------------------------------------------------
+
+
+def attach_xdp(ifname: str, prog: Program, mode: str = "auto", netns: str | None = None) -> str:
+    """Attach ``prog`` at XDP on ``ifname``; returns the mode used ("native"/"generic").
+
+    "auto" tries native (driver) mode and falls back to generic (SKB) mode. Replaces a
+    program already attached in the same mode atomically (no packet goes unfiltered).
+    """
+    modes = ["native", "generic"] if mode == "auto" else [mode]
+    if any(m not in XDP_MODE_FLAGS for m in modes):
+        raise AttachError(f"unknown XDP mode {mode!r} (native, generic, auto)")
+    errors = []
+    with iproute(netns) as ipr:
+        index = _index(ipr, ifname, netns)
+        current = _xdp_state(ipr, index)
+        for m in modes:
+            # An interface holds one XDP program per mode; attaching in the other mode
+            # while one is there fails, so clear the other mode first.
+            if current.get("mode") and current["mode"] != m:
+                _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current["mode"]])
+            try:
+                _xdp_set(ipr, index, prog.fd, XDP_MODE_FLAGS[m])
+            except Exception as exc:  # NetlinkError
+                errors.append(f"{m}: {exc}")
+                continue
+            return m
+    raise AttachError(f"cannot attach XDP program {prog.name} to {ifname}: " + "; ".join(errors))
+
+
+def detach_xdp(ifname: str, netns: str | None = None) -> bool:
+    """Remove whatever XDP program is on ``ifname``; True if there was one."""
+    with iproute(netns) as ipr:
+        index = _index(ipr, ifname, netns)
+        current = _xdp_state(ipr, index)
+        if not current.get("mode"):
+            return False
+        _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current["mode"]])
+        return True
+
+
+def xdp_state(ifname: str, netns: str | None = None) -> dict:
+    """{"mode": "native"|"generic"|None, "prog_id": int|None}"""
+    with iproute(netns) as ipr:
+        return _xdp_state(ipr, _index(ipr, ifname, netns))
+
+
+def _xdp_set(ipr, index: int, fd: int, flags: int) -> None:
+    ipr.link("set", index=index, xdp={"attrs": [["IFLA_XDP_FD", fd], ["IFLA_XDP_FLAGS", flags]]})
+
+
+def _xdp_state(ipr, index: int) -> dict:
+    link = ipr.link("get", index=index)[0]
+    xdp = link.get_attr("IFLA_XDP")
+    state: dict = {"mode": None, "prog_id": None}
+    if xdp is None:
+        return state
+    attached = xdp.get_attr("IFLA_XDP_ATTACHED")
+    state["mode"] = {"xdp": "native", "xdpgeneric": "generic", "drv": "native",
+                     "skb": "generic", 1: "native", 2: "generic"}.get(attached)
+    if attached not in (None, "none", 0) and state["mode"] is None:
+        state["mode"] = str(attached)
+    state["prog_id"] = xdp.get_attr("IFLA_XDP_PROG_ID")
+    return state
+
+
+# -- TC ---------------------------------------------------------------------------------
+
+
+def attach_tc(ifname: str, prog: Program, direction: str, netns: str | None = None) -> None:
+    """Attach ``prog`` as a direct-action bpf filter on the clsact ``direction`` hook.
+
+    Adds the clsact qdisc if missing; replaces our own filter if one is there.
+    """
+    parent = TC_PARENTS[direction]
+    with iproute(netns) as ipr:
+        index = _index(ipr, ifname, netns)
+        if not _has_clsact(ipr, index):
+            try:
+                ipr.tc("add", "clsact", index)
+            except Exception as exc:
+                if _netlink_errno(exc) != errno.EEXIST:
+                    raise AttachError(f"cannot add clsact on {ifname}: {exc}") from None
+        try:
+            ipr.tc("replace-filter", "bpf", index, TC_HANDLE, fd=prog.fd, name=TC_NAME,
+                   parent=parent, classid=1, direct_action=True, prio=TC_PRIO)
+        except Exception as exc:
+            raise AttachError(
+                f"cannot attach TC program {prog.name} to {ifname} {direction}: {exc}") from None
+
+
+def detach_tc(ifname: str, direction: str, netns: str | None = None) -> bool:
+    """Remove our filter from ``direction``; drops clsact when nothing else uses it."""
+    parent = TC_PARENTS[direction]
+    with iproute(netns) as ipr:
+        index = _index(ipr, ifname, netns)
+        if not _has_clsact(ipr, index) or not _our_filters(ipr, index, parent):
+            return False
+        ipr.tc("del-filter", "bpf", index, TC_HANDLE, parent=parent, prio=TC_PRIO)
+        if not any(_filters(ipr, index, p) for p in TC_PARENTS.values()):
+            try:
+                ipr.tc("del", "clsact", index)
+            except Exception:
+                pass
+        return True
+
+
+def tc_state(ifname: str, netns: str | None = None) -> dict[str, bool]:
+    """{"ingress": attached?, "egress": attached?} for our filter."""
+    with iproute(netns) as ipr:
+        index = _index(ipr, ifname, netns)
+        if not _has_clsact(ipr, index):
+            return dict.fromkeys(TC_PARENTS, False)
+        return {d: bool(_our_filters(ipr, index, p)) for d, p in TC_PARENTS.items()}
+
+
+def _has_clsact(ipr, index: int) -> bool:
+    return any(q.get_attr("TCA_KIND") == "clsact" for q in ipr.get_qdiscs(index))
+
+
+def _filters(ipr, index: int, parent: str) -> list:
+    return [f for f in ipr.get_filters(index, parent=parent) if f.get_attr("TCA_OPTIONS")]
+
+
+def _our_filters(ipr, index: int, parent: str) -> list:
+    return [f for f in _filters(ipr, index, parent)
+            if (f["info"] >> 16) == TC_PRIO
+            and f.get_attr("TCA_OPTIONS").get_attr("TCA_BPF_NAME") == TC_NAME]
+
+
+@dataclass(frozen=True, slots=True)
+class InterfaceState:
+    ifname: str
+    netns: str | None
+    xdp_mode: str | None
+    xdp_prog_id: int | None
+    tc_ingress: bool
+    tc_egress: bool
+
+
+def interface_state(ifname: str, netns: str | None = None) -> InterfaceState:
+    xdp = xdp_state(ifname, netns)
+    tc = tc_state(ifname, netns)
+    return InterfaceState(ifname, netns, xdp["mode"], xdp["prog_id"], tc["ingress"],
+                          tc["egress"])

@@ -1,0 +1,222 @@
+"""Config -> BPF maps, in place: a reload changes map contents, never the attachment.
+
+Each ``sync`` computes the wanted contents, adds what is missing first, then removes
+what is no longer wanted, so a packet never sees a state that is less strict than both
+the old and the new config would be for entries present in both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+from collections.abc import Iterable, Sequence
+
+from aiproxy.config.schema import KernelConfig, TrafficClass
+
+from .libbpf import BpfObject, Map
+from .structs import (
+    CLASS_SET_DSCP,
+    CLASS_SET_PRIORITY,
+    CLASSIFY_MAX_CLASSES,
+    GUARD_COUNTER_NAMES,
+    SIGNATURES,
+    ClassInfo,
+    ClassStats,
+    GuardSettings,
+    GuardV4Key,
+    GuardV6Key,
+)
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+GUARD_MAPS = ("guard_deny_v4", "guard_deny_v6", "guard_v4_summary", "guard_v4_full",
+              "guard_ports",
+              "guard_settings", "guard_counters")
+CLASSIFY_MAPS = ("class_ports", "class_sigs", "class_info", "class_stats")
+SUMMARY_BITS = 24  # bpf/include/guard.h: GUARD_V4_SUMMARY_BITS
+
+
+def _u32(value: int) -> bytes:
+    return value.to_bytes(4, "little")
+
+
+def _u16(value: int) -> bytes:
+    return value.to_bytes(2, "little")
+
+
+def _u64(raw: bytes) -> int:
+    return int.from_bytes(raw[:8], "little")
+
+
+def v4_key(net: ipaddress.IPv4Network) -> bytes:
+    return bytes(GuardV4Key(net.prefixlen, (ctypes.c_uint8 * 4)(*net.network_address.packed)))
+
+
+def v6_key(net: ipaddress.IPv6Network) -> bytes:
+    return bytes(GuardV6Key(net.prefixlen, (ctypes.c_uint8 * 16)(*net.network_address.packed)))
+
+
+def summary_words(nets: Iterable[ipaddress.IPv4Network]) -> dict[int, int]:
+    """guard_v4_summary contents: word index -> bits, one bit per /24 a prefix overlaps."""
+    words: dict[int, int] = {}
+    shift = 32 - SUMMARY_BITS
+    for net in nets:
+        first = int(net.network_address) >> shift
+        last = int(net.broadcast_address) >> shift
+        for word in range(first >> 6, (last >> 6) + 1):
+            lo = max(first, word << 6) & 63
+            hi = min(last, (word << 6) | 63) & 63
+            words[word] = words.get(word, 0) | (((1 << (hi - lo + 1)) - 1) << lo)
+    return words
+
+
+def _raise_bits(m: Map, old: dict[int, int], new: dict[int, int]) -> None:
+    for i, bits in new.items():
+        if old.get(i, 0) | bits != old.get(i, 0):
+            m.update(_u32(i), (old.get(i, 0) | bits).to_bytes(8, "little"))
+
+
+def _lower_bits(m: Map, old: dict[int, int], new: dict[int, int]) -> None:
+    for i in set(old) | set(new):
+        if new.get(i, 0) != old.get(i, 0) | new.get(i, 0):
+            m.update(_u32(i), new.get(i, 0).to_bytes(8, "little"))
+
+
+def _sync_set(m: Map, wanted: dict[bytes, bytes]) -> tuple[int, int]:
+    """Make ``m`` hold exactly ``wanted``; returns (added or changed, removed)."""
+    # Membership from key iteration, not lookup: an LPM trie lookup matches prefixes,
+    # so a new /32 inside an old /16 would look present.
+    existing = set(m.keys())
+    changed = 0
+    for key, value in wanted.items():
+        if key not in existing or m.lookup(key) != value:
+            m.update(key, value)
+            changed += 1
+    removed = 0
+    for key in existing:
+        if key not in wanted:
+            m.delete(key)
+            removed += 1
+    return changed, removed
+
+
+def _percpu_sum(values: Sequence[bytes] | None, offset: int = 0) -> int:
+    if not values:
+        return 0
+    return sum(int.from_bytes(v[offset:offset + 8], "little") for v in values)
+
+
+class GuardMaps:
+    """xdp_guard's maps: deny tries (+ the /24 summary), SYN ports and rate, counters."""
+
+    def __init__(self, maps: dict[str, Map]) -> None:
+        missing = [name for name in GUARD_MAPS if name not in maps]
+        if missing:
+            raise KeyError(f"xdp_guard maps missing: {', '.join(missing)}")
+        self.maps = maps
+
+    @classmethod
+    def of(cls, obj: BpfObject) -> GuardMaps:
+        return cls(obj.maps)
+
+    def sync(self, cfg: KernelConfig) -> dict[str, int]:
+        nets = [ipaddress.ip_network(text) for text in cfg.deny_cidrs]
+        return {
+            **self.set_deny(nets),
+            **self.set_syn_limit(cfg.syn_rate_per_source, cfg.syn_burst, cfg.syn_ports),
+        }
+
+    def set_deny(self, nets: Iterable[Network]) -> dict[str, int]:
+        nets = list(nets)
+        v4 = [n for n in nets if n.version == 4]
+        v6 = [n for n in nets if n.version == 6]
+        trie4 = self.maps["guard_deny_v4"]
+        old_nets = [ipaddress.IPv4Network((bytes(key[4:8]), int.from_bytes(key[:4], "little")))
+                    for key in trie4.keys()]
+        old_any, new_any = summary_words(old_nets), summary_words(v4)
+        old_full = summary_words(n for n in old_nets if n.prefixlen <= SUMMARY_BITS)
+        new_full = summary_words(n for n in v4 if n.prefixlen <= SUMMARY_BITS)
+        # Order makes a change take effect "at once" without a moment of wrong answers:
+        # bits go up before the trie grows (a set "any" bit only costs a lookup, a set
+        # "full" bit denies what is being added anyway); "full" bits come down before the
+        # trie shrinks (the trie still denies until then), "any" bits after it.
+        _raise_bits(self.maps["guard_v4_summary"], old_any, new_any)
+        _raise_bits(self.maps["guard_v4_full"], old_full, new_full)
+        _lower_bits(self.maps["guard_v4_full"], old_full, new_full)
+        a4, r4 = _sync_set(trie4, {v4_key(n): _u32(1) for n in v4})
+        a6, r6 = _sync_set(self.maps["guard_deny_v6"], {v6_key(n): _u32(1) for n in v6})
+        _lower_bits(self.maps["guard_v4_summary"], old_any, new_any)
+        return {"deny_v4": len(v4), "deny_v6": len(v6), "deny_changed": a4 + a6,
+                "deny_removed": r4 + r6}
+
+    def set_syn_limit(self, rate: int, burst: int, ports: Iterable[int]) -> dict[str, int]:
+        ports = sorted(set(ports)) if rate else []
+        words: dict[int, int] = {}
+        for port in ports:
+            words[port >> 6] = words.get(port >> 6, 0) | (1 << (port & 63))
+        bitmap = self.maps["guard_ports"]
+        for i in range(bitmap.max_entries):  # 1024 words; only changed ones are written
+            raw = bitmap.lookup(_u32(i))
+            want = words.get(i, 0).to_bytes(8, "little")
+            if raw != want:
+                bitmap.update(_u32(i), want)
+        settings = GuardSettings(rate, max(burst or rate, 1) if rate else 0)
+        self.maps["guard_settings"].update(_u32(0), bytes(settings))
+        return {"syn_ports": len(ports), "syn_rate": rate}
+
+    def counters(self) -> dict[str, int]:
+        m = self.maps["guard_counters"]
+        return {name: _percpu_sum(m.lookup_percpu(_u32(i)))
+                for i, name in enumerate(GUARD_COUNTER_NAMES)}
+
+    def reset_counters(self) -> None:
+        m = self.maps["guard_counters"]
+        for i in range(len(GUARD_COUNTER_NAMES)):
+            m.update(_u32(i), [b"\0" * 8] * m.ncpus)
+
+
+class ClassifyMaps:
+    """tc_classify's maps: port -> class, payload signature -> class, marks, stats."""
+
+    def __init__(self, maps: dict[str, Map]) -> None:
+        missing = [name for name in CLASSIFY_MAPS if name not in maps]
+        if missing:
+            raise KeyError(f"tc_classify maps missing: {', '.join(missing)}")
+        self.maps = maps
+        self.names: dict[int, str] = {0: "unclassified"}
+
+    @classmethod
+    def of(cls, obj: BpfObject) -> ClassifyMaps:
+        return cls(obj.maps)
+
+    def sync(self, classes: Sequence[TrafficClass]) -> dict[str, int]:
+        if len(classes) >= CLASSIFY_MAX_CLASSES:
+            raise ValueError(f"at most {CLASSIFY_MAX_CLASSES - 1} classes")
+        info = self.maps["class_info"]
+        # Marks first, then the lookups that lead to them.
+        for cls in classes:
+            flags = (CLASS_SET_PRIORITY if cls.priority is not None else 0) | (
+                CLASS_SET_DSCP if cls.dscp is not None else 0)
+            info.update(_u32(cls.id), bytes(ClassInfo(cls.priority or 0, cls.dscp or 0, flags)))
+        wanted_ports = {_u16(port): _u32(cls.id) for cls in classes for port in cls.ports}
+        _sync_set(self.maps["class_ports"], wanted_ports)
+        sigs = {SIGNATURES[sig]: cls.id for cls in classes for sig in cls.payload}
+        for sig in SIGNATURES.values():
+            self.maps["class_sigs"].update(_u32(sig), _u32(sigs.get(sig, 0)))
+        used = {cls.id for cls in classes}
+        for cid in range(1, CLASSIFY_MAX_CLASSES):
+            if cid not in used:
+                info.update(_u32(cid), bytes(ClassInfo()))
+        self.names = {0: "unclassified", **{cls.id: cls.name for cls in classes}}
+        return {"classes": len(classes), "class_ports": len(wanted_ports)}
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        m = self.maps["class_stats"]
+        out = {}
+        for cid, name in sorted(self.names.items()):
+            values = m.lookup_percpu(_u32(cid))
+            out[name] = {
+                "packets": _percpu_sum(values, ClassStats.packets.offset),
+                "bytes": _percpu_sum(values, ClassStats.bytes.offset),
+            }
+        return out

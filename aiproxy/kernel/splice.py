@@ -1,0 +1,315 @@
+"""Splice two TCP sockets in the kernel (sockhash + sk_skb stream verdict).
+
+    splicer = Splicer()                 # loads bpf/sk_splice.c once per process
+    if splicer.available():
+        pair = splicer.splice(client_sock, upstream_sock)
+        ...                             # wait for EOF/errors on either socket, then
+        splicer.unsplice(pair)          # (drains what the kernel still holds first)
+    else:
+        ...                             # copy in user space, as before
+
+Contract for :meth:`Splicer.splice`:
+  * both sockets are connected TCP sockets;
+  * the caller has already written to each socket every byte it read from the other
+    (its user-space buffers are empty). Bytes still queued in a socket's receive queue
+    are not lost: after inserting the sockets the splicer nudges the kernel (SO_RCVLOWAT)
+    so the verdict program handles them, in order, before anything newer.
+Once spliced, a socket's received bytes go straight out of its peer. recv() on it
+returns b"" at EOF (or raises on error): that is the caller's cue to call
+:meth:`Splicer.shutdown_peer` (half-close, after the in-flight bytes are written) or
+:meth:`Splicer.unsplice`.
+
+Limits: the kernel queues redirected bytes for the peer without TCP back-pressure on
+the sender beyond the socket buffers; a peer that stops reading makes the kernel hold
+up to the redirect backlog. Use splicing for tunnels whose both ends are live.
+
+:func:`relay` is a blocking two-socket relay that uses the splicer when available and
+copies in user space otherwise; both paths pass the same tests.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .libbpf import BPFError, BpfObject, BPFUnavailable, object_path, prog_attach
+from .structs import SplicePeer
+
+SO_COOKIE = 57
+SIOCOUTQ = 0x5411  # TIOCOUTQ: bytes in the send queue not yet acked
+BPF_SK_SKB_STREAM_VERDICT = 5
+TCP_INFO_BYTES_ACKED = 120  # offsetof(struct tcp_info, tcpi_bytes_acked)
+
+
+def socket_cookie(sock: socket.socket) -> int:
+    return struct.unpack("=Q", sock.getsockopt(socket.SOL_SOCKET, SO_COOKIE, 8))[0]
+
+
+def bytes_written(sock: socket.socket) -> int:
+    """Bytes the kernel has taken into this socket's send path since it was connected
+    (acked + still queued)."""
+    import fcntl
+
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    acked = struct.unpack_from("=Q", info, TCP_INFO_BYTES_ACKED)[0]
+    queued = struct.unpack("=i", fcntl.ioctl(sock.fileno(), SIOCOUTQ, b"\0" * 4))[0]
+    return acked + queued
+
+
+@dataclass
+class SplicedPair:
+    a: socket.socket
+    b: socket.socket
+    cookie_a: int
+    cookie_b: int
+    written_a: int  # bytes_written(a) when spliced
+    written_b: int
+    closed: set[str] = field(default_factory=set)
+
+    def other(self, sock: socket.socket) -> socket.socket:
+        return self.b if sock is self.a else self.a
+
+
+class Splicer:
+    """Loads sk_splice once; splices socket pairs. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._obj: BpfObject | None = None
+        self._error: str | None = None
+        self._pairs: dict[int, SplicedPair] = {}
+
+    def available(self) -> bool:
+        """True when the kernel path works here (loads the program on first call)."""
+        with self._lock:
+            self._ensure()
+            return self._obj is not None
+
+    @property
+    def reason(self) -> str | None:
+        """Why splicing is unavailable (None when it is available or untried)."""
+        return self._error
+
+    def _ensure(self) -> None:
+        if self._obj is not None or self._error is not None:
+            return
+        try:
+            obj = BpfObject(object_path("sk_splice"))
+            prog_attach(obj.program("sk_splice_verdict"), obj.map("splice_socks").fd,
+                        BPF_SK_SKB_STREAM_VERDICT)
+        except BPFError as exc:
+            self._error = str(exc)
+            return
+        self._obj = obj
+
+    def splice(self, a: socket.socket, b: socket.socket) -> SplicedPair:
+        with self._lock:
+            self._ensure()
+            if self._obj is None:
+                raise BPFUnavailable(f"socket splicing unavailable: {self._error}")
+            socks = self._obj.map("splice_socks")
+            peers = self._obj.map("splice_peers")
+            ca, cb = socket_cookie(a), socket_cookie(b)
+            pair = SplicedPair(a, b, ca, cb, bytes_written(a), bytes_written(b))
+            # Peers first, sockets second: a socket's verdict finds its peer from its
+            # first byte on. A byte for a peer not yet in splice_socks would be dropped,
+            # so both sockets go in before the nudge.
+            peers.update(ca.to_bytes(8, "little"), bytes(SplicePeer(cb, 0, 0)))
+            peers.update(cb.to_bytes(8, "little"), bytes(SplicePeer(ca, 0, 0)))
+            try:
+                socks.update(ca.to_bytes(8, "little"), a.fileno().to_bytes(8, "little"))
+                socks.update(cb.to_bytes(8, "little"), b.fileno().to_bytes(8, "little"))
+            except BPFError:
+                self._forget(pair)
+                raise
+            self._pairs[ca] = pair
+            for s in (a, b):
+                # tcp_set_rcvlowat() calls sk_data_ready(): the verdict program now takes
+                # whatever arrived before the socket joined the map.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            return pair
+
+    def redirected(self, pair: SplicedPair) -> tuple[int, int]:
+        """(bytes a->b, bytes b->a) the kernel has redirected so far."""
+        peers = self._obj.map("splice_peers") if self._obj else None
+        out = []
+        for cookie in (pair.cookie_a, pair.cookie_b):
+            raw = peers.lookup(cookie.to_bytes(8, "little")) if peers else None
+            out.append(SplicePeer.from_buffer_copy(raw).bytes if raw else 0)
+        return out[0], out[1]
+
+    def wait_flushed(self, pair: SplicedPair, timeout: float = 5.0) -> bool:
+        """Wait until every redirected byte has entered its peer's send queue."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ab, ba = self.redirected(pair)
+            try:
+                done = (bytes_written(pair.b) - pair.written_b >= ab
+                        and bytes_written(pair.a) - pair.written_a >= ba)
+            except OSError:
+                return True  # a socket is gone: nothing more will be written
+            if done:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+    def shutdown_peer(self, pair: SplicedPair, eof_on: socket.socket,
+                      timeout: float = 5.0) -> None:
+        """``eof_on`` read EOF: once its bytes are out, half-close its peer for writing."""
+        self.wait_flushed(pair, timeout)
+        try:
+            pair.other(eof_on).shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        pair.closed.add("a" if eof_on is pair.a else "b")
+
+    def unsplice(self, pair: SplicedPair, timeout: float = 5.0) -> None:
+        """Take both sockets out of the kernel path (after in-flight bytes are written).
+
+        The sockets stay open and usable for user-space I/O."""
+        self.wait_flushed(pair, timeout)
+        with self._lock:
+            self._forget(pair)
+
+    def _forget(self, pair: SplicedPair) -> None:
+        if self._obj is None:
+            return
+        for cookie in (pair.cookie_a, pair.cookie_b):
+            key = cookie.to_bytes(8, "little")
+            for name in ("splice_socks", "splice_peers"):
+                try:
+                    self._obj.map(name).delete(key)
+                except BPFError:
+                    pass
+        self._pairs.pop(pair.cookie_a, None)
+
+    def close(self) -> None:
+        with self._lock:
+            for pair in list(self._pairs.values()):
+                self._forget(pair)
+            if self._obj is not None:
+                self._obj.close()
+                self._obj = None
+
+
+# -- a blocking relay (tests, benchmarks, simple tunnels) ------------------------------
+
+
+def relay(a: socket.socket, b: socket.socket, splicer: Splicer | None = None,
+          bufsize: int = 256 * 1024) -> dict:
+    """Carry bytes both ways between ``a`` and ``b`` until both directions are closed.
+
+    With a working ``splicer`` the kernel carries the bytes and this thread only waits
+    for EOFs; otherwise it copies. Returns {"spliced": bool, "a_to_b": n, "b_to_a": n}.
+    The sockets are left open (the caller closes them).
+    """
+    if splicer is not None and splicer.available():
+        return _relay_spliced(a, b, splicer)
+    return _relay_copy(a, b, bufsize)
+
+
+def _relay_spliced(a: socket.socket, b: socket.socket, splicer: Splicer) -> dict:
+    pair = splicer.splice(a, b)
+    poller = select.poll()
+    fds = {a.fileno(): a, b.fileno(): b}
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLRDHUP)
+    open_ = set(fds)
+    try:
+        while open_:
+            for fd, _ev in poller.poll(1000):
+                sock = fds[fd]
+                try:
+                    data = sock.recv(65536, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    # A byte reached user space: only possible if it was queued before the
+                    # splice and the nudge lost a race; forward it in order.
+                    pair.other(sock).sendall(data)
+                    continue
+                splicer.shutdown_peer(pair, sock)
+                poller.unregister(fd)
+                open_.discard(fd)
+    finally:
+        ab, ba = splicer.redirected(pair)
+        splicer.unsplice(pair)
+    return {"spliced": True, "a_to_b": ab, "b_to_a": ba}
+
+
+def _relay_copy(a: socket.socket, b: socket.socket, bufsize: int) -> dict:
+    buf = bytearray(bufsize)
+    view = memoryview(buf)
+    counts = {a.fileno(): 0, b.fileno(): 0}
+    fds = {a.fileno(): a, b.fileno(): b}
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLRDHUP)
+    open_ = set(fds)
+    while open_:
+        for fd, _ev in poller.poll(1000):
+            sock = fds[fd]
+            peer = b if sock is a else a
+            try:
+                n = sock.recv_into(view, bufsize, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.ECONNRESET, errno.EPIPE):
+                    raise
+                n = 0
+            if n:
+                peer.sendall(view[:n])
+                counts[fd] += n
+                continue
+            try:
+                peer.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            poller.unregister(fd)
+            open_.discard(fd)
+    return {"spliced": False, "a_to_b": counts[a.fileno()], "b_to_a": counts[b.fileno()]}
+
+
+def _main() -> int:  # pragma: no cover - exercised by tests/bench as a subprocess
+    """`python -m aiproxy.kernel.splice LISTEN_PORT UPSTREAM_PORT [copy|splice]`:
+    accept one connection, connect upstream, relay, print counts and CPU time as JSON."""
+    import json
+    import resource
+    import sys
+
+    listen_port, upstream_port = int(sys.argv[1]), int(sys.argv[2])
+    mode = sys.argv[3] if len(sys.argv) > 3 else "splice"
+    splicer = Splicer() if mode == "splice" else None
+    if splicer is not None and not splicer.available():
+        print(json.dumps({"error": splicer.reason}), flush=True)
+        return 1
+    srv = socket.create_server(("127.0.0.1", listen_port))
+    print(json.dumps({"ready": True}), flush=True)
+    a, _ = srv.accept()
+    b = socket.create_connection(("127.0.0.1", upstream_port))
+    start = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.monotonic()
+    result = relay(a, b, splicer)
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    result["wall_s"] = time.monotonic() - t0
+    result["cpu_s"] = (end.ru_utime - start.ru_utime) + (end.ru_stime - start.ru_stime)
+    a.close()
+    b.close()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(_main())
+
+
+__all__ = ["Splicer", "SplicedPair", "relay", "socket_cookie", "bytes_written"]

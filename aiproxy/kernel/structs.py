@@ -1,0 +1,96 @@
+"""ctypes mirrors of the structs in bpf/include/*.h (the kernel/user contract).
+
+Keep these in step with the C headers: tests/kernel/test_structs.py compiles the headers
+and compares every size and field offset listed in MIRRORS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+# -- bpf/include/guard.h ----------------------------------------------------------------
+GUARD_TOKEN_SCALE = 1_000_000_000
+GUARD_PASSED = 0
+GUARD_DROPPED_DENY = 1
+GUARD_DROPPED_RATELIMIT = 2
+GUARD_DROPPED_MALFORMED = 3
+GUARD_MALFORMED = 4
+GUARD_NR_COUNTERS = 5
+GUARD_COUNTER_NAMES = ("passed", "dropped_deny", "dropped_ratelimit", "dropped_malformed",
+                       "malformed")
+
+
+class GuardV4Key(ctypes.Structure):
+    _fields_ = [("prefixlen", ctypes.c_uint32), ("addr", ctypes.c_uint8 * 4)]
+
+
+class GuardV6Key(ctypes.Structure):
+    _fields_ = [("prefixlen", ctypes.c_uint32), ("addr", ctypes.c_uint8 * 16)]
+
+
+class GuardSrc(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_uint8 * 16)]
+
+
+class GuardBucket(ctypes.Structure):
+    _fields_ = [("tokens", ctypes.c_uint64), ("stamp_ns", ctypes.c_uint64)]
+
+
+class GuardSettings(ctypes.Structure):
+    _fields_ = [("syn_rate", ctypes.c_uint32), ("syn_burst", ctypes.c_uint32)]
+
+
+# -- bpf/include/classify.h -------------------------------------------------------------
+CLASSIFY_MAX_CLASSES = 16
+CLASS_SET_PRIORITY = 0x1
+CLASS_SET_DSCP = 0x2
+SIG_H2_PREFACE = 0
+SIG_POST_V1 = 1
+SIG_NR = 2
+SIGNATURES = {"h2_preface": SIG_H2_PREFACE, "post_v1": SIG_POST_V1}
+
+
+class ClassInfo(ctypes.Structure):
+    _fields_ = [("priority", ctypes.c_uint32), ("dscp", ctypes.c_uint8),
+                ("flags", ctypes.c_uint8), ("_pad", ctypes.c_uint16)]
+
+
+class ClassStats(ctypes.Structure):
+    _fields_ = [("packets", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
+
+
+# -- bpf/include/splice.h ---------------------------------------------------------------
+
+
+class SplicePeer(ctypes.Structure):
+    _fields_ = [("peer", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
+                ("segs", ctypes.c_uint64)]
+
+
+# C struct name -> (header, mirror); checked by tests/kernel/test_structs.py
+MIRRORS: dict[str, tuple[str, type[ctypes.Structure]]] = {
+    "guard_v4_key": ("guard.h", GuardV4Key),
+    "guard_v6_key": ("guard.h", GuardV6Key),
+    "guard_src": ("guard.h", GuardSrc),
+    "guard_bucket": ("guard.h", GuardBucket),
+    "guard_settings": ("guard.h", GuardSettings),
+    "class_info": ("classify.h", ClassInfo),
+    "class_stats": ("classify.h", ClassStats),
+    "splice_peer": ("splice.h", SplicePeer),
+}
+
+# Constants mirrored from the headers, also checked by the test.
+CONSTANTS: dict[str, tuple[str, int]] = {
+    "GUARD_TOKEN_SCALE": ("guard.h", GUARD_TOKEN_SCALE),
+    "GUARD_NR_COUNTERS": ("guard.h", GUARD_NR_COUNTERS),
+    "GUARD_DROPPED_DENY": ("guard.h", GUARD_DROPPED_DENY),
+    "GUARD_DROPPED_RATELIMIT": ("guard.h", GUARD_DROPPED_RATELIMIT),
+    "GUARD_DROPPED_MALFORMED": ("guard.h", GUARD_DROPPED_MALFORMED),
+    "GUARD_MALFORMED": ("guard.h", GUARD_MALFORMED),
+    "CLASSIFY_MAX_CLASSES": ("classify.h", CLASSIFY_MAX_CLASSES),
+    "CLASS_SET_PRIORITY": ("classify.h", CLASS_SET_PRIORITY),
+    "CLASS_SET_DSCP": ("classify.h", CLASS_SET_DSCP),
+    "SIG_H2_PREFACE": ("classify.h", SIG_H2_PREFACE),
+    "SIG_POST_V1": ("classify.h", SIG_POST_V1),
+    "SIG_NR": ("classify.h", SIG_NR),
+}

@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: GPL-2.0
+/* sk_splice: splice two TCP sockets in the kernel.
+ *
+ * User space (aiproxy/kernel/splice.py) puts both sockets of a tunnel into
+ * splice_socks (key: socket cookie) and records each one's peer in splice_peers.
+ * The stream verdict program runs for every skb a member socket receives and
+ * redirects it to the egress of the peer socket: the bytes never reach user
+ * space. A socket in splice_socks without a splice_peers entry gets SK_PASS: its
+ * bytes are queued for recv() as usual.
+ */
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+#include "splice.h"
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__type(key, __u64);   /* socket cookie */
+	__type(value, __u64); /* socket (fd on update, cookie on lookup) */
+	__uint(max_entries, SPLICE_MAX_SOCKS);
+} splice_socks SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u64); /* socket cookie */
+	__type(value, struct splice_peer);
+	__uint(max_entries, SPLICE_MAX_SOCKS);
+} splice_peers SEC(".maps");
+
+SEC("sk_skb/stream_verdict")
+int sk_splice_verdict(struct __sk_buff *skb)
+{
+	__u64 cookie = bpf_get_socket_cookie(skb);
+	struct splice_peer *peer = bpf_map_lookup_elem(&splice_peers, &cookie);
+	__u64 to;
+
+	if (!peer)
+		return SK_PASS;
+	to = peer->peer;
+	__sync_fetch_and_add(&peer->bytes, skb->len);
+	__sync_fetch_and_add(&peer->segs, 1);
+	return bpf_sk_redirect_hash(skb, &splice_socks, &to, 0);
+}
+
+char _license[] SEC("license") = "GPL";

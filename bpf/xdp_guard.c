@@ -1,0 +1,230 @@
+// SPDX-License-Identifier: GPL-2.0
+/* xdp_guard: the cheapest decisions, taken before the kernel builds an skb.
+ *
+ *  1. Source deny list: IPv4 and IPv6 LPM tries (guard_deny_v4 / guard_deny_v6).
+ *     Applies to every IP packet of a denied source, fragments included. IPv4
+ *     lookups are pre-filtered by guard_v4_summary (one bit per /24 that some prefix
+ *     overlaps) and short-cut by guard_v4_full (one bit per /24 a prefix covers
+ *     whole); user space keeps both in step with the trie. Only sources in a /24
+ *     that a longer prefix (/25../32) touches walk the trie.
+ *  2. New-connection rate limit: a TCP SYN without ACK to a port in guard_ports
+ *     takes a token from the source's bucket (guard_buckets, LRU); no token, drop.
+ *     Rate and burst live in guard_settings[0] and can change at run time.
+ *  3. Everything else: XDP_PASS. Established flows are never looked at beyond the
+ *     deny list, non-first fragments never have their (absent) L4 header read.
+ *
+ * Malformed packets (too short for the headers they announce) are passed by
+ * default: the kernel's IP stack validates and drops them anyway, and XDP is not
+ * the place to be stricter than the stack. cfg_drop_malformed = 1 drops them.
+ * Either way they are counted in GUARD_MALFORMED.
+ */
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#include "parse.h"
+#include "guard.h"
+
+/* Load-time settings (rodata, frozen at load). */
+const volatile __u8 cfg_drop_malformed = 0;
+/* Leading bytes of an IPv6 source that identify a bucket: 16 = per /128,
+ * 8 = per /64 (one bucket per customer prefix). */
+const volatile __u8 cfg_v6_bucket_bytes = 16;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct guard_v4_key);
+	__type(value, __u32);
+	__uint(max_entries, GUARD_MAX_DENY_V4);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} guard_deny_v4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, GUARD_V4_SUMMARY_WORDS);
+} guard_v4_summary SEC(".maps");
+
+/* One bit per /24 that a deny prefix of /24 or shorter covers entirely: a source
+ * there is denied without walking the trie. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, GUARD_V4_SUMMARY_WORDS);
+} guard_v4_full SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct guard_v6_key);
+	__type(value, __u32);
+	__uint(max_entries, GUARD_MAX_DENY_V6);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} guard_deny_v6 SEC(".maps");
+
+/* Rate-limited destination ports: a 65536-bit bitmap (port p is bit p % 64 of word
+ * p / 64). An array lookup is inlined by the verifier; a hash lookup is not free. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, GUARD_PORT_WORDS);
+} guard_ports SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct guard_src);
+	__type(value, struct guard_bucket);
+	__uint(max_entries, GUARD_MAX_BUCKETS);
+} guard_buckets SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct guard_settings);
+	__uint(max_entries, 1);
+} guard_settings SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, GUARD_NR_COUNTERS);
+} guard_counters SEC(".maps");
+
+static __always_inline void count(__u32 idx)
+{
+	__u64 *c = bpf_map_lookup_elem(&guard_counters, &idx);
+
+	if (c)
+		*c += 1;
+}
+
+static __always_inline int verdict(__u32 idx, int action)
+{
+	count(idx);
+	return action;
+}
+
+static __always_inline int denied(struct pkt *p)
+{
+	if (p->ip4) {
+		struct guard_v4_key k = { .prefixlen = 32 };
+		__u32 top = bpf_ntohl(p->ip4->saddr) >> (32 - GUARD_V4_SUMMARY_BITS);
+		__u32 word = top >> 6;
+		__u64 *bits = bpf_map_lookup_elem(&guard_v4_summary, &word);
+
+		if (!bits || !(*bits & (1ULL << (top & 63))))
+			return 0;
+		bits = bpf_map_lookup_elem(&guard_v4_full, &word);
+		if (bits && (*bits & (1ULL << (top & 63))))
+			return 1;
+		__builtin_memcpy(k.addr, &p->ip4->saddr, 4);
+		return bpf_map_lookup_elem(&guard_deny_v4, &k) != NULL;
+	}
+	if (p->ip6) {
+		struct guard_v6_key k = { .prefixlen = 128 };
+
+		__builtin_memcpy(k.addr, &p->ip6->saddr, 16);
+		return bpf_map_lookup_elem(&guard_deny_v6, &k) != NULL;
+	}
+	return 0;
+}
+
+/* 1 = allowed (a token was taken), 0 = over the limit. */
+static __always_inline int take_token(struct pkt *p)
+{
+	__u32 zero = 0;
+	struct guard_settings *s = bpf_map_lookup_elem(&guard_settings, &zero);
+	struct guard_src src = {};
+	struct guard_bucket *b;
+	__u64 now, cap, tokens, elapsed;
+	__u32 rate;
+
+	if (!s || s->syn_rate == 0)
+		return 1;
+	rate = s->syn_rate < GUARD_MAX_RATE ? s->syn_rate : GUARD_MAX_RATE;
+	cap = s->syn_burst < GUARD_MAX_RATE ? s->syn_burst : GUARD_MAX_RATE;
+	cap = (cap ? cap : 1) * GUARD_TOKEN_SCALE;
+
+	if (p->ip4) {
+		src.addr[10] = 0xff;
+		src.addr[11] = 0xff;
+		__builtin_memcpy(&src.addr[12], &p->ip4->saddr, 4);
+	} else if (p->ip6) {
+		__builtin_memcpy(src.addr, &p->ip6->saddr, 16);
+		if (cfg_v6_bucket_bytes <= 8)
+			__builtin_memset(&src.addr[8], 0, 8);
+	}
+
+	/* Coarse time (jiffies resolution) is enough for a bucket refilled by elapsed
+	 * time, and several times cheaper than bpf_ktime_get_ns() in a VM. */
+	now = bpf_ktime_get_coarse_ns();
+	b = bpf_map_lookup_elem(&guard_buckets, &src);
+	if (!b) {
+		struct guard_bucket fresh = { .tokens = cap - GUARD_TOKEN_SCALE, .stamp_ns = now };
+
+		bpf_map_update_elem(&guard_buckets, &src, &fresh, BPF_ANY);
+		return 1;
+	}
+	/* Refill: `rate` units per ns, capped at `cap`. elapsed is capped first so the
+	 * product cannot overflow (rate <= 1e6/s: 1e10 ns * 1e6 < 2^64). Racing CPUs may
+	 * lose an update; the limit is approximate under contention, never unbounded. */
+	tokens = b->tokens;
+	elapsed = now > b->stamp_ns ? now - b->stamp_ns : 0;
+	if (elapsed > GUARD_MAX_ELAPSED_NS)
+		elapsed = GUARD_MAX_ELAPSED_NS;
+	tokens += elapsed * rate;
+	if (tokens > cap)
+		tokens = cap; /* also when burst was lowered at run time */
+	b->stamp_ns = now;
+	if (tokens < GUARD_TOKEN_SCALE) {
+		b->tokens = tokens;
+		return 0;
+	}
+	b->tokens = tokens - GUARD_TOKEN_SCALE;
+	return 1;
+}
+
+SEC("xdp")
+int xdp_guard(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct pkt p = {};
+	int rc;
+
+	rc = parse_packet(&p, data, data_end);
+	if (rc == PARSE_NOT_IP)
+		return verdict(GUARD_PASSED, XDP_PASS);
+	if (rc == PARSE_MALFORMED)
+		goto malformed;
+
+	if (denied(&p))
+		return verdict(GUARD_DROPPED_DENY, XDP_DROP);
+
+	if (p.l4 && p.l4_proto == IPPROTO_TCP) {
+		struct tcphdr *tcp = p.l4;
+
+		if (tcp->syn && !tcp->ack) {
+			__u32 port = bpf_ntohs(tcp->dest);
+			__u32 word = port >> 6;
+			__u64 *bits = bpf_map_lookup_elem(&guard_ports, &word);
+
+			if (bits && (*bits & (1ULL << (port & 63))) && !take_token(&p))
+				return verdict(GUARD_DROPPED_RATELIMIT, XDP_DROP);
+		}
+	}
+	if (p.malformed)
+		goto malformed;
+	return verdict(GUARD_PASSED, XDP_PASS);
+
+malformed:
+	count(GUARD_MALFORMED);
+	if (cfg_drop_malformed)
+		return verdict(GUARD_DROPPED_MALFORMED, XDP_DROP);
+	return verdict(GUARD_PASSED, XDP_PASS);
+}
+
+char _license[] SEC("license") = "GPL";

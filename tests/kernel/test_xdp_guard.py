@@ -1,0 +1,264 @@
+"""xdp_guard on crafted packets through BPF_PROG_TEST_RUN."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+pytest.importorskip("scapy")
+from scapy.layers.inet import ICMP, IP, TCP, UDP, fragment  # noqa: E402
+from scapy.layers.inet6 import (  # noqa: E402
+    IPv6,
+    IPv6ExtHdrDestOpt,
+    IPv6ExtHdrFragment,
+    IPv6ExtHdrHopByHop,
+    IPv6ExtHdrRouting,
+)
+from scapy.layers.l2 import ARP, Dot1AD, Dot1Q, Ether  # noqa: E402
+
+from aiproxy.config.schema import KernelConfig  # noqa: E402
+from aiproxy.kernel.maps import GuardMaps  # noqa: E402
+
+from .conftest import load  # noqa: E402
+
+XDP_DROP, XDP_PASS = 1, 2
+DENY = ("192.0.2.0/24", "198.51.100.7/32", "2001:db8:bad::/48")
+ETH = dict(src="02:00:00:00:00:01", dst="02:00:00:00:00:02")
+
+
+@pytest.fixture
+def guard(bpf_ok):
+    obj = load("xdp_guard")
+    maps = GuardMaps.of(obj)
+    maps.sync(KernelConfig(deny_cidrs=DENY, syn_rate_per_source=1, syn_burst=3,
+                           syn_ports=(443, 8080)))
+    yield obj, maps
+    obj.close()
+
+
+def run(obj, pkt) -> int:
+    return obj.program("xdp_guard").test_run(bytes(pkt)).retval
+
+
+def v4(src="203.0.113.9", dst="10.0.0.1", **kw):
+    return Ether(**ETH) / IP(src=src, dst=dst, **kw)
+
+
+def v6(src="2001:db8:1::9", dst="2001:db8:2::1"):
+    return Ether(**ETH) / IPv6(src=src, dst=dst)
+
+
+def test_pass_ordinary_traffic(guard):
+    obj, maps = guard
+    assert run(obj, v4() / TCP(dport=443, flags="A") / b"hello") == XDP_PASS
+    assert run(obj, v4() / UDP(dport=53) / b"q") == XDP_PASS
+    assert run(obj, v6() / TCP(dport=443, flags="PA") / b"x") == XDP_PASS
+    assert run(obj, Ether(**ETH) / ARP()) == XDP_PASS
+    assert maps.counters()["passed"] == 4
+
+
+@pytest.mark.parametrize("src", ["192.0.2.1", "192.0.2.255", "198.51.100.7"])
+def test_deny_v4(guard, src):
+    obj, maps = guard
+    assert run(obj, v4(src=src) / TCP(dport=22, flags="A")) == XDP_DROP
+    assert run(obj, v4(src=src) / ICMP()) == XDP_DROP
+    assert maps.counters()["dropped_deny"] == 2
+
+
+@pytest.mark.parametrize("src", ["192.0.3.1", "198.51.100.8", "191.0.2.1"])
+def test_near_misses_pass_v4(guard, src):
+    obj, _ = guard
+    assert run(obj, v4(src=src) / TCP(dport=22, flags="A")) == XDP_PASS
+
+
+def test_deny_v6(guard):
+    obj, maps = guard
+    assert run(obj, v6(src="2001:db8:bad::1") / TCP(dport=443, flags="S")) == XDP_DROP
+    assert run(obj, v6(src="2001:db8:bad:ffff::1") / UDP()) == XDP_DROP
+    assert run(obj, v6(src="2001:db8:bae::1") / UDP()) == XDP_PASS
+    assert maps.counters()["dropped_deny"] == 2
+
+
+def test_deny_list_updates_in_place(guard):
+    obj, maps = guard
+    pkt = v4(src="203.0.113.50") / TCP(dport=80, flags="A")
+    assert run(obj, pkt) == XDP_PASS
+    maps.set_deny([ipaddress.ip_network("203.0.113.0/25")])
+    assert run(obj, pkt) == XDP_DROP
+    assert run(obj, v4(src="192.0.2.1") / UDP()) == XDP_PASS  # dropped from the list
+    maps.set_deny([])
+    assert run(obj, pkt) == XDP_PASS
+
+
+def test_deny_changes_between_short_and_long_prefixes(guard):
+    """The /24 bitmaps in front of the trie follow every kind of change."""
+    obj, maps = guard
+    inside, other = v4(src="100.64.1.1") / UDP(), v4(src="100.64.200.9") / UDP()
+    net = ipaddress.ip_network
+    maps.set_deny([net("100.64.0.0/16")])  # whole /24s: denied by the "full" bitmap
+    assert (run(obj, inside), run(obj, other)) == (XDP_DROP, XDP_DROP)
+    maps.set_deny([net("100.64.1.1/32")])  # same /24, now partial: the trie decides
+    assert (run(obj, inside), run(obj, other)) == (XDP_DROP, XDP_PASS)
+    assert run(obj, v4(src="100.64.1.2") / UDP()) == XDP_PASS
+    maps.set_deny([net("100.64.1.0/24"), net("100.64.1.1/32")])
+    assert run(obj, v4(src="100.64.1.2") / UDP()) == XDP_DROP
+    maps.set_deny([net("100.0.0.0/8")])
+    assert run(obj, v4(src="100.200.3.4") / UDP()) == XDP_DROP
+    maps.set_deny([])
+    assert (run(obj, inside), run(obj, other)) == (XDP_PASS, XDP_PASS)
+    assert all(_u64(v) == 0 for name in ("guard_v4_summary", "guard_v4_full")
+               for v in _words(obj.map(name)))
+
+
+def _words(m):
+    return [m.lookup(i.to_bytes(4, "little")) for i in range(0, m.max_entries, 997)]
+
+
+def _u64(raw: bytes) -> int:
+    return int.from_bytes(raw, "little")
+
+
+def test_syn_rate_limit_per_source(guard):
+    obj, maps = guard
+    syn = v4(src="203.0.113.77") / TCP(sport=40000, dport=443, flags="S")
+    results = [run(obj, syn) for _ in range(6)]
+    assert results == [XDP_PASS] * 3 + [XDP_DROP] * 3  # burst 3, 1/s refill
+    # Another source has its own bucket; SYN-ACKs, ACKs and other ports are untouched.
+    assert run(obj, v4(src="203.0.113.78") / TCP(dport=443, flags="S")) == XDP_PASS
+    assert run(obj, v4(src="203.0.113.77") / TCP(dport=443, flags="SA")) == XDP_PASS
+    assert run(obj, v4(src="203.0.113.77") / TCP(dport=443, flags="A")) == XDP_PASS
+    assert run(obj, v4(src="203.0.113.77") / TCP(dport=22, flags="S")) == XDP_PASS
+    assert maps.counters()["dropped_ratelimit"] == 3
+
+
+def test_syn_rate_limit_v6_and_off(guard):
+    obj, maps = guard
+    syn = v6(src="2001:db8:1::77") / TCP(dport=8080, flags="S")
+    assert [run(obj, syn) for _ in range(4)] == [XDP_PASS] * 3 + [XDP_DROP]
+    maps.set_syn_limit(0, 0, ())  # turned off at run time
+    assert run(obj, syn) == XDP_PASS
+
+
+def test_vlan_tagged(guard):
+    obj, _ = guard
+    one = Ether(**ETH) / Dot1Q(vlan=10) / IP(src="192.0.2.9", dst="10.0.0.1") / UDP()
+    two = Ether(**ETH) / Dot1AD(vlan=20) / Dot1Q(vlan=10) / IP(src="192.0.2.9") / UDP()
+    ok = Ether(**ETH) / Dot1Q(vlan=10) / IP(src="203.0.113.1") / UDP()
+    v6_tagged = Ether(**ETH) / Dot1Q(vlan=5) / IPv6(src="2001:db8:bad::5") / UDP()
+    assert run(obj, one) == XDP_DROP
+    assert run(obj, two) == XDP_DROP
+    assert run(obj, ok) == XDP_PASS
+    assert run(obj, v6_tagged) == XDP_DROP
+    syn = Ether(**ETH) / Dot1Q(vlan=10) / IP(src="203.0.113.88") / TCP(dport=443, flags="S")
+    assert [run(obj, syn) for _ in range(4)] == [XDP_PASS] * 3 + [XDP_DROP]
+
+
+def test_ipv4_options(guard):
+    obj, _ = guard
+    opts = b"\x01" * 4 + b"\x44\x04\x05\x00"  # NOPs + a timestamp option header, 8 bytes
+    pkt = v4(src="203.0.113.99", options=[]) / TCP(dport=443, flags="S")
+    raw = bytearray(bytes(pkt))
+    # ihl 5 -> 7: splice 8 option bytes in after the 20-byte header, fix length/checksum
+    ip = IP(bytes(raw[14:]))
+    ip.options = opts
+    del ip.ihl, ip.len, ip.chksum
+    with_opts = Ether(**ETH) / IP(bytes(ip))
+    assert with_opts[IP].ihl == 7
+    assert [run(obj, with_opts) for _ in range(4)] == [XDP_PASS] * 3 + [XDP_DROP]
+    denied = Ether(**ETH) / IP(src="192.0.2.4", options=opts) / TCP(dport=80)
+    assert run(obj, denied) == XDP_DROP
+
+
+def test_fragments(guard):
+    obj, _ = guard
+    big = IP(src="203.0.113.120", dst="10.0.0.1") / TCP(dport=443, flags="S") / (b"z" * 2000)
+    frags = fragment(big, fragsize=512)
+    assert len(frags) >= 3
+    # Non-first fragments never count as SYNs (their "L4 header" is payload).
+    tail = [Ether(**ETH) / f for f in frags[1:]]
+    for _ in range(5):
+        assert all(run(obj, f) == XDP_PASS for f in tail)
+    # A non-first fragment whose payload looks like a SYN to a limited port: still passes.
+    fake = v4(src="203.0.113.121", frag=100, flags="MF") / bytes(TCP(dport=443, flags="S"))
+    assert [run(obj, fake) for _ in range(5)] == [XDP_PASS] * 5
+    # The first fragment carries the TCP header: it is rate limited like any SYN.
+    head = Ether(**ETH) / frags[0]
+    assert [run(obj, head) for _ in range(4)] == [XDP_PASS] * 3 + [XDP_DROP]
+    # Fragments of a denied source are dropped, first or not.
+    bad = fragment(IP(src="192.0.2.8", dst="10.0.0.1") / UDP() / (b"y" * 1500), fragsize=512)
+    assert all(run(obj, Ether(**ETH) / f) == XDP_DROP for f in bad)
+
+
+def test_ipv6_extension_headers_and_fragments(guard):
+    obj, _ = guard
+    src = "2001:db8:1::300"
+    chain = (v6(src=src) / IPv6ExtHdrHopByHop() / IPv6ExtHdrDestOpt() / IPv6ExtHdrRouting()
+             / TCP(dport=443, flags="S"))
+    assert [run(obj, chain) for _ in range(4)] == [XDP_PASS] * 3 + [XDP_DROP]
+    nonfirst = v6(src="2001:db8:1::301") / IPv6ExtHdrFragment(offset=10, m=1, nh=6) / bytes(
+        TCP(dport=443, flags="S"))
+    assert [run(obj, nonfirst) for _ in range(5)] == [XDP_PASS] * 5
+    first = v6(src="2001:db8:1::302") / IPv6ExtHdrFragment(offset=0, m=1) / TCP(
+        dport=443, flags="S")
+    assert [run(obj, first) for _ in range(4)] == [XDP_PASS] * 3 + [XDP_DROP]
+    deep = v6(src="2001:db8:bad::9")
+    for _ in range(8):  # more headers than the program walks: still denied by source
+        deep = deep / IPv6ExtHdrDestOpt()
+    assert run(obj, deep / UDP()) == XDP_DROP
+
+
+def _truncated_frames():
+    syn = bytes(v4(src="203.0.113.200") / TCP(dport=443, flags="S"))
+    syn6 = bytes(v6(src="2001:db8:1::200") / TCP(dport=443, flags="S"))
+    return {
+        "ip-header-cut": syn[:14 + 12],
+        "tcp-header-cut": syn[:14 + 20 + 10],
+        "ihl-below-5": syn[:14] + bytes([0x44]) + syn[15:],
+        "ihl-past-end": syn[:14] + bytes([0x4F]) + syn[15:14 + 40],
+        "bad-version": syn[:14] + bytes([0x65]) + syn[15:],
+        "ipv6-cut": syn6[:14 + 30],
+        "tcp6-cut": syn6[:14 + 40 + 8],
+        "vlan-cut": bytes(Ether(**ETH) / Dot1Q(vlan=1))[:16],
+        "three-tags": bytes(Ether(**ETH) / Dot1Q() / Dot1Q() / Dot1Q() / IP() / UDP()),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_truncated_frames()))
+def test_malformed_pass_by_default(guard, name):
+    obj, maps = guard
+    frame = _truncated_frames()[name]
+    for _ in range(5):  # never mistaken for SYNs to rate limit
+        assert run(obj, frame) == XDP_PASS
+    counters = maps.counters()
+    assert counters["malformed"] == 5 and counters["passed"] == 5
+
+
+def test_malformed_dropped_when_configured(bpf_ok):
+    obj = load("xdp_guard", rodata={"cfg_drop_malformed": 1})
+    try:
+        maps = GuardMaps.of(obj)
+        frame = _truncated_frames()["tcp-header-cut"]
+        assert run(obj, frame) == XDP_DROP
+        assert run(obj, v4() / UDP()) == XDP_PASS
+        c = maps.counters()
+        assert (c["dropped_malformed"], c["malformed"], c["passed"]) == (1, 1, 1)
+    finally:
+        obj.close()
+
+
+def test_denied_source_with_truncated_l4_is_still_denied(guard):
+    obj, _ = guard
+    frame = bytes(v4(src="192.0.2.77") / TCP(dport=443, flags="S"))[:14 + 20 + 4]
+    assert run(obj, frame) == XDP_DROP
+
+
+def test_v6_bucket_per_prefix(bpf_ok):
+    obj = load("xdp_guard", rodata={"cfg_v6_bucket_bytes": 8})
+    try:
+        GuardMaps.of(obj).sync(KernelConfig(syn_rate_per_source=1, syn_burst=2, syn_ports=(443,)))
+        a = v6(src="2001:db8:1:2::1") / TCP(dport=443, flags="S")
+        b = v6(src="2001:db8:1:2::ffff") / TCP(dport=443, flags="S")  # same /64
+        assert [run(obj, a), run(obj, b), run(obj, a)] == [XDP_PASS, XDP_PASS, XDP_DROP]
+    finally:
+        obj.close()
