@@ -74,6 +74,17 @@ LOAD_HEADERS = (b"x-backend-load", b"x-gpu-mem-used-pct")
 GRPC_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
+def forwarded_upgrade(value: bytes | None) -> bytes | None:
+    """The Upgrade field for an HTTP/1.1 upstream: the client's, without h2c. The proxy
+    terminates HTTP/2 itself; passing h2c on and tunnelling the upstream's 101 would
+    hand the client a raw HTTP/2 connection to the upstream, past routing and policy
+    ("h2c smuggling"). None when nothing is left."""
+    if value is None or b"h2c" not in value.lower():
+        return value
+    tokens = [t.strip() for t in value.split(b",")]
+    return b", ".join(t for t in tokens if t and t.lower() != b"h2c") or None
+
+
 def grpc_timeout(value: bytes | None) -> float | None:
     """Seconds from a grpc-timeout value ("100m", "5S", ...), None if absent or invalid."""
     if not value or len(value) > 9 or not value[:-1].isdigit():
@@ -398,8 +409,9 @@ class Exchange:
             extra.append(b"Content-Length: %d\r\n" % self.body_len)
         elif head.content_length >= 0:
             extra.append(b"Content-Length: %d\r\n" % head.content_length)
-        if head.upgrade is not None:
-            extra.append(b"Connection: upgrade\r\nUpgrade: " + head.upgrade + CRLF)
+        upgrade = forwarded_upgrade(head.upgrade)
+        if upgrade is not None:
+            extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
         start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
         route = self.route
         if route.has_policy:
@@ -849,8 +861,15 @@ class Exchange:
 
     def _start_tunnel(self, resp: Any) -> None:
         upgrade = resp.upgrade or resp.get(b"upgrade")
-        if self.head.upgrade is None or upgrade is None:
-            self.on_upstream_failed(502, "upstream_bad_response", "unexpected 101 response")
+        if forwarded_upgrade(self.head.upgrade) is None or upgrade is None:
+            # Nothing has gone to the client yet: answer 502, and drop the connection
+            # the upstream has switched to another protocol.
+            self.head_sent = False
+            up = self.upstream
+            self.upstream = None
+            if up is not None:
+                up.close()
+            self.fail(502, "upstream_bad_response", "unexpected 101 response")
             return
         self.tunnel = True
         self.down.start_tunnel(resp, upgrade)

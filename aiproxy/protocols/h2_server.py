@@ -28,9 +28,10 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
 from h2.errors import ErrorCodes
 from h2.stream import StreamClosedBy
-from hyperframe.frame import RstStreamFrame
+from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import replies
@@ -48,8 +49,14 @@ STREAM_WINDOW = 256 * 1024
 CONNECTION_WINDOW = 4 * 1024 * 1024
 OUT_HIGH = 256 * 1024       # buffered response bytes per stream before pausing the upstream
 WRITE_BUFFER_LIMIT = 8 * 1024 * 1024
-RESET_BUDGET = 200.0        # client stream resets allowed in a burst ...
+RESET_BUDGET = 200.0        # client stream resets (and refused streams) allowed in a burst ...
 RESET_REFILL = 100.0        # ... and per second after it
+CONTROL_BUDGET = 1000.0     # PING and SETTINGS frames (each owed an ACK) allowed in a burst ...
+CONTROL_REFILL = 100.0      # ... and per second after it (CVE-2019-9512, CVE-2019-9515)
+LINGER_SECONDS = 2.0        # how long a closing connection may take to flush its output
+# What h2 wraps in a plain ProtocolError when a field block cannot be decoded.
+HPACK_ERRORS = (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError)
+INFINITY = float("inf")
 # The proxy's own errors for gRPC callers (https://grpc.github.io/grpc/core/md_doc_statuscodes.html).
 GRPC_STATUS = {400: 13, 401: 16, 403: 7, 404: 12, 408: 4, 413: 8, 429: 8, 431: 8,
                501: 12, 502: 14, 503: 14, 504: 4}
@@ -62,8 +69,16 @@ def grpc_status_for(status: int, code: str | None) -> int:
 
 
 class _ServerH2(h2.connection.H2Connection):
-    """h2 with RFC 9113 5.1.2 as a stream error: a HEADERS frame over the concurrent
-    stream limit refuses that stream only (h2 itself would end the connection)."""
+    """h2 with three corrections:
+    - RFC 9113 5.1.2 as a stream error: a HEADERS frame over the concurrent stream limit
+      refuses that stream only (h2 itself would end the connection); `refused` counts
+      them so the connection can budget them like client resets.
+    - RFC 9113 4.3: a field block that cannot be decoded is COMPRESSION_ERROR (h2 says
+      PROTOCOL_ERROR).
+    - RFC 9113 6.8: a GOAWAY from the client stops new streams, not the ones in flight
+      (h2 would refuse to send another frame)."""
+
+    refused = 0
 
     def _receive_headers_frame(self, frame: Any) -> tuple[list, list]:
         sid = frame.stream_id
@@ -75,8 +90,25 @@ class _ServerH2(h2.connection.H2Connection):
             self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
             rst = RstStreamFrame(sid)
             rst.error_code = ErrorCodes.REFUSED_STREAM
+            self.refused += 1
             return [rst], []
         return super()._receive_headers_frame(frame)
+
+    def _receive_frame(self, frame: Any) -> list:
+        try:
+            return super()._receive_frame(frame)
+        except h2.exceptions.ProtocolError as exc:
+            if type(exc) is h2.exceptions.ProtocolError and isinstance(exc.__cause__,
+                                                                        HPACK_ERRORS):
+                exc.error_code = ErrorCodes.COMPRESSION_ERROR
+            raise
+
+    def _receive_goaway_frame(self, frame: Any) -> tuple[list, list]:
+        state = self.state_machine.state
+        frames, events = super()._receive_goaway_frame(frame)
+        if state is not h2.connection.ConnectionState.CLOSED:
+            self.state_machine.state = state
+        return frames, events
 
 
 class H2ServerConnection(asyncio.Protocol):
@@ -97,6 +129,12 @@ class H2ServerConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.reset_budget = RESET_BUDGET
         self.reset_at = 0.0
+        self.control_budget = CONTROL_BUDGET
+        self.control_at = 0.0
+        # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
+        # some clients (curl 7.x) cannot take more than a small buffer's worth of bytes
+        # arriving right behind the 101 response.
+        self.await_preface = upgrade is not None
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -119,7 +157,7 @@ class H2ServerConnection(asyncio.Protocol):
         })
         conn.decoder.max_header_list_size = http.max_header_bytes
         self.h2 = conn
-        self.idle_since = self.reset_at = self.loop.time()
+        self.idle_since = self.reset_at = self.control_at = self.loop.time()
         if self.upgrade is not None:
             head, settings = self.upgrade
             conn.initiate_upgrade_connection(settings)
@@ -141,11 +179,21 @@ class H2ServerConnection(asyncio.Protocol):
         except h2.exceptions.ProtocolError as exc:
             self._connection_error(exc)
             return
+        if self.await_preface:
+            self.await_preface = False
+            for stream in list(self.streams.values()):
+                stream.try_send()
         for event in events:
             handler = _HANDLERS.get(type(event))
             if handler is not None:
                 handler(self, event)
             if self.closed:
+                return
+        if self.h2.refused:
+            # Streams refused over the concurrency limit cost like client resets
+            # (a rapid-reset variant that needs no RST_STREAM from the client).
+            n, self.h2.refused = self.h2.refused, 0
+            if self._charge_resets(n):
                 return
         self._flush()
 
@@ -198,6 +246,9 @@ class H2ServerConnection(asyncio.Protocol):
         ex = Exchange(stream, head, self.loop.time())
         stream.exchange = ex
         ex.start()
+        if not ex.finished and ex.deadline_at < self._timer_due():
+            # A grpc-timeout shorter than the timer period: wake up for it.
+            self._arm_at(ex.deadline_at)
 
     def _on_data(self, ev: h2.events.DataReceived) -> None:
         stream = self.streams.get(ev.stream_id)
@@ -220,14 +271,30 @@ class H2ServerConnection(asyncio.Protocol):
         stream = self.streams.pop(ev.stream_id, None)
         if stream is None:
             return
+        stream.lost()
+        self._charge_resets(1)
+
+    def _charge_resets(self, n: int) -> bool:
+        """Spend n from the reset budget; True (and GOAWAY) once it is exhausted."""
         now = self.loop.time()
         self.reset_budget = min(RESET_BUDGET,
-                                self.reset_budget + (now - self.reset_at) * RESET_REFILL)
+                                self.reset_budget + (now - self.reset_at) * RESET_REFILL) - n
         self.reset_at = now
-        self.reset_budget -= 1
-        stream.lost()
         if self.reset_budget < 0:
-            log.warning("client %s reset streams too fast: GOAWAY", self.peer.decode())
+            log.warning("client %s reset or overran streams too fast: GOAWAY",
+                        self.peer.decode())
+            self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
+            return True
+        return False
+
+    def _on_control(self, ev: Any) -> None:
+        """A PING or SETTINGS frame, which h2 has already answered with an ACK."""
+        now = self.loop.time()
+        self.control_budget = min(CONTROL_BUDGET, self.control_budget
+                                  + (now - self.control_at) * CONTROL_REFILL) - 1
+        self.control_at = now
+        if self.control_budget < 0:
+            log.warning("client %s floods PING/SETTINGS frames: GOAWAY", self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
 
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
@@ -240,6 +307,9 @@ class H2ServerConnection(asyncio.Protocol):
                 stream.try_send()
 
     def _on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+        self._on_control(ev)
+        if self.closed:
+            return
         if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in ev.changed_settings:
             for stream in list(self.streams.values()):
                 stream.try_send()
@@ -260,22 +330,33 @@ class H2ServerConnection(asyncio.Protocol):
             self.transport.write(data)
             if self.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
                 log.warning("client %s does not read its socket: closing", self.peer.decode())
-                self.close()
+                self.abort()
 
     def _connection_error(self, exc: Exception) -> None:
-        code = getattr(exc, "error_code", None) or ErrorCodes.PROTOCOL_ERROR
+        # h2 has already queued GOAWAY with the error's code (receive_data does that).
         log.info("HTTP/2 connection error from %s: %s", self.peer.decode(), exc)
-        self._goaway(code, close=True)
-
-    def _goaway(self, code: int, close: bool) -> None:
-        try:
-            self.h2.close_connection(error_code=code)
-        except h2.exceptions.ProtocolError:
-            pass
         self.goaway_sent = True
         self._flush()
+        self.close()
+
+    def _goaway(self, code: int, close: bool) -> None:
         if close:
+            try:
+                self.h2.close_connection(error_code=code)
+            except h2.exceptions.ProtocolError:
+                pass
+            self.goaway_sent = True
+            self._flush()
             self.close()
+            return
+        # Graceful: written by hand, because h2.close_connection() would also refuse to
+        # send anything more, and the streams in flight still have to finish.
+        self._flush()
+        self.goaway_sent = True
+        if not self.closed:
+            self.transport.write(GoAwayFrame(
+                0, last_stream_id=self.h2.highest_inbound_stream_id,
+                error_code=code).serialize())
 
     def stream_done(self, stream: H2Stream) -> None:
         self.streams.pop(stream.sid, None)
@@ -296,7 +377,26 @@ class H2ServerConnection(asyncio.Protocol):
             if self.timer is not None:
                 self.timer.cancel()
                 self.timer = None
-            self.transport.close()
+            transport = self.transport
+            transport.close()
+            if transport.get_write_buffer_size():
+                # close() waits for the output to drain: bound the wait, a client that
+                # never reads would otherwise keep the socket and its buffer forever.
+                self.loop.call_later(LINGER_SECONDS, transport.abort)
+
+    def abort(self) -> None:
+        self.close()
+        self.transport.abort()
+
+    def _timer_due(self) -> float:
+        return self.timer.when() if self.timer is not None else INFINITY
+
+    def _arm_at(self, when: float) -> None:
+        if self.closed:
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.loop.call_at(when, self._on_timer)
 
     def _on_timer(self) -> None:
         self.timer = None
@@ -332,6 +432,7 @@ _HANDLERS = {
     h2.events.WindowUpdated: H2ServerConnection._on_window,
     h2.events.RemoteSettingsChanged: H2ServerConnection._on_settings,
     h2.events.ConnectionTerminated: H2ServerConnection._on_terminated,
+    h2.events.PingReceived: H2ServerConnection._on_control,
 }
 
 
@@ -383,7 +484,11 @@ class H2Stream:
 
     def on_data(self, data: bytes, flow_len: int) -> None:
         if self.pause_mask:
+            # Hold back this stream's window only: the connection's window is shared by
+            # the client's other streams (other calls, perhaps to other upstreams).
             self.unacked += flow_len
+            if flow_len:
+                self.conn.h2.increment_flow_control_window(flow_len)
         else:
             self.conn.h2.acknowledge_received_data(flow_len, self.sid)
         self.exchange.body_data(data)
@@ -399,13 +504,15 @@ class H2Stream:
                 self._ack(n)
 
     def _ack(self, n: int) -> None:
+        """Open the stream's window for n bytes held back while paused (the connection's
+        share was acknowledged when they arrived)."""
         conn = self.conn
         if conn.closed:
             return
         try:
-            conn.h2.acknowledge_received_data(n, self.sid)
-        except h2.exceptions.ProtocolError:
-            return
+            conn.h2.increment_flow_control_window(n, stream_id=self.sid)
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError, KeyError):
+            return  # the stream is over: no window to open
         conn._flush()
 
     # -- response --------------------------------------------------------------------
@@ -521,7 +628,8 @@ class H2Stream:
             return
         h2c = conn.h2
         try:
-            window = 0 if conn.writing_paused else h2c.local_flow_control_window(self.sid)
+            window = (0 if conn.writing_paused or conn.await_preface
+                      else h2c.local_flow_control_window(self.sid))
         except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
             self._finish()
             return
@@ -529,11 +637,16 @@ class H2Stream:
         view = memoryview(data)
         n = len(view)
         off = 0
-        while off < n and window > 0:
-            size = min(n - off, window, frame)
-            h2c.send_data(self.sid, view[off:off + size])
-            off += size
-            window -= size
+        try:
+            while off < n and window > 0:
+                size = min(n - off, window, frame)
+                h2c.send_data(self.sid, view[off:off + size])
+                off += size
+                window -= size
+        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as exc:
+            log.info("cannot send data on stream %d: %s", self.sid, exc)
+            self._finish()
+            return
         if off < n:
             rest = bytes(view[off:])
             self.out.append(rest)
@@ -593,8 +706,10 @@ class H2Stream:
         if self.done:
             return
         ex = self.exchange
-        if ex is not None and not ex.req_done and self.ended:
-            # RFC 9113 8.1: a complete response may end the request early.
+        if (ex is not None and not ex.req_done and self.ended
+                and not 0 <= ex.head.content_length <= ex.req_bytes):
+            # RFC 9113 8.1: a complete response may end the request early (not worth it
+            # when all the declared body is in and only END_STREAM is still to come).
             self._reset(ErrorCodes.NO_ERROR)
         self.done = True
         self.conn.stream_done(self)

@@ -33,16 +33,31 @@ CONNECTION_WINDOW = 8 * 1024 * 1024
 OUT_HIGH = 256 * 1024
 
 
+class _ClientH2(h2.connection.H2Connection):
+    """h2 with RFC 9113 6.8: after the upstream's GOAWAY the streams it will still
+    process (up to its last stream id) carry on; h2 itself would refuse every frame
+    from then on, failing responses a gracefully stopping upstream is finishing."""
+
+    def _receive_goaway_frame(self, frame: Any) -> tuple[list, list]:
+        state = self.state_machine.state
+        frames, events = super()._receive_goaway_frame(frame)
+        if state is not h2.connection.ConnectionState.CLOSED:
+            self.state_machine.state = state
+        return frames, events
+
+
 class H2UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: H2Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.h2: h2.connection.H2Connection | None = None
+        self.h2: _ClientH2 | None = None
         self.streams: dict[int, H2UpstreamStream] = {}
         self.closed = False
         self.goaway = False
         self.writing_paused = False
         self.idle_since = 0.0
+        # Done when the peer's first SETTINGS frame has arrived (its stream limit is known).
+        self.settings_received: asyncio.Future[None] = pool.loop.create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -51,7 +66,7 @@ class H2UpstreamConnection(asyncio.Protocol):
             client_side=True, header_encoding=None, validate_inbound_headers=True,
             normalize_inbound_headers=True, validate_outbound_headers=False,
             normalize_outbound_headers=False)
-        conn = h2.connection.H2Connection(config=config)
+        conn = _ClientH2(config=config)
         conn.local_settings = h2.settings.Settings(client=True, initial_values={
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
@@ -115,13 +130,15 @@ class H2UpstreamConnection(asyncio.Protocol):
             stream = self.streams.get(sid) if sid else None
             kind = type(event)
             if kind is h2.events.DataReceived:
-                if stream is None or stream.paused:
-                    if stream is not None:
-                        stream.unacked += event.flow_controlled_length
-                    else:
-                        self.h2.acknowledge_received_data(event.flow_controlled_length, sid)
+                n = event.flow_controlled_length
+                if stream is not None and stream.paused:
+                    # Hold back the stream's window only: the connection's window is
+                    # shared with other clients' streams and must keep flowing.
+                    stream.unacked += n
+                    if n:
+                        self.h2.increment_flow_control_window(n)
                 else:
-                    self.h2.acknowledge_received_data(event.flow_controlled_length, sid)
+                    self.h2.acknowledge_received_data(n, sid)
                 if stream is not None:
                     stream.on_data(event.data)
             elif kind is h2.events.ResponseReceived:
@@ -146,6 +163,8 @@ class H2UpstreamConnection(asyncio.Protocol):
                 elif stream is not None:
                     stream.try_send()
             elif kind is h2.events.RemoteSettingsChanged:
+                if not self.settings_received.done():
+                    self.settings_received.set_result(None)
                 for s in list(self.streams.values()):
                     s.try_send()
             elif kind is h2.events.ConnectionTerminated:
@@ -164,6 +183,9 @@ class H2UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.pool.open_count -= 1
         self.closed = True
+        if not self.settings_received.done():
+            self.settings_received.set_exception(
+                ConnectionError("connection closed before its HTTP/2 SETTINGS"))
         self.pool.discard(self)
         reason = "upstream closed the connection" if exc is None else f"upstream connection lost: {exc}"
         self._fail_all("upstream_reset", reason)
@@ -244,11 +266,13 @@ class H2UpstreamStream:
         if self.paused:
             self.paused = False
             if self.unacked and not self.conn.closed:
+                # The connection's share of these bytes was acknowledged on arrival.
                 n, self.unacked = self.unacked, 0
                 try:
-                    self.conn.h2.acknowledge_received_data(n, self.sid)
-                except h2.exceptions.ProtocolError:
-                    pass
+                    self.conn.h2.increment_flow_control_window(n, stream_id=self.sid)
+                except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError,
+                        KeyError):
+                    pass  # the stream is over: no window to open
                 self.conn.flush()
 
     def usable(self) -> bool:

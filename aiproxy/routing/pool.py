@@ -149,7 +149,10 @@ class H2Pool:
         return None
 
     async def connect(self) -> H2UpstreamStream:
-        for _ in range(3):
+        # Waiters share one connection attempt at a time; those left without a stream
+        # (the peer's limit is smaller than the crowd) start the next one.
+        deadline = self.loop.time() + self.cluster_cfg.connect_timeout_ms / 1000
+        while True:
             task = self.connecting
             if task is None:
                 task = self.connecting = self.loop.create_task(self._open())
@@ -161,11 +164,25 @@ class H2Pool:
             stream = conn.open_stream() or self.take()
             if stream is not None:
                 return stream
-        raise UpstreamConnectError(False, f"{self.endpoint.address}: no HTTP/2 stream capacity")
+            if self.loop.time() >= deadline:
+                raise UpstreamConnectError(
+                    True, f"{self.endpoint.address}: no HTTP/2 stream capacity")
 
     async def _open(self) -> H2UpstreamConnection:
         conn = await open_connection(self, H2UpstreamConnection)
         self.opened += 1
+        # Streams wait for the peer's SETTINGS: until then its concurrent stream limit is
+        # unknown, and a peer that counts streams over its limit as a connection error
+        # would take every stream on the connection down with the extra one.
+        try:
+            async with asyncio.timeout(self.cluster_cfg.connect_timeout_ms / 1000):
+                await conn.settings_received
+        except TimeoutError:
+            conn.close()
+            raise UpstreamConnectError(
+                True, f"{self.endpoint.address} sent no HTTP/2 SETTINGS") from None
+        except ConnectionError as exc:
+            raise UpstreamConnectError(False, f"{self.endpoint.address}: {exc}") from None
         if self.closed:
             conn.close()
             raise UpstreamConnectError(False, "cluster closed")

@@ -1,0 +1,533 @@
+"""gRPC through aiproxy: a real grpcio client -> aiproxy (listeners ["h2c"],
+["http1", "h2c"] and TLS ["h2"]) -> a real grpcio server (cluster protocol = "h2"), for
+all four call kinds, metadata and trailers, 4 MiB
+messages, deadlines, cancellation, a dying upstream, the proxy's own errors and routing
+by gRPC service/method. Raw HTTP/2 frames (tests/h2_support.py) check the wire form
+where grpcio would hide it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import pytest
+from hyperframe.frame import DataFrame, HeadersFrame, RstStreamFrame
+
+from tests.grpc_support import (
+    GRPC_OPTIONS,
+    SERVICE,
+    InferenceServer,
+    grpc_modules,  # noqa: F401 - fixture
+)
+from tests.h2_support import FrameClient, H2Upstream, Pki, ProxyProc, make_pki, wait_for
+from tests.support import free_port, start_process, stop_process, wait_port
+
+MiB = 1024 * 1024
+pytestmark = pytest.mark.timeout(60)
+
+LISTENERS = """
+[[listeners]]
+name = "h2c"
+address = "127.0.0.1:{h2c}"
+protocols = ["h2c"]
+
+[[listeners]]
+name = "mixed"
+address = "127.0.0.1:{mixed}"
+protocols = ["http1", "h2c"]
+"""
+
+
+def grpc_request(client: FrameClient, sid: int, path: str, body: bytes = b"",
+                 extra: list[tuple[str, str]] | None = None) -> list[Any]:
+    """Frames for a gRPC call from a raw client: HEADERS, then one length-prefixed message."""
+    fields = [("content-type", "application/grpc"), ("te", "trailers"), *(extra or [])]
+    head = client.request(sid, path, "POST", fields, end_stream=False)
+    data = DataFrame(sid, data=b"\x00" + len(body).to_bytes(4, "big") + body)
+    data.flags.add("END_STREAM")
+    return [head, data]
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+async def hang_handler(proto: Any, sid: int, path: str, head: dict, body: bytes) -> None:
+    """An h2 upstream that ignores grpc-timeout: /test.Hang/Head sends response headers
+    and then nothing; anything else sends nothing at all (and /test.Stall/... never
+    acknowledges request DATA: see H2Upstream)."""
+    if path.endswith("/Head"):
+        proto.conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+        proto.flush()
+
+
+@pytest.fixture(scope="module")
+def servers(grpc_modules: tuple[ModuleType, ModuleType]) -> Iterator[dict[str, Any]]:  # noqa: F811
+    pb2, pb2_grpc = grpc_modules
+    a = InferenceServer(pb2, pb2_grpc, "grpc-a")
+    b = InferenceServer(pb2, pb2_grpc, "grpc-b")
+    hang = H2Upstream(hang_handler, "hang")
+    yield {"a": a, "b": b, "hang": hang}
+    a.stop()
+    b.stop()
+    hang.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("grpc-pki"))
+
+
+@pytest.fixture(scope="module")
+def proxy(servers: dict[str, Any], pki: Pki,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
+    down = free_port()
+    config = LISTENERS + f"""
+[[listeners]]
+name = "tls"
+address = "127.0.0.1:{{tls}}"
+protocols = ["h2"]
+tls = {{ cert = "{pki.cert}", key = "{pki.key}" }}
+[[clusters]]
+name = "a"
+endpoints = ["127.0.0.1:{servers["a"].port}"]
+protocol = "h2"
+
+[[clusters]]
+name = "b"
+endpoints = ["127.0.0.1:{servers["b"].port}"]
+protocol = "h2"
+
+[[clusters]]
+name = "hang"
+endpoints = ["127.0.0.1:{servers["hang"].port}"]
+protocol = "h2"
+
+[[clusters]]
+name = "down"
+endpoints = ["127.0.0.1:{down}"]
+protocol = "h2"
+
+[[routes]]
+name = "upload-to-b"
+match = {{ grpc_service = "{SERVICE}", grpc_method = "Upload" }}
+cluster = "b"
+
+[[routes]]
+name = "hang"
+match = {{ grpc_service = "test.Hang" }}
+cluster = "hang"
+
+[[routes]]
+name = "stall"
+match = {{ grpc_service = "test.Stall" }}
+cluster = "hang"
+
+[[routes]]
+name = "down"
+match = {{ grpc_service = "test.Down" }}
+cluster = "down"
+
+[[routes]]
+name = "predictor"
+match = {{ grpc_service = "{SERVICE}" }}
+cluster = "a"
+"""
+    p = ProxyProc(tmp_path_factory.mktemp("grpc-proxy"), config, ("h2c", "mixed", "tls"))
+    yield p
+    p.stop()
+
+
+@pytest.fixture(params=["h2c", "mixed", "tls"])
+def channel(request: pytest.FixtureRequest, proxy: ProxyProc, pki: Pki) -> Iterator[grpc.Channel]:
+    target = f"127.0.0.1:{proxy.ports[request.param]}"
+    if request.param == "tls":
+        creds = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+        ch = grpc.secure_channel(target, creds, options=GRPC_OPTIONS)
+    else:
+        ch = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+    grpc.channel_ready_future(ch).result(timeout=10)
+    yield ch
+    ch.close()
+
+
+@pytest.fixture
+def stub(channel: grpc.Channel, grpc_modules: tuple[ModuleType, ModuleType]) -> Any:  # noqa: F811
+    return grpc_modules[1].PredictorStub(channel)
+
+
+@pytest.fixture
+def pb(grpc_modules: tuple[ModuleType, ModuleType]) -> ModuleType:  # noqa: F811
+    return grpc_modules[0]
+
+
+def raw_call(channel: grpc.Channel, path: str, timeout: float = 10) -> grpc.RpcError:
+    """A unary call to any path with raw bytes; returns the error it must end with."""
+    call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as info:
+        call(b"\x0a\x01x", timeout=timeout)
+    return info.value
+
+
+# -- the four call kinds --------------------------------------------------------------------
+
+
+def test_unary_metadata_and_trailers(stub: Any, pb: ModuleType, servers: dict) -> None:
+    reply, call = stub.Predict.with_call(
+        pb.PredictRequest(model="m1", prompt="hello", payload=b"\x00\x01abc"),
+        metadata=[("x-echo", "echoed"), ("x-custom-bin", b"\x00\xff\x10")], timeout=10)
+    assert (reply.model, reply.text, reply.payload, reply.count) == (
+        "grpc-a:m1", "hello", b"\x00\x01abc", 5)
+    assert ("x-echo", "echoed") in [(m.key, m.value) for m in call.initial_metadata()]
+    trailers = {m.key: m.value for m in call.trailing_metadata()}
+    assert trailers["x-trailer"] == "done-m1"
+    assert trailers["x-trailer-bin"] == b"\x00\x01\xfe\xff"
+    assert call.code() == grpc.StatusCode.OK
+    seen = servers["a"].recorder.metadata[-1]
+    assert seen["@method"] == "Predict"
+    assert seen["x-custom-bin"] == b"\x00\xff\x10"
+
+
+def test_abort_status_message_and_trailers(stub: Any, pb: ModuleType) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(pb.PredictRequest(model="m2", prompt="fail"), timeout=10)
+    err = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "prompt 'fail' is not allowed: ü"  # percent-encoded on the wire
+    trailers = {m.key: m.value for m in err.trailing_metadata()}
+    assert trailers["x-trailer"] == "done-m2"
+    assert trailers["x-trailer-bin"] == b"\x00\x01\xfe\xff"
+
+
+def test_server_streaming_arrives_message_by_message(stub: Any, pb: ModuleType) -> None:
+    start = time.monotonic()
+    call = stub.StreamTokens(pb.PredictRequest(prompt="one two three four five"),
+                             metadata=[("x-delay-ms", "300")], timeout=20)
+    arrivals = []
+    texts = []
+    for token in call:
+        arrivals.append(time.monotonic() - start)
+        texts.append((token.index, token.text))
+    assert texts == list(enumerate(["one", "two", "three", "four", "five"]))
+    # The server sleeps 300 ms between tokens: each must be seen as it is sent, not
+    # when the stream ends.
+    assert arrivals[0] < 0.6, arrivals  # the whole stream takes 1.2 s
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert all(gap > 0.2 for gap in gaps), arrivals
+    assert {m.key: m.value for m in call.trailing_metadata()}["x-count"] == "5"
+    assert call.code() == grpc.StatusCode.OK
+
+
+def test_client_streaming_routed_by_method(stub: Any, pb: ModuleType, servers: dict) -> None:
+    blocks = [os.urandom(64 * 1024) for _ in range(20)]
+    digest = hashlib.sha256(b"".join(blocks)).hexdigest()
+    before_a = len(servers["a"].recorder.metadata)
+    reply = stub.Upload(iter(pb.PredictRequest(payload=b) for b in blocks), timeout=20)
+    assert (reply.model, reply.count, reply.text) == ("grpc-b", 20, digest)
+    assert int.from_bytes(reply.payload, "big") == 20 * 64 * 1024
+    # grpc_method = "Upload" sent it to cluster b; Predict goes to a.
+    assert servers["b"].recorder.metadata[-1]["@method"] == "Upload"
+    assert len(servers["a"].recorder.metadata) == before_a
+    assert stub.Predict(pb.PredictRequest(model="x"), timeout=10).model == "grpc-a:x"
+    assert servers["a"].recorder.metadata[-1]["@method"] == "Predict"
+
+
+def test_bidi_lockstep(stub: Any, pb: ModuleType) -> None:
+    """Each message is sent only after the previous echo arrived: any buffering of
+    either direction in the proxy would deadlock this."""
+    requests: queue.Queue = queue.Queue()
+
+    def gen() -> Iterator[Any]:
+        while True:
+            item = requests.get()
+            if item is None:
+                return
+            yield item
+
+    call = stub.Chat(gen(), timeout=20)
+    for i in range(10):
+        requests.put(pb.PredictRequest(prompt=f"m{i}", payload=bytes([i]) * (i * 1000)))
+        reply = next(call)
+        assert (reply.text, reply.count, reply.payload) == (f"echo:m{i}", i + 1,
+                                                            bytes([i]) * (i * 1000))
+    requests.put(None)
+    assert list(call) == []
+    assert call.code() == grpc.StatusCode.OK
+
+
+def test_4mib_messages_all_kinds(stub: Any, pb: ModuleType) -> None:
+    big = os.urandom(4 * MiB)
+    reply = stub.Predict(pb.PredictRequest(model="big", payload=big), timeout=30)
+    assert reply.payload == big and reply.count == len(big)
+
+    reply = stub.Upload(iter([pb.PredictRequest(payload=big)] * 3), timeout=30)
+    assert reply.count == 3 and int.from_bytes(reply.payload, "big") == 3 * len(big)
+
+    tokens = list(stub.StreamTokens(pb.PredictRequest(prompt="a b"),
+                                    metadata=[("x-token-bytes", str(4 * MiB))], timeout=30))
+    assert [len(t.text) for t in tokens] == [4 * MiB + 1] * 2
+
+    replies = list(stub.Chat(iter([pb.PredictRequest(prompt="c", payload=big)] * 2), timeout=30))
+    assert [r.payload == big for r in replies] == [True, True]
+
+
+# -- deadlines and cancellation -------------------------------------------------------------------
+
+
+def test_client_deadline_shorter_than_server_sleep(stub: Any, pb: ModuleType,
+                                                   servers: dict) -> None:
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predict(pb.PredictRequest(prompt="sleep:5000"), timeout=0.5)
+    elapsed = time.monotonic() - start
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert elapsed < 1.5, elapsed
+    # The upstream's call ends too, long before its 5 s (the proxy resets the stream;
+    # the grpc-timeout it forwards would also end it).
+    assert servers["a"].recorder.when("cancelled:Predict", 3, since=start) is not None
+
+
+def test_grpc_timeout_is_the_upstream_deadline(proxy: ProxyProc, servers: dict) -> None:
+    """The upstream here ignores grpc-timeout and never answers, and this client does not
+    enforce it: only the proxy can end the call. It must answer DEADLINE_EXCEEDED as a
+    trailers-only response at about the deadline, and reset the upstream stream."""
+    hang: H2Upstream = servers["hang"]
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        start = time.monotonic()
+        c.send(*grpc_request(c, 1, "/test.Hang/Silent", b"x", [("grpc-timeout", "700m")]))
+        resp = c.response(1, timeout=10)
+        elapsed = time.monotonic() - start
+    assert 0.6 < elapsed < 1.5, elapsed
+    assert resp.status == 200 and resp.trailers is None and resp.body == b""
+    assert resp.header(b"content-type") == b"application/grpc"
+    assert resp.header(b"grpc-status") == b"4"  # DEADLINE_EXCEEDED
+    assert wait_for(lambda: any(ev[1] == "reset" for ev in hang.events if ev[0] >= start), 3), \
+        hang.events
+
+
+def test_grpc_timeout_after_response_headers(proxy: ProxyProc, servers: dict) -> None:
+    """Same, with the upstream's response headers already forwarded: the call cannot be
+    trailers-only any more; it must still end at the deadline (grpc-status 4 trailers or
+    RST_STREAM) and the upstream stream must be reset."""
+    hang: H2Upstream = servers["hang"]
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        start = time.monotonic()
+        c.send(*grpc_request(c, 1, "/test.Hang/Head", b"x", [("grpc-timeout", "700m")]))
+        resp = c.response(1, timeout=10)
+        elapsed = time.monotonic() - start
+    assert 0.6 < elapsed < 1.5, elapsed
+    assert resp.status == 200
+    assert resp.reset is not None or (resp.trailers is not None and (b"grpc-status", b"4")
+                                      in resp.trailers), resp
+    assert wait_for(lambda: any(ev[1] == "reset" for ev in hang.events if ev[0] >= start), 3), \
+        hang.events
+
+
+def test_cancel_server_stream_reaches_upstream(stub: Any, pb: ModuleType, servers: dict,
+                                               request: pytest.FixtureRequest) -> None:
+    tag = request.node.name
+    call = stub.StreamTokens(pb.PredictRequest(prompt=" ".join(["w"] * 100)),
+                             metadata=[("x-delay-ms", "100"), ("x-tag", tag)], timeout=30)
+    assert next(call).index == 0
+    assert next(call).index == 1
+    call.cancel()
+    assert call.code() == grpc.StatusCode.CANCELLED
+    rec = servers["a"].recorder
+    # The upstream's handler sees its context go inactive well before its 10 s are up.
+    assert rec.when(f"cancelled:StreamTokens#{tag}", 3) is not None, rec.names()
+    assert rec.when(f"done:StreamTokens#{tag}", 0) is None
+
+
+def test_cancel_bidi_reaches_upstream(stub: Any, pb: ModuleType, servers: dict,
+                                      request: pytest.FixtureRequest) -> None:
+    tag = request.node.name
+    requests: queue.Queue = queue.Queue()
+    call = stub.Chat(iter(requests.get, None), metadata=[("x-tag", tag)], timeout=30)
+    requests.put(pb.PredictRequest(prompt="first"))
+    assert next(call).text == "echo:first"
+    requests.put(pb.PredictRequest(prompt="sleep:10000"))
+    rec = servers["a"].recorder
+    time.sleep(0.3)  # the upstream is in its 10 s sleep, watching its context
+    call.cancel()
+    assert rec.when(f"cancelled:Chat#{tag}", 3) is not None, rec.names()
+    assert rec.when(f"end:Chat#{tag}", 3) is not None, rec.names()
+    assert rec.when(f"done:Chat#{tag}", 0) is None
+    requests.put(None)
+
+
+def test_stalled_upload_does_not_block_other_calls_on_the_channel(channel: grpc.Channel,
+                                                                   stub: Any,
+                                                                   pb: ModuleType) -> None:
+    """Client-streaming calls to an upstream that stopped reading share the client's one
+    HTTP/2 connection with other calls: they may hold back their own streams' windows,
+    not the connection's, or every other call on the channel would hang."""
+    upload = channel.stream_unary("/test.Stall/Upload", request_serializer=None,
+                                  response_deserializer=None)
+    block = b"\x0a\x80\x80\x04" + b"s" * 65536  # one 64 KiB message
+
+    stalled = [upload.future(iter([block] * 64), timeout=30) for _ in range(24)]
+    try:
+        time.sleep(1.5)  # the stalled calls have filled every window they can
+        start = time.monotonic()
+        reply = stub.Predict(pb.PredictRequest(model="through"), timeout=10)
+        assert reply.model == "grpc-a:through"
+        assert time.monotonic() - start < 3
+    finally:
+        for f in stalled:
+            f.cancel()
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def test_no_route_is_unimplemented(channel: grpc.Channel) -> None:
+    err = raw_call(channel, "/no.Such/Method")
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.details()
+
+
+def test_upstream_down_is_unavailable(channel: grpc.Channel) -> None:
+    err = raw_call(channel, "/test.Down/Predict")
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_upstream_trailers_only_passes_through(channel: grpc.Channel) -> None:
+    """The upstream's own UNIMPLEMENTED (a method it does not have): a trailers-only
+    response from the upstream reaches the client as one, also while the client is still
+    streaming its request."""
+    err = raw_call(channel, f"/{SERVICE}/NoSuchMethod")
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    def slow() -> Iterator[bytes]:
+        for _ in range(50):
+            yield b"\x0a\x01x"
+            time.sleep(0.02)
+
+    call = channel.stream_unary(f"/{SERVICE}/NoSuchStream", request_serializer=None,
+                                response_deserializer=None)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        call(slow(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("path,status", [("/no.Such/Method", b"12"), ("/test.Down/M", b"14")])
+def test_proxy_errors_are_trailers_only(proxy: ProxyProc, path: str, status: bytes) -> None:
+    """One HEADERS frame with END_STREAM: :status 200, application/grpc, grpc-status,
+    grpc-message (https://github.com/grpc/grpc/blob/master/doc/PROTOCOL-HTTP2.md)."""
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        c.send(*grpc_request(c, 1, path, b"x"))
+        frames = c.frames_until(lambda f: f.stream_id == 1 and "END_STREAM" in f.flags)
+    on_stream = [f for f in frames if f.stream_id == 1]
+    assert len(on_stream) == 1 and isinstance(on_stream[0], HeadersFrame), on_stream
+    fields = dict(on_stream[0].decoded)
+    assert fields[b":status"] == b"200"
+    assert fields[b"content-type"] == b"application/grpc"
+    assert fields[b"grpc-status"] == status
+    assert fields[b"grpc-message"]
+    assert not any(isinstance(f, RstStreamFrame) for f in frames)
+
+
+# -- a dying upstream ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def killable(tmp_path: Path, grpc_modules: tuple[ModuleType, ModuleType]) -> Iterator[Any]:  # noqa: F811
+    """A grpcio server in its own process, and a proxy in front of it."""
+    port = free_port()
+    server = start_process([sys.executable, "-m", "tests.grpc_support", "--gen",
+                            str(tmp_path / "gen"), "--port", str(port), "--name", "doomed"])
+    proxy = None
+    try:
+        wait_port("127.0.0.1", port, proc=server, timeout=20)
+        config = LISTENERS + f"""
+[[clusters]]
+name = "doomed"
+endpoints = ["127.0.0.1:{port}"]
+protocol = "h2"
+
+[[routes]]
+name = "all"
+cluster = "doomed"
+"""
+        proxy = ProxyProc(tmp_path, config, ("h2c", "mixed"))
+        ch = grpc.insecure_channel(f"127.0.0.1:{proxy.ports['h2c']}", options=GRPC_OPTIONS)
+        yield server, grpc_modules[1].PredictorStub(ch), proxy
+        ch.close()
+    finally:
+        stop_process(server)
+        if proxy is not None:
+            proxy.stop()
+
+
+def _kill(proc: Any) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+
+
+def test_upstream_killed_mid_stream(killable: Any, pb: ModuleType) -> None:
+    server, stub, proxy = killable
+    call = stub.StreamTokens(pb.PredictRequest(prompt=" ".join(["w"] * 100)),
+                             metadata=[("x-delay-ms", "100")], timeout=30)
+    assert next(call).index == 0
+    start = time.monotonic()
+    _kill(server)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    assert time.monotonic() - start < 5
+    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                                 grpc.StatusCode.UNKNOWN), info.value
+
+
+def test_upstream_killed_before_unary_reply(killable: Any, pb: ModuleType) -> None:
+    server, stub, proxy = killable
+    assert stub.Predict(pb.PredictRequest(model="warm"), timeout=10).model == "doomed:warm"
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            stub.Predict(pb.PredictRequest(prompt="sleep:5000"), timeout=20)
+        except grpc.RpcError as exc:
+            result["error"] = exc
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)  # the call is in the upstream's handler
+    start = time.monotonic()
+    _kill(server)
+    t.join(10)
+    assert not t.is_alive()
+    assert time.monotonic() - start < 5
+    assert result["error"].code() == grpc.StatusCode.UNAVAILABLE, result
+    # The next call fails fast too: the upstream is gone.
+    err = raw_call(grpc.insecure_channel(f"127.0.0.1:{proxy.ports['mixed']}"),
+                   f"/{SERVICE}/Predict")
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_upstream_graceful_shutdown_lets_calls_finish(killable: Any, pb: ModuleType) -> None:
+    """SIGTERM to the upstream: grpcio sends GOAWAY and finishes the calls in flight.
+    The proxy must keep relaying those streams to the end, not fail them."""
+    server, stub, proxy = killable
+    call = stub.StreamTokens(pb.PredictRequest(prompt=" ".join(f"w{i}" for i in range(10))),
+                             metadata=[("x-delay-ms", "150")], timeout=30)
+    assert next(call).index == 0
+    server.send_signal(signal.SIGTERM)
+    rest = [t.index for t in call]
+    assert rest == list(range(1, 10))
+    assert call.code() == grpc.StatusCode.OK
+    assert server.wait(10) == 0

@@ -1,0 +1,570 @@
+"""HTTP/2 protocol abuse against the proxy's h2c listener (RFC 9113 and known CVEs).
+
+Frames are built by hand (tests/h2_support.py FrameClient, hyperframe, hpack) so they
+can be wrong in exactly one way. Every case checks the answer RFC 9113 asks for
+(GOAWAY or RST_STREAM with the right error code), and that the proxy keeps serving:
+a fresh, well-behaved client still gets 200 afterwards."""
+
+from __future__ import annotations
+
+import select
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from h2.errors import ErrorCodes
+from hyperframe.frame import (
+    DataFrame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from tests.h2_support import (
+    FrameClient,
+    ProxyProc,
+    RssMonitor,
+    h2_get,
+    raw_frame,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1024 * 1024
+MAX_STREAMS = 8
+MAX_HEADER_BYTES = 4096
+# Frame types and flags (RFC 9113 6).
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
+    CONTINUATION = range(10)
+END_STREAM, END_HEADERS, PADDED = 0x1, 0x4, 0x8
+
+CONFIG = """
+[[listeners]]
+name = "h2c"
+address = "127.0.0.1:{port}"
+protocols = ["h2c"]
+
+[http]
+h2_max_concurrent_streams = %d
+max_header_bytes = %d
+
+[[clusters]]
+name = "demo"
+endpoints = ["127.0.0.1:%d"]
+
+[[routes]]
+name = "all"
+cluster = "demo"
+"""
+
+
+@pytest.fixture(scope="module")
+def proxy(demo_upstream: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
+    p = ProxyProc(tmp_path_factory.mktemp("h2-abuse"),
+                  CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, demo_upstream))
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def port(proxy: ProxyProc) -> Iterator[int]:
+    """The listener's port; after the test, a fresh client must still be served."""
+    yield proxy.ports["port"]
+    assert proxy.proc.poll() is None, proxy.log()[-5000:]
+    resp = h2_get(proxy.ports["port"], "/echo")
+    assert resp.status == 200, resp
+
+
+def block(c: FrameClient, path: str = "/echo", extra: list | None = None) -> bytes:
+    return c.encode([(":method", "GET"), (":scheme", "http"), (":path", path),
+                     (":authority", "test"), *(extra or [])])
+
+
+def expect_goaway(c: FrameClient, code: int, timeout: float = 5.0) -> GoAwayFrame:
+    frame = c.goaway(timeout)
+    assert frame is not None, f"no GOAWAY (eof={c.eof})"
+    assert frame.error_code == code, (ErrorCodes(frame.error_code), frame.additional_data)
+    assert c.closed_after(3), "connection not closed after GOAWAY"
+    return frame
+
+
+def expect_reset(c: FrameClient, sid: int, codes: tuple[int, ...],
+                 timeout: float = 5.0) -> RstStreamFrame:
+    frames = c.frames_until(lambda f: f.stream_id == sid and isinstance(f, RstStreamFrame)
+                            or isinstance(f, GoAwayFrame), timeout)
+    assert frames, f"nothing on stream {sid} (eof={c.eof})"
+    last = frames[-1]
+    assert isinstance(last, RstStreamFrame), f"expected RST_STREAM on {sid}, got {last}"
+    assert last.error_code in codes, ErrorCodes(last.error_code)
+    return last
+
+
+# -- connection errors: one bad frame each ---------------------------------------------------
+
+
+def _settings(*pairs: tuple[int, int]) -> bytes:
+    return b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in pairs)
+
+
+CONNECTION_ERRORS = {
+    # name: (frame builder, expected GOAWAY code)
+    "data_on_stream_0": (lambda c: raw_frame(DATA, 0, 0, b"x"), ErrorCodes.PROTOCOL_ERROR),
+    "data_on_idle_stream": (lambda c: raw_frame(DATA, 0, 1, b"x"), ErrorCodes.PROTOCOL_ERROR),
+    "headers_on_stream_0": (lambda c: raw_frame(HEADERS, END_HEADERS | END_STREAM, 0, block(c)),
+                            ErrorCodes.PROTOCOL_ERROR),
+    "headers_on_even_stream": (lambda c: raw_frame(HEADERS, END_HEADERS | END_STREAM, 2,
+                                                   block(c)), ErrorCodes.PROTOCOL_ERROR),
+    "headers_bad_padding": (lambda c: raw_frame(HEADERS, END_HEADERS | END_STREAM | PADDED, 1,
+                                                bytes([200]) + block(c)),
+                            ErrorCodes.PROTOCOL_ERROR),
+    "hpack_garbage": (lambda c: raw_frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                                          b"\xff\xff\xff\xff\xff\xff"),
+                      ErrorCodes.COMPRESSION_ERROR),
+    "frame_over_max_frame_size": (lambda c: raw_frame(DATA, 0, 1, b"x" * 16385),
+                                  ErrorCodes.FRAME_SIZE_ERROR),
+    "settings_on_stream": (lambda c: raw_frame(SETTINGS, 0, 1, b""), ErrorCodes.PROTOCOL_ERROR),
+    "settings_bad_length": (lambda c: raw_frame(SETTINGS, 0, 0, b"\x00\x03\x00"),
+                            ErrorCodes.FRAME_SIZE_ERROR),
+    "settings_ack_with_payload": (lambda c: raw_frame(SETTINGS, 1, 0, _settings((3, 10))),
+                                  ErrorCodes.FRAME_SIZE_ERROR),
+    "settings_enable_push_2": (lambda c: raw_frame(SETTINGS, 0, 0, _settings((2, 2))),
+                               ErrorCodes.PROTOCOL_ERROR),
+    "settings_initial_window_over_max": (lambda c: raw_frame(SETTINGS, 0, 0,
+                                                             _settings((4, 2**31))),
+                                         ErrorCodes.FLOW_CONTROL_ERROR),
+    "settings_max_frame_size_too_small": (lambda c: raw_frame(SETTINGS, 0, 0,
+                                                              _settings((5, 1000))),
+                                          ErrorCodes.PROTOCOL_ERROR),
+    "ping_bad_length": (lambda c: raw_frame(PING, 0, 0, b"1234"), ErrorCodes.FRAME_SIZE_ERROR),
+    "ping_on_stream": (lambda c: raw_frame(PING, 0, 1, b"12345678"), ErrorCodes.PROTOCOL_ERROR),
+    "rst_stream_on_stream_0": (lambda c: raw_frame(RST_STREAM, 0, 0, b"\x00\x00\x00\x08"),
+                               ErrorCodes.PROTOCOL_ERROR),
+    "rst_stream_on_idle_stream": (lambda c: raw_frame(RST_STREAM, 0, 1, b"\x00\x00\x00\x08"),
+                                  ErrorCodes.PROTOCOL_ERROR),
+    "rst_stream_bad_length": (lambda c: raw_frame(RST_STREAM, 0, 1, b"\x00\x08"),
+                              ErrorCodes.FRAME_SIZE_ERROR),
+    "goaway_on_stream": (lambda c: raw_frame(GOAWAY, 0, 1, bytes(8)), ErrorCodes.PROTOCOL_ERROR),
+    "window_update_zero_on_connection": (lambda c: raw_frame(WINDOW_UPDATE, 0, 0, bytes(4)),
+                                         ErrorCodes.PROTOCOL_ERROR),
+    "window_update_overflow_on_connection": (
+        lambda c: raw_frame(WINDOW_UPDATE, 0, 0, (2**31 - 1).to_bytes(4, "big")),
+        ErrorCodes.FLOW_CONTROL_ERROR),
+    "window_update_bad_length": (lambda c: raw_frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x01"),
+                                 ErrorCodes.FRAME_SIZE_ERROR),
+    "continuation_without_headers": (lambda c: raw_frame(CONTINUATION, END_HEADERS, 1, block(c)),
+                                     ErrorCodes.PROTOCOL_ERROR),
+    "push_promise_from_client": (lambda c: raw_frame(PUSH_PROMISE, END_HEADERS, 1,
+                                                     (2).to_bytes(4, "big") + block(c)),
+                                 ErrorCodes.PROTOCOL_ERROR),
+}
+
+
+# Known deviations of the h2 library, each with the RFC text it breaks.
+XFAIL = {
+    "settings_ack_with_payload": "h2 maps hyperframe's InvalidDataError for a SETTINGS ACK "
+    "with a payload to PROTOCOL_ERROR; RFC 9113 6.5 asks for FRAME_SIZE_ERROR (the "
+    "connection is still closed with GOAWAY)",
+}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=XFAIL[name]))
+    if name in XFAIL else name
+    for name in sorted(CONNECTION_ERRORS)
+])
+def test_connection_error(port: int, case: str) -> None:
+    build, code = CONNECTION_ERRORS[case]
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(build(c))
+        expect_goaway(c, code)
+
+
+def test_stream_id_going_backwards(port: int) -> None:
+    """RFC 9113 5.1.1: a new stream id lower than one already used is a connection error."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(5, "/echo"))
+        assert c.response(5).status == 200
+        c.send(c.request(3, "/echo"))
+        expect_goaway(c, ErrorCodes.PROTOCOL_ERROR)
+
+
+def test_unknown_frame_types_are_ignored(port: int) -> None:
+    """RFC 9113 5.5: unknown frame types (on stream 0 and on a stream) are ignored."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(raw_frame(0xFA, 0xFF, 0, b"whatever"), c.request(1, "/echo", end_stream=False),
+               raw_frame(0xFB, 0, 1, b"more"), raw_frame(DATA, END_STREAM, 1, b""))
+        assert c.response(1).status == 200
+
+
+# -- stream errors: the connection survives -------------------------------------------------
+
+
+def test_window_update_zero_on_stream_is_stream_error(port: int) -> None:
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/delay/300"), raw_frame(WINDOW_UPDATE, 0, 1, bytes(4)))
+        frames = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame)))
+        last = frames[-1] if frames else None
+        # RFC 9113 6.9: a stream error; treating it as a connection error is allowed (5.4.1).
+        if isinstance(last, GoAwayFrame):
+            assert last.error_code == ErrorCodes.PROTOCOL_ERROR
+            return
+        assert isinstance(last, RstStreamFrame) and last.stream_id == 1, frames
+        assert last.error_code == ErrorCodes.PROTOCOL_ERROR
+        c.send(c.request(3, "/echo"))
+        assert c.response(3).status == 200
+
+
+def test_window_overflow_on_stream_is_stream_error(port: int) -> None:
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/delay/500"),
+               WindowUpdateFrame(1, window_increment=2**31 - 1))
+        expect_reset(c, 1, (ErrorCodes.FLOW_CONTROL_ERROR,))
+        c.send(c.request(3, "/echo"))
+        assert c.response(3).status == 200
+
+
+MALFORMED = {
+    "uppercase_name": [("X-Upper", "1")],
+    "connection": [("connection", "keep-alive")],
+    "keep_alive": [("keep-alive", "timeout=5")],
+    "proxy_connection": [("proxy-connection", "keep-alive")],
+    "transfer_encoding": [("transfer-encoding", "chunked")],
+    "upgrade": [("upgrade", "websocket")],
+    "te_not_trailers": [("te", "gzip")],
+    "pseudo_after_regular": [("x-a", "1"), (":path", "/again")],
+    "unknown_pseudo": [(":protocol2", "x")],
+    "name_with_space": [("x a", "1")],
+    "value_with_newline": [("x-a", "1\r\nx-b: 2")],
+    "authority_host_mismatch": [("host", "other.example")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_request_rejected(port: int, demo_upstream: int, case: str) -> None:
+    """RFC 9113 8.1.1/8.2: a malformed request is a stream error PROTOCOL_ERROR (a
+    connection error is allowed too); it must never reach the upstream."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.headers(1, [(":method", "GET"), (":scheme", "http"), (":path", "/echo"),
+                             (":authority", "test"), *MALFORMED[case]]))
+        frames = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
+                                or (f.stream_id == 1 and "END_STREAM" in f.flags))
+        last = frames[-1] if frames else None
+        assert isinstance(last, (RstStreamFrame, GoAwayFrame)), frames
+        assert last.error_code == ErrorCodes.PROTOCOL_ERROR, ErrorCodes(last.error_code)
+        if isinstance(last, RstStreamFrame):
+            c.send(c.request(3, "/echo"))
+            assert c.response(3).status == 200
+
+
+def test_content_length_mismatch(port: int) -> None:
+    """RFC 9113 8.1.1: DATA adding up to a different length than content-length."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/echo", "POST", [("content-length", "10")], end_stream=False),
+               raw_frame(DATA, END_STREAM, 1, b"12345"))
+        frames = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
+                                or (f.stream_id == 1 and "END_STREAM" in f.flags))
+        last = frames[-1] if frames else None
+        assert isinstance(last, (RstStreamFrame, GoAwayFrame)), frames
+        assert last.error_code == ErrorCodes.PROTOCOL_ERROR
+
+
+def test_header_list_over_max_header_bytes(port: int) -> None:
+    """A header list larger than SETTINGS_MAX_HEADER_LIST_SIZE (max_header_bytes): refused
+    (431, RST_STREAM or GOAWAY), never forwarded."""
+    with FrameClient(port) as c:
+        c.handshake()
+        first = c.recv()
+        assert isinstance(first, SettingsFrame)
+        assert first.settings[SettingsFrame.MAX_HEADER_LIST_SIZE] == MAX_HEADER_BYTES
+        c.send(c.request(1, "/echo", extra=[("x-big", "v" * (MAX_HEADER_BYTES + 100))]))
+        frames = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
+                                or (f.stream_id == 1 and "END_STREAM" in f.flags))
+        last = frames[-1] if frames else None
+        assert last is not None, "no answer"
+        if isinstance(last, (RstStreamFrame, GoAwayFrame)):
+            return
+        heads = [f for f in frames if isinstance(f, HeadersFrame) and f.stream_id == 1]
+        assert heads and dict(heads[0].decoded)[b":status"] == b"431", frames
+
+
+def test_header_list_over_limit_in_continuations(port: int) -> None:
+    """The same limit across many CONTINUATION frames (each one small)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        big = block(c, "/echo", [(f"x-h{i}", "v" * 200) for i in range(40)])
+        pieces = [big[i:i + 500] for i in range(0, len(big), 500)]
+        frames = [raw_frame(HEADERS, END_STREAM, 1, pieces[0])]
+        for i, piece in enumerate(pieces[1:], 1):
+            frames.append(raw_frame(CONTINUATION, END_HEADERS if i == len(pieces) - 1 else 0,
+                                    1, piece))
+        c.send(*frames)
+        got = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
+                             or (f.stream_id == 1 and "END_STREAM" in f.flags))
+        assert got, "no answer"
+        last = got[-1]
+        if not isinstance(last, (RstStreamFrame, GoAwayFrame)):
+            heads = [f for f in got if isinstance(f, HeadersFrame) and f.stream_id == 1]
+            assert dict(heads[0].decoded)[b":status"] == b"431", got
+
+
+# -- stream limits, rapid reset -----------------------------------------------------------------
+
+
+def test_too_many_concurrent_streams_refused_others_served(port: int) -> None:
+    """RFC 9113 5.1.2: a stream over SETTINGS_MAX_CONCURRENT_STREAMS gets
+    RST_STREAM(REFUSED_STREAM); the connection and the other streams carry on."""
+    with FrameClient(port) as c:
+        c.handshake()
+        sids = [1 + 2 * i for i in range(MAX_STREAMS)]
+        c.send(*[c.request(sid, "/delay/800") for sid in sids])
+        extra = sids[-1] + 2
+        c.send(c.request(extra, "/echo"))
+        expect_reset(c, extra, (ErrorCodes.REFUSED_STREAM,))
+        for sid in sids:
+            resp = c.response(sid)
+            assert resp.status == 200 and resp.body == b"ok", (sid, resp)
+        c.send(c.request(extra + 2, "/echo"))
+        assert c.response(extra + 2).status == 200
+
+
+def test_rapid_reset_gets_enhance_your_calm(port: int) -> None:
+    """CVE-2023-44487: streams opened and reset at once, over and over."""
+    with FrameClient(port) as c:
+        c.handshake()
+        frames = []
+        for i in range(1000):
+            sid = 1 + 2 * i
+            frames += [c.request(sid, "/delay/1000"), RstStreamFrame(sid, error_code=8)]
+        c.try_send(*frames)
+        frame = c.goaway(10)
+        assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
+        assert c.closed_after(3)
+
+
+def test_refused_stream_flood_gets_enhance_your_calm(port: int) -> None:
+    """The same attack without sending RST_STREAM: keep the limit full with slow streams
+    and open more, each refused (RST_STREAM REFUSED_STREAM by the proxy)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        frames = [c.request(1 + 2 * i, "/delay/2000") for i in range(MAX_STREAMS)]
+        frames += [c.request(1 + 2 * i, "/echo") for i in range(MAX_STREAMS, 3000)]
+        c.try_send(*frames)
+        frame = c.goaway(10)
+        assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
+
+
+# -- floods from a client that does not read -----------------------------------------------------
+
+
+def flood(c: FrameClient, unit: bytes, limit: int, seconds: float) -> tuple[int, bool]:
+    """Write `unit` over and over without reading, until the proxy cuts the connection
+    (send fails or the socket reports EOF/reset), `limit` bytes or `seconds` pass.
+    Returns (bytes sent, cut off)."""
+    batch = unit * max(1, 16384 // len(unit))
+    sent = 0
+    deadline = time.monotonic() + seconds
+    c.sock.setblocking(False)
+    try:
+        while sent < limit and time.monotonic() < deadline:
+            _, writable, _ = select.select([], [c.sock], [], 0.2)
+            if not writable:
+                # The proxy stopped reading: see whether it has closed the connection.
+                if c.sock.recv(1, socket.MSG_PEEK) == b"":
+                    return sent, True
+                continue
+            try:
+                sent += c.sock.send(batch)
+            except BlockingIOError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                return sent, True
+    except (BlockingIOError, InterruptedError):
+        pass
+    except (ConnectionResetError, BrokenPipeError):
+        return sent, True
+    finally:
+        c.sock.setblocking(True)
+    return sent, False
+
+
+def _peek_closed(c: FrameClient, timeout: float) -> bool:
+    """Whether the proxy closed the socket (EOF or RST), without reading what is queued
+    beyond what the kernel must drop to tell."""
+    deadline = time.monotonic() + timeout
+    c.sock.settimeout(0.2)
+    while time.monotonic() < deadline:
+        try:
+            data = c.sock.recv(1 << 20)
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, OSError):
+            return True
+        if not data:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("kind", ["ping", "settings"])
+def test_control_frame_flood_from_client_that_never_reads(proxy: ProxyProc, port: int,
+                                                          kind: str) -> None:
+    """CVE-2019-9512 (ping flood) / CVE-2019-9515 (settings flood): every frame asks for
+    an ACK the client never reads. The proxy must cut the connection off while its
+    memory stays bounded, instead of queueing ACKs forever."""
+    unit = (PingFrame(0, opaque_data=b"12345678") if kind == "ping" else SettingsFrame(0))
+    with RssMonitor(proxy.pid) as rss, FrameClient(port, rcvbuf=4096) as c:
+        c.handshake()
+        sent, cut = flood(c, unit.serialize(), 256 * MiB, 20)
+        if not cut:
+            cut = _peek_closed(c, 5)
+    assert cut, f"still connected after sending {sent / MiB:.1f} MiB of {kind} frames"
+    assert rss.growth < 32 * MiB, rss.describe()
+
+
+def test_continuation_flood(proxy: ProxyProc, port: int) -> None:
+    """CVE-2024-27316 style: HEADERS without END_HEADERS, then CONTINUATION frames that
+    never end. The proxy must close the connection after a bounded amount."""
+    with RssMonitor(proxy.pid) as rss, FrameClient(port) as c:
+        c.handshake()
+        c.send(raw_frame(HEADERS, END_STREAM, 1, block(c)))
+        # Literal header fields without indexing, new names: valid HPACK, endless list.
+        field = b"\x00\x05x-pad\x7f\x81\x7f" + b"a" * 16000
+        unit = raw_frame(CONTINUATION, 0, 1, field[:16000])
+        sent, cut = flood(c, unit, 64 * MiB, 20)
+        if not cut:
+            cut = _peek_closed(c, 5)
+    assert cut, f"still connected after {sent / MiB:.1f} MiB of CONTINUATION frames"
+    assert sent < 16 * MiB, f"accepted {sent / MiB:.1f} MiB of one header block"
+    assert rss.growth < 32 * MiB, rss.describe()
+
+
+def test_empty_continuation_flood(port: int) -> None:
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(raw_frame(HEADERS, END_STREAM, 1, block(c)))
+        sent, cut = flood(c, raw_frame(CONTINUATION, 0, 1, b""), 64 * MiB, 20)
+        if not cut:
+            cut = _peek_closed(c, 5)
+    assert cut, f"still connected after {sent / MiB:.1f} MiB of empty CONTINUATION frames"
+
+
+# -- flow-control stalls ------------------------------------------------------------------------
+
+
+def _served_meanwhile(port: int) -> float:
+    start = time.monotonic()
+    assert h2_get(port, "/bytes/100000").status == 200
+    return time.monotonic() - start
+
+
+def test_stream_window_never_opened(proxy: ProxyProc, port: int) -> None:
+    """A client that asks for 1 GiB and never sends WINDOW_UPDATE: the proxy sends the
+    65535-byte initial window and holds the rest in the upstream (RSS bounded), and
+    serves other connections meanwhile."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/bytes/1073741824"))
+        got = 0
+        deadline = time.monotonic() + 5
+        while got < 65535 and time.monotonic() < deadline:
+            f = c.recv(1)
+            if isinstance(f, DataFrame):
+                got += len(f.data)
+        assert got == 65535
+        with RssMonitor(proxy.pid) as rss:
+            time.sleep(1.5)
+            assert _served_meanwhile(port) < 2
+        assert rss.growth < 16 * MiB, rss.describe()
+        # Nothing beyond the window arrived.
+        more = c.frames_until(lambda f: isinstance(f, DataFrame), 0.5)
+        assert not [f for f in more if isinstance(f, DataFrame) and f.data]
+
+
+def test_client_never_reads_socket(proxy: ProxyProc, port: int) -> None:
+    """A client that grants a 2 GiB window and then never reads its socket: only TCP
+    back-pressure stops the data. The proxy must stop reading the upstream (RSS bounded)
+    and keep serving others."""
+    with FrameClient(port, rcvbuf=8192) as c:
+        c.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: 2**31 - 1,
+                     SettingsFrame.MAX_FRAME_SIZE: 2**24 - 1}, window=2**31 - 1 - 65535)
+        c.send(c.request(1, "/bytes/2147483648"))
+        time.sleep(0.5)
+        with RssMonitor(proxy.pid) as rss:
+            time.sleep(2)
+            assert _served_meanwhile(port) < 2
+        assert rss.growth < 32 * MiB, rss.describe()
+
+
+# -- graceful shutdown ------------------------------------------------------------------------------
+
+
+def test_sigterm_goaway_inflight_stream_finishes(demo_upstream: int, tmp_path: Path) -> None:
+    proxy = ProxyProc(tmp_path, CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, demo_upstream))
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/sse?n=8&delay_ms=200"))
+            first = c.frames_until(lambda f: isinstance(f, DataFrame) and f.data)
+            assert first and isinstance(first[-1], DataFrame)
+            body = first[-1].data
+            proxy.proc.send_signal(signal.SIGTERM)
+            frames = c.frames_until(lambda f: isinstance(f, GoAwayFrame))
+            goaway = frames[-1]
+            assert isinstance(goaway, GoAwayFrame), frames
+            assert goaway.error_code == ErrorCodes.NO_ERROR and goaway.last_stream_id >= 1
+            body += b"".join(f.data for f in frames if isinstance(f, DataFrame))
+            # A stream opened after GOAWAY is refused; the one in flight finishes.
+            c.send(c.request(3, "/echo"))
+            resp = c.response(1, timeout=10)
+            body += resp.body
+            assert body == b"".join(f"data: event {i}\n\n".encode() for i in range(8))
+            assert c.closed_after(5)
+        assert proxy.proc.wait(10) == 0
+    finally:
+        proxy.stop()
+
+
+def test_client_goaway_lets_inflight_stream_finish(port: int) -> None:
+    """RFC 9113 6.8: a client's GOAWAY(NO_ERROR) stops new streams; the response in flight
+    still completes."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/sse?n=4&delay_ms=150"))
+        first = c.frames_until(lambda f: isinstance(f, DataFrame) and f.data)
+        body = first[-1].data
+        c.send(GoAwayFrame(0, last_stream_id=0, error_code=0))
+        resp = c.response(1, timeout=10)
+        assert resp.reset is None, resp
+        body += resp.body
+        assert body == b"".join(f"data: event {i}\n\n".encode() for i in range(4))
+        assert c.closed_after(5)
+
+
+def test_sigterm_idle_h2_connection_gets_goaway(demo_upstream: int, tmp_path: Path) -> None:
+    proxy = ProxyProc(tmp_path, CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, demo_upstream))
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/echo"))
+            assert c.response(1).status == 200
+            proxy.proc.send_signal(signal.SIGTERM)
+            goaway = c.goaway(5)
+            assert goaway is not None and goaway.error_code == ErrorCodes.NO_ERROR
+            assert goaway.last_stream_id == 1
+            assert c.closed_after(5)
+        assert proxy.proc.wait(10) == 0
+    finally:
+        proxy.stop()
+
