@@ -88,6 +88,15 @@ def _check(path: str) -> int:
     cfg = _load(path)
     if cfg is None:
         return 2
+    if cfg.semantic is not None:
+        from aiproxy.semantic.classifier import ModelError
+        from aiproxy.server.runtime import load_intent_model
+
+        try:
+            load_intent_model(cfg)
+        except ModelError as exc:
+            print(f"{path}: semantic.model: {exc}", file=sys.stderr)
+            return 2
     print(summary(cfg))
     print(f"{path}: ok")
     return 0

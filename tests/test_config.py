@@ -370,7 +370,8 @@ def test_listener_protocols_and_cluster_balancer(tmp_path):
         """)
     assert problems(tmp_path, text) == [
         "4: listeners[0].protocols[0]: unknown protocol 'h3' (allowed: http1, h2c, h2)",
-        "9: clusters[0].balancer: unknown balancer 'random' (allowed: round_robin)",
+        "9: clusters[0].balancer: unknown balancer 'random' (allowed: round_robin, "
+            "least_request, ring_hash, maglev, llm_score)",
         "13: listeners[1].protocols: must not be empty",
     ]
 
@@ -522,3 +523,98 @@ def test_grpc_match_and_upstream_protocol(tmp_path):
         "7: clusters[0].protocol: unknown protocol 'h3' (allowed: http1, h2)",
         "12: routes[0].match.grpc_service: invalid grpc_service 'a/b'",
     ]
+
+
+def test_routing_keys_values(tmp_path):
+    cfg = load_config(write(tmp_path, BASE + """
+[[clusters]]
+name = "v2"
+endpoints = [{ address = "127.0.0.1:9001", capacity = 8 }]
+balancer = "llm_score"
+hash_key = "header:X-User-Id"
+max_requests = 10
+health_check = { path = "/health", interval_ms = 100, unhealthy_threshold = 2 }
+outlier_detection = { consecutive_failures = 3, base_ejection_ms = 500 }
+load_metrics = { gauge = "vllm:num_requests_running", full = 16 }
+[clusters.llm_score]
+latency_weight = 0.5
+tpm = 1000
+
+[[routes]]
+name = "split"
+match = { host = "*.example.com", path_prefix = "/v1/", path_regex = "/v1/[a-z]+", query = { a = "1", b = true }, headers = { x-a = { regex = "a+" }, x-b = { present = false } } }
+split = [{ cluster = "v2", weight = 80 }, { cluster = "backend", weight = 20 }]
+sticky_header = "X-User-Id"
+timeout_ms = 500
+retries = { attempts = 2, on = ["503", "reset"], budget_pct = 10 }
+request_headers_add = { X-Team = "blue" }
+request_headers_remove = ["Cookie"]
+response_headers_add = { x-served-by = "aiproxy" }
+response_headers_remove = ["server"]
+prefix_rewrite = "/v2/"
+model = "gpt-4o-mini"
+"""))
+    v2 = cfg.cluster_by_name("v2")
+    assert v2.balancer == "llm_score" and v2.hash_key == "header:x-user-id"
+    assert v2.endpoints[0].capacity == 8 and v2.max_requests == 10
+    assert v2.health_check.path == b"/health" and v2.health_check.unhealthy_threshold == 2
+    assert v2.outlier_detection.consecutive_failures == 3
+    assert v2.load_metrics.gauge == "vllm:num_requests_running" and v2.load_metrics.full == 16
+    assert v2.load_metrics.path == b"/metrics"
+    assert v2.llm_score.latency_weight == 0.5 and v2.llm_score.tpm == 1000
+    route = cfg.routes[0]
+    assert route.cluster is None and route.clusters == ("v2", "backend")
+    assert [t.weight for t in route.split] == [80, 20]
+    assert route.sticky_header == b"x-user-id" and route.timeout_ms == 500
+    assert route.retries.attempts == 2 and route.retries.on == ("503", "reset")
+    assert route.request_headers_add == ((b"x-team", b"blue"),)
+    assert route.request_headers_remove == (b"cookie",)
+    assert route.response_headers_remove == (b"server",)
+    assert route.prefix_rewrite == b"/v2/" and route.model == b"gpt-4o-mini"
+    m = route.match
+    assert m.host == b"*.example.com" and m.path_regex == b"/v1/[a-z]+"
+    assert m.query == ((b"a", b"1"), (b"b", None))
+    assert m.header_rules == ((b"x-a", "regex", b"a+"), (b"x-b", "absent", b""))
+
+
+def test_routing_keys_errors(tmp_path):
+    text = BASE + """
+[[clusters]]
+name = "x"
+endpoints = ["127.0.0.1:9001"]
+balancer = "maglev"
+hash_key = "cookie:a"
+health_check = { path = "health" }
+
+[[routes]]
+name = "a"
+cluster = "x"
+split = [{ cluster = "nope", weight = 1 }, { cluster = "x", weight = -1 }]
+match = { path_regex = "(", headers = { x-a = { regex = "a", present = true } } }
+retries = { attempts = 2, on = ["timeout"] }
+request_headers_add = { Host = "x" }
+prefix_rewrite = "/y"
+model = ""
+"""
+    assert problems(tmp_path, text) == [
+        "13: clusters[1].hash_key: invalid hash_key 'cookie:a' (use \"header:<name>\" or "
+        "\"client_ip\")",
+        "14: clusters[1].health_check.path: must start with '/'",
+        "19: routes[0].split: give either cluster or split, not both",
+        "19: routes[0].split[0].cluster: unknown cluster 'nope' (defined: backend, x)",
+        "19: routes[0].split[1].weight: must be between 0 and 1000000, got -1",
+        "20: routes[0].match.headers.x-a: give exactly one of exact, regex, present",
+        "20: routes[0].match.path_regex: invalid regular expression: missing ), unterminated "
+        "subpattern at position 0",
+        "21: routes[0].retries.on[0]: unknown retry condition 'timeout' (allowed: "
+        "connect-failure, reset, 502, 503, 504, unavailable)",
+        "22: routes[0].request_headers_add.Host: header 'host' is managed by the proxy",
+        "24: routes[0].model: must be non-empty printable ASCII without spaces",
+    ]
+    assert problems(tmp_path, BASE + """
+[[routes]]
+name = "a"
+cluster = "backend"
+match = { path = "/x" }
+prefix_rewrite = "/y"
+""") == ["13: routes[0].prefix_rewrite: needs match.path_prefix"]

@@ -101,22 +101,13 @@ class AdminServer:
     async def routes(self, request: web.Request) -> web.Response:
         rt = self.server.runtime
         return web.json_response([
-            {"name": r.name, "cluster": r.cluster.name,
+            {"name": r.name, **r.describe(),
              "match": _plain(dataclasses.asdict(cfg.match))}
             for r, cfg in zip(rt.table.routes, rt.config.routes, strict=True)])
 
     async def clusters(self, request: web.Request) -> web.Response:
-        out = []
-        for cluster in self.server.runtime.clusters.values():
-            out.append({
-                "name": cluster.name,
-                "protocol": cluster.cfg.protocol,
-                "balancer": cluster.cfg.balancer,
-                "endpoints": [{"address": p.endpoint.address, "weight": p.endpoint.weight,
-                               "connections_open": p.open_count, "opened": p.opened,
-                               "reused": p.reused} for p in cluster.pools],
-            })
-        return web.json_response(out)
+        return web.json_response(
+            [cluster.describe() for cluster in self.server.runtime.clusters.values()])
 
     async def reload(self, request: web.Request) -> web.Response:
         ok, message = await self.server.reload()

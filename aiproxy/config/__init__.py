@@ -14,6 +14,7 @@ from .schema import (
     ListenerConfig,
     RouteConfig,
     RouteMatch,
+    SemanticConfig,
     ServerConfig,
     TlsConfig,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "Problem",
     "RouteConfig",
     "RouteMatch",
+    "SemanticConfig",
     "ServerConfig",
     "TlsConfig",
     "format_address",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .schema import ClusterConfig, Config, RouteMatch
+from .schema import ClusterConfig, Config, RouteConfig, RouteMatch
 
 
 def summary(cfg: Config) -> str:
@@ -14,9 +14,15 @@ def summary(cfg: Config) -> str:
         lines.append(f"admin {cfg.admin.address}")
     lines.extend(_cluster(cluster) for cluster in cfg.clusters)
     lines.extend(
-        f"route {route.name} {_match(route.match)} -> {route.cluster}" for route in cfg.routes
+        f"route {route.name} {_match(route.match)} -> {_target(route)}" for route in cfg.routes
     )
     return "\n".join(lines)
+
+
+def _target(route: RouteConfig) -> str:
+    if route.split:
+        return "split " + ", ".join(f"{t.cluster}={t.weight}" for t in route.split)
+    return route.cluster or "?"
 
 
 def _cluster(cluster: ClusterConfig) -> str:
@@ -35,9 +41,15 @@ def _match(match: RouteMatch) -> str:
         parts.append(f"path_prefix={_text(match.path_prefix)}")
     if match.method:
         parts.append("method=" + ",".join(_text(method) for method in match.method))
+    if match.path_regex is not None:
+        parts.append(f"path_regex={_text(match.path_regex)}")
     if match.host is not None:
         parts.append(f"host={_text(match.host)}")
     parts.extend(f"header:{_text(name)}={_text(value)}" for name, value in match.headers)
+    parts.extend(f"header:{_text(name)}~{kind}" + (f"={_text(value)}" if value else "")
+                 for name, kind, value in match.header_rules)
+    parts.extend(f"query:{_text(name)}" + (f"={_text(value)}" if value is not None else "")
+                 for name, value in match.query)
     return " ".join(parts) or "*"
 
 

@@ -17,27 +17,35 @@ from .errors import ConfigError, Problem
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
 from .schema import (
+    RETRY_ON,
     AccessLogConfig,
     AdminConfig,
     ClusterConfig,
     Config,
     Endpoint,
+    HealthCheckConfig,
     HttpConfig,
     KernelConfig,
     ListenerConfig,
+    LlmScoreConfig,
+    LoadMetricsConfig,
+    OutlierConfig,
+    RetryPolicy,
     RouteConfig,
     RouteMatch,
+    SemanticConfig,
     ServerConfig,
+    SplitTarget,
     TlsConfig,
     TrafficClass,
 )
 
 PROTOCOLS = ("http1", "h2c", "h2")
 UPSTREAM_PROTOCOLS = ("http1", "h2")
-BALANCERS = ("round_robin",)
+BALANCERS = ("round_robin", "least_request", "ring_hash", "maglev", "llm_score")
 
 _TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes",
-             "kernel")
+             "kernel", "semantic")
 _KERNEL_KEYS = tuple(f.name for f in dataclasses.fields(KernelConfig))
 _CLASS_KEYS = ("name", "ports", "payload", "dscp", "priority")
 XDP_MODES = ("auto", "native", "generic")
@@ -46,10 +54,22 @@ MAX_TRAFFIC_CLASSES = 15  # class ids 1..15 (bpf/include/classify.h: CLASSIFY_MA
 _IFNAME = re.compile(r"[^\s/:]{1,15}")
 _LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls")
 _TLS_KEYS = ("cert", "key", "ca")
-_ENDPOINT_KEYS = ("address", "weight")
-_ROUTE_KEYS = ("name", "cluster", "match")
-_MATCH_KEYS = ("path", "path_prefix", "method", "host", "headers", "grpc_service",
-               "grpc_method")
+_ENDPOINT_KEYS = ("address", "weight", "capacity")
+_ROUTE_KEYS = ("name", "cluster", "match", "split", "sticky_header", "timeout_ms", "retries",
+               "request_headers_add", "request_headers_remove", "response_headers_add",
+               "response_headers_remove", "prefix_rewrite", "model")
+_MATCH_KEYS = ("path", "path_prefix", "path_regex", "method", "host", "headers", "query",
+               "grpc_service", "grpc_method", "intent", "intent_domain")
+_HEADER_RULE_KEYS = ("exact", "regex", "present")
+_SPLIT_KEYS = ("cluster", "weight")
+_WILDCARD_HOST = re.compile(r"\*\.(.+)")
+# Fields the proxy owns on the upstream request; a route may not add or remove them.
+_RESERVED_REQUEST_HEADERS = frozenset((
+    "host", "content-length", "transfer-encoding", "connection", "upgrade", "te",
+    "keep-alive", "proxy-connection", "expect"))
+_RESERVED_RESPONSE_HEADERS = frozenset((
+    "content-length", "transfer-encoding", "connection", "upgrade", "te", "keep-alive",
+    "proxy-connection", "trailer"))
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
@@ -237,6 +257,7 @@ class _Checker:
     # -- sections ----------------------------------------------------------------------
 
     def config(self, data: dict[str, Any]) -> Config:
+        self.data = data
         self.check_keys(data, (), _TOP_KEYS)
         server = self.section(data, "server", _field_names(ServerConfig))
         http = self.section(data, "http", _field_names(HttpConfig))
@@ -249,6 +270,7 @@ class _Checker:
             listeners=listeners,
             admin=self.admin(data, listeners),
             access_log=self.access_log(data),
+            semantic=self.semantic(data),
             clusters=clusters,
             routes=self.routes(data, cluster_names),
             kernel=self.kernel(data, listeners),
@@ -362,6 +384,42 @@ class _Checker:
                 )
         return AdminConfig(*address, token=token or None)
 
+    def semantic(self, data: dict[str, Any]) -> SemanticConfig | None:
+        table = self.section(data, "semantic", _field_names(SemanticConfig))
+        if table is None:
+            return None
+        where = ("semantic",)
+        values: dict[str, Any] = self.scalars(SemanticConfig, table, where)
+        model = self.get(table, where, "model", "string")
+        if model is not None:
+            if not model.startswith("builtin:"):
+                full = os.path.join(os.path.dirname(os.path.abspath(self.filename)), model)
+                if not os.path.isfile(full):
+                    self.error(where + ("model",), f"no such model file '{model}'")
+                model = full
+            values["model"] = model
+        if "threshold" in table:
+            threshold = table["threshold"]
+            if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+                self.error(where + ("threshold",), f"expected number, got {_kind(threshold)}")
+            elif not 0 <= threshold <= 1:
+                self.error(where + ("threshold",), "must be between 0 and 1")
+            else:
+                values["threshold"] = float(threshold)
+        fields = self.get(table, where, "json_fields", "array")
+        if fields is not None:
+            if not all(isinstance(f, str) and f for f in fields):
+                self.error(where + ("json_fields",), "expected an array of non-empty strings")
+            else:
+                values["json_fields"] = tuple(fields)
+        header = self.get(table, where, "intent_header", "string")
+        if header is not None:
+            if not _TOKEN.fullmatch(header):
+                self.error(where + ("intent_header",), f"invalid header name '{header}'")
+            else:
+                values["intent_header"] = header.lower()
+        return SemanticConfig(**values)
+
     def access_log(self, data: dict[str, Any]) -> AccessLogConfig:
         table = self.section(data, "access_log", _field_names(AccessLogConfig))
         if table is None:
@@ -387,11 +445,108 @@ class _Checker:
             balancer = self.choice(item, path, "balancer", BALANCERS)
             protocol = self.choice(item, path, "protocol", UPSTREAM_PROTOCOLS)
             extra = self.scalars(ClusterConfig, item, path)
+            hash_key = self.hash_key(item, path)
+            llm_score = self.llm_score(item, path)
+            health = self.health_check(item, path)
+            load_metrics = self.load_metrics(item, path)
+            outlier = self.outlier(item, path)
             if len(self.problems) == before:
                 clusters.append(ClusterConfig(name, endpoints, balancer=balancer,
-                                              protocol=protocol, **extra))
+                                              protocol=protocol, hash_key=hash_key,
+                                              llm_score=llm_score, health_check=health,
+                                              load_metrics=load_metrics,
+                                              outlier_detection=outlier, **extra))
         self.unique_names(names, "cluster")
         return tuple(clusters), [name for _, name in names]
+
+    def hash_key(self, data: dict[str, Any], path: KeyPath) -> str:
+        value = self.get(data, path, "hash_key", "string")
+        if value is None:
+            return "client_ip"
+        if value == "client_ip":
+            return value
+        kind, _, name = value.partition(":")
+        if kind != "header" or not _TOKEN.fullmatch(name):
+            self.error(path + ("hash_key",),
+                       f"invalid hash_key '{value}' (use \"header:<name>\" or \"client_ip\")")
+            return "client_ip"
+        return "header:" + name.lower()
+
+    def subtable(self, data: dict[str, Any], path: KeyPath, key: str,
+                 cls: type) -> tuple[dict[str, Any], KeyPath] | None:
+        table = self.get(data, path, key, "table")
+        if table is None:
+            return None
+        path += (key,)
+        self.check_keys(table, path, _field_names(cls))
+        return table, path
+
+    def floats(self, cls: type, data: dict[str, Any], path: KeyPath) -> dict[str, float]:
+        values = {}
+        for field in dataclasses.fields(cls):
+            if not isinstance(field.default, float) or field.name not in data:
+                continue
+            value = data[field.name]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                self.error(path + (field.name,), f"expected number, got {_kind(value)}")
+            elif not 0 <= value <= 1:
+                self.error(path + (field.name,), f"must be between 0 and 1, got {value}")
+            else:
+                values[field.name] = float(value)
+        return values
+
+    def llm_score(self, data: dict[str, Any], path: KeyPath) -> LlmScoreConfig:
+        found = self.subtable(data, path, "llm_score", LlmScoreConfig)
+        if found is None:
+            return LlmScoreConfig()
+        table, path = found
+        values = {**self.scalars(LlmScoreConfig, table, path),
+                  **self.floats(LlmScoreConfig, table, path)}
+        if "ewma_alpha" in values and values["ewma_alpha"] == 0:
+            self.error(path + ("ewma_alpha",), "must be greater than 0")
+            del values["ewma_alpha"]
+        return LlmScoreConfig(**values)
+
+    def health_check(self, data: dict[str, Any], path: KeyPath) -> HealthCheckConfig | None:
+        found = self.subtable(data, path, "health_check", HealthCheckConfig)
+        if found is None:
+            return None
+        table, path = found
+        values: dict[str, Any] = self.scalars(HealthCheckConfig, table, path)
+        probe = self.match_path(table, path, "path")
+        if probe is not None:
+            values["path"] = probe
+        return HealthCheckConfig(**values)
+
+    def load_metrics(self, data: dict[str, Any], path: KeyPath) -> LoadMetricsConfig | None:
+        found = self.subtable(data, path, "load_metrics", LoadMetricsConfig)
+        if found is None:
+            return None
+        table, path = found
+        values: dict[str, Any] = self.scalars(LoadMetricsConfig, table, path)
+        probe = self.match_path(table, path, "path")
+        if probe is not None:
+            values["path"] = probe
+        gauge = self.get(table, path, "gauge", "string")
+        if gauge is not None:
+            if not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", gauge):
+                self.error(path + ("gauge",), f"invalid metric name '{gauge}'")
+            else:
+                values["gauge"] = gauge
+        if "full" in table:
+            full = table["full"]
+            if isinstance(full, bool) or not isinstance(full, int | float) or full <= 0:
+                self.error(path + ("full",), "expected a number greater than 0")
+            else:
+                values["full"] = float(full)
+        return LoadMetricsConfig(**values)
+
+    def outlier(self, data: dict[str, Any], path: KeyPath) -> OutlierConfig:
+        found = self.subtable(data, path, "outlier_detection", OutlierConfig)
+        if found is None:
+            return OutlierConfig()
+        table, path = found
+        return OutlierConfig(**self.scalars(OutlierConfig, table, path))
 
     def endpoints(self, data: dict[str, Any], path: KeyPath) -> tuple[Endpoint, ...]:
         values = self.get(data, path, "endpoints", "array", required=True) or []
@@ -425,7 +580,6 @@ class _Checker:
         return Endpoint(address[1], address[2], **extra)
 
     def routes(self, data: dict[str, Any], cluster_names: list[str]) -> tuple[RouteConfig, ...]:
-        defined = ", ".join(cluster_names) if cluster_names else "none"
         routes = []
         names: list[tuple[KeyPath, str]] = []
         for path, item in self.table_array(data, "routes") or []:
@@ -434,14 +588,150 @@ class _Checker:
             name = self.name(item, path)
             if name is not None:
                 names.append((path + ("name",), name))
-            cluster = self.name(item, path, "cluster")
-            if cluster is not None and cluster not in cluster_names:
-                self.error(path + ("cluster",), f"unknown cluster '{cluster}' (defined: {defined})")
+            cluster = None
+            split: tuple[SplitTarget, ...] = ()
+            if "split" in item:
+                if "cluster" in item:
+                    self.error(path + ("split",), "give either cluster or split, not both")
+                split = self.split(item, path, cluster_names)
+            else:
+                cluster = self.name(item, path, "cluster")
+                self.known_cluster(cluster, path + ("cluster",), cluster_names)
             match = self.match(item, path)
+            policy = self.route_policy(item, path, match)
             if len(self.problems) == before:
-                routes.append(RouteConfig(name, cluster, match))
+                routes.append(RouteConfig(name, cluster, match, split=split, **policy))
         self.unique_names(names, "route")
         return tuple(routes)
+
+    def known_cluster(self, cluster: str | None, path: KeyPath, cluster_names: list[str]) -> None:
+        if cluster is not None and cluster not in cluster_names:
+            defined = ", ".join(cluster_names) if cluster_names else "none"
+            self.error(path, f"unknown cluster '{cluster}' (defined: {defined})")
+
+    def split(self, data: dict[str, Any], path: KeyPath,
+              cluster_names: list[str]) -> tuple[SplitTarget, ...]:
+        values = self.get(data, path, "split", "array")
+        if values is None:
+            return ()
+        path += ("split",)
+        if not values:
+            self.error(path, "must not be empty")
+        targets: list[SplitTarget] = []
+        for index, value in enumerate(values):
+            item_path = path + (index,)
+            if not isinstance(value, dict):
+                self.error(item_path, f"expected table, got {_kind(value)}")
+                continue
+            self.check_keys(value, item_path, _SPLIT_KEYS)
+            cluster = self.name(value, item_path, "cluster")
+            self.known_cluster(cluster, item_path + ("cluster",), cluster_names)
+            weight = self.get(value, item_path, "weight", "integer", required=True)
+            if weight is not None and not 0 <= weight <= 1_000_000:
+                self.error(item_path + ("weight",), _range_message((0, 1_000_000), weight))
+                weight = None
+            if cluster is not None and any(t.cluster == cluster for t in targets):
+                self.error(item_path + ("cluster",), f"duplicate split cluster '{cluster}'")
+            elif cluster is not None and weight is not None:
+                targets.append(SplitTarget(cluster, weight))
+        if targets and not sum(t.weight for t in targets):
+            self.error(path, "the weights must not all be 0")
+        return tuple(targets)
+
+    def route_policy(self, data: dict[str, Any], path: KeyPath,
+                     match: RouteMatch | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        sticky = self.get(data, path, "sticky_header", "string")
+        if sticky is not None:
+            if not _TOKEN.fullmatch(sticky):
+                self.error(path + ("sticky_header",), f"invalid header name '{sticky}'")
+            elif "split" not in data:
+                self.error(path + ("sticky_header",), "only meaningful with split")
+            else:
+                out["sticky_header"] = sticky.lower().encode("ascii")
+        timeout = self.get(data, path, "timeout_ms", "integer")
+        if timeout is not None:
+            if timeout < 1:
+                self.error(path + ("timeout_ms",), _range_message((1, None), timeout))
+            else:
+                out["timeout_ms"] = timeout
+        retries = self.retries(data, path)
+        if retries is not None:
+            out["retries"] = retries
+        for key, reserved in (("request_headers", _RESERVED_REQUEST_HEADERS),
+                              ("response_headers", _RESERVED_RESPONSE_HEADERS)):
+            added = self.header_table(data, path, key + "_add", reserved)
+            removed = self.header_names(data, path, key + "_remove", reserved)
+            if added:
+                out[key + "_add"] = added
+            if removed:
+                out[key + "_remove"] = removed
+        rewrite = self.get(data, path, "prefix_rewrite", "string")
+        if rewrite is not None:
+            if match is not None and match.path_prefix is None:
+                self.error(path + ("prefix_rewrite",), "needs match.path_prefix")
+            elif not rewrite.startswith("/") or not _VISIBLE_ASCII.fullmatch(rewrite):
+                self.error(path + ("prefix_rewrite",),
+                           "must start with '/' and be printable ASCII without spaces")
+            else:
+                out["prefix_rewrite"] = rewrite.encode("ascii")
+        model = self.get(data, path, "model", "string")
+        if model is not None:
+            if not model or not _VISIBLE_ASCII.fullmatch(model):
+                self.error(path + ("model",), "must be non-empty printable ASCII without spaces")
+            else:
+                out["model"] = model.encode("ascii")
+        return out
+
+    def retries(self, data: dict[str, Any], path: KeyPath) -> RetryPolicy | None:
+        found = self.subtable(data, path, "retries", RetryPolicy)
+        if found is None:
+            return None
+        table, path = found
+        values: dict[str, Any] = self.scalars(RetryPolicy, table, path)
+        if "on" in table:
+            on: list[str] = []
+            for item_path, cond in self.string_list(table, path, "on"):
+                if cond not in RETRY_ON:
+                    self.error(item_path, f"unknown retry condition '{cond}' "
+                                          f"(allowed: {', '.join(RETRY_ON)})")
+                elif cond not in on:
+                    on.append(cond)
+            values["on"] = tuple(on)
+        return RetryPolicy(**values)
+
+    def header_table(self, data: dict[str, Any], path: KeyPath, key: str,
+                     reserved: frozenset[str]) -> tuple[tuple[bytes, bytes], ...]:
+        table = self.get(data, path, key, "table")
+        if table is None:
+            return ()
+        path += (key,)
+        out = []
+        for name, value in table.items():
+            item_path = path + (name,)
+            if not _TOKEN.fullmatch(name):
+                self.error(item_path, f"invalid header name '{name}': must be an HTTP token")
+            elif name.lower() in reserved:
+                self.error(item_path, f"header '{name.lower()}' is managed by the proxy")
+            elif not isinstance(value, str):
+                self.error(item_path, f"expected string, got {_kind(value)}")
+            elif not _HEADER_VALUE.fullmatch(value) or "\t" in value.strip(" \t"):
+                self.error(item_path, "header value must not contain control characters")
+            else:
+                out.append((name.lower().encode("ascii"), value.strip(" \t").encode("utf-8")))
+        return tuple(out)
+
+    def header_names(self, data: dict[str, Any], path: KeyPath, key: str,
+                     reserved: frozenset[str]) -> tuple[bytes, ...]:
+        out: list[bytes] = []
+        for item_path, name in self.string_list(data, path, key):
+            if not _TOKEN.fullmatch(name):
+                self.error(item_path, f"invalid header name '{name}': must be an HTTP token")
+            elif name.lower() in reserved:
+                self.error(item_path, f"header '{name.lower()}' is managed by the proxy")
+            elif name.lower().encode("ascii") not in out:
+                out.append(name.lower().encode("ascii"))
+        return tuple(out)
 
     # -- kernel fast paths -------------------------------------------------------------
 
@@ -582,18 +872,37 @@ class _Checker:
         path += ("match",)
         self.check_keys(table, path, _MATCH_KEYS)
         before = len(self.problems)
+        headers = self.match_headers(table, path)
         fields = {
             "path": self.match_path(table, path, "path"),
             "path_prefix": self.match_path(table, path, "path_prefix"),
+            "path_regex": self.match_regex(table, path, "path_regex"),
             "method": self.match_methods(table, path),
             "host": self.match_host(table, path),
-            "headers": self.match_headers(table, path),
+            "headers": headers and tuple((n, v) for n, kind, v in headers if kind == "exact"),
+            "header_rules": headers and tuple(h for h in headers if h[1] != "exact"),
+            "query": self.match_query(table, path),
             "grpc_service": self.match_grpc(table, path, "grpc_service"),
             "grpc_method": self.match_grpc(table, path, "grpc_method"),
+            "intent": self.match_label(data, table, path, "intent"),
+            "intent_domain": self.match_label(data, table, path, "intent_domain"),
         }
         if len(self.problems) != before:
             return None
         return RouteMatch(**{key: value for key, value in fields.items() if value is not None})
+
+    def match_label(self, route: dict[str, Any], data: dict[str, Any], path: KeyPath,
+                    key: str) -> str | None:
+        value = self.get(data, path, key, "string")
+        if value is None:
+            return None
+        if not value:
+            self.error(path + (key,), "must not be empty")
+            return None
+        if "semantic" not in self.data:
+            self.error(path + (key,), f"matching on {key} needs a [semantic] section")
+            return None
+        return value
 
     def match_grpc(self, data: dict[str, Any], path: KeyPath, key: str) -> bytes | None:
         value = self.get(data, path, key, "string")
@@ -638,10 +947,45 @@ class _Checker:
                 methods.append(method)
         return tuple(methods)
 
+    def match_regex(self, data: dict[str, Any], path: KeyPath, key: str) -> bytes | None:
+        value = self.get(data, path, key, "string")
+        if value is None:
+            return None
+        try:
+            re.compile(value.encode("utf-8"))
+        except re.error as exc:
+            self.error(path + (key,), f"invalid regular expression: {exc}")
+            return None
+        return value.encode("utf-8")
+
+    def match_query(self, data: dict[str, Any], path: KeyPath
+                    ) -> tuple[tuple[bytes, bytes | None], ...] | None:
+        table = self.get(data, path, "query", "table")
+        if table is None:
+            return None
+        path += ("query",)
+        out = []
+        for name, value in table.items():
+            item_path = path + (name,)
+            if not name or not _VISIBLE_ASCII.fullmatch(name):
+                self.error(item_path, f"invalid query parameter name '{name}'")
+            elif value is True:
+                out.append((name.encode("utf-8"), None))
+            elif isinstance(value, str):
+                out.append((name.encode("utf-8"), value.encode("utf-8")))
+            else:
+                self.error(item_path, f"expected string or true, got {_kind(value)}")
+        return tuple(out)
+
     def match_host(self, data: dict[str, Any], path: KeyPath) -> bytes | None:
         value = self.get(data, path, "host", "string")
         if value is None:
             return None
+        if value == "*":
+            return None
+        wild = _WILDCARD_HOST.fullmatch(value)
+        if wild is not None and HOSTNAME.fullmatch(wild.group(1)):
+            return value.lower().encode("ascii")
         if not (HOSTNAME.fullmatch(value) or _BRACKETED_V6.fullmatch(value)):
             hint = ": must not include a port" if _HOST_WITH_PORT.fullmatch(value) else ""
             self.error(path + ("host",), f"invalid host '{value}'{hint}")
@@ -649,26 +993,53 @@ class _Checker:
 
     def match_headers(
         self, data: dict[str, Any], path: KeyPath
-    ) -> tuple[tuple[bytes, bytes], ...] | None:
+    ) -> tuple[tuple[bytes, str, bytes], ...] | None:
+        """(name, kind, value): a string value is exact; a table gives
+        {exact = "..."}, {regex = "..."} or {present = true|false}."""
         table = self.get(data, path, "headers", "table")
         if table is None:
             return None
         path += ("headers",)
-        headers: list[tuple[bytes, bytes]] = []
+        headers: list[tuple[bytes, str, bytes]] = []
         for name, value in table.items():
             item_path = path + (name,)
             if not _TOKEN.fullmatch(name):
                 self.error(item_path, f"invalid header name '{name}': must be an HTTP token")
                 continue
-            if not isinstance(value, str):
+            if isinstance(value, dict):
+                rule = self.header_rule(value, item_path)
+                if rule is None:
+                    continue
+                kind, value = rule
+            elif isinstance(value, str):
+                kind = "exact"
+            else:
                 self.error(item_path, f"expected string, got {_kind(value)}")
                 continue
-            if not _HEADER_VALUE.fullmatch(value):
+            if kind == "exact" and not _HEADER_VALUE.fullmatch(value):
                 self.error(item_path, "header value must not contain control characters")
                 continue
             key = name.lower().encode("ascii")
-            if any(key == existing for existing, _ in headers):
+            if any(key == existing for existing, _, _ in headers):
                 self.error(item_path, f"duplicate header '{name.lower()}'")
                 continue
-            headers.append((key, value.strip(" \t").encode("utf-8")))
+            stored = value.strip(" \t") if kind == "exact" else value
+            headers.append((key, kind, stored.encode("utf-8")))
         return tuple(headers)
+
+    def header_rule(self, table: dict[str, Any], path: KeyPath) -> tuple[str, str] | None:
+        self.check_keys(table, path, _HEADER_RULE_KEYS)
+        given = [key for key in _HEADER_RULE_KEYS if key in table]
+        if len(given) != 1:
+            self.error(path, "give exactly one of exact, regex, present")
+            return None
+        key = given[0]
+        if key == "present":
+            value = self.get(table, path, key, "boolean")
+            return None if value is None else ("present" if value else "absent", "")
+        value = self.get(table, path, key, "string")
+        if value is None:
+            return None
+        if key == "regex" and self.match_regex(table, path, key) is None:
+            return None
+        return key, value

@@ -80,10 +80,58 @@ class Endpoint:
     host: str
     port: int
     weight: int = _bounded(1, 1)
+    capacity: int = _bounded(0, 0)  # concurrent requests it serves well (llm_score load); 0 = unset
 
     @property
     def address(self) -> str:
         return format_address(self.host, self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class LlmScoreConfig:
+    """`[clusters.llm_score]`: score = latency_weight*(1 - min(ttfb/latency_ms, 1))
+    + load_weight*(1 - load_pct/100) + tpm_weight*min(tpm/tpm, 1)."""
+
+    latency_weight: float = 0.4
+    load_weight: float = 0.3
+    tpm_weight: float = 0.3
+    latency_ms: int = _bounded(500, 1)  # TTFB that scores 0 on the latency term
+    tpm: int = _bounded(2000, 1)  # tokens per minute that scores 1 on the throughput term
+    ewma_alpha: float = 0.3  # weight of the newest TTFB sample
+    explore_pct: int = _bounded(2, 0, 100)  # requests sent to a random endpoint (keeps scores fresh)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheckConfig:
+    """`health_check = {...}`: active HTTP/1.1 GET probes of every endpoint."""
+
+    path: bytes = b"/healthz"
+    interval_ms: int = _bounded(5000, 10)
+    timeout_ms: int = _bounded(1000, 1)
+    healthy_threshold: int = _bounded(2, 1, 100)
+    unhealthy_threshold: int = _bounded(3, 1, 100)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadMetricsConfig:
+    """`load_metrics = {...}`: poll each endpoint's Prometheus text endpoint for a gauge
+    that says how loaded it is (e.g. vLLM's vllm:gpu_cache_usage_perc, 0..1)."""
+
+    path: bytes = b"/metrics"
+    interval_ms: int = _bounded(2000, 100, 5000)  # a reported load is trusted for 10 s
+    timeout_ms: int = _bounded(1000, 1)
+    gauge: str = "vllm:gpu_cache_usage_perc"
+    full: float = 1.0  # the gauge value that means 100% loaded
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierConfig:
+    """`outlier_detection = {...}`: passive ejection on consecutive failures."""
+
+    consecutive_failures: int = _bounded(5, 0)  # 5xx responses or connect failures; 0 = off
+    base_ejection_ms: int = _bounded(30_000, 1)
+    max_ejection_ms: int = _bounded(300_000, 1)
+    max_ejection_pct: int = _bounded(50, 0, 100)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +146,16 @@ class ClusterConfig:
     max_idle_connections: int = _bounded(32, 0)
     idle_timeout_ms: int = _bounded(60_000, 1)
     max_requests_per_connection: int = _bounded(1000, 0)
+    # ring_hash / maglev key: "header:<name>" or "client_ip" (stored lower-case)
+    hash_key: str = "client_ip"
+    llm_score: LlmScoreConfig = field(default_factory=LlmScoreConfig)
+    health_check: HealthCheckConfig | None = None
+    load_metrics: LoadMetricsConfig | None = None
+    outlier_detection: OutlierConfig = field(default_factory=OutlierConfig)
+    # Circuit breakers, 0 = unlimited: excess requests get 503 at once.
+    max_connections: int = _bounded(0, 0)
+    max_pending: int = _bounded(0, 0)
+    max_requests: int = _bounded(0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,16 +166,55 @@ class RouteMatch:
     path_prefix: bytes | None = None
     method: tuple[bytes, ...] = ()
     host: bytes | None = None
-    headers: tuple[tuple[bytes, bytes], ...] = ()
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # exact values
     grpc_service: bytes | None = None
     grpc_method: bytes | None = None
+    intent: str | None = None          # a label the [semantic] model predicts
+    intent_domain: str | None = None   # or one of its domains
+    path_regex: bytes | None = None  # must match the whole path (no query)
+    # (name, kind, value): kind "regex" (whole value), "present" or "absent"
+    header_rules: tuple[tuple[bytes, str, bytes], ...] = ()
+    # (name, value): value None means "present"
+    query: tuple[tuple[bytes, bytes | None], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SplitTarget:
+    cluster: str
+    weight: int
+
+
+# "unavailable": a gRPC trailers-only answer with grpc-status 14 (UNAVAILABLE).
+RETRY_ON = ("connect-failure", "reset", "502", "503", "504", "unavailable")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    attempts: int = _bounded(1, 0, 10)  # retries after the first try
+    on: tuple[str, ...] = ("connect-failure", "reset")
+    budget_pct: int = _bounded(20, 0, 100)  # retries in flight / requests in flight
+    backoff_ms: int = _bounded(25, 0, 60_000)  # base of the jittered exponential backoff
 
 
 @dataclass(frozen=True, slots=True)
 class RouteConfig:
     name: str
-    cluster: str
+    cluster: str | None
     match: RouteMatch = field(default_factory=RouteMatch)
+    split: tuple[SplitTarget, ...] = ()  # instead of cluster
+    sticky_header: bytes | None = None
+    timeout_ms: int | None = None  # overrides the cluster's request_timeout_ms
+    retries: RetryPolicy | None = None
+    request_headers_add: tuple[tuple[bytes, bytes], ...] = ()
+    request_headers_remove: tuple[bytes, ...] = ()
+    response_headers_add: tuple[tuple[bytes, bytes], ...] = ()
+    response_headers_remove: tuple[bytes, ...] = ()
+    prefix_rewrite: bytes | None = None
+    model: bytes | None = None  # sent upstream as x-model-id
+
+    @property
+    def clusters(self) -> tuple[str, ...]:
+        return tuple(t.cluster for t in self.split) if self.split else (self.cluster,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +248,19 @@ class KernelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SemanticConfig:
+    """Intent classification of requests for routes that match on intent/domain."""
+
+    model: str = "builtin:clinc150"       # "builtin:NAME" or a path (relative to the config)
+    inspect_bytes: int = _bounded(65_536, 0, 16 * 1024 * 1024)
+    threshold: float | None = None        # below it the label is "oos"; None: the model's own
+    json_fields: tuple[str, ...] = ()     # extra JSON string fields to read
+    intent_header: str = "x-model-intent"  # an explicit intent skips the model
+    max_batch: int = _bounded(16, 1, 1024)
+    max_wait_us: int = _bounded(0, 0, 100_000)  # >0: micro-batch concurrent requests
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     source: str
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -158,6 +268,7 @@ class Config:
     listeners: tuple[ListenerConfig, ...] = ()
     admin: AdminConfig | None = None
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
+    semantic: SemanticConfig | None = None
     clusters: tuple[ClusterConfig, ...] = ()
     routes: tuple[RouteConfig, ...] = ()
     kernel: KernelConfig = field(default_factory=KernelConfig)

@@ -24,7 +24,10 @@ after a connect failure.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
+from random import random
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +36,8 @@ from aiproxy.protocols.h1_upstream import BODY_TUNNEL
 from aiproxy.routing.pool import UpstreamConnectError
 
 if TYPE_CHECKING:
+    from aiproxy.config import RetryPolicy
+    from aiproxy.routing.cluster import Cluster
     from aiproxy.routing.pool import Pool
     from aiproxy.routing.table import Route
 
@@ -62,6 +67,10 @@ IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"
 # absolute-form authority becomes the upstream Host field, so it must pass the same check.
 HOST_CHARS = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
               b"-._~!$&'()*+,;=:[]%")
+# OpenAI-style usage in a JSON body or the final SSE event (llm_score token accounting).
+USAGE_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d{1,9})')
+TOKEN_TAIL = 4096  # bytes of the response end searched for usage
+LOAD_HEADERS = (b"x-backend-load", b"x-gpu-mem-used-pct")
 GRPC_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
@@ -93,7 +102,9 @@ class Exchange:
         "status", "resp_bytes", "activity", "body_activity", "req_done_at", "tunnel",
         "tunnel_up_eof", "t_start", "grpc", "deadline_at", "up_chunked",
         "t_parsed", "t_routed", "t_connect", "t_connected", "t_sent", "t_first", "reported",
-        "client_lost", "t_start_pc",
+        "client_lost", "t_start_pc", "inspecting", "intent", "intent_domain", "intent_conf",
+        "t_classify", "cluster", "counted", "pending_conn", "attempts",
+        "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -146,6 +157,21 @@ class Exchange:
         self.t_first = 0.0
         self.reported = False
         self.client_lost = False
+        self.inspecting = False
+        self.intent: str | None = None
+        self.intent_domain: str | None = None
+        self.intent_conf = 0.0
+        self.t_classify = 0.0
+        self.cluster: Cluster | None = None
+        self.counted = False
+        self.pending_conn = False
+        self.attempts = 0
+        self.is_retry = False
+        self.retry_handle: asyncio.TimerHandle | None = None
+        self.req_timeout = 0.0
+        self.tok_tail: bytes | None = None
+        self.hold: Pool | None = None  # the pool to use once the held body is rewritten
+        self.body_len = -1  # Content-Length of a rewritten body
 
     # -- request side -------------------------------------------------------------
 
@@ -176,19 +202,135 @@ class Exchange:
             return self.local_reply(417, "unsupported expectation")
         if not self._framing():
             return
+        sem = self.rt.semantic
+        if sem is not None and self.rt.table.uses_intent:
+            explicit = head.get(sem.header)
+            if explicit is not None:
+                self.intent = explicit.decode("latin-1")
+                self.intent_domain = sem.domain_of(self.intent)
+                self.intent_conf = 1.0
+                sem.explicit += 1
+            elif self.reading_body and sem.inspect_bytes:
+                # Route once inspect_bytes of the body (or all of it) has arrived; the
+                # bytes wait in `pending` and go upstream untouched afterwards.
+                self.inspecting = True
+                if head.expect_continue:
+                    self.down.send_continue()
+                return
+            else:
+                return self._classify(b"")
+        self._route()
+
+    def _inspected(self) -> None:
+        self.inspecting = False
+        limit = self.rt.semantic.inspect_bytes
+        body = b"".join(self.pending)
+        self._classify(body[:limit])
+
+    def _classify(self, body: bytes) -> None:
+        sem = self.rt.semantic
+        t0 = perf_counter()
+        q = self.up_target.find(b"?")
+        try:
+            text = sem.text_of(self.head, body, self.up_target[q + 1:] if q >= 0 else b"")
+        except Exception:  # never fail a request on its content: route without an intent
+            log.exception("semantic extraction failed")
+            sem.failures += 1
+            text = ""
+        if not text:
+            self.t_classify = perf_counter() - t0
+            return self._route()
+        if sem.batcher is not None:
+            task = self.loop.create_task(sem.batcher.classify(text))
+            task.add_done_callback(lambda t: self._classified(t, t0))
+            return
+        try:
+            decision = sem.model.classify(text)
+        except Exception:
+            log.exception("intent classification failed; routing without it")
+            sem.failures += 1
+            decision = None
+        self._decided(decision, t0)
+
+    def _classified(self, task: asyncio.Task, t0: float) -> None:
+        if self.finished:
+            return
+        decision = None
+        if not task.cancelled() and task.exception() is None:
+            decision = task.result()
+        else:
+            self.rt.semantic.failures += 1
+        self._decided(decision, t0)
+
+    def _decided(self, decision: Any, t0: float) -> None:
+        if decision is not None:
+            self.intent = decision.label
+            self.intent_domain = decision.domain or None
+            self.intent_conf = decision.confidence
+            self.rt.semantic.count(decision)
+        self.t_classify = perf_counter() - t0
+        self._route()
+
+    def _route(self) -> None:
+        head = self.head
+        method = self.method
         host = head.host if not self.host_line else self.host_line[6:-2]
-        route = self.rt.table.match(method, self.path, host, head)
+        up_target = self.up_target
+        q = up_target.find(b"?")
+        route = self.rt.table.match(method, self.path, host, head,
+                                    up_target[q + 1:] if q >= 0 else b"",
+                                    (self.intent, self.intent_domain))
         if route is None:
             return self.local_reply(404, "no route matches the request", "no_route")
         self.route = route
-        pool = route.cluster.pick()
+        cluster = route.pick_cluster(head) if route.cum_weights else route.cluster
+        self.cluster = cluster
+        if cluster.cfg.max_requests:
+            why = cluster.overflow()
+            if why is not None:
+                return self.local_reply(503, why, "upstream_overflow")
+        pool = cluster.pick(self)
         if pool is None:
-            return self.local_reply(503, f"cluster {route.cluster.name!r} has no endpoints",
+            return self.local_reply(503, f"cluster {cluster.name!r} has no endpoints",
                                     "no_healthy_upstream")
+        cluster.active += 1
+        self.counted = True
+        timeout = route.timeout
+        self.req_timeout = (timeout if timeout is not None
+                            else cluster.cfg.request_timeout_ms / 1000)
+        if route.prefix_rewrite is not None:
+            self.up_target = route.prefix_rewrite + self.up_target[len(route.path_prefix):]
         self.t_routed = perf_counter()
-        if head.expect_continue and self.reading_body:
+        if head.expect_continue and self.reading_body and not self.inspecting:
             self.down.send_continue()
+        if route.model is not None and self._model_body(head):
+            self.hold = pool  # connect once the whole (small JSON) body is here
+            return
         self._use(pool)
+
+    def _model_body(self, head: Any) -> bool:
+        """Whether to hold the body to rewrite its JSON `model` field: only a JSON body of
+        known length that fits in the replay buffer (it is kept whole anyway)."""
+        if not self.reading_body or not 0 < head.content_length <= REPLAY_LIMIT:
+            return False
+        ctype = head.get(b"content-type")
+        return ctype is not None and ctype[:16].lower() == b"application/json"
+
+    def _rewrite_model(self) -> None:
+        body = b"".join(self.pending)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return  # not JSON after all: forward it untouched
+        if not isinstance(data, dict):
+            return
+        data["model"] = self.route.model.decode("ascii")
+        body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        self.pending = [body]
+        self.pending_size = len(body)
+        self.replay = [body]
+        self.replay_size = len(body)
+        self.body_len = len(body)
 
     def _absolute_form(self, target: bytes) -> bool:
         lower = target[:8].lower()
@@ -256,15 +398,29 @@ class Exchange:
                          + self.down.scheme + CRLF)
         if rt.via_line:
             extra.append(rt.via_line)
+        if self.intent is not None:
+            extra.append(b"x-aiproxy-intent: %s\r\nx-aiproxy-intent-confidence: %.4f\r\n"
+                         % (self.intent.encode(), self.intent_conf))
+            if self.intent_domain:
+                extra.append(b"x-aiproxy-intent-domain: " + self.intent_domain.encode() + CRLF)
         if self.up_chunked:
             extra.append(b"Transfer-Encoding: chunked\r\n")
+        elif self.body_len >= 0:
+            extra.append(b"Content-Length: %d\r\n" % self.body_len)
         elif head.content_length >= 0:
             extra.append(b"Content-Length: %d\r\n" % head.content_length)
         upgrade = forwarded_upgrade(head.upgrade)
         if upgrade is not None:
             extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
-        return head.serialize(self.method + b" " + self.up_target + b" HTTP/1.1\r\n",
-                              b"".join(extra), drop)
+        start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
+        route = self.route
+        if route.has_policy:
+            if route.req_add_lines:
+                extra.append(route.req_add_lines)
+            if route.req_remove:
+                return serialize_without(head, start_line, b"".join(extra), drop,
+                                         route.req_remove)
+        return head.serialize(start_line, b"".join(extra), drop)
 
     def h2_request_headers(self, pool: Pool) -> list[tuple[bytes, bytes]]:
         """The request fields for an HTTP/2 upstream (RFC 9113 8.3.1 pseudo-fields first)."""
@@ -275,15 +431,30 @@ class Exchange:
         fields = [(b":method", self.method), (b":scheme", b"http"),
                   (b":path", self.up_target), (b":authority", authority)]
         drop = F_HOP | F_HOST
+        if self.body_len >= 0:
+            drop |= F_CONTENT_LENGTH
+            fields.append((b"content-length", b"%d" % self.body_len))
         rt = self.rt
         if rt.http.x_forwarded:
             drop |= F_XFF | F_XFP
-        fields += head.fields(drop)
+        route = self.route
+        if route.req_remove:
+            remove = route.req_remove
+            fields += [f for f in head.fields(drop) if f[0] not in remove]
+        else:
+            fields += head.fields(drop)
+        if route.req_add:
+            fields += route.req_add
         if rt.http.x_forwarded:
             fields.append((b"x-forwarded-for", self._xff()))
             fields.append((b"x-forwarded-proto", self.down.scheme))
         if rt.via_line:
             fields.append((b"via", b"2 aiproxy"))
+        if self.intent is not None:
+            fields.append((b"x-aiproxy-intent", self.intent.encode()))
+            fields.append((b"x-aiproxy-intent-confidence", b"%.4f" % self.intent_conf))
+            if self.intent_domain:
+                fields.append((b"x-aiproxy-intent-domain", self.intent_domain.encode()))
         if self.grpc or head.get(b"te") == b"trailers":
             fields.append((b"te", b"trailers"))
         return fields
@@ -359,16 +530,27 @@ class Exchange:
             self.pending_size += sum(map(len, parts))
             if self.pending_size > PENDING_LIMIT:
                 self.down.pause(P_PENDING)
+            if self.inspecting and self.pending_size >= self.rt.semantic.inspect_bytes:
+                self._inspected()
 
     def _request_complete(self) -> None:
         self.reading_body = False
         self.req_done = True
         self.req_done_at = self.loop.time()
+        pool = self.hold
+        if pool is not None and not self.finished:
+            self.hold = None
+            self._rewrite_model()
+            self.pending_end = True
+            self._use(pool)
+            return
         up = self.upstream
         if up is not None:
             up.end_body()
         elif not self.finished:
             self.pending_end = True
+            if self.inspecting:
+                self._inspected()
 
     def _request_body_error(self, status: int, message: str) -> None:
         self.reading_body = False
@@ -379,7 +561,7 @@ class Exchange:
 
     def upload_stalled(self, now: float) -> bool:
         """True (and the exchange ended) when the upstream stopped taking the body."""
-        cfg = self.route.cluster.cfg if self.route is not None else None
+        cfg = self.cluster.cfg if self.cluster is not None else None
         if cfg is None or now - self.body_activity < cfg.read_timeout_ms / 1000:
             return False
         self._request_body_error(504, "upstream stopped reading the request body")
@@ -391,23 +573,45 @@ class Exchange:
     # -- upstream selection -------------------------------------------------------
 
     def _use(self, pool: Pool) -> None:
+        old = self.pool
+        if old is not None:
+            old.stats.in_flight -= 1
         self.pool = pool
+        pool.stats.in_flight += 1
         up = pool.take()
         if up is not None:
             self._attach(up, True)
         else:
-            self.t_connect = perf_counter()
-            self.connect_task = self.loop.create_task(self._connect(pool))
+            cluster = self.cluster
+            if cluster.limits_connections:
+                why = cluster.connect_overflow()
+                if why is not None:
+                    return self.fail(503, "upstream_overflow", why)
+            self._new_connection(pool)
+
+    def _new_connection(self, pool: Pool) -> None:
+        self.t_connect = perf_counter()
+        if not self.pending_conn:
+            self.pending_conn = True
+            self.cluster.pending += 1
+        self.connect_task = self.loop.create_task(self._connect(pool))
+
+    def _unpend(self) -> None:
+        if self.pending_conn:
+            self.pending_conn = False
+            self.cluster.pending -= 1
 
     async def _connect(self, pool: Pool) -> None:
         try:
             up = await pool.connect()
         except UpstreamConnectError as exc:
             self.connect_task = None
+            self._unpend()
             if not self.finished:
                 self._connect_failed(pool, exc)
             return
         self.connect_task = None
+        self._unpend()
         self.t_connected = perf_counter()
         if self.finished:
             pool.release(up)
@@ -416,16 +620,61 @@ class Exchange:
 
     def _connect_failed(self, pool: Pool, exc: UpstreamConnectError) -> None:
         self.tried += (pool,)
-        nxt = self.route.cluster.pick(self.tried) if self.replay is not None else None
-        if nxt is not None:
-            log.info("retrying on %s: %s", nxt.endpoint.address, exc)
-            self._replay_pending()
-            self._use(nxt)
-            return
+        cluster = self.cluster
+        cluster.record(pool, True)
+        policy = self.route.retries
+        if policy is not None:
+            if "connect-failure" in policy.on and self._may_retry(policy):
+                log.info("retrying after connect failure: %s", exc)
+                self._retry(policy)
+                return
+        elif self.replay is not None:
+            # No retry policy: still try each other endpoint once, right away.
+            nxt = cluster.pick(self, self.tried)
+            if nxt is not None:
+                log.info("retrying on %s: %s", nxt.endpoint.address, exc)
+                self._replay_pending()
+                self._use(nxt)
+                return
         if exc.timeout:
             self.fail(504, "upstream_connect_timeout", str(exc))
         else:
             self.fail(502, "upstream_connect_failed", str(exc))
+
+    def _may_retry(self, policy: RetryPolicy) -> bool:
+        """Another attempt is allowed: attempts left, the body can be replayed (an
+        idempotent request, or one whose whole body is still held), and the cluster's
+        retry budget (retries in flight vs requests in flight, at least 3) has room."""
+        if self.attempts >= policy.attempts or self.replay is None or self.finished:
+            return False
+        if self.method not in IDEMPOTENT and not self.req_done:
+            return False
+        cluster = self.cluster
+        budget = cluster.active * policy.budget_pct / 100
+        return self.is_retry or cluster.retries_active < max(3.0, budget)
+
+    def _retry(self, policy: RetryPolicy) -> None:
+        """Replay on another endpoint (the same one if every one was tried) after a
+        jittered exponential backoff."""
+        self.attempts += 1
+        if not self.is_retry:
+            self.is_retry = True
+            self.cluster.retries_active += 1
+        self._replay_pending()
+        delay = policy.backoff_ms * (1 << (self.attempts - 1)) * (0.5 + random()) / 1000
+        self.retry_handle = self.loop.call_later(min(delay, policy.backoff_ms / 100),
+                                                 self._retry_now)
+
+    def _retry_now(self) -> None:
+        self.retry_handle = None
+        if self.finished:
+            return
+        cluster = self.cluster
+        pool = cluster.pick(self, self.tried) or cluster.pick(self)
+        if pool is None:
+            return self.fail(503, "no_healthy_upstream",
+                             f"cluster {cluster.name!r} has no endpoints")
+        self._use(pool)
 
     def _replay_pending(self) -> None:
         self.pending = list(self.replay)
@@ -468,12 +717,12 @@ class Exchange:
                 self.client_body_timeout()
                 return None
             return min(left, self.deadline_at - now)
-        cfg = self.route.cluster.cfg
+        cfg = self.cluster.cfg
         if not self.head_sent:
-            left = self.req_done_at + cfg.request_timeout_ms / 1000 - now
+            left = self.req_done_at + self.req_timeout - now
             if left <= 0:
-                self.fail(504, "upstream_timeout",
-                          f"upstream sent no response head within {cfg.request_timeout_ms} ms")
+                self.fail(504, "upstream_timeout", "upstream sent no response head within "
+                          f"{round(self.req_timeout * 1000)} ms")
                 return None
             return min(left, self.deadline_at - now)
         left = self.activity + cfg.read_timeout_ms / 1000 - now
@@ -490,16 +739,53 @@ class Exchange:
             self.down.send_informational(resp)
 
     def on_upstream_head(self, resp: Any, mode: int) -> None:
-        self.status = resp.status
+        status = resp.status
+        t_first = perf_counter()
+        cluster = self.cluster
+        pool = self.pool
+        stats = pool.stats
+        if status < 500:
+            stats.requests += 1
+            stats.consecutive_failures = 0
+        else:
+            cluster.record(pool, True)
+        if self.t_sent:
+            stats.observe_ttfb((t_first - self.t_sent) * 1000, cluster.score_alpha)
+        if cluster.track_tokens:
+            self.tok_tail = b""
+            for name in LOAD_HEADERS:
+                value = resp.get(name)
+                if value is not None:
+                    try:
+                        stats.reported_load = min(100.0, max(0.0, float(value)))
+                        stats.reported_at = self.loop.time()
+                    except ValueError:
+                        pass
+                    break
+        route = self.route
+        if ((status in route.retry_statuses
+             or (route.retry_unavailable and self.grpc and resp.get(b"grpc-status") == b"14"))
+                and self._may_retry(route.retries)):
+            up = self.upstream
+            self.upstream = None
+            self.tried += (pool,)
+            if up is not None:
+                up.abort()  # the error body is not needed; the connection is not reusable
+            log.info("retrying after upstream status %d", status)
+            self._retry(route.retries)
+            return
+        self.status = status
         self.head_sent = True
         self.activity = self.loop.time()
-        self.t_first = perf_counter()
+        self.t_first = t_first
         if mode == BODY_TUNNEL:
             return self._start_tunnel(resp)
         self.keep_alive = self.down.send_response(self, resp, mode)
 
     def on_upstream_body(self, data: bytes) -> None:
         self.resp_bytes += len(data)
+        if self.tok_tail is not None:
+            self.tok_tail = (self.tok_tail + data)[-TOKEN_TAIL:]
         self.activity = self.loop.time()
         self.down.send_body(data)
 
@@ -532,8 +818,17 @@ class Exchange:
             # it refused before processing): replay once on a fresh connection.
             self.reused = False
             self._replay_pending()
-            self.connect_task = self.loop.create_task(self._connect(self.pool))
+            self._new_connection(self.pool)
             return
+        pool = self.pool
+        if pool is not None:
+            self.cluster.record(pool, True)
+            policy = self.route.retries
+            if policy is not None and "reset" in policy.on and self._may_retry(policy):
+                self.tried += (pool,)
+                log.info("retrying after %s", message)
+                self._retry(policy)
+                return
         self.fail(status, code, message)
 
     def on_upstream_pause_writing(self) -> None:
@@ -634,6 +929,11 @@ class Exchange:
         if task is not None:
             self.connect_task = None
             task.cancel()
+            self._unpend()
+        handle = self.retry_handle
+        if handle is not None:
+            self.retry_handle = None
+            handle.cancel()
         up = self.upstream
         if up is not None:
             self.upstream = None
@@ -659,7 +959,9 @@ class Exchange:
         out = {"accept_to_headers": self.t_parsed - self.t_start_pc,
                "total": perf_counter() - self.t_start_pc}
         if self.t_routed:
-            out["route_decision"] = self.t_routed - self.t_parsed
+            out["route_decision"] = self.t_routed - self.t_parsed - self.t_classify
+        if self.t_classify:
+            out["semantic_classify"] = self.t_classify
         if self.t_connected:
             out["upstream_connect"] = self.t_connected - self.t_connect
         if self.t_first and self.t_sent:
@@ -669,4 +971,33 @@ class Exchange:
     def _report(self) -> None:
         if not self.reported:
             self.reported = True
+            if self.counted:
+                self._release_cluster()
             self.down.server.telemetry.exchange_done(self)
+
+    def _release_cluster(self) -> None:
+        self.counted = False
+        cluster = self.cluster
+        cluster.active -= 1
+        if self.is_retry:
+            cluster.retries_active -= 1
+        pool = self.pool
+        if pool is not None:
+            pool.stats.in_flight -= 1
+            tail = self.tok_tail
+            if tail is not None and self.t_first:
+                m = USAGE_TOTAL.search(tail)
+                tokens = int(m.group(1)) if m is not None else self.resp_bytes // 4
+                pool.stats.add_tokens(tokens, self.loop.time())
+
+
+
+def serialize_without(head: Any, start_line: bytes, extra: bytes, drop: int,
+                      remove: frozenset[bytes]) -> bytes:
+    """An HTTP/1.1 head like head.serialize() but without the fields named in remove."""
+    out = [start_line]
+    for name, value in head.fields(drop):
+        if name not in remove:
+            out += (name, b": ", value, CRLF)
+    out += (extra, CRLF)
+    return b"".join(out)

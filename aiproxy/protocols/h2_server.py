@@ -525,6 +525,12 @@ class H2Stream:
 
     def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
         fields = [(b":status", b"%d" % resp.status), *resp.fields(F_HOP)]
+        route = ex.route
+        if route is not None and route.resp_edit:
+            remove = route.resp_remove
+            if remove:
+                fields = [f for f in fields if f[0] not in remove]
+            fields += route.resp_add
         rt = self.server.runtime
         if rt.via_line:
             fields.append((b"via", b"1.1 aiproxy"))

@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ParseError, parse_request
-from aiproxy.pipeline.exchange import Exchange
+from aiproxy.pipeline.exchange import Exchange, serialize_without
 from aiproxy.protocols import h2_server, replies
 from aiproxy.protocols.fields import H2RequestHead, MalformedHead
 from aiproxy.protocols.h1_upstream import BODY_NONE
@@ -308,8 +308,15 @@ class H1Connection(asyncio.Protocol):
             extra.append(b"Connection: close\r\n")
         elif head.version < 11:
             extra.append(b"Connection: keep-alive\r\n")
-        self.head_out = resp.serialize(b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason),
-                                       b"".join(extra), drop)
+        status_line = b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason)
+        route = ex.route
+        if route is not None and route.resp_edit:
+            extra.append(route.resp_add_lines)
+            if route.resp_remove:
+                self.head_out = serialize_without(resp, status_line, b"".join(extra), drop,
+                                                  route.resp_remove)
+                return keep
+        self.head_out = resp.serialize(status_line, b"".join(extra), drop)
         return keep
 
     def send_body(self, data: bytes) -> None:

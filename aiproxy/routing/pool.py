@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 from aiproxy.config import ClusterConfig, Endpoint
 from aiproxy.protocols.h1_upstream import H1UpstreamConnection
 from aiproxy.protocols.h2_upstream import H2UpstreamConnection, H2UpstreamStream
+from aiproxy.routing.stats import EndpointStats
 
 if TYPE_CHECKING:
     from aiproxy.config import HttpConfig
+
 
 
 class UpstreamConnectError(Exception):
@@ -38,7 +40,7 @@ class Pool:
     """Idle connections are reused most-recent-first so the oldest age out."""
 
     __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "max_headers",
-                 "idle", "_sweep", "opened", "reused", "closed", "open_count")
+                 "idle", "_sweep", "opened", "reused", "closed", "open_count", "stats")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
@@ -55,6 +57,7 @@ class Pool:
         self.reused = 0
         self.open_count = 0
         self.closed = False
+        self.stats = EndpointStats()
 
     def take(self) -> H1UpstreamConnection | None:
         idle = self.idle
@@ -119,7 +122,7 @@ class H2Pool:
     opened only when every open one is at the peer's concurrent stream limit."""
 
     __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "conns",
-                 "connecting", "opened", "reused", "closed", "open_count")
+                 "connecting", "opened", "reused", "closed", "open_count", "stats")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
@@ -135,6 +138,7 @@ class H2Pool:
         self.reused = 0
         self.open_count = 0
         self.closed = False
+        self.stats = EndpointStats()
 
     def take(self) -> H2UpstreamStream | None:
         for conn in reversed(self.conns):

@@ -16,8 +16,9 @@ from aiproxy.admin.server import AdminServer
 from aiproxy.config import Config, ConfigError, ListenerConfig, load_config
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
+from aiproxy.semantic.classifier import ModelError
 from aiproxy.server import sd_notify
-from aiproxy.server.runtime import Runtime
+from aiproxy.server.runtime import Runtime, load_intent_model
 from aiproxy.telemetry.access_log import AccessLog
 from aiproxy.telemetry.access_log import resolve as resolve_log_path
 from aiproxy.telemetry.metrics import Metrics
@@ -27,10 +28,11 @@ log = logging.getLogger("aiproxy.server")
 
 
 class ProxyServer:
-    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
+                 model: Any = None) -> None:
         self.loop = loop
         self.config = config
-        self.runtime = Runtime(config, loop)
+        self.runtime = Runtime(config, loop, model=model)
         self.connections: set[Any] = set()
         self.draining = False
         self.servers: list[asyncio.Server] = []
@@ -66,7 +68,9 @@ class ProxyServer:
             sd_notify.reloading()
             try:
                 config = await self.loop.run_in_executor(None, load_config, self.config.source)
-            except ConfigError as exc:
+                model = await self.loop.run_in_executor(None, load_intent_model, config,
+                                                        self.runtime)
+            except (ConfigError, ModelError) as exc:
                 self.metrics.reload_failures += 1
                 self.metrics.last_reload_ok = 0
                 log.error("reload rejected, keeping the running config:\n%s", exc)
@@ -77,7 +81,7 @@ class ProxyServer:
                 notes.append("listener and admin changes take effect on restart")
                 log.warning("reload: %s", notes[-1])
             old = self.runtime
-            self.runtime = Runtime(config, self.loop, previous=old)
+            self.runtime = Runtime(config, self.loop, previous=old, model=model)
             self.config = config
             old.retire(self.runtime)
             self.metrics.reloads += 1
@@ -175,7 +179,12 @@ def _sockname(sock: socket.socket) -> str:
 
 async def serve(config: Config) -> int:
     loop = asyncio.get_running_loop()
-    server = ProxyServer(config, loop)
+    try:
+        model = load_intent_model(config)
+    except ModelError as exc:
+        log.error("%s: semantic.model: %s", config.source, exc)
+        return 2
+    server = ProxyServer(config, loop, model)
     try:
         await server.start()
     except ssl.SSLError as exc:

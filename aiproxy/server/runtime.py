@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiproxy.config import Config
 from aiproxy.routing.cluster import Cluster, pool_key
 from aiproxy.routing.table import Route, RouteTable
+from aiproxy.semantic.router import SemanticRouter
 
 
 class Runtime:
-    __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout")
+    __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout",
+                 "semantic")
 
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
-                 previous: Runtime | None = None) -> None:
+                 previous: Runtime | None = None, model: Any = None) -> None:
+        """`model` is the loaded intent model when config.semantic is set (loading it
+        blocks, so the caller does that off the event loop: see load_intent_model)."""
         self.config = config
+        self.semantic = (SemanticRouter(config.semantic, model)
+                         if config.semantic is not None and model is not None else None)
         self.http = config.http
         pools = previous.pools_by_endpoint() if previous is not None else {}
         self.clusters = {c.name: Cluster(c, config.http, loop, pools) for c in config.clusters}
-        self.table = RouteTable(Route(r, self.clusters[r.cluster]) for r in config.routes)
+        for cluster in self.clusters.values():
+            cluster.start()
+        self.table = RouteTable(Route(r, self.clusters, i) for i, r in enumerate(config.routes))
         self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
         self.max_body = config.http.max_body_bytes
         http = config.http
@@ -27,6 +36,7 @@ class Runtime:
             timeouts.append(http.keepalive_timeout_ms)
         for c in config.clusters:
             timeouts += (c.request_timeout_ms, c.read_timeout_ms)
+        timeouts += [r.timeout_ms for r in config.routes if r.timeout_ms]
         # The connection timer's period: no deadline is shorter than this.
         self.min_timeout = min(timeouts) / 1000
 
@@ -39,6 +49,7 @@ class Runtime:
         ones when their exchange releases them)."""
         kept = {id(p) for c in successor.clusters.values() for p in c.pools}
         for cluster in self.clusters.values():
+            cluster.stop()
             for pool in cluster.pools:
                 if id(pool) not in kept:
                     pool.close()
@@ -46,3 +57,13 @@ class Runtime:
     def close(self) -> None:
         for cluster in self.clusters.values():
             cluster.close()
+
+
+def load_intent_model(config: Config, previous: Runtime | None = None) -> Any:
+    """The intent model a config needs (None without [semantic]); reuses the previous
+    runtime's when file and threshold are unchanged. Raises ModelError."""
+    if config.semantic is None:
+        return None
+    from aiproxy.semantic.router import load_model
+
+    return load_model(config.semantic, previous.semantic if previous is not None else None)

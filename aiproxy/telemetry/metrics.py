@@ -115,6 +115,20 @@ class ProxyCollector:
         yield opened
         yield reused
         yield open_now
+        sem = server.runtime.semantic
+        if sem is not None:
+            decisions = CounterMetricFamily("aiproxy_semantic_decisions",
+                                            "Intent decisions made by the model, by domain",
+                                            labels=["intent_domain"])
+            for domain, count in sorted(sem.decisions.items()):
+                decisions.add_metric([domain], count)
+            yield decisions
+            yield CounterMetricFamily("aiproxy_semantic_explicit",
+                                      "Requests whose intent header skipped the model",
+                                      value=sem.explicit)
+            yield CounterMetricFamily("aiproxy_semantic_failures",
+                                      "Classifications that failed (routed without intent)",
+                                      value=sem.failures)
         yield CounterMetricFamily("aiproxy_config_reloads", "Successful config reloads",
                                   value=m.reloads)
         yield CounterMetricFamily("aiproxy_config_reload_failures", "Rejected config reloads",

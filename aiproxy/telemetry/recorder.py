@@ -32,7 +32,7 @@ class Telemetry:
         timings = ex.timings()
         route = ex.route
         route_name = route.name if route is not None else ""
-        cluster = route.cluster.name if route is not None else ""
+        cluster = ex.cluster.name if ex.cluster is not None else ""
         status = ex.status if not (ex.client_lost and not ex.head_sent) else CLIENT_CLOSED
         self.metrics.exchange_done(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
                                    timings)
@@ -52,7 +52,7 @@ class Telemetry:
             "route": route_name or None,
             "cluster": cluster or None,
             "endpoint": ex.pool.endpoint.address if ex.pool is not None else None,
-            "intent": None,
+            "intent": ex.intent,
             "duration_ms": round(timings["total"] * 1000, 3),
             "timings_ms": {k: round(v * 1000, 3) for k, v in timings.items() if k != "total"},
             "trace_id": trace_id(head.get(b"traceparent")),

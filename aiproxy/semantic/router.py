@@ -1,0 +1,75 @@
+"""The semantic layer in the request path: what a request means, decided once per request.
+
+Only routes that match on `intent` / `intent_domain` need it; a config without them pays
+nothing. The decision comes from, in order: an explicit intent header (the model is
+skipped), or the model run on the UnifiedRequest text of at most `inspect_bytes` of the
+body (plus the query string). It is passed upstream as x-aiproxy-intent* headers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from aiproxy.config import SemanticConfig
+from aiproxy.semantic.classifier import Batcher, Decision, IntentModel, ModelError, resolve
+from aiproxy.semantic.unified import extract
+
+log = logging.getLogger("aiproxy.semantic")
+
+
+def model_key(cfg: SemanticConfig) -> tuple:
+    path = resolve(cfg.model)
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        mtime = 0
+    return (str(path), mtime, cfg.threshold)
+
+
+def load_model(cfg: SemanticConfig, previous: SemanticRouter | None = None) -> IntentModel:
+    """Load (or reuse, when the file and threshold are unchanged) the configured model.
+    Raises ModelError naming the file. Blocking: call it off the event loop."""
+    key = model_key(cfg)
+    if previous is not None and previous.key == key:
+        return previous.model
+    return IntentModel(cfg.model, threshold=cfg.threshold)
+
+
+class SemanticRouter:
+    __slots__ = ("cfg", "model", "key", "header", "inspect_bytes", "json_fields", "batcher",
+                 "domains", "decisions", "failures", "explicit")
+
+    def __init__(self, cfg: SemanticConfig, model: IntentModel) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.key = model_key(cfg)
+        self.header = cfg.intent_header.encode()
+        self.inspect_bytes = cfg.inspect_bytes
+        self.json_fields = cfg.json_fields
+        self.batcher = (Batcher(model, max_batch=cfg.max_batch, max_wait_us=cfg.max_wait_us)
+                        if cfg.max_wait_us > 0 else None)
+        self.domains: dict[str, str] = model.domains
+        self.decisions: dict[str, int] = {}  # by domain, for /metrics
+        self.failures = 0
+        self.explicit = 0
+
+    def text_of(self, head: Any, body: bytes, query: bytes) -> str:
+        ctype = head.get(b"content-type") or b""
+        size = head.content_length if head.content_length >= 0 else None
+        return extract(ctype, body, query, self.json_fields, body_size=size).text
+
+    def domain_of(self, label: str) -> str | None:
+        return self.domains.get(label)
+
+    def count(self, decision: Decision) -> None:
+        domain = decision.domain or "none"
+        self.decisions[domain] = self.decisions.get(domain, 0) + 1
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+
+
+__all__ = ["SemanticRouter", "load_model", "ModelError"]

@@ -1,0 +1,142 @@
+"""Balancing and health end to end: llm_score against real upstreams of different
+latency, ejection and recovery of a failing upstream, active health checks, circuit
+breakers, and what GET /clusters shows."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import httpx
+
+from tests.support import free_port, wait_port
+from tests.test_routing_e2e import cluster, fan_out, tunable  # noqa: F401 (fixture)
+
+ROUTE = """
+[[routes]]
+name = "all"
+match = { path_prefix = "/" }
+cluster = "c"
+"""
+
+
+def admin(port: int) -> str:
+    return f'\n[admin]\naddress = "127.0.0.1:{port}"\n'
+
+
+def counts(responses: list[httpx.Response]) -> collections.Counter:
+    return collections.Counter(r.headers.get("x-upstream", str(r.status_code)) for r in responses)
+
+
+def test_llm_score_prefers_fast_and_moves_when_it_slows(start_proxy, tunable):  # noqa: F811
+    fast, medium, slow = tunable("fast", delay_ms=5), tunable("medium", delay_ms=60), \
+        tunable("slow", delay_ms=200)
+    endpoints = ", ".join(f'{{ address = "127.0.0.1:{u.port}", capacity = 10 }}'
+                          for u in (fast, medium, slow))
+    proxy = start_proxy(f"""
+[[clusters]]
+name = "c"
+endpoints = [{endpoints}]
+balancer = "llm_score"
+""" + ROUTE)
+    first = counts(asyncio.run(fan_out(proxy.url, 300, concurrency=4)))
+    assert first["fast"] > 0.75 * 300, first
+    assert first["fast"] > first["medium"] > 0 and first["slow"] < 0.1 * 300, first
+    fast.delay_ms = 600  # the fast one degrades
+    warmup = counts(asyncio.run(fan_out(proxy.url, 40, concurrency=4)))
+    after = counts(asyncio.run(fan_out(proxy.url, 200, concurrency=4)))
+    assert after["medium"] > 0.7 * 200, (first, warmup, after)
+    assert after["fast"] < 0.1 * 200, (first, warmup, after)
+
+
+def test_failing_upstream_is_ejected_and_comes_back(start_proxy, tunable):  # noqa: F811
+    a, b = tunable("a"), tunable("b")
+    admin_port = free_port()
+    proxy = start_proxy(cluster("c", a.port, b.port, extra="""
+outlier_detection = { consecutive_failures = 3, base_ejection_ms = 300 }
+health_check = { path = "/healthz", interval_ms = 50, timeout_ms = 200, healthy_threshold = 2, unhealthy_threshold = 2 }
+""") + ROUTE + admin(admin_port))
+    wait_port("127.0.0.1", admin_port)
+    with httpx.Client(base_url=proxy.url) as client:
+        assert {client.get("/x").headers["x-upstream"] for _ in range(10)} == {"a", "b"}
+        a.status = 500
+        a.health_status = 500
+        seen = [client.get("/x").status_code for _ in range(10)]
+        assert seen.count(500) <= 3  # ejected after 3 consecutive failures
+        assert {client.get("/x").headers["x-upstream"] for _ in range(20)} == {"b"}
+        info = httpx.get(f"http://127.0.0.1:{admin_port}/clusters").json()[0]
+        ep_a = next(e for e in info["endpoints"] if e["address"].endswith(f":{a.port}"))
+        assert not ep_a["available"] and ep_a["times_ejected"] >= 1 or not ep_a["healthy"]
+        time.sleep(0.5)  # the ejection ended, but the active checks still fail
+        assert {client.get("/x").headers["x-upstream"] for _ in range(20)} == {"b"}
+        a.status = 200
+        a.health_status = 200
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            if any(client.get("/x").headers["x-upstream"] == "a" for _ in range(4)):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("a never came back")
+        info = httpx.get(f"http://127.0.0.1:{admin_port}/clusters").json()[0]
+        ep_a = next(e for e in info["endpoints"] if e["address"].endswith(f":{a.port}"))
+        assert ep_a["healthy"] and ep_a["health_check"] == "HTTP 200"
+        assert {"in_flight", "ttfb_ewma_ms", "times_ejected", "score"} <= set(ep_a)
+
+
+def test_circuit_breaker_gives_503_at_once(start_proxy, tunable):  # noqa: F811
+    up = tunable("slow", delay_ms=400)
+    proxy = start_proxy(cluster("c", up.port, extra="max_requests = 2") + ROUTE)
+
+    async def burst() -> list[tuple[int, float, dict]]:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=5) as client:
+            async def one():
+                t = time.monotonic()
+                r = await client.get("/x")
+                return r.status_code, time.monotonic() - t, r.json()
+            first = [asyncio.create_task(one()) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            rest = await asyncio.gather(*(one() for _ in range(4)))
+            return [*await asyncio.gather(*first), *rest]
+
+    results = asyncio.run(burst())
+    assert [s for s, _, _ in results].count(200) == 2
+    refused = [(t, body) for s, t, body in results if s == 503]
+    assert len(refused) == 4
+    assert all(t < 0.2 and body["error"]["code"] == "upstream_overflow" for t, body in refused)
+    assert up.max_in_flight <= 2
+
+
+def test_max_connections_breaker(start_proxy, tunable):  # noqa: F811
+    up = tunable("slow", delay_ms=300)
+    proxy = start_proxy(cluster("c", up.port, extra="max_connections = 1") + ROUTE)
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=5) as client:
+            return [r.status_code for r in await asyncio.gather(
+                *(client.get("/x") for _ in range(3)))]
+
+    statuses = asyncio.run(burst())
+    assert sorted(statuses) == [200, 503, 503]
+
+
+def test_llm_score_uses_polled_backend_load(start_proxy, tunable):  # noqa: F811
+    busy, idle = tunable("busy", delay_ms=5), tunable("idle", delay_ms=5)
+    busy.metrics_text = ('# TYPE vllm:gpu_cache_usage_perc gauge\n'
+                         'vllm:gpu_cache_usage_perc{model_name="m"} 0.97\n')
+    idle.metrics_text = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.05\n'
+    admin_port = free_port()
+    proxy = start_proxy(cluster("c", busy.port, idle.port, extra="""
+balancer = "llm_score"
+load_metrics = { path = "/metrics", interval_ms = 100 }
+[clusters.llm_score]
+tpm_weight = 0.0
+""") + ROUTE + admin(admin_port))
+    wait_port("127.0.0.1", admin_port)
+    time.sleep(0.4)  # a few polls
+    seen = counts(asyncio.run(fan_out(proxy.url, 100, concurrency=2)))
+    assert seen["idle"] > 85, seen
+    info = httpx.get(f"http://127.0.0.1:{admin_port}/clusters").json()[0]
+    loads = {e["address"]: e["reported_load_pct"] for e in info["endpoints"]}
+    assert loads[f"127.0.0.1:{busy.port}"] == 97.0
