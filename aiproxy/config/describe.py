@@ -50,6 +50,14 @@ def _match(match: RouteMatch) -> str:
                  for name, kind, value in match.header_rules)
     parts.extend(f"query:{_text(name)}" + (f"={_text(value)}" if value is not None else "")
                  for name, value in match.query)
+    if match.grpc_service is not None:
+        parts.append(f"grpc_service={_text(match.grpc_service)}")
+    if match.grpc_method is not None:
+        parts.append(f"grpc_method={_text(match.grpc_method)}")
+    if match.intent is not None:
+        parts.append(f"intent={match.intent}")
+    if match.intent_domain is not None:
+        parts.append(f"intent_domain={match.intent_domain}")
     return " ".join(parts) or "*"
 
 
