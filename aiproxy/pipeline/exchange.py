@@ -62,6 +62,7 @@ PENDING_LIMIT = 256 * 1024
 REPLAY_LIMIT = 64 * 1024
 CRLF = b"\r\n"
 INFINITY = float("inf")
+NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 # What the head parser accepts in a Host field (HOSTCHAR in aiproxy/_fast/h1.pyx); an
 # absolute-form authority becomes the upstream Host field, so it must pass the same check.
@@ -105,6 +106,7 @@ class Exchange:
         "client_lost", "t_start_pc", "inspecting", "intent", "intent_domain", "intent_conf",
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
+        "replayed",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -157,6 +159,7 @@ class Exchange:
         self.t_first = 0.0
         self.reported = False
         self.client_lost = False
+        self.replayed = False
         self.inspecting = False
         self.intent: str | None = None
         self.intent_domain: str | None = None
@@ -812,11 +815,15 @@ class Exchange:
             log.warning("upstream failed mid-response on route %s: %s", self.route.name, message)
             self._abort()
             return
-        if (self.reused and up is not None and not up.received and self.replay is not None
-                and (self.method in IDEMPOTENT or status == 503)):
+        # RFC 9113 8.7: a refused or GOAWAY'd stream was never processed: always safe.
+        never_processed = code in NEVER_PROCESSED and not self.replayed
+        if self.replay is not None and (never_processed or (
+                self.reused and up is not None and not up.received
+                and (self.method in IDEMPOTENT or status == 503))):
             # A pooled connection the upstream had already closed (or an HTTP/2 stream
             # it refused before processing): replay once on a fresh connection.
             self.reused = False
+            self.replayed = True
             self._replay_pending()
             self._new_connection(self.pool)
             return
