@@ -36,11 +36,12 @@ async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protoc
     return conn
 
 
-class Pool:
-    """Idle connections are reused most-recent-first so the oldest age out."""
+class EndpointPool:
+    """What every pool of one endpoint carries: where it is, its cluster's settings
+    (replaced on reload), counters for /metrics and the balancer's statistics."""
 
-    __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "max_headers",
-                 "idle", "_sweep", "opened", "reused", "closed", "open_count", "stats")
+    __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "opened",
+                 "reused", "closed", "open_count", "stats")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
@@ -50,14 +51,24 @@ class Pool:
         self.port = endpoint.port
         self.cluster_cfg = cluster_cfg
         self.max_head = http.max_header_bytes
-        self.max_headers = http.max_headers
-        self.idle: list[H1UpstreamConnection] = []
-        self._sweep: asyncio.TimerHandle | None = None
         self.opened = 0
         self.reused = 0
         self.open_count = 0
         self.closed = False
         self.stats = EndpointStats()
+
+
+class Pool(EndpointPool):
+    """Idle connections are reused most-recent-first so the oldest age out."""
+
+    __slots__ = ("max_headers", "idle", "_sweep")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
+                 cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
+        super().__init__(loop, endpoint, cluster_cfg, http)
+        self.max_headers = http.max_headers
+        self.idle: list[H1UpstreamConnection] = []
+        self._sweep: asyncio.TimerHandle | None = None
 
     def take(self) -> H1UpstreamConnection | None:
         idle = self.idle
@@ -117,28 +128,17 @@ class Pool:
             conn.close()
 
 
-class H2Pool:
+class H2Pool(EndpointPool):
     """HTTP/2 endpoint: requests share connections as streams; a new connection is
     opened only when every open one is at the peer's concurrent stream limit."""
 
-    __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "conns",
-                 "connecting", "opened", "reused", "closed", "open_count", "stats")
+    __slots__ = ("conns", "connecting")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
-        self.loop = loop
-        self.endpoint = endpoint
-        self.host = endpoint.host
-        self.port = endpoint.port
-        self.cluster_cfg = cluster_cfg
-        self.max_head = http.max_header_bytes
+        super().__init__(loop, endpoint, cluster_cfg, http)
         self.conns: list[H2UpstreamConnection] = []
         self.connecting: asyncio.Task | None = None
-        self.opened = 0
-        self.reused = 0
-        self.open_count = 0
-        self.closed = False
-        self.stats = EndpointStats()
 
     def take(self) -> H2UpstreamStream | None:
         for conn in reversed(self.conns):
