@@ -45,7 +45,15 @@ from hyperframe.frame import (
 )
 
 from tests.conftest import CRASH_MARKERS
-from tests.support import free_port, process_log, start_process, stop_process, wait_port
+from tests.support import (  # noqa: F401 (RssMonitor, rss_bytes re-exported for the h2 tests)
+    RssMonitor,
+    free_port,
+    process_log,
+    rss_bytes,
+    start_process,
+    stop_process,
+    wait_port,
+)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 BLOCK = bytes(range(256)) * 256  # 64 KiB: the demo upstream's /bytes/N pattern
@@ -618,47 +626,6 @@ class ProxyProc:
 
 
 # -- memory ----------------------------------------------------------------------------------
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-class RssMonitor:
-    """Samples a process's RSS every few ms while active; `growth` is peak minus start."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.base = self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, rss_bytes(self.pid))
-            except (OSError, RuntimeError):
-                pass
-            self._stop.wait(0.005)
-
-    def __enter__(self) -> RssMonitor:
-        self.base = self.peak = rss_bytes(self.pid)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(2)
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
-
-    def describe(self) -> str:
-        return f"proxy RSS {self.base / 2**20:.1f} MiB -> peak {self.peak / 2**20:.1f} MiB"
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -133,3 +135,45 @@ def start_demo_upstream(
         stop_process(proc)
         raise
     return proc, port
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class RssMonitor:
+    """Samples a process's RSS every few milliseconds; `growth` is peak minus baseline."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.base = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, RuntimeError):
+                self.peak = max(self.peak, rss_bytes(self.pid))
+            self._stop.wait(0.005)
+
+    def __enter__(self) -> RssMonitor:
+        self.base = self.peak = rss_bytes(self.pid)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        with contextlib.suppress(OSError, RuntimeError):
+            self.peak = max(self.peak, rss_bytes(self.pid))
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+    def describe(self) -> str:
+        return f"proxy RSS {self.base / 2**20:.1f} MiB -> peak {self.peak / 2**20:.1f} MiB"

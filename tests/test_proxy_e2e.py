@@ -5,7 +5,6 @@ servers written here that misbehave on purpose). Everything runs on 127.0.0.1.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -28,7 +27,14 @@ from websockets.sync.client import connect as ws_connect
 
 from aiproxy.demo.upstream import pattern
 from tests.conftest import Proxy, simple_config
-from tests.support import free_port, start_demo_upstream, start_process, stop_process, wait_port
+from tests.support import (
+    RssMonitor,
+    free_port,
+    start_demo_upstream,
+    start_process,
+    stop_process,
+    wait_port,
+)
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -73,48 +79,6 @@ def upload_sha256(total: int, block: bytes) -> str:
 
 def random_block(size: int = MiB, seed: int = 7) -> bytes:
     return random.Random(seed).randbytes(size)
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-class RssMonitor:
-    """Samples a process's RSS every few milliseconds; `growth` is peak minus baseline."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.base = 0
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(OSError, RuntimeError):
-                self.peak = max(self.peak, rss_bytes(self.pid))
-            self._stop.wait(0.005)
-
-    def __enter__(self) -> RssMonitor:
-        self.base = self.peak = rss_bytes(self.pid)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        with contextlib.suppress(OSError, RuntimeError):
-            self.peak = max(self.peak, rss_bytes(self.pid))
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
-
-    def describe(self) -> str:
-        return f"proxy RSS {self.base / MiB:.1f} MiB -> peak {self.peak / MiB:.1f} MiB"
 
 
 def open_fds(pid: int) -> int:
