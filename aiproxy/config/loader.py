@@ -37,6 +37,7 @@ from .schema import (
     ServerConfig,
     SplitTarget,
     TlsConfig,
+    TracingConfig,
     TrafficClass,
 )
 
@@ -45,7 +46,7 @@ UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin", "least_request", "ring_hash", "maglev", "llm_score")
 
 _TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes",
-             "kernel", "semantic")
+             "kernel", "semantic", "tracing")
 _KERNEL_KEYS = tuple(f.name for f in dataclasses.fields(KernelConfig))
 _CLASS_KEYS = ("name", "ports", "payload", "dscp", "priority")
 XDP_MODES = ("auto", "native", "generic")
@@ -274,6 +275,7 @@ class _Checker:
             clusters=clusters,
             routes=self.routes(data, cluster_names),
             kernel=self.kernel(data, listeners),
+            tracing=self.tracing(data),
         )
 
     def listeners(self, data: dict[str, Any]) -> tuple[ListenerConfig, ...]:
@@ -419,6 +421,13 @@ class _Checker:
             else:
                 values["intent_header"] = header.lower()
         return SemanticConfig(**values)
+
+    def tracing(self, data: dict[str, Any]) -> TracingConfig | None:
+        table = self.section(data, "tracing", _field_names(TracingConfig))
+        if table is None:
+            return None
+        cfg = TracingConfig(**self.scalars(TracingConfig, table, ("tracing",)))
+        return cfg if cfg.enabled else None
 
     def access_log(self, data: dict[str, Any]) -> AccessLogConfig:
         table = self.section(data, "access_log", _field_names(AccessLogConfig))

@@ -76,6 +76,13 @@ class AccessLogConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """W3C Trace Context: continue or start a trace per request (aiproxy/governance/tracing.py)."""
+
+    enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     host: str
     port: int
@@ -272,6 +279,7 @@ class Config:
     clusters: tuple[ClusterConfig, ...] = ()
     routes: tuple[RouteConfig, ...] = ()
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    tracing: TracingConfig | None = None
 
     def cluster_by_name(self, name: str) -> ClusterConfig:
         for cluster in self.clusters:

@@ -8,7 +8,7 @@ protocols shares this code:
 downstream: loop, server, peer, scheme, pause_mask, writing_paused,
     pause(reason)/resume(reason), send_continue(), send_informational(resp),
     send_response(ex, resp, mode) -> keep_alive, send_body(data), flush(),
-    send_end(trailers), send_error(ex, status, message, code) -> keep_alive,
+    send_end(trailers), send_error(ex, status, message, code, headers) -> keep_alive,
     abort_response(), exchange_done(ex, keep_alive), and for Upgrade tunnels
     start_tunnel(), tunnel_write(data), tunnel_eof(), close().
 upstream: start(ex), send_body(pieces), end_body(), pause()/resume(),
@@ -32,7 +32,8 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError
-from aiproxy.protocols.h1_upstream import BODY_TUNNEL
+from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply, StoredResponse
+from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_TUNNEL
 from aiproxy.routing.pool import UpstreamConnectError
 
 if TYPE_CHECKING:
@@ -57,6 +58,9 @@ REQ_NONE = 0
 REQ_LENGTH = 1   # HTTP/1.1 Content-Length body, framed here
 REQ_CHUNKED = 2  # HTTP/1.1 chunked body, decoded here
 REQ_STREAM = 3   # body pieces handed in by the downstream (HTTP/2 DATA frames)
+
+INSPECT_SEMANTIC = 1  # what waits for the first body bytes: intent classification
+INSPECT_FILTERS = 2   # or the filter chain's request hooks
 
 PENDING_LIMIT = 256 * 1024
 REPLAY_LIMIT = 64 * 1024
@@ -106,7 +110,8 @@ class Exchange:
         "client_lost", "t_start_pc", "inspecting", "intent", "intent_domain", "intent_conf",
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
-        "replayed",
+        "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
+        "trace_id",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -160,7 +165,13 @@ class Exchange:
         self.reported = False
         self.client_lost = False
         self.replayed = False
-        self.inspecting = False
+        self.inspecting = 0  # INSPECT_*: what runs once inspect_limit body bytes are here
+        self.inspect_limit = 0
+        self.continued = False
+        self.filters: tuple[Filter, ...] = ()
+        self.up_headers: list[tuple[bytes, bytes | None]] | None = None
+        self.trace_id: str | None = None  # set by the tracing filter
+        self.gate_task: asyncio.Future | None = None
         self.intent: str | None = None
         self.intent_domain: str | None = None
         self.intent_conf = 0.0
@@ -216,19 +227,48 @@ class Exchange:
             elif self.reading_body and sem.inspect_bytes:
                 # Route once inspect_bytes of the body (or all of it) has arrived; the
                 # bytes wait in `pending` and go upstream untouched afterwards.
-                self.inspecting = True
-                if head.expect_continue:
-                    self.down.send_continue()
-                return
+                return self._inspect(INSPECT_SEMANTIC, sem.inspect_bytes)
             else:
                 return self._classify(b"")
         self._route()
 
+    def _inspect(self, kind: int, limit: int) -> None:
+        """Wait for `limit` body bytes (or the whole body) before going on with `kind`."""
+        if self.req_done or self.pending_size >= limit:
+            self.inspecting = kind
+            return self._inspected()
+        self.inspecting = kind
+        self.inspect_limit = limit
+        self._send_continue()
+
     def _inspected(self) -> None:
-        self.inspecting = False
-        limit = self.rt.semantic.inspect_bytes
-        body = b"".join(self.pending)
-        self._classify(body[:limit])
+        kind = self.inspecting
+        self.inspecting = 0
+        if kind == INSPECT_SEMANTIC:
+            body = b"".join(self.pending)
+            self._classify(body[:self.rt.semantic.inspect_bytes])
+        else:
+            self._gate(0)
+
+    def _send_continue(self) -> None:
+        if self.head.expect_continue and self.reading_body and not self.continued:
+            self.continued = True
+            self.down.send_continue()
+
+    def request_body(self) -> bytes:
+        """The request body read so far (filters with inspect_bytes; nothing of it has
+        gone upstream yet). Complete when self.req_done."""
+        return b"".join(self.pending)
+
+    def set_upstream_header(self, name: bytes, value: bytes | None) -> None:
+        """Add a field (lower-case name) to the upstream request, replacing the
+        client's fields of that name (value None: just remove them)."""
+        headers = self.up_headers
+        if headers is None:
+            self.up_headers = [(name, value)]
+        else:
+            self.up_headers = [h for h in headers if h[0] != name]
+            self.up_headers.append((name, value))
 
     def _classify(self, body: bytes) -> None:
         sem = self.rt.semantic
@@ -286,8 +326,106 @@ class Exchange:
         if route is None:
             return self.local_reply(404, "no route matches the request", "no_route")
         self.route = route
-        cluster = route.pick_cluster(head) if route.cum_weights else route.cluster
-        self.cluster = cluster
+        self.cluster = route.pick_cluster(head) if route.cum_weights else route.cluster
+        factories = route.filters
+        if factories:
+            return self._start_filters(factories)
+        self._dispatch()
+
+    # -- filter chain (aiproxy/pipeline/filters.py) -----------------------------------
+
+    def _start_filters(self, factories: tuple[FilterFactory, ...]) -> None:
+        started = []
+        for factory in factories:
+            try:
+                f = factory.start(self)
+            except Exception:
+                log.exception("filter %s failed to start", factory.name)
+                return self.local_reply(500, f"filter {factory.name} failed", "filter_error")
+            if f is not None:
+                started.append(f)
+        self.filters = tuple(started)
+        need = self.route.filter_inspect
+        if need and self.reading_body:
+            return self._inspect(INSPECT_FILTERS, need)
+        self._gate(0)
+
+    def _gate(self, i: int) -> None:
+        """Run filters[i:]'s request hooks; dispatch upstream when none answered."""
+        filters = self.filters
+        while i < len(filters):
+            f = filters[i]
+            try:
+                result = f.request(self)
+            except Exception:
+                log.exception("filter %s failed", type(f).__name__)
+                return self.local_reply(500, "request filter failed", "filter_error")
+            if result is not None:
+                if isinstance(result, LocalReply | StoredResponse):
+                    return self._answer(result, i)
+                fut = asyncio.ensure_future(result)
+                self.gate_task = fut
+                fut.add_done_callback(lambda t, i=i: self._gated(t, i))
+                return
+            i += 1
+        self._dispatch()
+
+    def _gated(self, fut: asyncio.Future, i: int) -> None:
+        self.gate_task = None
+        if self.finished:
+            return
+        if fut.cancelled() or fut.exception() is not None:
+            if not fut.cancelled():
+                log.error("filter %s failed", type(self.filters[i]).__name__,
+                          exc_info=fut.exception())
+            return self.local_reply(500, "request filter failed", "filter_error")
+        result = fut.result()
+        if result is not None:
+            return self._answer(result, i)
+        self._gate(i + 1)
+
+    def _answer(self, result: LocalReply | StoredResponse, i: int) -> None:
+        """Filter i answered: earlier filters still see the response on its way out."""
+        self.filters = self.filters[:i]
+        if isinstance(result, LocalReply):
+            return self.local_reply(result.status, result.message, result.code,
+                                    result.headers)
+        self.reading_body = False
+        self.status = result.head.status
+        self.head_sent = True
+        self.t_first = perf_counter()
+        resp = self._filter_head(result.head)
+        mode = BODY_NONE if self.method == b"HEAD" or self.status in (204, 304) else BODY_LENGTH
+        self.keep_alive = self.down.send_response(self, resp, mode)
+        if mode != BODY_NONE:
+            for chunk in result.chunks:
+                self.on_upstream_body(chunk)
+        tail = self._filter_end()
+        if tail:
+            self.resp_bytes += len(tail)
+            self.down.send_body(tail)
+        self.down.send_end(result.trailers)
+        self._drop_upstream()
+        self._finish(self.keep_alive and self.req_done)
+
+    def _filter_head(self, resp: Any) -> Any:
+        for f in reversed(self.filters):
+            resp = f.response_head(self, resp)
+        return resp
+
+    def _filter_end(self) -> bytes:
+        out = b""
+        for f in reversed(self.filters):
+            if out:
+                out = f.response_body(self, out)
+            out += f.response_end(self)
+        return out
+
+    def _dispatch(self) -> None:
+        """Pick an endpoint of the chosen cluster and send the request there."""
+        head = self.head
+        route = self.route
+        cluster = self.cluster
         if cluster.cfg.max_requests:
             why = cluster.overflow()
             if why is not None:
@@ -304,17 +442,18 @@ class Exchange:
         if route.prefix_rewrite is not None:
             self.up_target = route.prefix_rewrite + self.up_target[len(route.path_prefix):]
         self.t_routed = perf_counter()
-        if head.expect_continue and self.reading_body and not self.inspecting:
-            self.down.send_continue()
+        self._send_continue()
         if route.model is not None and self._model_body(head):
-            self.hold = pool  # connect once the whole (small JSON) body is here
-            return
+            if not self.req_done:
+                self.hold = pool  # connect once the whole (small JSON) body is here
+                return
+            self._rewrite_model()
         self._use(pool)
 
     def _model_body(self, head: Any) -> bool:
         """Whether to hold the body to rewrite its JSON `model` field: only a JSON body of
         known length that fits in the replay buffer (it is kept whole anyway)."""
-        if not self.reading_body or not 0 < head.content_length <= REPLAY_LIMIT:
+        if self.replay is None or not 0 < head.content_length <= REPLAY_LIMIT:
             return False
         ctype = head.get(b"content-type")
         return ctype is not None and ctype[:16].lower() == b"application/json"
@@ -393,6 +532,10 @@ class Exchange:
         if self.host_line:
             drop |= F_HOST
             extra.append(self.host_line)
+        elif head.version == 20 and head.host is not None:
+            # RFC 9113 8.3.1: :authority becomes the Host field of an HTTP/1.1 request.
+            drop |= F_HOST
+            extra.append(b"Host: " + head.host + CRLF)
         elif head.host is None:
             extra.append(b"Host: " + pool.endpoint.address.encode() + CRLF)
         if rt.http.x_forwarded:
@@ -417,12 +560,18 @@ class Exchange:
             extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
         start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
         route = self.route
+        remove = None
         if route.has_policy:
             if route.req_add_lines:
                 extra.append(route.req_add_lines)
-            if route.req_remove:
-                return serialize_without(head, start_line, b"".join(extra), drop,
-                                         route.req_remove)
+            remove = route.req_remove
+        up_headers = self.up_headers
+        if up_headers:
+            extra.extend(b"%s: %s\r\n" % h for h in up_headers if h[1] is not None)
+            names = frozenset(n for n, _ in up_headers)
+            remove = remove | names if remove else names
+        if remove:
+            return serialize_without(head, start_line, b"".join(extra), drop, remove)
         return head.serialize(start_line, b"".join(extra), drop)
 
     def h2_request_headers(self, pool: Pool) -> list[tuple[bytes, bytes]]:
@@ -441,13 +590,19 @@ class Exchange:
         if rt.http.x_forwarded:
             drop |= F_XFF | F_XFP
         route = self.route
-        if route.req_remove:
-            remove = route.req_remove
+        remove = route.req_remove
+        up_headers = self.up_headers
+        if up_headers:
+            names = frozenset(n for n, _ in up_headers)
+            remove = remove | names if remove else names
+        if remove:
             fields += [f for f in head.fields(drop) if f[0] not in remove]
         else:
             fields += head.fields(drop)
         if route.req_add:
             fields += route.req_add
+        if up_headers:
+            fields += [h for h in up_headers if h[1] is not None]
         if rt.http.x_forwarded:
             fields.append((b"x-forwarded-for", self._xff()))
             fields.append((b"x-forwarded-proto", self.down.scheme))
@@ -533,7 +688,7 @@ class Exchange:
             self.pending_size += sum(map(len, parts))
             if self.pending_size > PENDING_LIMIT:
                 self.down.pause(P_PENDING)
-            if self.inspecting and self.pending_size >= self.rt.semantic.inspect_bytes:
+            if self.inspecting and self.pending_size >= self.inspect_limit:
                 self._inspected()
 
     def _request_complete(self) -> None:
@@ -783,9 +938,16 @@ class Exchange:
         self.t_first = t_first
         if mode == BODY_TUNNEL:
             return self._start_tunnel(resp)
+        if self.filters:
+            resp = self._filter_head(resp)
         self.keep_alive = self.down.send_response(self, resp, mode)
 
     def on_upstream_body(self, data: bytes) -> None:
+        if self.filters:
+            for f in reversed(self.filters):
+                data = f.response_body(self, data)
+            if not data:
+                return
         self.resp_bytes += len(data)
         if self.tok_tail is not None:
             self.tok_tail = (self.tok_tail + data)[-TOKEN_TAIL:]
@@ -798,6 +960,11 @@ class Exchange:
     def on_upstream_end(self, trailers: list[tuple[bytes, bytes]] | None = None) -> None:
         up = self.upstream
         self.upstream = None
+        if self.filters:
+            tail = self._filter_end()
+            if tail:
+                self.resp_bytes += len(tail)
+                self.down.send_body(tail)
         self.down.send_end(trailers)
         if up is not None:
             if self.req_done:
@@ -922,16 +1089,22 @@ class Exchange:
         log.info("%d %s: %s", status, code, message)
         self.local_reply(status, message, code)
 
-    def local_reply(self, status: int, message: str, code: str | None = None) -> None:
-        """Answer with the proxy's own error; the connection stays open only if safe."""
+    def local_reply(self, status: int, message: str, code: str | None = None,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Answer with the proxy's own error; the connection stays open only if safe.
+        `headers`: extra response fields (lower-case names), e.g. retry-after."""
         self.reading_body = False
         self.status = status
         self.head_sent = True
-        keep = self.down.send_error(self, status, message, code)
+        keep = self.down.send_error(self, status, message, code, headers)
         self._drop_upstream()
         self._finish(keep)
 
     def _drop_upstream(self) -> None:
+        gate = self.gate_task
+        if gate is not None:
+            self.gate_task = None
+            gate.cancel()
         task = self.connect_task
         if task is not None:
             self.connect_task = None
@@ -980,6 +1153,12 @@ class Exchange:
             self.reported = True
             if self.counted:
                 self._release_cluster()
+            for f in self.filters:
+                try:
+                    f.done(self)
+                except Exception:
+                    log.exception("filter %s failed at the end of the exchange",
+                                  type(f).__name__)
             self.down.server.telemetry.exchange_done(self)
 
     def _release_cluster(self) -> None:

@@ -569,21 +569,23 @@ class H2Stream:
             return
         self._end(trailers)
 
-    def send_error(self, ex: Exchange, status: int, message: str, code: str | None) -> bool:
+    def send_error(self, ex: Exchange, status: int, message: str, code: str | None,
+                   headers: list[tuple[bytes, bytes]] | None = None) -> bool:
         if self.ended or self.done:
             return True
+        extra = headers or []
         if ex.grpc:
             # gRPC callers get a trailers-only response, never an HTTP error page.
             self._headers([(b":status", b"200"), (b"content-type", b"application/grpc"),
                            (b"grpc-status", b"%d" % grpc_status_for(status, code)),
-                           (b"grpc-message", quote(message).encode())], True)
+                           (b"grpc-message", quote(message).encode()), *extra], True)
             self.ended = True
             self.conn._flush()
             return True
         body = replies.error_body(status, code, message)
         self._headers([(b":status", b"%d" % status), (b"content-type", b"application/json"),
-                       (b"content-length", b"%d" % len(body)), (b"server", replies.SERVER)],
-                      ex.method == b"HEAD")
+                       (b"content-length", b"%d" % len(body)), (b"server", replies.SERVER),
+                       *extra], ex.method == b"HEAD")
         if ex.method == b"HEAD":
             self.ended = True
             self.conn._flush()

@@ -351,14 +351,15 @@ class H1Connection(asyncio.Protocol):
         else:
             self.flush()
 
-    def send_error(self, ex: Exchange, status: int, message: str, code: str | None) -> bool:
+    def send_error(self, ex: Exchange, status: int, message: str, code: str | None,
+                   headers: list[tuple[bytes, bytes]] | None = None) -> bool:
         head = ex.head
         keep = head.keep_alive and ex.req_done and self.may_keep_alive()
         self.head_out = b""
         self.chunked_out = False
         self.transport.write(replies.error_response(
             status, message, code, close=not keep, head_only=ex.method == b"HEAD",
-            keep_alive_10=keep and head.version < 11))
+            keep_alive_10=keep and head.version < 11, headers=headers))
         return keep
 
     def abort_response(self) -> None:

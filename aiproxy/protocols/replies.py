@@ -45,8 +45,9 @@ def error_body(status: int, code: str | None, message: str) -> bytes:
 
 
 def error_response(status: int, message: str, code: str | None = None, close: bool = True,
-                   head_only: bool = False, keep_alive_10: bool = False) -> bytes:
-    """A complete HTTP/1.1 error response with a JSON body."""
+                   head_only: bool = False, keep_alive_10: bool = False,
+                   headers: list[tuple[bytes, bytes]] | None = None) -> bytes:
+    """A complete HTTP/1.1 error response with a JSON body (plus `headers`)."""
     body = error_body(status, code, message)
     if close:
         connection = b"Connection: close\r\n"
@@ -54,6 +55,8 @@ def error_response(status: int, message: str, code: str | None = None, close: bo
         connection = b"Connection: keep-alive\r\n"
     else:
         connection = b""
+    if headers:
+        connection += b"".join(b"%s: %s\r\n" % h for h in headers)
     head = b"%sServer: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
         status_line(status),
         SERVER,

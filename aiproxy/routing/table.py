@@ -59,7 +59,8 @@ class Route:
                  "intent", "intent_domain",
                  "has_rest", "timeout", "retries", "req_add", "req_remove", "resp_add",
                  "resp_remove", "prefix_rewrite", "model", "has_policy", "retry_statuses",
-                 "req_add_lines", "resp_add_lines", "resp_edit", "retry_unavailable")
+                 "req_add_lines", "resp_add_lines", "resp_edit", "retry_unavailable",
+                 "filters", "filter_inspect")
 
     def __init__(self, cfg: RouteConfig, clusters: Cluster | Mapping[str, Cluster],
                  index: int = 0) -> None:
@@ -111,6 +112,9 @@ class Route:
                             *((n, v) for n, v in self.req_add if n != b"x-model-id"))
             self.req_remove = self.req_remove | {b"x-model-id"}
         self.has_policy = bool(self.req_add or self.req_remove or self.prefix_rewrite)
+        # The filter chain (aiproxy/pipeline/filters.py), set by the Runtime.
+        self.filters: tuple = ()
+        self.filter_inspect = 0
         self.retry_statuses = frozenset(
             int(c) for c in (cfg.retries.on if cfg.retries else ()) if c.isdigit())
         self.retry_unavailable = bool(cfg.retries and "unavailable" in cfg.retries.on)

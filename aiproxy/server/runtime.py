@@ -6,6 +6,8 @@ import asyncio
 from typing import Any
 
 from aiproxy.config import Config
+from aiproxy.pipeline.chain import BUILDERS
+from aiproxy.pipeline.filters import prepare_states, route_filters
 from aiproxy.routing.cluster import Cluster, pool_key
 from aiproxy.routing.table import Route, RouteTable
 from aiproxy.semantic.router import SemanticRouter
@@ -13,7 +15,7 @@ from aiproxy.semantic.router import SemanticRouter
 
 class Runtime:
     __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout",
-                 "semantic")
+                 "semantic", "filter_states")
 
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
                  previous: Runtime | None = None, model: Any = None) -> None:
@@ -28,6 +30,12 @@ class Runtime:
         for cluster in self.clusters.values():
             cluster.start()
         self.table = RouteTable(Route(r, self.clusters, i) for i, r in enumerate(config.routes))
+        self.filter_states = prepare_states(
+            BUILDERS, config, previous.filter_states if previous is not None else None)
+        if self.filter_states:
+            for route in self.table.routes:
+                route.filters = route_filters(BUILDERS, config, route.cfg, self.filter_states)
+                route.filter_inspect = max((f.inspect_bytes for f in route.filters), default=0)
         self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
         self.max_body = config.http.max_body_bytes
         http = config.http

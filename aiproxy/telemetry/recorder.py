@@ -55,7 +55,7 @@ class Telemetry:
             "intent": ex.intent,
             "duration_ms": round(timings["total"] * 1000, 3),
             "timings_ms": {k: round(v * 1000, 3) for k, v in timings.items() if k != "total"},
-            "trace_id": trace_id(head.get(b"traceparent")),
+            "trace_id": ex.trace_id or trace_id(head.get(b"traceparent")),
         }
         if ex.client_lost:
             record["client_closed"] = True

@@ -1,0 +1,165 @@
+"""The per-request filter chain: identity, policy, guards, rate limits, caches, tracing.
+
+Like Envoy's HTTP filters, each feature that looks at a request is a factory built once
+per config (a FilterFactory, shared by every request on the routes it applies to) that
+starts a small per-request Filter. The Exchange runs the chain at fixed points:
+
+  request(ex)            after the route (and cluster) is chosen, before an upstream is
+                         picked. Returns None to go on, a LocalReply to answer instead
+                         (401/403/429 ...), a StoredResponse to answer with a complete
+                         response (a cache hit), or an awaitable giving one of those
+                         (a Redis round trip, a bounded wait queue). Filters run in
+                         chain order; the first answer stops the chain.
+  response_head(ex, r)   the response head about to go to the client; return it or a
+                         replacement (e.g. ResponseHead.without_length(r) before a
+                         filter changes the body's length).
+  response_body(ex, b)   body bytes on their way to the client; return what to send
+                         (b"" holds them back).
+  response_end(ex)       the upstream finished; return held-back bytes to send last.
+  done(ex)               the exchange ended (answered, failed or abandoned): settle
+                         reservations, write audit records. Runs before metrics/logs.
+
+Response hooks run in reverse chain order (the filter nearest the upstream first), and
+for an answer from filter i only filters before i see it: a cached response is still
+redacted by a filter in front of the cache.
+
+Request body: a factory that sets `inspect_bytes` gets `ex.request_body()` holding the
+first inspect_bytes of the body (or all of it, `ex.req_done`) when request() runs; the
+bytes wait in the exchange and go upstream untouched afterwards.
+
+Upstream request headers: `ex.set_upstream_header(name, value)` adds a field to the
+request sent upstream, replacing any the client sent under that name.
+
+Filter state that must survive a config reload (token buckets, caches) lives in the
+object `states` hands each builder; see Runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from aiproxy.protocols.fields import F_CONTENT_LENGTH, FieldsHead
+
+if TYPE_CHECKING:
+    from aiproxy.config import Config, RouteConfig
+    from aiproxy.pipeline.exchange import Exchange
+
+
+class LocalReply:
+    """An answer from the proxy itself: a JSON error body (a trailers-only response with
+    the matching grpc-status for gRPC callers) plus extra response fields."""
+
+    __slots__ = ("status", "code", "message", "headers")
+
+    def __init__(self, status: int, code: str, message: str,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or []
+
+
+class ResponseHead(FieldsHead):
+    """A response head built by a filter (a cached response) or derived from the
+    upstream's (fields changed), with the interface of the protocol heads."""
+
+    __slots__ = ("status", "reason")
+
+    def __init__(self, status: int, items: list[tuple[bytes, bytes]]) -> None:
+        super().__init__(items)
+        self.status = status
+        try:
+            self.reason = HTTPStatus(status).phrase.encode()
+        except ValueError:
+            self.reason = b"Unknown"
+
+    @classmethod
+    def without_length(cls, resp: Any) -> ResponseHead:
+        """resp without Content-Length: for a body a filter will change the length of
+        (HTTP/1.1 clients then get it chunked)."""
+        return cls(resp.status, resp.fields(F_CONTENT_LENGTH))
+
+
+class StoredResponse:
+    """A complete response a filter answers with (a cache hit): the body as a list of
+    pieces sent in order, so a stored event stream keeps its event boundaries."""
+
+    __slots__ = ("head", "chunks", "trailers")
+
+    def __init__(self, head: ResponseHead, chunks: list[bytes],
+                 trailers: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.head = head
+        self.chunks = chunks
+        self.trailers = trailers
+
+
+RequestResult = LocalReply | StoredResponse | None
+
+
+class Filter:
+    """One request's filter. Subclasses override what they need."""
+
+    __slots__ = ()
+
+    def request(self, ex: Exchange) -> RequestResult | Awaitable[RequestResult]:
+        return None
+
+    def response_head(self, ex: Exchange, resp: Any) -> Any:
+        return resp
+
+    def response_body(self, ex: Exchange, data: bytes) -> bytes:
+        return data
+
+    def response_end(self, ex: Exchange) -> bytes:
+        return b""
+
+    def done(self, ex: Exchange) -> None:
+        return None
+
+
+class FilterFactory:
+    """Built once per config for the routes it applies to; starts one Filter per request
+    (or None when this request needs nothing from it)."""
+
+    name = "filter"
+    inspect_bytes = 0
+
+    def start(self, ex: Exchange) -> Filter | None:
+        raise NotImplementedError
+
+
+# One entry of the chain's builder list (aiproxy/pipeline/chain.py):
+#   name        the feature ("auth", "ratelimit", ...)
+#   make_state  (config, previous state or None) -> state kept across reloads (token
+#               buckets, caches), or None when the config does not use the feature
+#   build       (config, route config, state) -> the route's FilterFactory, or None
+MakeState = Callable[["Config", Any], Any]
+Build = Callable[["Config", "RouteConfig", Any], "FilterFactory | None"]
+BuilderEntry = tuple[str, MakeState, Build]
+
+
+def prepare_states(builders: list[BuilderEntry], config: Config,
+                   previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Each feature's state for a new config, from the previous runtime's."""
+    old = previous or {}
+    states = {}
+    for name, make_state, _ in builders:
+        state = make_state(config, old.get(name))
+        if state is not None:
+            states[name] = state
+    return states
+
+
+def route_filters(builders: list[BuilderEntry], config: Config, route: RouteConfig,
+                  states: dict[str, Any]) -> tuple[FilterFactory, ...]:
+    """The chain for one route, in builder order; features without state are off."""
+    chain = []
+    for name, _, build in builders:
+        state = states.get(name)
+        if state is not None:
+            factory = build(config, route, state)
+            if factory is not None:
+                chain.append(factory)
+    return tuple(chain)
