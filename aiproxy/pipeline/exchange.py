@@ -32,7 +32,13 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError
-from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply, StoredResponse
+from aiproxy.pipeline.filters import (
+    Filter,
+    FilterFactory,
+    Identity,
+    LocalReply,
+    StoredResponse,
+)
 from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_TUNNEL
 from aiproxy.routing.pool import UpstreamConnectError
 
@@ -111,7 +117,7 @@ class Exchange:
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
-        "trace_id",
+        "trace_id", "identity", "llm", "done_filters",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -171,6 +177,9 @@ class Exchange:
         self.filters: tuple[Filter, ...] = ()
         self.up_headers: list[tuple[bytes, bytes | None]] | None = None
         self.trace_id: str | None = None  # set by the tracing filter
+        self.identity: Identity | None = None  # set by the auth filter
+        self.llm: Any = None  # what the LLM filter read of an OpenAI-style request/response
+        self.done_filters: tuple[Filter, ...] | None = None
         self.gate_task: asyncio.Future | None = None
         self.intent: str | None = None
         self.intent_domain: str | None = None
@@ -385,7 +394,9 @@ class Exchange:
         self._gate(i + 1)
 
     def _answer(self, result: LocalReply | StoredResponse, i: int) -> None:
-        """Filter i answered: earlier filters still see the response on its way out."""
+        """Filter i answered: earlier filters still see the response on its way out;
+        later ones never started. Filter i's done() still runs."""
+        self.done_filters = self.filters[:i + 1]
         self.filters = self.filters[:i]
         if isinstance(result, LocalReply):
             return self.local_reply(result.status, result.message, result.code,
@@ -1153,7 +1164,7 @@ class Exchange:
             self.reported = True
             if self.counted:
                 self._release_cluster()
-            for f in self.filters:
+            for f in self.done_filters or self.filters:
                 try:
                     f.done(self)
                 except Exception:

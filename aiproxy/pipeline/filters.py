@@ -27,6 +27,10 @@ Request body: a factory that sets `inspect_bytes` gets `ex.request_body()` holdi
 first inspect_bytes of the body (or all of it, `ex.req_done`) when request() runs; the
 bytes wait in the exchange and go upstream untouched afterwards.
 
+Shared per-request facts (Exchange attributes): ex.trace_id (tracing), ex.identity (an
+Identity, set by the auth filter), ex.llm (what the LLM filter read of an OpenAI-style
+request and response: model, stream, token usage), ex.intent/intent_domain (semantic).
+
 Upstream request headers: `ex.set_upstream_header(name, value)` adds a field to the
 request sent upstream, replacing any the client sent under that name.
 
@@ -45,6 +49,24 @@ from aiproxy.protocols.fields import F_CONTENT_LENGTH, FieldsHead
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
     from aiproxy.pipeline.exchange import Exchange
+
+
+class Identity:
+    """Who sent a request, as the auth filter established it. `subject` is the key
+    rate limits, policy and logs use; `kind` is "api_key", "jwt" or "mtls"; `claims`
+    the verified JWT claims (or key/cert attributes); `roles` for RBAC."""
+
+    __slots__ = ("subject", "kind", "claims", "roles")
+
+    def __init__(self, subject: str, kind: str, claims: dict[str, Any] | None = None,
+                 roles: tuple[str, ...] = ()) -> None:
+        self.subject = subject
+        self.kind = kind
+        self.claims = claims or {}
+        self.roles = roles
+
+    def __repr__(self) -> str:
+        return f"Identity({self.kind}:{self.subject})"
 
 
 class LocalReply:
