@@ -39,6 +39,7 @@ from aiproxy.pipeline.filters import (
     LocalReply,
     StoredResponse,
 )
+from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_TUNNEL
 from aiproxy.routing.pool import UpstreamConnectError
 
@@ -81,6 +82,9 @@ HOST_CHARS = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 # OpenAI-style usage in a JSON body or the final SSE event (llm_score token accounting).
 USAGE_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d{1,9})')
 TOKEN_TAIL = 4096  # bytes of the response end searched for usage
+# The semantic decision the proxy passes upstream; a client's own copies are dropped.
+DECISION_HEADERS = (b"x-aiproxy-intent", b"x-aiproxy-intent-confidence",
+                    b"x-aiproxy-intent-domain")
 LOAD_HEADERS = (b"x-backend-load", b"x-gpu-mem-used-pct")
 GRPC_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
@@ -221,8 +225,18 @@ class Exchange:
             self.path = self.up_target = b"*"
         elif not self._absolute_form(target):
             return self.local_reply(400, "invalid request target")
+        if needs_normalizing(self.path):
+            try:
+                path = normalize_path(self.path)
+            except BadPath as exc:
+                return self.local_reply(400, str(exc))
+            self.up_target = path + self.up_target[len(self.path):]
+            self.path = path
         if head.expect_unknown:
             return self.local_reply(417, "unsupported expectation")
+        for name in DECISION_HEADERS:
+            if head.get(name) is not None:  # only the proxy may state its decision
+                self.set_upstream_header(name, None)
         if not self._framing():
             return
         sem = self.rt.semantic

@@ -1,0 +1,117 @@
+"""Path normalization before routing, and the proxy's own headers not spoofable."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from aiproxy.pipeline.paths import BadPath, normalize_path
+from tests.support import start_demo_upstream, stop_process
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (b"/a/b", b"/a/b"),
+    (b"/a/./b", b"/a/b"),
+    (b"/a/../b", b"/b"),
+    (b"/../../b", b"/b"),               # never above the root
+    (b"/a/b/..", b"/a/"),
+    (b"/a/b/.", b"/a/b/"),
+    (b"/a/.b/..c", b"/a/.b/..c"),       # dots inside names are names
+    (b"/%61dmin", b"/admin"),           # unreserved characters decoded
+    (b"/%2e%2E/admin", b"/admin"),      # encoded dot segments are dot segments
+    (b"/a%2fb", b"/a%2Fb"),             # an encoded slash stays encoded (hex upper-cased)
+    (b"/a%5c..%5cb", b"/a%5C..%5Cb"),
+    (b"/caf%c3%a9", b"/caf%C3%A9"),
+    (b"//a//b", b"//a//b"),             # repeated slashes are distinct paths
+    (b"/a/%7euser", b"/a/~user"),
+])
+def test_normalize_path(raw: bytes, expected: bytes):
+    assert normalize_path(raw) == expected
+
+
+@pytest.mark.parametrize("raw", [b"/a%", b"/a%4", b"/a%zz", b"/%g0"])
+def test_malformed_percent_encoding(raw: bytes):
+    with pytest.raises(BadPath):
+        normalize_path(raw)
+
+
+@pytest.fixture(scope="module")
+def two_upstreams():
+    a, port_a = start_demo_upstream("public")
+    b, port_b = start_demo_upstream("private")
+    yield port_a, port_b
+    stop_process(a)
+    stop_process(b)
+
+
+def _config(port_a: int, port_b: int) -> str:
+    return f"""
+[[clusters]]
+name = "public"
+endpoints = ["127.0.0.1:{port_a}"]
+
+[[clusters]]
+name = "private"
+endpoints = ["127.0.0.1:{port_b}"]
+
+[[routes]]
+name = "private"
+match = {{ path_prefix = "/echo/private/" }}
+cluster = "private"
+
+[[routes]]
+name = "public"
+match = {{ path_prefix = "/" }}
+cluster = "public"
+"""
+
+
+def _raw(port: int, target: bytes, headers: bytes = b"") -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  + headers + b"\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize("target", [
+    b"/echo/public/../private/x",
+    b"/echo/./private/x",
+    b"/echo/%70rivate/x",
+    b"/echo/public/%2e%2e/private/x",
+])
+def test_what_is_matched_is_what_is_forwarded(start_proxy, two_upstreams, target):
+    proxy = start_proxy(_config(*two_upstreams))
+    data = _raw(proxy.port, target)
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    body = httpx.Response(200, content=data.split(b"\r\n\r\n", 1)[1]).json()
+    assert body["upstream"] == "private"
+    assert body["path"] == "/echo/private/x"
+
+
+def test_query_survives_normalization(start_proxy, two_upstreams):
+    proxy = start_proxy(_config(*two_upstreams))
+    data = _raw(proxy.port, b"/echo/a/../b?x=a/../b&y=1")
+    body = httpx.Response(200, content=data.split(b"\r\n\r\n", 1)[1]).json()
+    assert body["path"] == "/echo/b"
+    assert body["query"] == "x=a/../b&y=1"
+
+
+def test_malformed_percent_encoding_is_400(start_proxy, two_upstreams):
+    proxy = start_proxy(_config(*two_upstreams))
+    data = _raw(proxy.port, b"/echo/%zz")
+    assert data.startswith(b"HTTP/1.1 400")
+    assert b"percent-encoding" in data
+
+
+def test_client_cannot_state_the_semantic_decision(start_proxy, two_upstreams):
+    proxy = start_proxy(_config(*two_upstreams))
+    r = httpx.get(f"http://127.0.0.1:{proxy.port}/echo/x",
+                  headers={"x-aiproxy-intent": "transfer", "x-aiproxy-intent-domain": "banking",
+                           "x-aiproxy-intent-confidence": "1"})
+    seen = r.json()["headers"]
+    assert not any(name.startswith("x-aiproxy-intent") for name in seen)
