@@ -47,7 +47,9 @@ class ProxyServer:
         self.kernel = ProxyKernel(config.source)
 
     async def start(self) -> None:
-        self.kernel.start(self.config.kernel)  # [kernel]: XDP/TC attached, splicing ready
+        # [kernel]: XDP/TC attached, splicing ready. In a thread: pyroute2 runs its own
+        # event loop, which cannot start inside this one.
+        await self.loop.run_in_executor(None, self.kernel.start, self.config.kernel)
         for listener in self.config.listeners:
             factory, ctx = self._factory(listener)
             server = await self.loop.create_server(
@@ -73,7 +75,8 @@ class ProxyServer:
                 config = await self.loop.run_in_executor(None, load_config, self.config.source)
                 model = await self.loop.run_in_executor(None, load_intent_model, config,
                                                         self.runtime)
-                self.kernel.reload(config.kernel)  # maps in place; old state kept on error
+                # Maps in place, no detach; the old state is kept on error.
+                await self.loop.run_in_executor(None, self.kernel.reload, config.kernel)
             except (ConfigError, ModelError, KernelStartError) as exc:
                 self.metrics.reload_failures += 1
                 self.metrics.last_reload_ok = 0
@@ -118,7 +121,7 @@ class ProxyServer:
         if self.admin is not None:
             await self.admin.stop()
         self.runtime.close()
-        self.kernel.stop()  # nothing stays attached after the process
+        await self.loop.run_in_executor(None, self.kernel.stop)  # nothing stays attached
         if self.access_log is not None:
             self.access_log.close()
 
