@@ -26,7 +26,7 @@ from .libbpf import BPFError
 if TYPE_CHECKING:
     from .manager import KernelFastPaths
     from .splice import Splicer
-    from .tunnel import TunnelSplice
+    from .tunnel import HangupWatch, TunnelSplice
 
 log = logging.getLogger("aiproxy.kernel")
 
@@ -46,6 +46,7 @@ class ProxyKernel:
         self.tunnels_spliced = 0
         self.tunnels_copied = 0
         self.spliced_bytes = 0  # of released tunnels; live ones are read from the map
+        self.watch: HangupWatch | None = None
         self._told: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -85,6 +86,12 @@ class ProxyKernel:
             self.splicer.close()
             self.splicer = None
         self.splice_on = False
+        if self.watch is not None:
+            watch, self.watch = self.watch, None
+            if watch.loop is not None:
+                watch.loop.call_soon_threadsafe(watch.close)
+            else:
+                watch.close()
 
     def _start_fast(self, cfg: KernelConfig) -> KernelFastPaths:
         from .manager import KernelFastPaths
@@ -108,6 +115,10 @@ class ProxyKernel:
 
             self.splicer = Splicer()
         self.splice_on = self.splicer.available()
+        if self.splice_on and self.watch is None:
+            from .tunnel import HangupWatch
+
+            self.watch = HangupWatch()
         if not self.splice_on:
             self._tell("unavailable", "kernel: splice_tunnels: the kernel path is unavailable "
                        f"({self.splicer.reason}); tunnels are copied in user space")

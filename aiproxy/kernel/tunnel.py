@@ -8,8 +8,12 @@ in user space. :class:`TunnelSplice` moves them into sk_splice:
    path before this point, and the splice waits until both write buffers are empty,
    so those bytes are in the kernel's send queues ahead of anything spliced;
 2. both sockets go into the sockhash (what arrived meanwhile is handed to the verdict
-   program in order by the splicer's nudge) and reading resumes: from now on the
-   transports see nothing but EOF or errors, the kernel carries the bytes;
+   program in order by the splicer's nudge) and the kernel carries the bytes. The
+   transports stay paused: the kernel still wakes readers for every redirected skb, so
+   a reading transport would pay a wakeup and an empty read() per skb. Instead
+   :class:`HangupWatch` waits for EPOLLRDHUP/ERR/HUP only (those wakeups are filtered
+   in the kernel), then resumes that transport, which reads the EOF or the error and
+   drives the usual protocol callbacks;
 3. on EOF from one side, :meth:`after_flush` waits until the kernel has put every byte
    it redirected from that side into the peer's send queue before the caller
    half-closes the peer (a shutdown before that would lose the tail);
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -39,15 +44,57 @@ DOWN_TO_UP = 1  # after_flush: client -> upstream bytes
 UP_TO_DOWN = 2  # upstream -> client bytes
 BOTH = DOWN_TO_UP | UP_TO_DOWN
 
+TCP_ESTABLISHED = 1  # tcpi_state
 POLL_S = 0.001
 FLUSH_TIMEOUT_S = 10.0
 
 _DRAINING, _SPLICED, _COPYING, _RELEASED = range(4)
 
 
+class HangupWatch:
+    """One epoll set for the process, registered with the loop: calls back once when a
+    socket's peer half-closes or the socket fails. Not woken by incoming data."""
+
+    EVENTS = select.EPOLLRDHUP | select.EPOLLERR | select.EPOLLHUP
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.epoll = select.epoll()
+        self.callbacks: dict[int, Callable[[], Any]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+            callback: Callable[[], Any]) -> None:
+        if self.loop is None:
+            self.loop = loop
+            loop.add_reader(self.epoll.fileno(), self._ready)
+        self.epoll.register(sock.fileno(), self.EVENTS)
+        self.callbacks[sock.fileno()] = callback
+
+    def discard(self, sock: socket.socket) -> None:
+        if self.callbacks.pop(sock.fileno(), None) is not None:
+            self.epoll.unregister(sock.fileno())
+
+    def _ready(self) -> None:
+        for fd, _events in self.epoll.poll(0):
+            callback = self.callbacks.pop(fd, None)
+            if callback is not None:
+                self.epoll.unregister(fd)
+                callback()
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.remove_reader(self.epoll.fileno())
+        self.epoll.close()
+        self.callbacks.clear()
+
+
 def _dup_socket(transport: asyncio.Transport) -> socket.socket:
     """A socket object of our own for the transport's socket (the loop keeps its fd)."""
     return socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+
+
+def _established(sock: socket.socket) -> bool:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_ESTABLISHED
 
 
 class TunnelSplice:
@@ -82,6 +129,11 @@ class TunnelSplice:
                 return
             try:
                 self.socks = (_dup_socket(down), _dup_socket(up))
+                if not all(map(_established, self.socks)):
+                    # A side already half-closed (e.g. the client's FIN came with its
+                    # request): the kernel only splices established sockets. Copy it.
+                    self._close_socks()
+                    return
                 self.pair = self.kernel.splicer.splice(*self.socks)
             except (BPFError, OSError) as exc:
                 self._close_socks()
@@ -89,14 +141,17 @@ class TunnelSplice:
                 return
             self.state = _SPLICED
             self.kernel.tunnels_spliced += 1
+            for sock, t in zip(self.socks, (down, up), strict=True):
+                # The transport reads the EOF or the error once there is one.
+                self.kernel.watch.add(self.loop, sock, t.resume_reading)
         finally:
             self.task = None
             if self.state == _DRAINING:
                 self.state = _COPYING
                 self.kernel.tunnels_copied += 1
-            for t in (down, up):
-                if not t.is_closing():
-                    t.resume_reading()  # spliced: only EOF and errors reach the loop now
+                for t in (down, up):
+                    if not t.is_closing():
+                        t.resume_reading()
 
     def after_flush(self, which: int, callback: Callable[[], Any]) -> None:
         """Call ``callback`` once the bytes the kernel redirected in direction(s) ``which``
@@ -154,7 +209,10 @@ class TunnelSplice:
         self._close_socks()
 
     def _close_socks(self) -> None:
+        watch = self.kernel.watch
         for s in self.socks:
+            if watch is not None:
+                watch.discard(s)
             s.close()
         self.socks = ()
 

@@ -205,19 +205,29 @@ def test_websocket_100mib_both_ways(start_proxy, mode, record_property):
 
 
 class RawUpgradeServer:
-    """Answers one Upgrade request with a 101 followed, in the same write, by `early`;
-    then runs `script(conn)` on the raw socket."""
+    """Answers `conns` Upgrade requests (one after the other) with a 101 followed, in
+    the same write, by `early`; then runs `script(conn, rest, result)` on the raw socket."""
 
-    def __init__(self, early: bytes, script) -> None:
+    def __init__(self, early: bytes, script, conns: int = 1, delay_101: float = 0.0) -> None:
+        self.delay_101 = delay_101
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.early = early
         self.script = script
-        self.result: dict = {}
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.results: list[dict] = []
+        self.thread = threading.Thread(target=self._run, args=(conns,), daemon=True)
         self.thread.start()
 
-    def _run(self) -> None:
+    @property
+    def result(self) -> dict:
+        return self.results[-1]
+
+    def _run(self, conns: int) -> None:
+        for _ in range(conns):
+            self.results.append({})
+            self._one()
+
+    def _one(self) -> None:
         conn, _ = self.sock.accept()
         conn.settimeout(30)
         head = b""
@@ -225,6 +235,7 @@ class RawUpgradeServer:
             head += conn.recv(4096)
         head, rest = head.split(b"\r\n\r\n", 1)
         self.result["head"] = head
+        time.sleep(self.delay_101)
         conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
                      b"Upgrade: raw-test\r\n\r\n" + self.early)
         try:
@@ -358,5 +369,49 @@ def test_upstream_reset_tears_down_both(start_proxy, mode):
         assert wait_for(lambda: open_fds(proxy.proc.pid) <= fds_before)
         m = tunnel_metrics(admin)
         assert m["active"] == 0 and m[mode] == 1, m
+    finally:
+        server.sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_client_half_close_while_upstream_streams(start_proxy, mode):
+    """The client says a little and half-closes right after the 101 while the upstream
+    streams 32 MiB: its FIN reaches the proxy while the kernel still queues upstream
+    bytes for the client (an empty FIN skb in that queue used to break the pipe and drop
+    the rest). Three times, then once with the FIN sent along with the request (before
+    the 101: that socket is no longer established, so the tunnel is copied)."""
+    size = 32 * MiB
+    blocks = [os.urandom(MiB) for _ in range(4)]
+    want = hashlib.sha256(b"".join(blocks[i % 4] for i in range(size // MiB))).hexdigest()
+
+    def script(conn, rest, result):
+        for i in range(size // MiB):
+            conn.sendall(blocks[i % 4])
+        conn.shutdown(socket.SHUT_WR)
+        result["got"] = read_all(conn, rest)
+
+    # The 101 waits a little, so the early FIN surely arrives before it.
+    server = RawUpgradeServer(b"", script, conns=4, delay_101=0.05)
+    try:
+        proxy, admin = start(start_proxy, mode, server.port)
+        for attempt in range(4):
+            early_fin = attempt == 3
+            c = upgrade_request(proxy.port, b"hello" if early_fin else b"")
+            if early_fin:
+                c.shutdown(socket.SHUT_WR)
+            rest = read_101(c)
+            if not early_fin:
+                time.sleep(0.05)  # spliced by now; the upstream's stream is under way
+                c.sendall(b"hello")
+                c.shutdown(socket.SHUT_WR)
+            got = read_all(c, rest)
+            c.close()
+            assert len(got) == size and hashlib.sha256(got).hexdigest() == want, (
+                f"attempt {attempt}: {len(got)} of {size} bytes")
+        server.close()
+        assert [r["got"] for r in server.results] == [b"hello"] * 4
+        assert wait_for(lambda: tunnel_metrics(admin)["active"] == 0)
+        m = tunnel_metrics(admin)
+        assert (m["spliced"], m["copied"]) == ((3, 1) if mode == "spliced" else (0, 4)), m
     finally:
         server.sock.close()
