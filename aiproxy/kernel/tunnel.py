@@ -47,6 +47,7 @@ BOTH = DOWN_TO_UP | UP_TO_DOWN
 TCP_ESTABLISHED = 1  # tcpi_state
 POLL_S = 0.001
 FLUSH_TIMEOUT_S = 10.0
+FLUSH_POLL_MAX_S = 0.02
 
 _DRAINING, _SPLICED, _COPYING, _RELEASED = range(4)
 
@@ -169,6 +170,7 @@ class TunnelSplice:
     async def _after_flush(self, which: int, callback: Callable[[], Any]) -> None:
         deadline = self.loop.time() + FLUSH_TIMEOUT_S
         splicer = self.kernel.splicer
+        delay = POLL_S
         while self.state == _SPLICED:
             ab, ba = splicer.unflushed(self.pair)
             left = (ab if which & DOWN_TO_UP else 0) + (ba if which & UP_TO_DOWN else 0)
@@ -178,7 +180,11 @@ class TunnelSplice:
                 log.warning("spliced tunnel: %d bytes still queued in the kernel after %.0f s",
                             left, FLUSH_TIMEOUT_S)
                 break
-            await asyncio.sleep(POLL_S)
+            # Each check locks both sockets (TCP_INFO, SIOCOUTQ), and whoever releases a
+            # socket lock processes the packets that queued meanwhile: polling fast
+            # would move the kernel's copying work into this process.
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, FLUSH_POLL_MAX_S)
         if self.state == _SPLICED:
             callback()
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +23,9 @@ from websockets.sync.server import serve as ws_serve
 
 from aiproxy.kernel.splice import Splicer
 from tests.conftest import simple_config
+from tests.h2_support import make_pki
 from tests.kernel.conftest import bpf_skip_reason
-from tests.support import free_port, wait_port
+from tests.support import free_port, process_log, wait_port
 from tests.test_operations import admin_block, scrape
 
 MiB = 1 << 20
@@ -415,3 +418,30 @@ def test_client_half_close_while_upstream_streams(start_proxy, mode):
         assert (m["spliced"], m["copied"]) == ((3, 1) if mode == "spliced" else (0, 4)), m
     finally:
         server.sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_tls_listener_tunnels_are_copied_and_logged_once(start_proxy, demo_upstream, tmp_path):
+    """The kernel cannot splice TLS: with splice_tunnels on, wss tunnels still work,
+    copied in user space, and the proxy says why once."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl")
+    reason = splice_reason()
+    if reason:
+        pytest.skip(f"socket splicing unavailable: {reason}")
+    pki = make_pki(tmp_path / "pki")
+    admin = free_port()
+    proxy = start_proxy(
+        simple_config(demo_upstream) + admin_block(admin) + "\n[kernel]\nsplice_tunnels = true\n",
+        listener_extra=f'tls = {{ cert = "{pki.cert}", key = "{pki.key}" }}')
+    wait_port("127.0.0.1", admin)
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    for i in range(2):
+        with ws_connect(f"wss://127.0.0.1:{proxy.port}/ws", ssl=ctx, compression=None,
+                        open_timeout=10) as ws:
+            ws.send(f"over tls {i}")
+            assert ws.recv(timeout=10) == f"over tls {i}"
+    m = tunnel_metrics(admin)
+    assert (m["spliced"], m["copied"]) == (0, 2), m
+    log = process_log(proxy.proc)
+    assert log.count("tunnels over TLS are copied") == 1, log
