@@ -180,9 +180,8 @@ class TunnelSplice:
                 log.warning("spliced tunnel: %d bytes still queued in the kernel after %.0f s",
                             left, FLUSH_TIMEOUT_S)
                 break
-            # Each check locks both sockets (TCP_INFO, SIOCOUTQ), and whoever releases a
-            # socket lock processes the packets that queued meanwhile: polling fast
-            # would move the kernel's copying work into this process.
+            # The kernel may still hold megabytes for a slow reader; each check takes
+            # both socket locks and a few syscalls, so back off instead of spinning.
             await asyncio.sleep(delay)
             delay = min(delay * 2, FLUSH_POLL_MAX_S)
         if self.state == _SPLICED:
