@@ -34,6 +34,14 @@ int sk_splice_verdict(struct __sk_buff *skb)
 	struct splice_peer *peer = bpf_map_lookup_elem(&splice_peers, &cookie);
 	__u64 to;
 
+	/* A FIN that arrives without data comes as an empty skb. Redirected, the peer's
+	 * send backlog gets 0 from skb_send_sock() and breaks the peer with EPIPE; passed
+	 * while this socket's own redirect queue is busy, it is queued behind it and breaks
+	 * this socket the same way (the rest of the stream is then dropped). It carries
+	 * nothing: TCP has already marked the socket shut for reading, so recv() returns
+	 * 0 and poll() reports RDHUP without it. */
+	if (skb->len == 0)
+		return SK_DROP;
 	if (!peer)
 		return SK_PASS;
 	to = peer->peer;

@@ -143,6 +143,35 @@ class Splicer:
             out.append(SplicePeer.from_buffer_copy(raw).bytes if raw else 0)
         return out[0], out[1]
 
+    def unflushed(self, pair: SplicedPair) -> tuple[int, int]:
+        """(bytes a->b, bytes b->a) the kernel has redirected but not yet put into the
+        peer's send queue; (0, 0) once a socket is gone. Non-blocking (for event loops)."""
+        ab, ba = self.redirected(pair)
+        try:
+            return (max(0, ab - (bytes_written(pair.b) - pair.written_b)),
+                    max(0, ba - (bytes_written(pair.a) - pair.written_a)))
+        except OSError:
+            return 0, 0
+
+    def release(self, pair: SplicedPair) -> tuple[int, int]:
+        """Take both sockets out of the kernel path now (no waiting); returns the bytes
+        the kernel redirected (a->b, b->a). Safe to call twice."""
+        with self._lock:
+            if pair.cookie_a not in self._pairs:
+                return 0, 0
+            counts = self.redirected(pair)
+            self._forget(pair)
+            return counts
+
+    @property
+    def active(self) -> int:
+        """Socket pairs spliced now."""
+        return len(self._pairs)
+
+    def pairs(self) -> list[SplicedPair]:
+        with self._lock:
+            return list(self._pairs.values())
+
     def wait_flushed(self, pair: SplicedPair, timeout: float = 5.0) -> bool:
         """Wait until every redirected byte has entered its peer's send queue."""
         deadline = time.monotonic() + timeout

@@ -32,6 +32,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError
+from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
@@ -121,7 +122,7 @@ class Exchange:
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
-        "trace_id", "identity", "llm", "done_filters",
+        "trace_id", "identity", "llm", "done_filters", "splice",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -160,6 +161,7 @@ class Exchange:
         self.req_done_at = now
         self.tunnel = False
         self.tunnel_up_eof = False
+        self.splice: Any = None  # aiproxy.kernel.tunnel.TunnelSplice of a spliced tunnel
         self.t_start = now
         self.grpc = False
         self.deadline_at = INFINITY
@@ -1053,6 +1055,7 @@ class Exchange:
             return
         self.client_lost = True
         self.finished = True
+        self._unsplice()
         self._drop_upstream()
         self._report()
 
@@ -1072,6 +1075,12 @@ class Exchange:
             return
         self.tunnel = True
         self.down.start_tunnel(resp, upgrade)
+        kernel = getattr(self.down.server, "kernel", None)
+        up = self.upstream
+        if kernel is not None and up is not None and up.transport is not None:
+            # [kernel] splice_tunnels: bytes flow socket to socket in the kernel from here
+            # (after what was read in user space has been written); None: copied below.
+            self.splice = kernel.splice_tunnel(self.loop, self.down.transport, up.transport)
 
     def tunnel_from_client(self, data: bytes) -> None:
         up = self.upstream
@@ -1081,19 +1090,41 @@ class Exchange:
     def on_upstream_tunnel_data(self, data: bytes) -> None:
         self.down.tunnel_write(data)
 
+    # A spliced tunnel acts on an EOF only once the kernel has written out what it
+    # redirected before it (a half-close or close earlier would cut the stream short).
+
     def on_upstream_tunnel_eof(self) -> None:
+        if self.splice is not None:
+            self.splice.after_flush(UP_TO_DOWN, self._upstream_tunnel_eof)
+        else:
+            self._upstream_tunnel_eof()
+
+    def _upstream_tunnel_eof(self) -> None:
         self.tunnel_up_eof = True
         if not self.down.tunnel_eof():
             self._close_tunnel()  # both directions are done
 
     def tunnel_client_eof(self) -> None:
+        if self.splice is not None:
+            self.splice.after_flush(DOWN_TO_UP, self._client_tunnel_eof)
+        else:
+            self._client_tunnel_eof()
+
+    def _client_tunnel_eof(self) -> None:
         up = self.upstream
         if self.tunnel_up_eof or up is None or not up.tunnel_eof():
             self._close_tunnel()  # both directions are done
 
     def _close_tunnel(self) -> None:
+        if self.splice is not None:
+            self.splice.after_flush(BOTH, self._close_tunnel_now)
+        else:
+            self._close_tunnel_now()
+
+    def _close_tunnel_now(self) -> None:
         # After EOF both ways nothing else closes the sockets (eof_received returned True
         # to keep each half open), so close both here; close() still flushes queued bytes.
+        self._unsplice()
         up = self.upstream
         self.upstream = None
         self.finished = True
@@ -1103,10 +1134,18 @@ class Exchange:
         self.down.close()
 
     def on_upstream_tunnel_closed(self) -> None:
+        self._unsplice()
         self.upstream = None
         self.finished = True
         self._report()
         self.down.close()
+
+    def _unsplice(self) -> None:
+        """Take a spliced tunnel's sockets out of the kernel maps (either side is done)."""
+        splice = self.splice
+        if splice is not None:
+            self.splice = None
+            splice.release()
 
     # -- endings --------------------------------------------------------------------
 

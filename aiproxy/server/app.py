@@ -14,6 +14,7 @@ import uvloop
 
 from aiproxy.admin.server import AdminServer
 from aiproxy.config import Config, ConfigError, ListenerConfig, load_config
+from aiproxy.kernel.lifecycle import KernelStartError, ProxyKernel
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
 from aiproxy.semantic.classifier import ModelError
@@ -43,8 +44,12 @@ class ProxyServer:
         self.telemetry = Telemetry(self.metrics, self.access_log)
         self.admin: AdminServer | None = None
         self.reload_lock = asyncio.Lock()
+        self.kernel = ProxyKernel(config.source)
 
     async def start(self) -> None:
+        # [kernel]: XDP/TC attached, splicing ready. In a thread: pyroute2 runs its own
+        # event loop, which cannot start inside this one.
+        await self.loop.run_in_executor(None, self.kernel.start, self.config.kernel)
         for listener in self.config.listeners:
             factory, ctx = self._factory(listener)
             server = await self.loop.create_server(
@@ -70,7 +75,9 @@ class ProxyServer:
                 config = await self.loop.run_in_executor(None, load_config, self.config.source)
                 model = await self.loop.run_in_executor(None, load_intent_model, config,
                                                         self.runtime)
-            except (ConfigError, ModelError) as exc:
+                # Maps in place, no detach; the old state is kept on error.
+                await self.loop.run_in_executor(None, self.kernel.reload, config.kernel)
+            except (ConfigError, ModelError, KernelStartError) as exc:
                 self.metrics.reload_failures += 1
                 self.metrics.last_reload_ok = 0
                 log.error("reload rejected, keeping the running config:\n%s", exc)
@@ -114,6 +121,7 @@ class ProxyServer:
         if self.admin is not None:
             await self.admin.stop()
         self.runtime.close()
+        await self.loop.run_in_executor(None, self.kernel.stop)  # nothing stays attached
         if self.access_log is not None:
             self.access_log.close()
 
@@ -195,6 +203,10 @@ async def serve(config: Config) -> int:
         log.error("cannot bind listener: %s", exc)
         await server.stop(0)
         return 1
+    except KernelStartError as exc:
+        log.error("%s", exc)
+        await server.stop(0)
+        return 2
     if config.server.workers > 1:
         log.warning("workers = %d: multi-process mode is not implemented yet; running one "
                     "process", config.server.workers)

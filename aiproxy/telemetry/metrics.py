@@ -17,6 +17,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
+from aiproxy.telemetry.kernel_metrics import kernel_families
+
 if TYPE_CHECKING:
     from aiproxy.server.app import ProxyServer
 
@@ -129,6 +131,9 @@ class ProxyCollector:
             yield CounterMetricFamily("aiproxy_semantic_failures",
                                       "Classifications that failed (routed without intent)",
                                       value=sem.failures)
+        kernel = getattr(server, "kernel", None)
+        if kernel is not None:
+            yield from kernel_families(kernel)
         yield CounterMetricFamily("aiproxy_config_reloads", "Successful config reloads",
                                   value=m.reloads)
         yield CounterMetricFamily("aiproxy_config_reload_failures", "Rejected config reloads",

@@ -1,0 +1,174 @@
+"""The kernel fast paths of one proxy process, driven by the server's lifecycle.
+
+    kernel = ProxyKernel(config.source)
+    kernel.start(config.kernel)      # load + attach; KernelStartError if that fails
+    kernel.reload(new.kernel)        # maps in place, no detach; KernelStartError (old
+                                     # state kept) if the new [kernel] cannot be applied
+    kernel.splice_tunnel(loop, down_transport, up_transport)   # per Upgrade tunnel
+    kernel.stop()                    # detach everything, unload
+
+XDP/TC (``interfaces``) are an explicit request: failing to load or attach them is an
+error at start. ``splice_tunnels`` is an optimisation: when the kernel path is not
+available (not root, bpf() refused, objects not built) or cannot apply (a TLS
+connection), tunnels are copied in user space and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from aiproxy.config.schema import KernelConfig
+
+from .libbpf import BPFError
+
+if TYPE_CHECKING:
+    from .manager import KernelFastPaths
+    from .splice import Splicer
+    from .tunnel import HangupWatch, TunnelSplice
+
+log = logging.getLogger("aiproxy.kernel")
+
+
+class KernelStartError(Exception):
+    """The configured kernel fast paths cannot be loaded or attached (message says why:
+    the program, the interface, the verifier log)."""
+
+
+class ProxyKernel:
+    def __init__(self, source: str = "") -> None:
+        self.source = source
+        self.cfg = KernelConfig()
+        self.fast: KernelFastPaths | None = None
+        self.splicer: Splicer | None = None
+        self.splice_on = False  # splice_tunnels configured and the kernel path works
+        self.tunnels_spliced = 0
+        self.tunnels_copied = 0
+        self.spliced_bytes = 0  # of released tunnels; live ones are read from the map
+        self.watch: HangupWatch | None = None
+        self._told: set[str] = set()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self, cfg: KernelConfig) -> None:
+        self.cfg = cfg
+        if cfg.interfaces:
+            self.fast = self._start_fast(cfg)
+        self._set_splice(cfg.splice_tunnels)
+
+    def reload(self, cfg: KernelConfig) -> None:
+        """Apply a new [kernel]: on failure the running programs and maps stay as they
+        were and KernelStartError says why."""
+        old, fast = self.cfg, self.fast
+        if cfg.interfaces and fast is None:
+            self.fast = self._start_fast(cfg)
+        elif fast is not None and not cfg.interfaces:
+            fast.stop()
+            self.fast = None
+        elif fast is not None:
+            try:
+                fast.reload(cfg)
+            except (BPFError, ValueError) as exc:
+                try:
+                    fast.reload(old)
+                except (BPFError, ValueError) as again:
+                    log.error("kernel: restoring the previous [kernel] failed too: %s", again)
+                raise KernelStartError(f"{self.source}: [kernel]: {exc}") from None
+        self.cfg = cfg
+        self._set_splice(cfg.splice_tunnels)
+
+    def stop(self) -> None:
+        if self.fast is not None:
+            self.fast.stop()
+            self.fast = None
+        if self.splicer is not None:
+            self.splicer.close()
+            self.splicer = None
+        self.splice_on = False
+        if self.watch is not None:
+            watch, self.watch = self.watch, None
+            if watch.loop is not None:
+                watch.loop.call_soon_threadsafe(watch.close)
+            else:
+                watch.close()
+
+    def _start_fast(self, cfg: KernelConfig) -> KernelFastPaths:
+        from .manager import KernelFastPaths
+
+        fast = KernelFastPaths(cfg)
+        try:
+            attached = fast.start()
+        except (BPFError, ValueError) as exc:
+            raise KernelStartError(f"{self.source}: [kernel]: {exc}") from None
+        for ifname, what in attached.items():
+            log.info("kernel: %s: xdp_guard (%s)%s", ifname, what.get("xdp"),
+                     ", tc_classify ingress+egress" if what.get("tc") else "")
+        return fast
+
+    def _set_splice(self, wanted: bool) -> None:
+        if not wanted:
+            self.splice_on = False
+            return
+        if self.splicer is None:
+            from .splice import Splicer
+
+            self.splicer = Splicer()
+        self.splice_on = self.splicer.available()
+        if self.splice_on and self.watch is None:
+            from .tunnel import HangupWatch
+
+            self.watch = HangupWatch()
+        if not self.splice_on:
+            self._tell("unavailable", "kernel: splice_tunnels: the kernel path is unavailable "
+                       f"({self.splicer.reason}); tunnels are copied in user space")
+
+    def _tell(self, key: str, message: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            log.warning("%s", message)
+
+    # -- tunnels ---------------------------------------------------------------------
+
+    def splice_tunnel(self, loop: asyncio.AbstractEventLoop, down: asyncio.Transport,
+                      up: asyncio.Transport) -> TunnelSplice | None:
+        """Start splicing a tunnel whose 101 has just been forwarded; None when it stays
+        on the copy path."""
+        if not self.splice_on:
+            self.tunnels_copied += 1
+            return None
+        if down.get_extra_info("sslcontext") is not None or (
+                up.get_extra_info("sslcontext") is not None):
+            self._tell("tls", "kernel: splice_tunnels: tunnels over TLS are copied in user "
+                       "space (the kernel cannot splice encrypted streams)")
+            self.tunnels_copied += 1
+            return None
+        from .tunnel import TunnelSplice
+
+        return TunnelSplice(self, loop, down, up)
+
+    def splice_failed(self, exc: Exception) -> None:
+        self._tell("failed", f"kernel: splicing a tunnel failed ({exc}); copying it in user "
+                   "space (logged once)")
+
+    # -- read back (metrics) ---------------------------------------------------------
+
+    def counters(self) -> dict[str, dict]:
+        """XDP/TC counters from the maps (empty when not attached)."""
+        return self.fast.counters() if self.fast is not None else {}
+
+    def attached(self) -> dict[str, dict]:
+        return dict(self.fast.attached) if self.fast is not None else {}
+
+    def splice_stats(self) -> dict[str, int]:
+        live = active = 0
+        if self.splicer is not None:
+            active = self.splicer.active
+            for pair in self.splicer.pairs():
+                ab, ba = self.splicer.redirected(pair)
+                live += ab + ba
+        return {"spliced": self.tunnels_spliced, "copied": self.tunnels_copied,
+                "bytes": self.spliced_bytes + live, "active": active}
+
+
+__all__ = ["ProxyKernel", "KernelStartError"]

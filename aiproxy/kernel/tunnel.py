@@ -1,0 +1,225 @@
+"""The kernel splice of one proxied tunnel (an Upgrade after its 101), on the event loop.
+
+The Exchange has two asyncio transports (client and upstream) that so far copied bytes
+in user space. :class:`TunnelSplice` moves them into sk_splice:
+
+1. both transports stop reading; bytes already read in user space (the client's bytes
+   after the upgrade request, the upstream's after its 101) were written by the copy
+   path before this point, and the splice waits until both write buffers are empty,
+   so those bytes are in the kernel's send queues ahead of anything spliced;
+2. both sockets go into the sockhash (what arrived meanwhile is handed to the verdict
+   program in order by the splicer's nudge) and the kernel carries the bytes. The
+   transports stay paused: the kernel still wakes readers for every redirected skb, so
+   a reading transport would pay a wakeup and an empty read() per skb. Instead
+   :class:`HangupWatch` waits for EPOLLRDHUP/ERR/HUP only (those wakeups are filtered
+   in the kernel), then resumes that transport, which reads the EOF or the error and
+   drives the usual protocol callbacks;
+3. on EOF from one side, :meth:`after_flush` waits until the kernel has put every byte
+   it redirected from that side into the peer's send queue before the caller
+   half-closes the peer (a shutdown before that would lose the tail);
+4. :meth:`release` (both sides done, or one lost) takes the pair out of the maps.
+
+If any step fails the tunnel simply stays on the copy path (reading resumes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import select
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .libbpf import BPFError
+
+if TYPE_CHECKING:
+    from .lifecycle import ProxyKernel
+    from .splice import SplicedPair
+
+log = logging.getLogger("aiproxy.kernel")
+
+DOWN_TO_UP = 1  # after_flush: client -> upstream bytes
+UP_TO_DOWN = 2  # upstream -> client bytes
+BOTH = DOWN_TO_UP | UP_TO_DOWN
+
+TCP_ESTABLISHED = 1  # tcpi_state
+POLL_S = 0.001
+FLUSH_TIMEOUT_S = 10.0
+FLUSH_POLL_MAX_S = 0.02
+
+_DRAINING, _SPLICED, _COPYING, _RELEASED = range(4)
+
+
+class HangupWatch:
+    """One epoll set for the process, registered with the loop: calls back once when a
+    socket's peer half-closes or the socket fails. Not woken by incoming data."""
+
+    EVENTS = select.EPOLLRDHUP | select.EPOLLERR | select.EPOLLHUP
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.epoll = select.epoll()
+        self.callbacks: dict[int, Callable[[], Any]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+            callback: Callable[[], Any]) -> None:
+        if self.loop is None:
+            self.loop = loop
+            loop.add_reader(self.epoll.fileno(), self._ready)
+        self.epoll.register(sock.fileno(), self.EVENTS)
+        self.callbacks[sock.fileno()] = callback
+
+    def discard(self, sock: socket.socket) -> None:
+        if self.callbacks.pop(sock.fileno(), None) is not None:
+            self.epoll.unregister(sock.fileno())
+
+    def _ready(self) -> None:
+        for fd, _events in self.epoll.poll(0):
+            callback = self.callbacks.pop(fd, None)
+            if callback is not None:
+                self.epoll.unregister(fd)
+                callback()
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.remove_reader(self.epoll.fileno())
+        self.epoll.close()
+        self.callbacks.clear()
+
+
+def _dup_socket(transport: asyncio.Transport) -> socket.socket:
+    """A socket object of our own for the transport's socket (the loop keeps its fd)."""
+    return socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+
+
+def _established(sock: socket.socket) -> bool:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_ESTABLISHED
+
+
+class TunnelSplice:
+    __slots__ = ("kernel", "loop", "down", "up", "pair", "socks", "task", "state", "waiters")
+
+    def __init__(self, kernel: ProxyKernel, loop: asyncio.AbstractEventLoop,
+                 down: asyncio.Transport, up: asyncio.Transport) -> None:
+        self.kernel = kernel
+        self.loop = loop
+        self.down = down
+        self.up = up
+        self.pair: SplicedPair | None = None
+        self.socks: tuple[socket.socket, ...] = ()
+        self.state = _DRAINING
+        self.waiters: set[asyncio.Task] = set()
+        down.pause_reading()
+        up.pause_reading()
+        self.task: asyncio.Task | None = loop.create_task(self._splice())
+
+    @property
+    def spliced(self) -> bool:
+        return self.state == _SPLICED
+
+    async def _splice(self) -> None:
+        down, up = self.down, self.up
+        try:
+            while down.get_write_buffer_size() or up.get_write_buffer_size():
+                if down.is_closing() or up.is_closing():
+                    return
+                await asyncio.sleep(POLL_S)
+            if down.is_closing() or up.is_closing():
+                return
+            try:
+                self.socks = (_dup_socket(down), _dup_socket(up))
+                if not all(map(_established, self.socks)):
+                    # A side already half-closed (e.g. the client's FIN came with its
+                    # request): the kernel only splices established sockets. Copy it.
+                    self._close_socks()
+                    return
+                self.pair = self.kernel.splicer.splice(*self.socks)
+            except (BPFError, OSError) as exc:
+                self._close_socks()
+                self.kernel.splice_failed(exc)
+                return
+            self.state = _SPLICED
+            self.kernel.tunnels_spliced += 1
+            for sock, t in zip(self.socks, (down, up), strict=True):
+                # The transport reads the EOF or the error once there is one.
+                self.kernel.watch.add(self.loop, sock, t.resume_reading)
+        finally:
+            self.task = None
+            if self.state == _DRAINING:
+                self.state = _COPYING
+                self.kernel.tunnels_copied += 1
+                for t in (down, up):
+                    if not t.is_closing():
+                        t.resume_reading()
+
+    def after_flush(self, which: int, callback: Callable[[], Any]) -> None:
+        """Call ``callback`` once the bytes the kernel redirected in direction(s) ``which``
+        are in their peer's send queue; at once if the tunnel is not spliced. Not called
+        at all if the tunnel is released first (the exchange is over by then)."""
+        if self.state == _DRAINING:
+            self._stop_draining()
+        if self.state != _SPLICED:
+            callback()
+            return
+        task = self.loop.create_task(self._after_flush(which, callback))
+        self.waiters.add(task)
+        task.add_done_callback(self.waiters.discard)
+
+    async def _after_flush(self, which: int, callback: Callable[[], Any]) -> None:
+        deadline = self.loop.time() + FLUSH_TIMEOUT_S
+        splicer = self.kernel.splicer
+        delay = POLL_S
+        while self.state == _SPLICED:
+            ab, ba = splicer.unflushed(self.pair)
+            left = (ab if which & DOWN_TO_UP else 0) + (ba if which & UP_TO_DOWN else 0)
+            if not left:
+                break
+            if self.loop.time() >= deadline:
+                log.warning("spliced tunnel: %d bytes still queued in the kernel after %.0f s",
+                            left, FLUSH_TIMEOUT_S)
+                break
+            # The kernel may still hold megabytes for a slow reader; each check takes
+            # both socket locks and a few syscalls, so back off instead of spinning.
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, FLUSH_POLL_MAX_S)
+        if self.state == _SPLICED:
+            callback()
+
+    def _stop_draining(self) -> None:
+        task = self.task
+        if task is not None:
+            self.task = None
+            task.cancel()
+        self.state = _COPYING
+        self.kernel.tunnels_copied += 1
+        for t in (self.down, self.up):
+            if not t.is_closing():
+                t.resume_reading()
+
+    def release(self) -> None:
+        """Take the sockets out of the kernel path (idempotent; the caller closes them)."""
+        if self.state == _RELEASED:
+            return
+        if self.state == _DRAINING:
+            self._stop_draining()
+        self.state = _RELEASED
+        for task in list(self.waiters):
+            task.cancel()
+        if self.pair is not None:
+            ab, ba = self.kernel.splicer.release(self.pair)
+            self.kernel.spliced_bytes += ab + ba
+            self.pair = None
+        self._close_socks()
+
+    def _close_socks(self) -> None:
+        watch = self.kernel.watch
+        for s in self.socks:
+            if watch is not None:
+                watch.discard(s)
+            s.close()
+        self.socks = ()
+
+
+__all__ = ["TunnelSplice", "DOWN_TO_UP", "UP_TO_DOWN", "BOTH"]
