@@ -1182,7 +1182,8 @@ class Exchange:
         if pool is not None:
             pool.stats.in_flight -= 1
             tail = self.tok_tail
-            if tail is not None and self.t_first:
+            # With LLM accounting on (ex.llm), its filter feeds the TPM in done().
+            if tail is not None and self.t_first and self.llm is None:
                 m = USAGE_TOTAL.search(tail)
                 tokens = int(m.group(1)) if m is not None else self.resp_bytes // 4
                 pool.stats.add_tokens(tokens, self.loop.time())

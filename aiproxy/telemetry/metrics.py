@@ -129,6 +129,10 @@ class ProxyCollector:
             yield CounterMetricFamily("aiproxy_semantic_failures",
                                       "Classifications that failed (routed without intent)",
                                       value=sem.failures)
+        for state in server.runtime.filter_states.values():
+            collect = getattr(state, "collect", None)  # filter features' own families
+            if collect is not None:
+                yield from collect()
         yield CounterMetricFamily("aiproxy_config_reloads", "Successful config reloads",
                                   value=m.reloads)
         yield CounterMetricFamily("aiproxy_config_reload_failures", "Rejected config reloads",
