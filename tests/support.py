@@ -112,9 +112,11 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5) -> str:
 
 
 def start_demo_upstream(
-    name: str = "demo", token_delay_ms: float = 0, host: str = "127.0.0.1"
+    name: str = "demo", token_delay_ms: float = 0, host: str = "127.0.0.1",
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, int]:
-    """Start aiproxy.demo.upstream on a free port and wait until it accepts connections."""
+    """Start aiproxy.demo.upstream on a free port and wait until it accepts connections;
+    `extra`: more command-line arguments (e.g. ("--report-load", "60"))."""
     port = free_port(host)
     proc = start_process(
         [
@@ -127,6 +129,7 @@ def start_demo_upstream(
             name,
             "--token-delay-ms",
             str(token_delay_ms),
+            *extra,
         ]
     )
     try:

@@ -10,9 +10,11 @@ from __future__ import annotations
 from aiproxy.governance import tracing
 from aiproxy.llm import accounting
 from aiproxy.pipeline.filters import BuilderEntry
+from aiproxy.ratelimit import limiter
 
 BUILDERS: list[BuilderEntry] = [
     ("tracing", tracing.make_state, tracing.build),
     # audit, auth, policy, guard go here (governance)
     ("llm", accounting.make_state, accounting.build),
+    ("ratelimit", limiter.make_state, limiter.build),
 ]
