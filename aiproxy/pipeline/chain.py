@@ -7,6 +7,7 @@ nearest the upstream (so a cached answer still passes every filter in front of i
 
 from __future__ import annotations
 
+from aiproxy.cache import prompt
 from aiproxy.governance import tracing
 from aiproxy.llm import accounting
 from aiproxy.pipeline.filters import BuilderEntry
@@ -17,4 +18,5 @@ BUILDERS: list[BuilderEntry] = [
     # audit, auth, policy, guard go here (governance)
     ("llm", accounting.make_state, accounting.build),
     ("ratelimit", limiter.make_state, limiter.build),
+    ("cache", prompt.make_state, prompt.build),
 ]

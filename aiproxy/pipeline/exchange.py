@@ -117,7 +117,7 @@ class Exchange:
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
-        "trace_id", "identity", "llm", "done_filters",
+        "trace_id", "identity", "llm", "done_filters", "intent_decision",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -184,6 +184,7 @@ class Exchange:
         self.intent: str | None = None
         self.intent_domain: str | None = None
         self.intent_conf = 0.0
+        self.intent_decision: Any = None  # the model's Decision (with its embedding)
         self.t_classify = 0.0
         self.cluster: Cluster | None = None
         self.counted = False
@@ -292,6 +293,11 @@ class Exchange:
         if not text:
             self.t_classify = perf_counter() - t0
             return self._route()
+        cache = self.rt.decision_cache
+        if cache is not None:  # the embedding cache: a prompt seen before skips the model
+            decision = cache.decision_for(self, body)
+            if decision is not None:
+                return self._decided(decision, t0)
         if sem.batcher is not None:
             task = self.loop.create_task(sem.batcher.classify(text))
             task.add_done_callback(lambda t: self._classified(t, t0))
@@ -316,6 +322,7 @@ class Exchange:
 
     def _decided(self, decision: Any, t0: float) -> None:
         if decision is not None:
+            self.intent_decision = decision
             self.intent = decision.label
             self.intent_domain = decision.domain or None
             self.intent_conf = decision.confidence
