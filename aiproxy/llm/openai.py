@@ -30,6 +30,10 @@ _STREAM = re.compile(rb'"stream"\s*:\s*(true|false)')
 _MAX = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:\s*(\d{1,9})')
 _USAGE_FIELD = re.compile(
     rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d{1,12})')
+# Generated text in a stream chunk: chat delta content, completions text, Responses API
+# output_text delta (string values only; "delta":{...} objects do not match).
+_TEXT = re.compile(rb'"(?:content|text|delta)"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
 JSON_LIMIT = 1 << 20  # response bytes kept to read a JSON body's usage and text
 
 
@@ -215,6 +219,19 @@ class SseReader:
         if data == b"[DONE]":
             self.done = True
             return 0
+        if _HAS_USAGE.search(data) is None:
+            # The common chunk: its text strings read without decoding the whole event.
+            n = 0
+            for raw in _TEXT.findall(data):
+                if b"\\" in raw:
+                    try:
+                        n += len(json.loads(b'"' + raw + b'"').encode("utf-8"))
+                    except (ValueError, UnicodeError):
+                        n += len(raw)
+                else:
+                    n += len(raw)
+            self.text_bytes += n
+            return 1 if n else 0
         try:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError):
