@@ -140,6 +140,20 @@ def start_demo_upstream(
     return proc, port
 
 
+def start_redis_server(workdir: str | os.PathLike) -> tuple[subprocess.Popen, int]:
+    """A redis-server (Debian package) of the caller's own on a free loopback port, no
+    persistence; stop it with stop_process."""
+    port = free_port()
+    proc = start_process(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                          "--save", "", "--appendonly", "no", "--dir", str(workdir)])
+    try:
+        wait_port("127.0.0.1", port, proc=proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, port
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import simple_config
-from tests.support import free_port, start_process, stop_process, wait_port
+from tests.support import start_redis_server, stop_process
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed")
@@ -26,10 +26,7 @@ REDIS: dict[int, subprocess.Popen] = {}
 @pytest.fixture
 def redis_port(tmp_path) -> Iterator[int]:
     """A redis-server of this test's own on a free loopback port."""
-    port = free_port()
-    proc = start_process(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                          "--save", "", "--appendonly", "no", "--dir", str(tmp_path)])
-    wait_port("127.0.0.1", port, proc=proc)
+    proc, port = start_redis_server(tmp_path)
     REDIS[port] = proc
     yield port
     del REDIS[port]

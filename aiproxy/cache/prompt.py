@@ -22,6 +22,7 @@ if at least the threshold (same route, scope, model and stream mode); counted ap
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from aiproxy.cache.key import embedding_key, prompt_key, request_hash
+from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
 from aiproxy.llm.openai import endpoint_of
 from aiproxy.pipeline.filters import Filter, FilterFactory, ResponseHead, StoredResponse
@@ -114,6 +116,7 @@ class CacheState:
     def __init__(self, cfg: CacheConfig) -> None:
         self.cfg = cfg
         self.store = MemoryCache(cfg.max_bytes)
+        self.shared: Any = None  # a RedisCache with backend = "redis"
         self.decisions = MemoryCache(max(1024, cfg.max_bytes // 16))
         self.indexes: dict[tuple, SemanticIndex] = {}
         self.exact_hits = 0
@@ -125,8 +128,17 @@ class CacheState:
         self.ec_misses = 0
 
     def configure(self, cfg: CacheConfig) -> None:
+        old = self.cfg
         self.cfg = cfg
         self.store.max_bytes = cfg.max_bytes
+        same = (old.backend, old.redis_url, old.redis_timeout_ms) == (
+            cfg.backend, cfg.redis_url, cfg.redis_timeout_ms)
+        if cfg.backend == "redis" and (self.shared is None or not same):
+            from aiproxy.cache.redis_store import RedisCache
+
+            self.shared = RedisCache(cfg.redis_url, cfg.redis_timeout_ms / 1000)
+        elif cfg.backend != "redis":
+            self.shared = None
 
     # -- embedding cache (asked by the Exchange before classifying) --------------------
 
@@ -171,6 +183,10 @@ class CacheState:
         ec = self.ec_hits + self.ec_misses
         ratio.add_metric(["embedding"], self.ec_hits / ec if ec else 0.0)
         yield ratio
+        if self.shared is not None:
+            yield CounterMetricFamily("aiproxy_cache_backend_errors",
+                                      "Failed calls to the shared (Redis) cache",
+                                      value=self.shared.errors)
         yield GaugeMetricFamily("aiproxy_cache_bytes", "Bytes held by the prompt cache",
                                 value=self.store.size)
         yield GaugeMetricFamily("aiproxy_cache_entries", "Entries in the prompt cache",
@@ -209,25 +225,53 @@ class CacheFilter(Filter):
         if b"no-cache" in cc:
             state.misses += 1
             return None  # refresh the entry with the upstream's answer
+        if state.shared is not None:
+            return self._lookup_shared(ex)
         now = ex.loop.time()
         stored = state.store.get(self.key, now)
         if stored is not None:
-            state.exact_hits += 1
-            llm.cached = True
-            return stored.response(now, llm.stream)
-        threshold = cfg.semantic_threshold
-        decision = ex.intent_decision
-        vector = unit(decision.embedding) if decision is not None else None
-        if threshold is not None and vector is not None:
-            index = state.indexes.get(self.index_key)
-            found = index.nearest(vector) if index is not None else None
-            if found is not None and found[1] >= threshold:
-                stored = state.store.get(found[0], now)
-                if stored is not None:
-                    state.semantic_hits += 1
-                    llm.cached = True
-                    return stored.response(now, llm.stream)
+            return self._hit(ex, stored, now, False)
+        near = self._nearest(ex)
+        if near is not None:
+            stored = state.store.get(near, now)
+            if stored is not None:
+                return self._hit(ex, stored, now, True)
         state.misses += 1
+        return None
+
+    def _nearest(self, ex: Exchange) -> str | None:
+        """The prompt key of the most similar stored request, if similar enough."""
+        threshold = self.state.cfg.semantic_threshold
+        decision = ex.intent_decision
+        if threshold is None or decision is None:
+            return None
+        vector = unit(decision.embedding)
+        index = self.state.indexes.get(self.index_key)
+        if vector is None or index is None:
+            return None
+        found = index.nearest(vector)
+        return found[0] if found is not None and found[1] >= threshold else None
+
+    def _hit(self, ex: Exchange, stored: Stored, now: float, semantic: bool
+             ) -> StoredResponse:
+        if semantic:
+            self.state.semantic_hits += 1
+        else:
+            self.state.exact_hits += 1
+        ex.llm.cached = True
+        return stored.response(now, ex.llm.stream)
+
+    async def _lookup_shared(self, ex: Exchange) -> StoredResponse | None:
+        shared = self.state.shared
+        for key, semantic in ((self.key, False), (self._nearest(ex), True)):
+            if key is None:
+                continue
+            found = await shared.get(key)
+            if found is not None:
+                status, created, items, chunks = found
+                wall = time.time()
+                return self._hit(ex, Stored(status, items, chunks, created), wall, semantic)
+        self.state.misses += 1
         return None
 
     def response_head(self, ex: Exchange, resp: Any) -> Any:
@@ -263,8 +307,12 @@ class CacheFilter(Filter):
         state = self.state
         now = ex.loop.time()
         expires = now + state.cfg.ttl_ms / 1000
-        state.store.put(self.key, Stored(self.status, self.items, chunks, now), self.size,
-                        expires)
+        if state.shared is not None:  # entries carry wall-clock time: Age across hosts
+            state.shared.put(self.key, encode(self.status, time.time(), self.items, chunks),
+                             state.cfg.ttl_ms)
+        else:
+            state.store.put(self.key, Stored(self.status, self.items, chunks, now),
+                            self.size, expires)
         state.stored += 1
         decision = ex.intent_decision
         if decision is not None:  # co-warm the embedding cache under the same hash
@@ -294,10 +342,9 @@ def make_state(config: Config, previous: CacheState | None) -> CacheState | None
     cfg = config.cache
     if cfg is None:
         return None
-    if previous is not None:
-        previous.configure(cfg)
-        return previous
-    return CacheState(cfg)
+    state = previous if previous is not None else CacheState(cfg)
+    state.configure(cfg)
+    return state
 
 
 def build(config: Config, route: RouteConfig, state: CacheState) -> FilterFactory | None:

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 TOP_KEYS = ("llm", "ratelimits", "cache")
 BACKENDS = ("memory", "redis")
-CACHE_BACKENDS = ("memory",)
 BACKEND_ERRORS = ("open", "closed")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FIELDS = {cls: tuple(f for f in cls.__dataclass_fields__) for cls in
@@ -129,7 +128,7 @@ def cache(ck: _Checker, data: dict[str, Any]) -> CacheConfig | None:
             ck.error(path + ("semantic_threshold",), "expected a number in (0, 1]")
         else:
             values["semantic_threshold"] = float(t)
-    backend = _choice(ck, table, path, "backend", CACHE_BACKENDS)
+    backend = _choice(ck, table, path, "backend", BACKENDS)
     if backend is not None:
         values["backend"] = backend
     url = _redis_url(ck, table, path)
