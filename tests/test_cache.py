@@ -222,3 +222,27 @@ def test_semantic_threshold_keeps_dissimilar_prompts_apart(start_proxy, demo_ups
         _ask(c, url, "how much money is in my checking account")
         near = _ask(c, url, "what is the balance of my savings account")
     assert near.headers["x-aiproxy-cache"] == "miss"
+
+
+def test_h2c_accounting_and_cache(start_proxy, demo_upstream, tmp_path):
+    log = tmp_path / "access.log"
+    proxy = start_proxy(simple_config(demo_upstream)
+                        + f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n'
+                        + "\n[cache]\n", 'protocols = ["http1", "h2c"]')
+    url = f"{proxy.url}/v1/chat/completions"
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(http2=True, http1=False) as c:
+        plain = [c.post(url, json=CHAT) for _ in range(2)]
+        streamed = [c.post(url, json=body) for _ in range(2)]
+    assert plain[0].http_version == "HTTP/2"
+    assert [r.headers["x-aiproxy-cache"] for r in plain + streamed] == ["miss", "hit"] * 2
+    assert plain[1].content == plain[0].content
+    assert streamed[1].content == streamed[0].content
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(log.read_text().splitlines()) < 4:
+        time.sleep(0.02)
+    recs = [json.loads(x)["llm"] for x in log.read_text().splitlines()]
+    usage = plain[0].json()["usage"]
+    assert recs[0]["prompt_tokens"] == usage["prompt_tokens"] and not recs[0]["estimated"]
+    assert [r["cached"] for r in recs] == [False, True, False, True]
+    assert recs[2]["stream"] and not recs[2]["estimated"]

@@ -265,3 +265,30 @@ burst_requests = 2
         server.stop()
     assert codes[:2] == [grpc.StatusCode.OK] * 2
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes[2:]
+
+
+def test_buckets_survive_a_reload(start_proxy, demo_upstream):
+    import signal
+
+    admin = free_port()
+    limit = """
+[[ratelimits]]
+name = "rps"
+requests_per_second = 0.01
+burst_requests = 2
+"""
+    proxy = start_proxy(simple_config(demo_upstream)
+                        + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n' + limit)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        assert [c.post(url, json=_chat(2)).status_code for _ in range(3)] == [200, 200, 429]
+        text = proxy.config_path.read_text().replace("burst_requests = 2", "burst_requests = 3")
+        proxy.config_path.write_text(text)
+        proxy.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "aiproxy_config_reloads_total 1.0" not in httpx.get(
+                f"http://127.0.0.1:{admin}/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # the bucket kept its level (0 of 2): not refilled to the new burst of 3
+        assert c.post(url, json=_chat(2)).status_code == 429
