@@ -185,3 +185,36 @@ def test_tenant_label_cardinality_is_bounded(start_proxy, demo_upstream, tmp_pat
                if line.startswith("aiproxy_llm_requests_total{")}
     assert tenants == {"t0", "t1", "t2", "other"}
     assert _metric(metrics, "aiproxy_llm_requests_total", tenant="other") == 5
+
+
+def test_odd_usage_objects_are_ignored_not_fatal():
+    from aiproxy.llm.openai import usage_of
+
+    assert usage_of({"type": 5, "usage": None}) is None
+    assert usage_of({"usage": {"prompt_tokens": True, "completion_tokens": 1}}) is None
+    assert usage_of({"usage": {"prompt_tokens": -1, "completion_tokens": 1}}) is None
+    assert usage_of({"type": "response.completed",
+                     "response": {"usage": {"input_tokens": 3, "output_tokens": 4}}}) == (3, 4)
+    r = SseReader()
+    r.feed(b'data: {"type": 7, "usage": {"prompt_tokens": "x"}}\n\ndata: [1,2]\n\n')
+    assert r.usage is None and r.events == 2
+
+
+def test_llm_score_tpm_fed_from_accounting(start_proxy, demo_upstream):
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream, cluster_extra='balancer = "llm_score"')
+                        + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n[llm]\n')
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k")
+    total = 0
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.chat.completions.create(
+                model="demo-model", messages=MESSAGES, max_tokens=5, stream=True,
+                stream_options={"include_usage": True}))
+            total += chunks[-1].usage.total_tokens
+        else:
+            total += client.chat.completions.create(
+                model="demo-model", messages=MESSAGES, max_tokens=5).usage.total_tokens
+    clusters = httpx.get(f"http://127.0.0.1:{admin}/clusters").json()
+    text = json.dumps(clusters)
+    assert f'"tokens_per_minute": {float(total)}' in text, text

@@ -132,14 +132,17 @@ def usage_of(obj: Any) -> tuple[int, int] | None:
     if not isinstance(obj, dict):
         return None
     usage = obj.get("usage")
-    if not isinstance(usage, dict) and obj.get("type", "").startswith("response."):
+    kind = obj.get("type")
+    if not isinstance(usage, dict) and isinstance(kind, str) and kind.startswith("response."):
         resp = obj.get("response")
         usage = resp.get("usage") if isinstance(resp, dict) else None
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
-    if not isinstance(prompt, int) or not isinstance(completion, int):
+    if (not isinstance(prompt, int) or not isinstance(completion, int)
+            or isinstance(prompt, bool) or isinstance(completion, bool)
+            or prompt < 0 or completion < 0):
         return None
     return prompt, completion
 

@@ -928,7 +928,8 @@ class Exchange:
         if self.t_sent:
             stats.observe_ttfb((t_first - self.t_sent) * 1000, cluster.score_alpha)
         if cluster.track_tokens:
-            self.tok_tail = b""
+            if self.llm is None:  # else the LLM accounting filter counts the tokens
+                self.tok_tail = b""
             for name in LOAD_HEADERS:
                 value = resp.get(name)
                 if value is not None:
