@@ -112,9 +112,11 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5) -> str:
 
 
 def start_demo_upstream(
-    name: str = "demo", token_delay_ms: float = 0, host: str = "127.0.0.1"
+    name: str = "demo", token_delay_ms: float = 0, host: str = "127.0.0.1",
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, int]:
-    """Start aiproxy.demo.upstream on a free port and wait until it accepts connections."""
+    """Start aiproxy.demo.upstream on a free port and wait until it accepts connections;
+    `extra`: more command-line arguments (e.g. ("--report-load", "60"))."""
     port = free_port(host)
     proc = start_process(
         [
@@ -127,10 +129,25 @@ def start_demo_upstream(
             name,
             "--token-delay-ms",
             str(token_delay_ms),
+            *extra,
         ]
     )
     try:
         wait_port(host, port, proc=proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, port
+
+
+def start_redis_server(workdir: str | os.PathLike) -> tuple[subprocess.Popen, int]:
+    """A redis-server (Debian package) of the caller's own on a free loopback port, no
+    persistence; stop it with stop_process."""
+    port = free_port()
+    proc = start_process(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                          "--save", "", "--appendonly", "no", "--dir", str(workdir)])
+    try:
+        wait_port("127.0.0.1", port, proc=proc)
     except BaseException:
         stop_process(proc)
         raise

@@ -12,6 +12,7 @@ from collections.abc import Collection
 from datetime import date, datetime, time
 from typing import Any
 
+from . import llm_sections
 from .address import HOSTNAME, parse_address
 from .errors import ConfigError, Problem
 from .locate import KeyPath, Locator
@@ -46,7 +47,7 @@ UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin", "least_request", "ring_hash", "maglev", "llm_score")
 
 _TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes",
-             "kernel", "semantic", "tracing")
+             "kernel", "semantic", "tracing", *llm_sections.TOP_KEYS)
 _KERNEL_KEYS = tuple(f.name for f in dataclasses.fields(KernelConfig))
 _CLASS_KEYS = ("name", "ports", "payload", "dscp", "priority")
 XDP_MODES = ("auto", "native", "generic")
@@ -276,6 +277,9 @@ class _Checker:
             routes=self.routes(data, cluster_names),
             kernel=self.kernel(data, listeners),
             tracing=self.tracing(data),
+            llm=llm_sections.llm(self, data),
+            ratelimits=llm_sections.ratelimits(self, data),
+            cache=llm_sections.cache(self, data),
         )
 
     def listeners(self, data: dict[str, Any]) -> tuple[ListenerConfig, ...]:

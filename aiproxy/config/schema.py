@@ -268,6 +268,58 @@ class SemanticConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LlmConfig:
+    """`[llm]`: OpenAI-style request/response accounting (aiproxy/llm). On for every route
+    (or `routes`) when present, and wherever a rate limit or the cache needs it."""
+
+    inspect_bytes: int = _bounded(65_536, 256, 16 * 1024 * 1024)  # request body read
+    tenant_header: bytes | None = None  # tenant when no auth identity (else client IP)
+    max_tenants: int = _bounded(100, 1, 100_000)  # tenant labels in /metrics; more: "other"
+    max_models: int = _bounded(50, 1, 10_000)
+    routes: tuple[str, ...] = ()  # empty: every route
+
+
+RATELIMIT_KEYS = ("tenant", "route", "model")
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitConfig:
+    """A `[[ratelimits]]` entry: token buckets keyed per tenant (and route/model)."""
+
+    name: str
+    routes: tuple[str, ...] = ()  # empty: every route
+    key: tuple[str, ...] = ("tenant",)
+    requests_per_second: float = 0.0  # 0: no request bucket
+    burst_requests: int = _bounded(0, 0)  # bucket size; 0: one second's worth (at least 1)
+    tokens_per_minute: int = _bounded(0, 0)  # 0: no token bucket
+    burst_tokens: int = _bounded(0, 0)  # 0: one minute's worth
+    default_max_tokens: int = _bounded(256, 0)  # completion reserved when none is asked
+    watermark: bool = True  # scale by the cluster's backend-reported GPU memory load
+    max_wait_ms: int = _bounded(0, 0, 60_000)  # queueing between 50% and 80% load
+    max_queue: int = _bounded(1000, 0, 1_000_000)
+    backend: str = "memory"  # or "redis"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_ms: int = _bounded(250, 1, 60_000)
+    on_backend_error: str = "open"  # or "closed"
+    max_keys: int = _bounded(100_000, 1)  # in-process buckets kept (least recently used go)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """`[cache]`: exact prompt cache (and embedding/semantic caches) for `routes`."""
+
+    routes: tuple[str, ...] = ()  # empty: every route
+    ttl_ms: int = _bounded(300_000, 1)
+    max_bytes: int = _bounded(64 * 1024 * 1024, 1024)
+    max_entry_bytes: int = _bounded(1024 * 1024, 1)
+    shared: bool = False  # entries shared across identities (else scoped per tenant)
+    semantic_threshold: float | None = None  # cosine similarity for a semantic hit
+    backend: str = "memory"  # or "redis"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_ms: int = _bounded(250, 1, 60_000)
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     source: str
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -280,6 +332,9 @@ class Config:
     routes: tuple[RouteConfig, ...] = ()
     kernel: KernelConfig = field(default_factory=KernelConfig)
     tracing: TracingConfig | None = None
+    llm: LlmConfig | None = None
+    ratelimits: tuple[RateLimitConfig, ...] = ()
+    cache: CacheConfig | None = None
 
     def cluster_by_name(self, name: str) -> ClusterConfig:
         for cluster in self.clusters:

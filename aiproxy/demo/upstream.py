@@ -17,6 +17,9 @@ Endpoints (every response carries ``x-upstream: NAME``):
 - ``GET  /ws``                   WebSocket echo for text and binary messages.
 - ``GET  /healthz``              200 "ok".
 
+``--report-load PCT`` adds ``x-gpu-mem-used-pct: PCT`` to every response (the
+backend-reported load aiproxy's llm_score balancer and rate-limit watermark read).
+
 Run: ``python -m aiproxy.demo.upstream --listen 127.0.0.1:9001 --name demo-a``.
 """
 
@@ -315,9 +318,12 @@ async def healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def _upstream_header(name: str) -> Callable[[web.Request, web.StreamResponse], Any]:
+def _upstream_header(name: str, load: float | None = None
+                     ) -> Callable[[web.Request, web.StreamResponse], Any]:
     async def add_header(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["x-upstream"] = name
+        if load is not None:
+            response.headers["x-gpu-mem-used-pct"] = f"{load:g}"
 
     return add_header
 
@@ -334,7 +340,8 @@ async def _quiet_disconnects(
         return web.Response(status=499)
 
 
-def build_app(name: str, token_delay_ms: float = 20) -> web.Application:
+def build_app(name: str, token_delay_ms: float = 20,
+              report_load: float | None = None) -> web.Application:
     """The demo upstream application; ``name`` goes into ``x-upstream`` and /echo replies."""
     app = web.Application(client_max_size=CLIENT_MAX_SIZE, middlewares=[_quiet_disconnects])
     app[NAME_KEY] = name
@@ -343,7 +350,7 @@ def build_app(name: str, token_delay_ms: float = 20) -> web.Application:
     app[SOCKETS_KEY] = set()
     app.on_shutdown.append(_close_websockets)
     # on_response_prepare also covers streamed, WebSocket and router-generated error responses.
-    app.on_response_prepare.append(_upstream_header(name))
+    app.on_response_prepare.append(_upstream_header(name, report_load))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_route("*", "/echo", echo)
@@ -392,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="delay between streamed chat completion events (default 20)",
     )
+    parser.add_argument(
+        "--report-load",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help="send x-gpu-mem-used-pct: PCT on every response",
+    )
     args = parser.parse_args(argv)
     if args.token_delay_ms < 0:
         parser.error("--token-delay-ms must be >= 0")
@@ -403,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         web.run_app(
-            build_app(args.name, args.token_delay_ms),
+            build_app(args.name, args.token_delay_ms, args.report_load),
             host=host,
             port=port,
             print=announce,

@@ -122,7 +122,7 @@ class Exchange:
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
-        "trace_id", "identity", "llm", "done_filters", "splice",
+        "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -190,6 +190,7 @@ class Exchange:
         self.intent: str | None = None
         self.intent_domain: str | None = None
         self.intent_conf = 0.0
+        self.intent_decision: Any = None  # the model's Decision (with its embedding)
         self.t_classify = 0.0
         self.cluster: Cluster | None = None
         self.counted = False
@@ -308,6 +309,11 @@ class Exchange:
         if not text:
             self.t_classify = perf_counter() - t0
             return self._route()
+        cache = self.rt.decision_cache
+        if cache is not None:  # the embedding cache: a prompt seen before skips the model
+            decision = cache.decision_for(self, body)
+            if decision is not None:
+                return self._decided(decision, t0)
         if sem.batcher is not None:
             task = self.loop.create_task(sem.batcher.classify(text))
             task.add_done_callback(lambda t: self._classified(t, t0))
@@ -332,6 +338,7 @@ class Exchange:
 
     def _decided(self, decision: Any, t0: float) -> None:
         if decision is not None:
+            self.intent_decision = decision
             self.intent = decision.label
             self.intent_domain = decision.domain or None
             self.intent_conf = decision.confidence
@@ -937,7 +944,8 @@ class Exchange:
         if self.t_sent:
             stats.observe_ttfb((t_first - self.t_sent) * 1000, cluster.score_alpha)
         if cluster.track_tokens:
-            self.tok_tail = b""
+            if self.llm is None:  # else the LLM accounting filter counts the tokens
+                self.tok_tail = b""
             for name in LOAD_HEADERS:
                 value = resp.get(name)
                 if value is not None:
@@ -1235,7 +1243,8 @@ class Exchange:
         if pool is not None:
             pool.stats.in_flight -= 1
             tail = self.tok_tail
-            if tail is not None and self.t_first:
+            # With LLM accounting on (ex.llm), its filter feeds the TPM in done().
+            if tail is not None and self.t_first and self.llm is None:
                 m = USAGE_TOTAL.search(tail)
                 tokens = int(m.group(1)) if m is not None else self.resp_bytes // 4
                 pool.stats.add_tokens(tokens, self.loop.time())

@@ -15,7 +15,7 @@ from aiproxy.semantic.router import SemanticRouter
 
 class Runtime:
     __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout",
-                 "semantic", "filter_states")
+                 "semantic", "filter_states", "decision_cache")
 
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
                  previous: Runtime | None = None, model: Any = None) -> None:
@@ -36,6 +36,10 @@ class Runtime:
             for route in self.table.routes:
                 route.filters = route_filters(BUILDERS, config, route.cfg, self.filter_states)
                 route.filter_inspect = max((f.inspect_bytes for f in route.filters), default=0)
+        # The prompt cache's embedding side (aiproxy/cache/prompt.py), asked before the
+        # intent model runs.
+        self.decision_cache = (self.filter_states.get("cache")
+                               if self.semantic is not None else None)
         self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
         self.max_body = config.http.max_body_bytes
         http = config.http

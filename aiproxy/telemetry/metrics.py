@@ -134,6 +134,10 @@ class ProxyCollector:
         kernel = getattr(server, "kernel", None)
         if kernel is not None:
             yield from kernel_families(kernel)
+        for state in server.runtime.filter_states.values():
+            collect = getattr(state, "collect", None)  # filter features' own families
+            if collect is not None:
+                yield from collect()
         yield CounterMetricFamily("aiproxy_config_reloads", "Successful config reloads",
                                   value=m.reloads)
         yield CounterMetricFamily("aiproxy_config_reload_failures", "Rejected config reloads",

@@ -59,6 +59,8 @@ class Telemetry:
         }
         if ex.client_lost:
             record["client_closed"] = True
+        if ex.llm is not None:
+            record["llm"] = ex.llm.log_fields()
         log.write(record)
 
 

@@ -1,0 +1,1 @@
+"""Prompt, embedding and semantic caches for OpenAI-style requests ([cache])."""

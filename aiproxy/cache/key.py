@@ -1,0 +1,35 @@
+"""Cache keys: one hash of a request's canonical form, shared by the prompt cache
+(`pc:<hash>`) and the embedding cache (`ec:<hash>`), so both fill together.
+
+The canonical form is the endpoint plus the JSON body with its keys sorted and the
+fields that do not change the answer dropped (`user`, `metadata`): model, messages /
+prompt / input and every sampling parameter (temperature, top_p, seed, stop, tools,
+max_tokens, stream, ...) take part, so two requests share a key only when an upstream
+would see the same question asked the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+IGNORED = frozenset(("user", "metadata"))
+
+
+def request_hash(kind: str, body: dict[str, Any]) -> str:
+    form = {k: v for k, v in body.items() if k not in IGNORED}
+    form["~endpoint"] = kind
+    blob = json.dumps(form, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def prompt_key(h: str, scope: str | None) -> str:
+    """`pc:<hash>`, or `pc:<hash>:<scope hash>` when entries are per identity."""
+    if scope is None:
+        return "pc:" + h
+    return f"pc:{h}:{hashlib.blake2b(scope.encode(), digest_size=8).hexdigest()}"
+
+
+def embedding_key(h: str) -> str:
+    return "ec:" + h

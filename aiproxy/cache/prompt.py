@@ -1,0 +1,354 @@
+"""The cache filter: exact prompt cache, semantic nearest-neighbour cache, and the
+embedding cache that lets a prompt seen before skip intent classification.
+
+A 200 response to an OpenAI-style request whose whole JSON body was read is stored
+under `pc:<hash>` (key.py) as it passes: head fields and the body pieces as they came,
+so a cached event stream is replayed with its original event boundaries (one HTTP/1.1
+chunk or HTTP/2 DATA frame per stored piece). Never stored: other statuses, responses
+with Set-Cookie or Cache-Control no-store (private too when entries are shared), bodies
+over max_entry_bytes, requests with Cache-Control no-store. A request with
+Cache-Control no-cache is not answered from the cache but refreshes it. (A response's
+no-cache does not stop storing: event-stream servers send it to keep intermediaries
+from buffering, and this is an application cache the route opted into.) Entries
+are per tenant unless `shared = true`. Responses carry `x-aiproxy-cache: hit|miss|bypass`.
+
+With [semantic] on, the request's intent decision and embedding go under
+`ec:<same hash>` when the response is stored; the Exchange asks for it before running
+the model (Runtime.decision_cache). With `semantic_threshold`, a miss is answered by the
+stored response whose request embedding has the highest cosine similarity to this one,
+if at least the threshold (same route, scope, model and stream mode); counted apart.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from aiproxy.cache.key import embedding_key, prompt_key, request_hash
+from aiproxy.cache.redis_store import encode
+from aiproxy.cache.store import MemoryCache
+from aiproxy.llm.openai import endpoint_of
+from aiproxy.pipeline.filters import Filter, FilterFactory, ResponseHead, StoredResponse
+from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP
+
+if TYPE_CHECKING:
+    from aiproxy.config import Config, RouteConfig
+    from aiproxy.config.schema import CacheConfig
+    from aiproxy.pipeline.exchange import Exchange
+
+HIT = (b"x-aiproxy-cache", b"hit")
+MISS = (b"x-aiproxy-cache", b"miss")
+BYPASS = (b"x-aiproxy-cache", b"bypass")
+INDEX_LIMIT = 1024  # embeddings kept per semantic index (oldest replaced)
+ENTRY_OVERHEAD = 256  # bytes charged per entry besides its body and fields
+
+
+class Stored:
+    """A cached response: status, fields (lower-case, no framing), body pieces."""
+
+    __slots__ = ("status", "items", "chunks", "created")
+
+    def __init__(self, status: int, items: list[tuple[bytes, bytes]], chunks: list[bytes],
+                 created: float) -> None:
+        self.status = status
+        self.items = items
+        self.chunks = chunks
+        self.created = created
+
+    def response(self, now: float, streamed: bool) -> StoredResponse:
+        items = self.items + [HIT, (b"age", b"%d" % max(0, int(now - self.created)))]
+        if not streamed:
+            items.append((b"content-length", b"%d" % sum(map(len, self.chunks))))
+        return StoredResponse(ResponseHead(self.status, items), list(self.chunks))
+
+
+class SemanticIndex:
+    """Unit-length request embeddings and the prompt keys they were stored under."""
+
+    __slots__ = ("vectors", "keys", "next")
+
+    def __init__(self, width: int) -> None:
+        self.vectors = np.zeros((0, width), dtype=np.float32)
+        self.keys: list[str] = []
+        self.next = 0
+
+    def add(self, vector: np.ndarray, key: str) -> None:
+        if key in self.keys:
+            return
+        if len(self.keys) < INDEX_LIMIT:
+            self.vectors = np.vstack([self.vectors, vector[None, :]])
+            self.keys.append(key)
+        else:
+            self.vectors[self.next] = vector
+            self.keys[self.next] = key
+            self.next = (self.next + 1) % INDEX_LIMIT
+
+    def nearest(self, vector: np.ndarray) -> tuple[str, float] | None:
+        if not self.keys:
+            return None
+        sims = self.vectors @ vector
+        i = int(np.argmax(sims))
+        return self.keys[i], float(sims[i])
+
+
+def unit(vector: Any) -> np.ndarray | None:
+    if vector is None:
+        return None
+    v = np.asarray(vector, dtype=np.float32).ravel()
+    norm = float(np.linalg.norm(v))
+    return v / norm if norm > 0 else None
+
+
+def _directives(value: bytes | None) -> set[bytes]:
+    if not value:
+        return set()
+    return {d.strip().split(b"=", 1)[0].lower() for d in value.split(b",")}
+
+
+class CacheState:
+    """The caches and their counters; kept across reloads (the config may change)."""
+
+    def __init__(self, cfg: CacheConfig) -> None:
+        self.cfg = cfg
+        self.store = MemoryCache(cfg.max_bytes)
+        self.shared: Any = None  # a RedisCache with backend = "redis"
+        self.decisions = MemoryCache(max(1024, cfg.max_bytes // 16))
+        self.indexes: dict[tuple, SemanticIndex] = {}
+        self.exact_hits = 0
+        self.semantic_hits = 0
+        self.misses = 0
+        self.bypass = 0
+        self.stored = 0
+        self.ec_hits = 0
+        self.ec_misses = 0
+
+    def configure(self, cfg: CacheConfig) -> None:
+        old = self.cfg
+        self.cfg = cfg
+        self.store.max_bytes = cfg.max_bytes
+        same = (old.backend, old.redis_url, old.redis_timeout_ms) == (
+            cfg.backend, cfg.redis_url, cfg.redis_timeout_ms)
+        if cfg.backend == "redis" and (self.shared is None or not same):
+            from aiproxy.cache.redis_store import RedisCache
+
+            self.shared = RedisCache(cfg.redis_url, cfg.redis_timeout_ms / 1000)
+        elif cfg.backend != "redis":
+            self.shared = None
+
+    # -- embedding cache (asked by the Exchange before classifying) --------------------
+
+    def decision_for(self, ex: Exchange, body: bytes) -> Any:
+        """The stored intent decision for this request's body, if any."""
+        kind = endpoint_of(ex.path)
+        if kind is None or ex.method != b"POST":
+            return None
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        decision = self.decisions.get(embedding_key(request_hash(kind, data)),
+                                      ex.loop.time())
+        if decision is None:
+            self.ec_misses += 1
+        else:
+            self.ec_hits += 1
+        return decision
+
+    def collect(self) -> Iterator[Any]:
+        lookups = CounterMetricFamily("aiproxy_cache_lookups",
+                                      "Prompt cache lookups by result",
+                                      labels=["cache", "result"])
+        lookups.add_metric(["prompt", "hit"], self.exact_hits)
+        lookups.add_metric(["prompt", "miss"], self.misses)
+        lookups.add_metric(["prompt", "bypass"], self.bypass)
+        lookups.add_metric(["semantic", "hit"], self.semantic_hits)
+        lookups.add_metric(["embedding", "hit"], self.ec_hits)
+        lookups.add_metric(["embedding", "miss"], self.ec_misses)
+        yield lookups
+        ratio = GaugeMetricFamily("aiproxy_cache_hit_ratio",
+                                  "Hits / lookups since start (joint: exact or semantic)",
+                                  labels=["cache"])
+        answered = self.exact_hits + self.semantic_hits + self.misses
+        ratio.add_metric(["prompt"], self.exact_hits / answered if answered else 0.0)
+        ratio.add_metric(["semantic"], self.semantic_hits / answered if answered else 0.0)
+        ratio.add_metric(["joint"], (self.exact_hits + self.semantic_hits) / answered
+                         if answered else 0.0)
+        ec = self.ec_hits + self.ec_misses
+        ratio.add_metric(["embedding"], self.ec_hits / ec if ec else 0.0)
+        yield ratio
+        if self.shared is not None:
+            yield CounterMetricFamily("aiproxy_cache_backend_errors",
+                                      "Failed calls to the shared (Redis) cache",
+                                      value=self.shared.errors)
+        yield GaugeMetricFamily("aiproxy_cache_bytes", "Bytes held by the prompt cache",
+                                value=self.store.size)
+        yield GaugeMetricFamily("aiproxy_cache_entries", "Entries in the prompt cache",
+                                value=len(self.store.entries))
+
+
+class CacheFilter(Filter):
+    __slots__ = ("state", "hash", "key", "mark", "items", "chunks", "size", "status",
+                 "index_key")
+
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
+        self.hash: str | None = None
+        self.key: str | None = None  # where the response will be stored; None: not
+        self.mark = MISS
+        self.items: list[tuple[bytes, bytes]] | None = None
+        self.chunks: list[bytes] | None = None
+        self.size = 0
+        self.status = 0
+        self.index_key: tuple | None = None
+
+    def request(self, ex: Exchange) -> StoredResponse | None:
+        state = self.state
+        llm = ex.llm
+        cc = _directives(ex.head.get(b"cache-control"))
+        if llm.body is None or b"no-store" in cc:
+            self.mark = BYPASS
+            state.bypass += 1
+            return None
+        cfg = state.cfg
+        h = self.hash = request_hash(llm.endpoint, llm.body)
+        scope = None if cfg.shared else llm.tenant
+        self.key = prompt_key(h, scope)
+        if ex.intent is not None or cfg.semantic_threshold is not None:
+            self.index_key = (ex.route.name, scope, llm.model, llm.stream)
+        if b"no-cache" in cc:
+            state.misses += 1
+            return None  # refresh the entry with the upstream's answer
+        if state.shared is not None:
+            return self._lookup_shared(ex)
+        now = ex.loop.time()
+        stored = state.store.get(self.key, now)
+        if stored is not None:
+            return self._hit(ex, stored, now, False)
+        near = self._nearest(ex)
+        if near is not None:
+            stored = state.store.get(near, now)
+            if stored is not None:
+                return self._hit(ex, stored, now, True)
+        state.misses += 1
+        return None
+
+    def _nearest(self, ex: Exchange) -> str | None:
+        """The prompt key of the most similar stored request, if similar enough."""
+        threshold = self.state.cfg.semantic_threshold
+        decision = ex.intent_decision
+        if threshold is None or decision is None:
+            return None
+        vector = unit(decision.embedding)
+        index = self.state.indexes.get(self.index_key)
+        if vector is None or index is None:
+            return None
+        found = index.nearest(vector)
+        return found[0] if found is not None and found[1] >= threshold else None
+
+    def _hit(self, ex: Exchange, stored: Stored, now: float, semantic: bool
+             ) -> StoredResponse:
+        if semantic:
+            self.state.semantic_hits += 1
+        else:
+            self.state.exact_hits += 1
+        ex.llm.cached = True
+        return stored.response(now, ex.llm.stream)
+
+    async def _lookup_shared(self, ex: Exchange) -> StoredResponse | None:
+        shared = self.state.shared
+        for key, semantic in ((self.key, False), (self._nearest(ex), True)):
+            if key is None:
+                continue
+            found = await shared.get(key)
+            if found is not None:
+                status, created, items, chunks = found
+                wall = time.time()
+                return self._hit(ex, Stored(status, items, chunks, created), wall, semantic)
+        self.state.misses += 1
+        return None
+
+    def response_head(self, ex: Exchange, resp: Any) -> Any:
+        items = resp.fields(0)
+        if self.key is not None and resp.status == 200:
+            cc = _directives(resp.get(b"cache-control"))
+            refuse = {b"no-store"}
+            if self.state.cfg.shared:
+                refuse.add(b"private")
+            if not cc & refuse and resp.get(b"set-cookie") is None:
+                self.items = [(n, v) for n, v in resp.fields(F_HOP | F_CONTENT_LENGTH)
+                              if n not in (b"date", b"age", b"x-aiproxy-cache")]
+                self.chunks = []
+                self.size = sum(len(n) + len(v) for n, v in self.items) + ENTRY_OVERHEAD
+                self.status = resp.status
+        return ResponseHead(resp.status, items + [self.mark])
+
+    def response_body(self, ex: Exchange, data: bytes) -> bytes:
+        chunks = self.chunks
+        if chunks is not None:
+            self.size += len(data)
+            if self.size > self.state.cfg.max_entry_bytes:
+                self.chunks = None  # too big to keep
+            else:
+                chunks.append(data)
+        return data
+
+    def response_end(self, ex: Exchange) -> bytes:
+        chunks = self.chunks
+        if chunks is None or self.key is None:
+            return b""
+        self.chunks = None
+        state = self.state
+        now = ex.loop.time()
+        expires = now + state.cfg.ttl_ms / 1000
+        if state.shared is not None:  # entries carry wall-clock time: Age across hosts
+            state.shared.put(self.key, encode(self.status, time.time(), self.items, chunks),
+                             state.cfg.ttl_ms)
+        else:
+            state.store.put(self.key, Stored(self.status, self.items, chunks, now),
+                            self.size, expires)
+        state.stored += 1
+        decision = ex.intent_decision
+        if decision is not None:  # co-warm the embedding cache under the same hash
+            state.decisions.put(embedding_key(self.hash), decision, 4 * 1024, expires)
+            vector = unit(decision.embedding)
+            if vector is not None and state.cfg.semantic_threshold is not None:
+                index = state.indexes.get(self.index_key)
+                if index is None or index.vectors.shape[1] != vector.shape[0]:
+                    index = state.indexes[self.index_key] = SemanticIndex(vector.shape[0])
+                index.add(vector, self.key)
+        return b""
+
+
+class CacheFactory(FilterFactory):
+    name = "cache"
+
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
+
+    def start(self, ex: Exchange) -> Filter | None:
+        if ex.llm is None:
+            return None
+        return CacheFilter(self.state)
+
+
+def make_state(config: Config, previous: CacheState | None) -> CacheState | None:
+    cfg = config.cache
+    if cfg is None:
+        return None
+    state = previous if previous is not None else CacheState(cfg)
+    state.configure(cfg)
+    return state
+
+
+def build(config: Config, route: RouteConfig, state: CacheState) -> FilterFactory | None:
+    routes = state.cfg.routes
+    if routes and route.name not in routes:
+        return None
+    return CacheFactory(state)

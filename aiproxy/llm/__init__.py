@@ -1,0 +1,1 @@
+"""LLM traffic: OpenAI-style accounting, rate limits, caches."""

@@ -1,0 +1,282 @@
+"""What an OpenAI-style request asks for and what its response used.
+
+Requests: the JSON body of /v1/chat/completions, /v1/completions, /v1/embeddings and
+/v1/responses gives model, stream, the completion limit and the prompt text; a body
+longer than the bytes inspected is read with regexes on its start and its prompt size
+estimated from its length.
+
+Responses: a JSON body's `usage`, or an SSE stream read event by event as its bytes go
+past (nothing is held back): each `data:` event's delta text, `usage` in the final
+chunk (stream_options.include_usage), and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from aiproxy.llm.estimate import MESSAGE_OVERHEAD, tokens_of_bytes, tokens_of_text
+
+ENDPOINTS = {
+    b"/v1/chat/completions": "chat",
+    b"/v1/completions": "completions",
+    b"/v1/embeddings": "embeddings",
+    b"/v1/responses": "responses",
+}
+
+_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,200})"')
+_STREAM = re.compile(rb'"stream"\s*:\s*(true|false)')
+_MAX = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:\s*(\d{1,9})')
+_USAGE_FIELD = re.compile(
+    rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d{1,12})')
+# Generated text in a stream chunk: chat delta content, completions text, Responses API
+# output_text delta (string values only; "delta":{...} objects do not match).
+_TEXT = re.compile(rb'"(?:content|text|delta)"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+JSON_LIMIT = 1 << 20  # response bytes kept to read a JSON body's usage and text
+
+
+def endpoint_of(path: bytes) -> str | None:
+    """The OpenAI endpoint kind of a request path ("chat", ...), None for others."""
+    return ENDPOINTS.get(path.rstrip(b"/")) if path[:4] == b"/v1/" else None
+
+
+def _text(value: Any, out: list[str]) -> None:
+    """Collect the strings of a prompt/content/input value (nested parts included)."""
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            _text(item, out)
+    elif isinstance(value, dict):
+        for key in ("text", "content", "input_text"):
+            if key in value:
+                _text(value[key], out)
+
+
+class RequestInfo:
+    """What the request body says (see LlmFacts for the meaning of the fields)."""
+
+    __slots__ = ("model", "stream", "max_tokens", "prompt_tokens", "body", "truncated",
+                 "include_usage")
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.stream = False
+        self.max_tokens: int | None = None
+        self.prompt_tokens = 0
+        self.body: dict[str, Any] | None = None  # the parsed JSON object (complete bodies)
+        self.truncated = False
+        self.include_usage = False
+
+
+def read_request(kind: str, body: bytes, complete: bool, length: int) -> RequestInfo:
+    """Parse a request body; `complete` says whether body is all of it, `length` is its
+    Content-Length (-1 if unknown)."""
+    info = RequestInfo()
+    data = None
+    if complete:
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            data = None
+    if not isinstance(data, dict):
+        # Too long to inspect whole (or not JSON): what its start says, size estimated.
+        info.truncated = not complete
+        m = _MODEL.search(body)
+        if m is not None:
+            info.model = m.group(1).decode("utf-8", "replace")
+        m = _STREAM.search(body)
+        info.stream = m is not None and m.group(1) == b"true"
+        m = _MAX.search(body)
+        if m is not None:
+            info.max_tokens = int(m.group(1))
+        info.prompt_tokens = tokens_of_bytes(max(length, len(body)))
+        return info
+    info.body = data
+    model = data.get("model")
+    if isinstance(model, str):
+        info.model = model[:200]
+    info.stream = data.get("stream") is True
+    opts = data.get("stream_options")
+    info.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            info.max_tokens = value
+            break
+    texts: list[str] = []
+    overhead = 0
+    if kind == "chat":
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            overhead = MESSAGE_OVERHEAD * len(messages)
+            for m in messages:
+                if isinstance(m, dict):
+                    _text(m.get("content"), texts)
+    elif kind == "completions":
+        _text(data.get("prompt"), texts)
+    elif kind == "embeddings":
+        _text(data.get("input"), texts)
+    else:  # responses
+        _text(data.get("instructions"), texts)
+        _text(data.get("input"), texts)
+    info.prompt_tokens = overhead + sum(tokens_of_text(t) for t in texts)
+    return info
+
+
+def usage_of(obj: Any) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of an OpenAI `usage` object (chat/completions/
+    embeddings: prompt_/completion_tokens; responses: input_/output_tokens)."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    kind = obj.get("type")
+    if not isinstance(usage, dict) and isinstance(kind, str) and kind.startswith("response."):
+        resp = obj.get("response")
+        usage = resp.get("usage") if isinstance(resp, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    if (not isinstance(prompt, int) or not isinstance(completion, int)
+            or isinstance(prompt, bool) or isinstance(completion, bool)
+            or prompt < 0 or completion < 0):
+        return None
+    return prompt, completion
+
+
+def completion_text_bytes(obj: Any) -> int:
+    """UTF-8 bytes of the generated text in a response object or stream chunk."""
+    if not isinstance(obj, dict):
+        return 0
+    n = 0
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            for part in (c.get("delta"), c.get("message")):
+                if isinstance(part, dict):
+                    content = part.get("content")
+                    if isinstance(content, str):
+                        n += len(content.encode("utf-8"))
+            text = c.get("text")
+            if isinstance(text, str):
+                n += len(text.encode("utf-8"))
+    delta = obj.get("delta")  # Responses API: response.output_text.delta
+    if isinstance(delta, str):
+        n += len(delta.encode("utf-8"))
+    output = obj.get("output")
+    if isinstance(output, list):
+        texts: list[str] = []
+        _text(output, texts)
+        n += sum(len(t.encode("utf-8")) for t in texts)
+    return n
+
+
+class SseReader:
+    """Reads an event stream incrementally: feed() each body piece as it passes and
+    get the number of text-carrying events it completed; partial lines wait (only the
+    incomplete last line is kept). Tracks usage, generated text bytes and [DONE]."""
+
+    __slots__ = ("partial", "data", "usage", "text_bytes", "done", "events")
+
+    def __init__(self) -> None:
+        self.partial = b""
+        self.data: list[bytes] = []
+        self.usage: tuple[int, int] | None = None
+        self.text_bytes = 0
+        self.done = False
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> int:
+        """Returns how many events carrying generated text ended in this chunk."""
+        buf = self.partial + chunk if self.partial else chunk
+        start = 0
+        texty = 0
+        while True:
+            nl = buf.find(b"\n", start)
+            if nl < 0:
+                break
+            line = buf[start:nl]
+            start = nl + 1
+            if line[-1:] == b"\r":
+                line = line[:-1]
+            if not line:
+                if self.data:
+                    texty += self._event(b"\n".join(self.data))
+                    self.data = []
+            elif line[:5] == b"data:":
+                value = line[5:]
+                self.data.append(value[1:] if value[:1] == b" " else value)
+        rest = buf[start:]
+        if len(rest) > JSON_LIMIT:  # a line without end: stop collecting it
+            rest = b""
+        self.partial = rest
+        return texty
+
+    def _event(self, data: bytes) -> int:
+        self.events += 1
+        if data == b"[DONE]":
+            self.done = True
+            return 0
+        if _HAS_USAGE.search(data) is None:
+            # The common chunk: its text strings read without decoding the whole event.
+            n = 0
+            for raw in _TEXT.findall(data):
+                if b"\\" in raw:
+                    try:
+                        n += len(json.loads(b'"' + raw + b'"').encode("utf-8"))
+                    except (ValueError, UnicodeError):
+                        n += len(raw)
+                else:
+                    n += len(raw)
+            self.text_bytes += n
+            return 1 if n else 0
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return 0
+        usage = usage_of(obj)
+        if usage is not None:
+            self.usage = usage
+        n = completion_text_bytes(obj)
+        self.text_bytes += n
+        return 1 if n else 0
+
+
+class JsonReader:
+    """Keeps up to JSON_LIMIT bytes of a JSON response to read its usage at the end;
+    past that, the usage fields are searched for in the body's last bytes."""
+
+    __slots__ = ("parts", "size", "tail")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size <= JSON_LIMIT:
+            self.parts.append(chunk)
+        else:
+            self.parts = []
+            self.tail = (self.tail + chunk)[-4096:]
+
+    def result(self) -> tuple[tuple[int, int] | None, int]:
+        """(usage, generated text bytes) of the body."""
+        if self.parts:
+            try:
+                obj = json.loads(b"".join(self.parts))
+            except (ValueError, UnicodeDecodeError):
+                return None, self.size
+            return usage_of(obj), completion_text_bytes(obj)
+        found = dict(_USAGE_FIELD.findall(self.tail))
+        prompt = found.get(b"prompt_tokens", found.get(b"input_tokens"))
+        completion = found.get(b"completion_tokens", found.get(b"output_tokens"))
+        if prompt is None or completion is None:
+            return None, self.size
+        return (int(prompt), int(completion)), self.size

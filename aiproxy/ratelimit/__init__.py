@@ -1,0 +1,1 @@
+"""Token-bucket rate limits with GPU-watermark backpressure ([[ratelimits]])."""

@@ -1,0 +1,220 @@
+"""LLM accounting: OpenAI-style requests/responses read into ex.llm, metrics, access log.
+
+End to end with the real `openai` client through aiproxy to the demo upstream."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from aiproxy.llm.estimate import tokens_of_text
+from aiproxy.llm.facts import LlmFacts
+from aiproxy.llm.openai import SseReader, endpoint_of, read_request
+from tests.conftest import simple_config
+from tests.support import free_port, start_demo_upstream, stop_process
+
+
+def test_endpoints_recognised():
+    assert endpoint_of(b"/v1/chat/completions") == "chat"
+    assert endpoint_of(b"/v1/completions") == "completions"
+    assert endpoint_of(b"/v1/embeddings") == "embeddings"
+    assert endpoint_of(b"/v1/responses") == "responses"
+    assert endpoint_of(b"/v1/models") is None
+    assert endpoint_of(b"/echo") is None
+
+
+def test_request_fields_and_prompt_estimate():
+    body = {"model": "m1", "stream": True, "max_completion_tokens": 77,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hello there"}]}]}
+    info = read_request("chat", json.dumps(body).encode(), True, -1)
+    assert (info.model, info.stream, info.max_tokens, info.include_usage) == ("m1", True, 77, True)
+    assert info.prompt_tokens == 2 * 4 + tokens_of_text("be brief") + tokens_of_text("hello there")
+    assert not info.truncated
+
+
+def test_truncated_body_is_read_from_its_start_and_estimated():
+    body = json.dumps({"model": "big", "stream": True, "max_tokens": 5,
+                       "messages": [{"role": "user", "content": "x" * 100_000}]}).encode()
+    info = read_request("chat", body[:4096], False, len(body))
+    assert info.truncated and info.model == "big" and info.stream and info.max_tokens == 5
+    assert info.prompt_tokens == (len(body) + 3) // 4
+
+
+def test_sse_reader_handles_events_split_anywhere():
+    events = [b'data: {"choices":[{"delta":{"content":"hello"}}]}\n\n',
+              b'data: {"choices":[{"delta":{"content":" world"}}]}\r\n\r\n',
+              b': keep-alive comment\n\n',
+              b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\n\n',
+              b"data: [DONE]\n\n"]
+    stream = b"".join(events)
+    for cut in range(1, len(stream)):
+        r = SseReader()
+        n = r.feed(stream[:cut]) + r.feed(stream[cut:])
+        assert n == 2 and r.usage == (7, 2) and r.done and r.text_bytes == 11
+    r = SseReader()
+    assert [r.feed(e) for e in events] == [1, 1, 0, 0, 0]
+
+
+def test_pattern_from_last_five_gaps():
+    f = LlmFacts("chat", "t")
+    for i in range(10):
+        f.token_events(1, i * 0.020)  # a steady 20 ms: stddev 0
+    assert f.classify_pattern() == "bulk"
+    g = LlmFacts("chat", "t")
+    t = 0.0
+    for gap in (0.001, 0.030, 0.002, 0.045, 0.001, 0.050):
+        t += gap
+        g.token_events(1, t)
+    assert g.classify_pattern() == "streaming"
+    h = LlmFacts("chat", "t")
+    h.token_events(1, 0.0)
+    h.token_events(8, 0.5)  # eight events in one read: mostly zero gaps at the end
+    assert h.classify_pattern() == "bulk"
+
+
+@pytest.fixture(scope="module")
+def slow_upstream():
+    proc, port = start_demo_upstream("llm-slow", token_delay_ms=100)
+    yield port
+    stop_process(proc)
+
+
+def _proxy(start_proxy, port: int, log: Path, admin: int, extra: str = ""):
+    body = (simple_config(port) + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n'
+            f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n'
+            '\n[llm]\ntenant_header = "x-tenant"\n' + extra)
+    return start_proxy(body)
+
+
+def _records(log: Path, n: int) -> list[dict]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = log.read_text().splitlines() if log.exists() else []
+        if len(lines) >= n:
+            return [json.loads(x) for x in lines]
+        time.sleep(0.02)
+    raise AssertionError(f"expected {n} access log lines")
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "tell me about the weather in Paris today"}]
+
+
+def test_openai_client_usage_counted_as_reported(start_proxy, demo_upstream, tmp_path):
+    log = tmp_path / "access.log"
+    admin = free_port()
+    proxy = _proxy(start_proxy, demo_upstream, log, admin)
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k",
+                           default_headers={"x-tenant": "acme"})
+    plain = client.chat.completions.create(model="demo-model", messages=MESSAGES, max_tokens=6)
+    chunks = list(client.chat.completions.create(
+        model="demo-model", messages=MESSAGES, max_tokens=9, stream=True,
+        stream_options={"include_usage": True}))
+    streamed_usage = chunks[-1].usage
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.split() == "You said: tell me about the weather in Paris today".split()[:9]
+    unlabelled = list(client.chat.completions.create(
+        model="demo-model", messages=MESSAGES, max_tokens=4, stream=True))
+    assert all(c.usage is None for c in unlabelled)
+
+    recs = [r["llm"] for r in _records(log, 3)]
+    assert recs[0]["prompt_tokens"] == plain.usage.prompt_tokens
+    assert recs[0]["completion_tokens"] == plain.usage.completion_tokens
+    assert recs[0]["estimated"] is False and recs[0]["stream"] is False
+    assert recs[0]["tenant"] == "acme" and recs[0]["model"] == "demo-model"
+    assert recs[1]["prompt_tokens"] == streamed_usage.prompt_tokens
+    assert recs[1]["completion_tokens"] == streamed_usage.completion_tokens == 9
+    assert recs[1]["estimated"] is False and recs[1]["stream"] is True
+    assert recs[1]["pattern"] in ("bulk", "streaming") and recs[1]["ttft_ms"] > 0
+    # No usage in the stream: the estimator's count of "You said: tell me", labelled.
+    assert recs[2]["estimated"] is True
+    assert recs[2]["completion_tokens"] == tokens_of_text("You said: tell me")
+
+    metrics = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
+    want_prompt = plain.usage.prompt_tokens + streamed_usage.prompt_tokens
+    assert _metric(metrics, "aiproxy_llm_requests_total", tenant="acme", route="all",
+                   model="demo-model") == 3
+    got_prompt = _metric(metrics, "aiproxy_llm_prompt_tokens_total", tenant="acme")
+    assert got_prompt == want_prompt + recs[2]["prompt_tokens"]
+    assert _metric(metrics, "aiproxy_llm_completion_tokens_total", tenant="acme") == 6 + 9 + recs[2]["completion_tokens"]
+    assert _metric(metrics, "aiproxy_llm_estimated_requests_total", tenant="acme") == 1
+    assert _metric(metrics, "aiproxy_llm_time_to_first_token_seconds_count", route="all") == 3
+
+
+def test_sse_arrives_event_by_event(start_proxy, slow_upstream, tmp_path):
+    proxy = _proxy(start_proxy, slow_upstream, tmp_path / "a.log", free_port())
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k")
+    arrivals = []
+    for chunk in client.chat.completions.create(
+            model="demo-model", messages=MESSAGES, max_tokens=8, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic())
+    assert len(arrivals) == 8
+    # The upstream waits 100 ms between events (0.7 s from first to last); a proxy that
+    # buffered the stream would hand them over together at the end.
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert arrivals[-1] - arrivals[0] > 0.35 and sum(g > 0.04 for g in gaps) >= 4, gaps
+
+
+def test_tenant_label_cardinality_is_bounded(start_proxy, demo_upstream, tmp_path):
+    admin = free_port()
+    proxy = _proxy(start_proxy, demo_upstream, tmp_path / "a.log", admin,
+                   extra="max_tenants = 3\n")
+    with httpx.Client() as c:
+        for i in range(8):
+            r = c.post(f"{proxy.url}/v1/chat/completions", headers={"x-tenant": f"t{i}"},
+                       json={"model": "demo-model", "messages": MESSAGES})
+            assert r.status_code == 200
+    metrics = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
+    tenants = {line.split('tenant="')[1].split('"')[0] for line in metrics.splitlines()
+               if line.startswith("aiproxy_llm_requests_total{")}
+    assert tenants == {"t0", "t1", "t2", "other"}
+    assert _metric(metrics, "aiproxy_llm_requests_total", tenant="other") == 5
+
+
+def test_odd_usage_objects_are_ignored_not_fatal():
+    from aiproxy.llm.openai import usage_of
+
+    assert usage_of({"type": 5, "usage": None}) is None
+    assert usage_of({"usage": {"prompt_tokens": True, "completion_tokens": 1}}) is None
+    assert usage_of({"usage": {"prompt_tokens": -1, "completion_tokens": 1}}) is None
+    assert usage_of({"type": "response.completed",
+                     "response": {"usage": {"input_tokens": 3, "output_tokens": 4}}}) == (3, 4)
+    r = SseReader()
+    r.feed(b'data: {"type": 7, "usage": {"prompt_tokens": "x"}}\n\ndata: [1,2]\n\n')
+    assert r.usage is None and r.events == 2
+
+
+def test_llm_score_tpm_fed_from_accounting(start_proxy, demo_upstream):
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream, cluster_extra='balancer = "llm_score"')
+                        + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n[llm]\n')
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k")
+    total = 0
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.chat.completions.create(
+                model="demo-model", messages=MESSAGES, max_tokens=5, stream=True,
+                stream_options={"include_usage": True}))
+            total += chunks[-1].usage.total_tokens
+        else:
+            total += client.chat.completions.create(
+                model="demo-model", messages=MESSAGES, max_tokens=5).usage.total_tokens
+    clusters = httpx.get(f"http://127.0.0.1:{admin}/clusters").json()
+    text = json.dumps(clusters)
+    assert f'"tokens_per_minute": {float(total)}' in text, text
