@@ -293,6 +293,58 @@ def checked_fields(headers: list, flags: Any) -> list:
     return out
 
 
+class FastDecoder(hpack.Decoder):
+    """hpack's Decoder with the common case inline: a field from the static or dynamic
+    table by a one-byte index (what a client repeating its fields sends). Every other
+    representation, and every check (list size, table size, truncation, bad index),
+    stays hpack's. Fields come back as hpack's tuples, or plain (name, value) tuples."""
+
+    def decode(self, data: bytes, raw: bool = False) -> list:
+        if not raw:
+            return list(super().decode(data, raw))
+        table = self.header_table
+        static = HeaderTable.STATIC_TABLE
+        n_static = len(static)
+        dynamic = table.dynamic_entries
+        mem = memoryview(data)
+        headers: list = []
+        size = 0
+        limit = self.max_header_list_size
+        i = 0
+        n = len(data)
+        while i < n:
+            b = data[i]
+            if b & 0x80:
+                index = b & 0x7F
+                if 0 < index <= n_static:
+                    header = static[index - 1]
+                    consumed = 1
+                elif n_static < index < 0x7F and index - n_static <= len(dynamic):
+                    header = dynamic[index - n_static - 1]
+                    consumed = 1
+                else:
+                    header, consumed = self._decode_indexed(mem[i:])
+            elif b & 0x40:
+                header, consumed = self._decode_literal_index(mem[i:])
+            elif b & 0x20:
+                if headers:
+                    raise hpack.HPACKDecodingError(
+                        "Table size update not at the start of the block")
+                consumed = self._update_encoding_context(mem[i:])
+                header = None
+            else:
+                header, consumed = self._decode_literal_no_index(mem[i:])
+            if header is not None:
+                headers.append(header)
+                size += 32 + len(header[0]) + len(header[1])
+                if size > limit:
+                    raise hpack.OversizedHeaderListError(
+                        f"A header list larger than {limit} has been received")
+            i += consumed
+        self._assert_valid_table_size()
+        return headers
+
+
 class _Stream(h2.stream.H2Stream):
     """h2's stream with checked_fields() for received field blocks."""
 
@@ -306,6 +358,8 @@ class _Stream(h2.stream.H2Stream):
 
 class FastReceive:
     """Mixin for h2.connection.H2Connection subclasses (first in the bases):
+    - HPACK blocks are decoded by FastDecoder;
+    - no repr() of every frame received;
     - streams check received fields with checked_fields();
     - a new stream counts the open ones (a scan of every stream) only when there can be
       enough of them to reach the limit: h2 scans on every HEADERS frame, twice here.
@@ -315,6 +369,12 @@ class FastReceive:
 
     refuse_excess = False
     refused = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        old = self.decoder
+        self.decoder = FastDecoder(old.max_header_list_size)
+        self.decoder.max_allowed_table_size = old.max_allowed_table_size
 
     def _receive_frame(self, frame: Any) -> list:
         """h2's H2Connection._receive_frame (4.x) without its trace call, whose argument,
