@@ -84,13 +84,12 @@ class FieldsHead:
         return [item for item, f in zip(self.items, self.flags, strict=True) if not f & drop_mask]
 
     def serialize(self, start_line: bytes, extra: bytes, drop_mask: int) -> bytes:
-        lines = [start_line]
+        parts = [start_line]
         for (name, value), f in zip(self.items, self.flags, strict=True):
             if not f & drop_mask:
-                lines.append(b"%s: %s\r\n" % (name, value))
-        lines.append(extra)
-        lines.append(b"\r\n")
-        return b"".join(lines)
+                parts += (name, b": ", value, b"\r\n")
+        parts += (extra, b"\r\n")
+        return b"".join(parts)
 
 
 class H2RequestHead(FieldsHead):

@@ -220,7 +220,7 @@ _PSEUDO_FIELDS = h2.utilities._ALLOWED_PSEUDO_HEADER_FIELDS
 
 
 def _check_value(value: bytes) -> None:
-    if b"\0" in value or b"\r" in value or b"\n" in value:
+    if len(value.translate(None, b"\0\r\n")) != len(value):
         raise ProtocolError(f"Illegal character in header value: {value!r}")
     if value[0] in (0x20, 0x09) or value[-1] in (0x20, 0x09):
         raise ProtocolError(f"Received header value surrounded by whitespace {value!r}")
