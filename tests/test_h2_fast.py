@@ -159,3 +159,14 @@ def test_checked_fields_agree_with_h2(kind: str) -> None:
         assert _ours(list(headers), flags) == expected, headers
         seen[ProtocolError if expected is ProtocolError else list] += 1
     assert seen[ProtocolError] > 100 and seen[list] > 100, seen
+
+
+def test_grpc_timeout_value_round_trips() -> None:
+    from aiproxy.pipeline.exchange import grpc_timeout, grpc_timeout_value
+
+    for seconds, text in [(4.4567, b"4456m"), (0.0001, b"1m"), (-1.0, b"1m"),
+                          (99_999.999, b"99999999m"), (100_000.0, b"100000S"),
+                          (10**12, b"99999999S")]:
+        value = grpc_timeout_value(seconds)
+        assert value == text and len(value) <= 9
+        assert grpc_timeout(value) is not None

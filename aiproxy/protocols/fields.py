@@ -21,6 +21,20 @@ _FLAGS = {b"content-length": F_CONTENT_LENGTH, b"host": F_HOST, b"x-forwarded-fo
           b"x-forwarded-proto": F_XFP}
 
 
+# RFC 9110 6.5.1: besides hop fields, what a trailer section must not carry (framing,
+# routing): dropped when request trailers are forwarded.
+_NOT_IN_TRAILERS = _HOP | {b"content-length", b"host", b"content-type", b"content-encoding",
+                           b"content-range", b"authorization", b"cookie"}
+
+
+def trailer_fields(fields: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes, bytes]]:
+    """The trailer fields (received over HTTP/2: validated, lower-case) to forward."""
+    if not fields:
+        return []
+    return [(n, v) for n, v in fields
+            if n not in _NOT_IN_TRAILERS and n[:1] != b":" and n[:6] != b"proxy-"]
+
+
 class MalformedHead(Exception):
     """A field list that is not a valid message head (RFC 9113 8.1.1: malformed)."""
 

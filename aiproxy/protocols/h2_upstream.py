@@ -20,7 +20,7 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from aiproxy.protocols import h2_fast
-from aiproxy.protocols.fields import H2ResponseHead, MalformedHead
+from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
 from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE
 from aiproxy.protocols.h2_output import StreamOutput
 
@@ -262,10 +262,11 @@ class H2UpstreamStream(StreamOutput):
             self.queue_data(piece)
         self.conn.want_flush()
 
-    def end_body(self, trailers: list[tuple[bytes, bytes]] | None = None) -> None:
+    def end_body(self) -> None:
         if self.done or self.ended_local:
             return
-        self.queue_end(trailers)
+        # An HTTP/2 client's request trailers (gRPC client streaming may send some).
+        self.queue_end(trailer_fields(self.exchange.request_trailers()) or None)
 
     def pause(self) -> None:
         self.paused = True
