@@ -22,6 +22,7 @@ from typing import Any
 
 import h2.connection
 import h2.exceptions
+import h2.frame_buffer
 import h2.stream
 import h2.utilities
 import hpack.hpack
@@ -356,9 +357,23 @@ class _Stream(h2.stream.H2Stream):
         return checked_fields(headers, flags)
 
 
+class _FrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's FrameBuffer, but RFC 9113 6.5: a SETTINGS frame with ACK and a payload is a
+    FRAME_SIZE_ERROR (hyperframe calls it invalid data, which h2 makes PROTOCOL_ERROR).
+    Checked on the frame header, before h2 parses anything."""
+
+    def __next__(self) -> Any:
+        data = self._data
+        if len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and (data[0] or data[1]
+                                                                    or data[2]):
+            raise h2.exceptions.FrameTooLargeError("SETTINGS ACK frame with a payload")
+        return super().__next__()
+
+
 class FastReceive:
     """Mixin for h2.connection.H2Connection subclasses (first in the bases):
     - HPACK blocks are decoded by FastDecoder;
+    - a SETTINGS ACK with a payload is FRAME_SIZE_ERROR (_FrameBuffer);
     - no repr() of every frame received;
     - streams check received fields with checked_fields();
     - a new stream counts the open ones (a scan of every stream) only when there can be
@@ -375,6 +390,7 @@ class FastReceive:
         old = self.decoder
         self.decoder = FastDecoder(old.max_header_list_size)
         self.decoder.max_allowed_table_size = old.max_allowed_table_size
+        self.incoming_buffer.__class__ = _FrameBuffer
 
     def _receive_frame(self, frame: Any) -> list:
         """h2's H2Connection._receive_frame (4.x) without its trace call, whose argument,
