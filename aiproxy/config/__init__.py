@@ -17,6 +17,7 @@ from .schema import (
     SemanticConfig,
     ServerConfig,
     TlsConfig,
+    UpstreamTlsConfig,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "SemanticConfig",
     "ServerConfig",
     "TlsConfig",
+    "UpstreamTlsConfig",
     "format_address",
     "load_config",
     "load_config_text",

@@ -440,7 +440,7 @@ class Exchange:
         authority = self.host_line[6:-2] if self.host_line else head.host
         if not authority:
             authority = pool.endpoint.address.encode()
-        fields = [(b":method", self.method), (b":scheme", b"http"),
+        fields = [(b":method", self.method), (b":scheme", pool.scheme),
                   (b":path", self.up_target), (b":authority", authority)]
         drop = F_HOP | F_HOST
         if self.body_len >= 0:
