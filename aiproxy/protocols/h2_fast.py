@@ -51,7 +51,6 @@ for _i, _field in enumerate(HeaderTable.STATIC_TABLE, 1):
 _SECRET = frozenset((b"authorization", b"proxy-authorization", b"cookie", b"set-cookie"))
 _CACHE: dict[tuple[bytes, bytes], bytes] = {}
 CACHE_LIMIT = 4096
-STREAM_SWEEP = 64  # h2 streams kept (closed ones included) before counting forgets closed ones
 
 
 def _integer(value: int, prefix_bits: int, first: int) -> bytes:
@@ -118,8 +117,8 @@ def send_headers(conn: Any, sid: int, fields: list[tuple[bytes, bytes]],
     conn.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
     stream = conn.streams.get(sid)
     if stream is None:
-        if len(conn.streams) >= STREAM_SWEEP:
-            conn.open_outbound_streams  # noqa: B018 - h2 forgets closed streams as it counts
+        # h2 would count the open streams here (a scan of all of them, which is also when
+        # it forgets closed ones): the caller keeps to the peer's limit, and sweeps.
         stream = conn._get_or_create_stream(sid, AllowedStreamIDs(conn.config.client_side))
     if (not conn.config.client_side and fields[0][0] == b":status"
             and fields[0][1][:1] == b"1"):

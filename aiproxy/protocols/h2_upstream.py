@@ -31,6 +31,7 @@ log = logging.getLogger("aiproxy.h2.upstream")
 
 STREAM_WINDOW = 1024 * 1024
 CONNECTION_WINDOW = 8 * 1024 * 1024
+SWEEP_EVERY = 64
 
 
 class _ClientH2(h2_fast.FastReceive, h2.connection.H2Connection):
@@ -57,6 +58,8 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.writing_paused = False
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
+        self.max_streams = 100       # the peer's SETTINGS_MAX_CONCURRENT_STREAMS, once known
+        self.done_count = 0
         self.idle_since = 0.0
         # Done when the peer's first SETTINGS frame has arrived (its stream limit is known).
         self.settings_received: asyncio.Future[None] = pool.loop.create_future()
@@ -85,7 +88,7 @@ class H2UpstreamConnection(asyncio.Protocol):
     def available(self) -> bool:
         if self.closed or self.goaway or self.transport is None or self.transport.is_closing():
             return False
-        return len(self.streams) < self.h2.remote_settings.max_concurrent_streams
+        return len(self.streams) < self.max_streams
 
     def open_stream(self) -> H2UpstreamStream | None:
         if not self.available():
@@ -109,6 +112,12 @@ class H2UpstreamConnection(asyncio.Protocol):
 
     def stream_done(self, stream: H2UpstreamStream) -> None:
         self.streams.pop(stream.sid, None)
+        self.done_count += 1
+        if self.done_count >= SWEEP_EVERY:
+            # h2 forgets its closed streams only while counting the open ones (a scan of
+            # all): once per SWEEP_EVERY streams, not on every new one as h2 itself would.
+            self.done_count = 0
+            self.h2.open_outbound_streams  # noqa: B018
         if not self.streams:
             self.idle_since = self.pool.loop.time()
             if self.goaway:
@@ -184,6 +193,8 @@ class H2UpstreamConnection(asyncio.Protocol):
                 elif stream is not None:
                     stream.try_send()
             elif kind is h2.events.RemoteSettingsChanged:
+                # Kept here: h2's Settings answer each read through collections.abc.
+                self.max_streams = self.h2.remote_settings.max_concurrent_streams
                 if not self.settings_received.done():
                     self.settings_received.set_result(None)
                 for s in list(self.streams.values()):
