@@ -170,3 +170,13 @@ def test_grpc_timeout_value_round_trips() -> None:
         value = grpc_timeout_value(seconds)
         assert value == text and len(value) <= 9
         assert grpc_timeout(value) is not None
+
+
+def test_frame_flags_still_checked() -> None:
+    from hyperframe.frame import DataFrame, HeadersFrame
+
+    a, b = HeadersFrame(1), HeadersFrame(3)
+    a.flags.add("END_STREAM")
+    assert "END_STREAM" in a.flags and "END_STREAM" not in b.flags
+    with pytest.raises(ValueError):
+        DataFrame(1).flags.add("END_HEADERS")

@@ -26,6 +26,8 @@ import h2.frame_buffer
 import h2.stream
 import h2.utilities
 import hpack.hpack
+import hyperframe.flags
+import hyperframe.frame
 from h2.connection import AllowedStreamIDs, ConnectionInputs
 from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError
@@ -41,6 +43,24 @@ T_HEADERS = 0x1
 T_CONTINUATION = 0x9
 END_STREAM = 0x1
 END_HEADERS = 0x4
+
+# hyperframe builds, for every frame it parses, the set of its class's flag names: made
+# once per frame class here instead (same set, read-only; other callers unchanged).
+_FLAG_NAMES = {id(cls.defined_flags): (cls.defined_flags,
+                                       frozenset(f.name for f in cls.defined_flags))
+               for cls in hyperframe.frame.FRAMES.values()}
+
+
+def _flags_init(self: hyperframe.flags.Flags, defined_flags: Any) -> None:
+    entry = _FLAG_NAMES.get(id(defined_flags))
+    if entry is not None and entry[0] is defined_flags:
+        self._valid_flags = entry[1]
+    else:
+        self._valid_flags = {flag.name for flag in defined_flags}
+    self._flags = set()
+
+
+hyperframe.flags.Flags.__init__ = _flags_init
 
 _huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 _STATIC: dict[tuple[bytes, bytes], int] = {}
