@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,6 +101,19 @@ name = "h2-to-h1-only"
 endpoints = ["127.0.0.1:{ngx_h1}"]
 protocol = "h2"
 tls = { ca = "{ca}" }
+
+[[clusters]]
+name = "checked"
+endpoints = ["127.0.0.1:{ngx_h2}"]
+protocol = "h2"
+tls = { ca = "{ca}" }
+health_check = { path = "/", interval_ms = 100, unhealthy_threshold = 2 }
+
+[[clusters]]
+name = "checked-wrong-ca"
+endpoints = ["127.0.0.1:{ngx_h1}"]
+tls = true
+health_check = { path = "/", interval_ms = 100, unhealthy_threshold = 2 }
 
 [[clusters]]
 name = "plain-to-tls"
@@ -270,3 +284,14 @@ def test_check_command_accepts_a_tls_cluster(tmp_path: Path, pki: Pki) -> None:
     res = subprocess.run([sys.executable, "-m", "aiproxy", "check", "-c", str(path)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_health_checks_use_tls(proxy: ProxyProc) -> None:
+    """Checks of a TLS cluster go over TLS (HTTP/1.1 by ALPN, also for an h2 cluster):
+    the endpoint with the right CA stays healthy, the one with an unknown CA does not."""
+    deadline = time.monotonic() + 10
+    while "checked-wrong-ca: 127.0.0.1" not in proxy.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = proxy.log()
+    assert "cluster checked-wrong-ca: 127.0.0.1" in log and "is unhealthy" in log, log[-3000:]
+    assert "cluster checked: " not in log, log[-3000:]

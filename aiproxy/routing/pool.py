@@ -35,19 +35,29 @@ def upstream_tls_context(tls: UpstreamTlsConfig, alpn: str) -> ssl.SSLContext:
     return ctx
 
 
+def tls_connect_args(pool: EndpointPool, alpn: str) -> dict:
+    """create_connection() arguments for TLS to the pool's endpoint ({} without TLS)."""
+    tls = pool.cluster_cfg.tls
+    if tls is None:
+        return {}
+    key = (id(tls), alpn)
+    entry = _TLS_CONTEXTS.get(key)
+    if entry is None or entry[0] is not tls:  # made once per config (again after a reload)
+        entry = _TLS_CONTEXTS[key] = (tls, upstream_tls_context(tls, alpn))
+    return {"ssl": entry[1], "server_hostname": tls.sni or pool.host,
+            "ssl_handshake_timeout": pool.cluster_cfg.connect_timeout_ms / 1000}
+
+
+_TLS_CONTEXTS: dict[tuple[int, str], tuple[UpstreamTlsConfig, ssl.SSLContext]] = {}
+
+
 async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protocol:
     cfg = pool.cluster_cfg
     timeout = cfg.connect_timeout_ms / 1000
     address = pool.endpoint.address
     tls = cfg.tls
-    extra = {}
     alpn = "h2" if cfg.protocol == "h2" else "http/1.1"
-    if tls is not None:
-        if pool.tls_for is not tls:  # made once, again after a reload changed it
-            pool.tls_ctx = upstream_tls_context(tls, alpn)
-            pool.tls_for = tls
-        extra = {"ssl": pool.tls_ctx, "server_hostname": tls.sni or pool.host,
-                 "ssl_handshake_timeout": timeout}
+    extra = tls_connect_args(pool, alpn)
     try:
         async with asyncio.timeout(timeout):
             transport, conn = await pool.loop.create_connection(
@@ -77,7 +87,7 @@ class EndpointPool:
     (replaced on reload), counters for /metrics and the balancer's statistics."""
 
     __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "opened",
-                 "reused", "closed", "open_count", "stats", "tls_ctx", "tls_for")
+                 "reused", "closed", "open_count", "stats")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
@@ -92,8 +102,6 @@ class EndpointPool:
         self.open_count = 0
         self.closed = False
         self.stats = EndpointStats()
-        self.tls_ctx: ssl.SSLContext | None = None
-        self.tls_for: UpstreamTlsConfig | None = None
 
     @property
     def scheme(self) -> bytes:
