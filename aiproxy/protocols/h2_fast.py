@@ -383,8 +383,8 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
 
     def __next__(self) -> Any:
         data = self._data
-        if len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and (data[0] or data[1]
-                                                                    or data[2]):
+        if (len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and data[0:3] != b"\0\0\0"
+                and data[5:9] == b"\0\0\0\0"):  # on a stream: h2's PROTOCOL_ERROR stands
             raise h2.exceptions.FrameTooLargeError("SETTINGS ACK frame with a payload")
         return super().__next__()
 
