@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """HTTP/2 and gRPC end to end: aiproxy beside nginx, in front of the same backends.
 
-    python bench/e2e_h2.py [--rounds N] [--requests N]
+    python bench/e2e_h2.py [--rounds N] [--requests N] [--cases h2c,grpc] [--baseline DIR]
 
 - h2c: h2load (16 connections x 32 streams) against nginx (`listen ... http2`, h2c prior
   knowledge) and aiproxy (`protocols = ["h2c"]`), both proxying to one nginx HTTP/1.1
@@ -13,8 +13,10 @@
   Python grpcio server is slower than either proxy, so requests/s mostly measure it: the
   CPU microseconds per request of each proxy are the figure to compare there.
 
-Rounds are interleaved (nginx, aiproxy, then aiproxy, nginx ...); the table shows medians
-and ratios to nginx. Everything runs on 127.0.0.1 free ports. Uses bench/e2e.py's process
+Rounds are interleaved (the order rotates from round to round); the table shows medians
+and ratios to nginx. `--baseline DIR` adds "aiproxy-base", the same config run from another
+source tree (e.g. `git archive main | tar -x -C DIR` plus its build_ext), interleaved with the
+others: the A/B for a change. Everything runs on 127.0.0.1 free ports. Uses bench/e2e.py's process
 handling, so every server is stopped on exit.
 """
 
@@ -64,6 +66,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=60000)
     ap.add_argument("--grpc-requests", type=int, default=20000)
+    ap.add_argument("--cases", default="h2c,grpc", help="comma list of h2c, grpc")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another aiproxy source tree to run beside this one (A/B)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="aiproxy-e2e-h2-"))
     try:
@@ -73,7 +78,7 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, tmp: Path) -> int:
-    be, ngx, aip, grpc_port, ngx_g, aip_g = (e2e.free_port() for _ in range(6))
+    be, ngx, aip, grpc_port, ngx_g, aip_g, base, base_g = (e2e.free_port() for _ in range(8))
     head = textwrap.dedent(f"""\
         worker_processes 1;
         daemon off;
@@ -108,8 +113,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
           }}
         }}
         """))
-    aip_conf = tmp / "aiproxy.toml"
-    aip_conf.write_text(textwrap.dedent(f"""\
+    def aiproxy_conf(aip: int, aip_g: int) -> str:
+        return textwrap.dedent(f"""\
         [http]
         max_keepalive_requests = 0
         h2_max_concurrent_streams = 128
@@ -139,7 +144,9 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         [[routes]]
         name = "all"
         cluster = "be"
-        """))
+        """)
+    aip_conf = tmp / "aiproxy.toml"
+    aip_conf.write_text(aiproxy_conf(aip, aip_g))
     backend = e2e.Proc("backend", ["nginx", "-c", str(backend_conf)], tmp)
     e2e.wait_port(be, backend)
     grpc_server = e2e.Proc("grpc", [sys.executable, "-m", "tests.grpc_support", "--gen",
@@ -150,23 +157,40 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     aiproxy = e2e.Proc("aiproxy", [sys.executable, "-m", "aiproxy", "-c", str(aip_conf),
                                    "--log-level", "warning"], tmp)
     e2e.wait_port(aip, aiproxy)
+    baseline = None
+    if args.baseline is not None:
+        base_conf = tmp / "aiproxy-base.toml"
+        base_conf.write_text(aiproxy_conf(base, base_g))
+        root = str(args.baseline.resolve())
+        baseline = e2e.Proc("aiproxy-base", [sys.executable, "-m", "aiproxy", "-c",
+                                             str(base_conf), "--log-level", "warning"],
+                            tmp, env={"PYTHONPATH": root}, cwd=Path(root))
+        e2e.wait_port(base, baseline)
     body = tmp / "predict.bin"
     body.write_bytes(grpc_body())
     grpc_args = ["-d", str(body), "-H", "content-type: application/grpc", "-H", "te: trailers"]
-    cases = {
-        "h2c small": ({"nginx": (nginx, f"http://127.0.0.1:{ngx}/"),
-                       "aiproxy": (aiproxy, f"http://127.0.0.1:{aip}/")}, args.requests, []),
-        "grpc unary": ({"nginx": (nginx, f"http://127.0.0.1:{ngx_g}/aiproxy.testing.v1.Predictor/Predict"),
-                        "aiproxy": (aiproxy, f"http://127.0.0.1:{aip_g}/aiproxy.testing.v1.Predictor/Predict")},
-                       args.grpc_requests, grpc_args),
-    }
+    predict = "/aiproxy.testing.v1.Predictor/Predict"
+    h2c_targets = {"nginx": (nginx, f"http://127.0.0.1:{ngx}/"),
+                   "aiproxy": (aiproxy, f"http://127.0.0.1:{aip}/")}
+    grpc_targets = {"nginx": (nginx, f"http://127.0.0.1:{ngx_g}{predict}"),
+                    "aiproxy": (aiproxy, f"http://127.0.0.1:{aip_g}{predict}")}
+    if baseline is not None:
+        h2c_targets["aiproxy-base"] = (baseline, f"http://127.0.0.1:{base}/")
+        grpc_targets["aiproxy-base"] = (baseline, f"http://127.0.0.1:{base_g}{predict}")
+    wanted = set(args.cases.split(","))
+    cases = {}
+    if "h2c" in wanted:
+        cases["h2c small"] = (h2c_targets, args.requests, [])
+    if "grpc" in wanted:
+        cases["grpc unary"] = (grpc_targets, args.grpc_requests, grpc_args)
     failed = False
     for case, (targets, n, extra) in cases.items():
         for _proc, url in targets.values():  # warm up
             h2load(url, 2000, extra)
         runs: dict[str, list[dict]] = {name: [] for name in targets}
         for r in range(args.rounds):
-            order = list(targets) if r % 2 == 0 else list(reversed(targets))
+            names = list(targets)
+            order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 proc, url = targets[name]
                 res = measure(proc, url, n, extra)
@@ -178,9 +202,9 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                for name, rs in runs.items()}
         base = med["nginx"]
         print(f"\n{case} ({args.rounds} rounds, medians; ratio to nginx)")
-        print(f"{'proxy':10} {'req/s':>10} {'ratio':>7} {'CPU us/req':>11} {'ratio':>7}")
+        print(f"{'proxy':13} {'req/s':>10} {'ratio':>7} {'CPU us/req':>11} {'ratio':>7}")
         for name, m in med.items():
-            print(f"{name:10} {m['rps']:10.0f} {m['rps'] / base['rps']:7.2f} "
+            print(f"{name:13} {m['rps']:10.0f} {m['rps'] / base['rps']:7.2f} "
                   f"{m['cpu_us_per_req']:11.1f} "
                   f"{m['cpu_us_per_req'] / base['cpu_us_per_req']:7.2f}")
     return 1 if failed else 0

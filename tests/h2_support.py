@@ -314,12 +314,20 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.bodies: dict[int, bytearray] = {}
         self.heads: dict[int, list[tuple[bytes, bytes]]] = {}
+        self.trailers: dict[int, list[tuple[bytes, bytes]]] = {}
         self.windows: dict[int, asyncio.Event] = {}
         self.tasks: set[asyncio.Task] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections += 1
+        if self.server.settings_delay:
+            # Its SETTINGS come late: the proxy waits for them before it sends a request.
+            asyncio.get_running_loop().call_later(self.server.settings_delay, self._start)
+        else:
+            self._start()
+
+    def _start(self) -> None:
         self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.server.max_streams})
         self.conn.initiate_connection()
@@ -358,6 +366,9 @@ class _UpstreamProtocol(asyncio.Protocol):
                     continue  # never acknowledged: the sender's window runs dry
                 self.bodies.setdefault(ev.stream_id, bytearray()).extend(ev.data)
                 self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            elif isinstance(ev, h2.events.TrailersReceived):
+                self.trailers[ev.stream_id] = ev.headers
+                self.server.record("trailers", ev.stream_id, ev.headers)
             elif isinstance(ev, h2.events.StreamEnded):
                 self._dispatch(ev.stream_id)
             elif isinstance(ev, h2.events.StreamReset):
@@ -472,6 +483,8 @@ async def default_handler(proto: _UpstreamProtocol, sid: int, path: str,
         "path": path,
         "authority": head.get(b":authority", b"").decode(),
         "headers": [[k.decode(), v.decode("latin-1")] for k, v in head.items()],
+        "trailers": [[k.decode(), v.decode("latin-1")]
+                     for k, v in proto.trailers.get(sid, [])],
         "body_bytes": len(body),
         "body_sha256": hashlib.sha256(body).hexdigest(),
         "upstream": proto.server.name,
@@ -485,10 +498,11 @@ class H2Upstream:
     """An h2c (prior knowledge) server on 127.0.0.1 in its own thread."""
 
     def __init__(self, handler: Callable[..., Any] = default_handler, name: str = "h2-up",
-                 max_streams: int = 100) -> None:
+                 max_streams: int = 100, settings_delay: float = 0.0) -> None:
         self.handler = handler
         self.name = name
         self.max_streams = max_streams
+        self.settings_delay = settings_delay
         self.connections = 0
         self.events: list[tuple] = []
         self.lock = threading.Condition()

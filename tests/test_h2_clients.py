@@ -99,6 +99,16 @@ protocol = "h2"
 name = "upgrader"
 endpoints = ["127.0.0.1:{upgrader}"]
 
+[[clusters]]
+name = "latestart"
+endpoints = ["127.0.0.1:{latestart}"]
+protocol = "h2"
+
+[[clusters]]
+name = "fresh"
+endpoints = ["127.0.0.1:{fresh}"]
+protocol = "h2"
+
 [[routes]]
 name = "h2up"
 match = { host = "{h2up_host}" }
@@ -113,6 +123,16 @@ cluster = "upgrader"
 name = "narrow"
 match = { host = "narrow.test" }
 cluster = "narrow"
+
+[[routes]]
+name = "latestart"
+match = { host = "latestart.test" }
+cluster = "latestart"
+
+[[routes]]
+name = "fresh"
+match = { host = "fresh.test" }
+cluster = "fresh"
 
 [[routes]]
 name = "all"
@@ -164,6 +184,13 @@ class UpgradeUpstream(socketserver.ThreadingTCPServer):
                 if not data:
                     return
                 head += data
+            if b"transfer-encoding: chunked" in head.lower():
+                # Keep the whole chunked body, up to the end of its trailer section.
+                while not (b"\r\n0\r\n" in head and head.endswith(b"\r\n\r\n")):
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    head += data
             self.server.heads.append(head)
             if b"upgrade: h2c" in head.lower() or head.startswith(b"GET /force101 "):
                 sock.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
@@ -182,13 +209,30 @@ def upgrader() -> Iterator[UpgradeUpstream]:
 
 
 @pytest.fixture(scope="module")
+def latestart() -> Iterator[H2Upstream]:
+    """An h2 upstream that sends its SETTINGS 600 ms after accepting a connection."""
+    up = H2Upstream(name="latestart", settings_delay=0.6)
+    yield up
+    up.stop()
+
+
+@pytest.fixture(scope="module")
+def fresh() -> Iterator[H2Upstream]:
+    """An h2 upstream for uploads: no /stall test has used up its connection's window."""
+    up = H2Upstream(name="fresh")
+    yield up
+    up.stop()
+
+
+@pytest.fixture(scope="module")
 def proxy(demo_upstream: int, h2up: H2Upstream, narrow: H2Upstream, pki: Pki,
-          upgrader: UpgradeUpstream,
+          upgrader: UpgradeUpstream, latestart: H2Upstream, fresh: H2Upstream,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
     text = CONFIG
     for key, value in {"cert": pki.cert, "key": pki.key, "ca": pki.ca, "demo": demo_upstream,
                        "h2up": h2up.port, "h2up_host": H2UP_HOST,
-                       "narrow": narrow.port, "upgrader": upgrader.port}.items():
+                       "narrow": narrow.port, "upgrader": upgrader.port,
+                       "latestart": latestart.port, "fresh": fresh.port}.items():
         text = text.replace("{" + key + "}", str(value))
     p = ProxyProc(tmp_path_factory.mktemp("h2-clients"), text,
                   ("h2c", "mixed", "h1", "tls", "mtls"))
@@ -629,16 +673,21 @@ def test_h2_pool_opens_connections_past_the_peer_stream_limit(proxy: ProxyProc,
     """The upstream allows 2 streams per connection; 12 requests at once must all be
     served (the pool opens more connections) rather than refused."""
     results: list[Any] = []
+    # Clients made first and released together: making 12 (each loads a CA bundle) can
+    # take longer than a request on a busy machine, and then fewer are in flight at once.
+    clients = [httpx.Client(timeout=30) for _ in range(12)]
+    start = threading.Barrier(12)
 
-    def fetch(i: int) -> None:
+    def fetch(client: httpx.Client) -> None:
         try:
-            with httpx.Client(timeout=30) as client:
+            with client:
+                start.wait(10)
                 r = client.get(url(proxy, "h1", "/sleep/400"), headers={"host": "narrow.test"})
                 results.append(r.status_code)
         except Exception as exc:
             results.append(exc)
 
-    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(12)]
+    threads = [threading.Thread(target=fetch, args=(c,)) for c in clients]
     for t in threads:
         t.start()
     for t in threads:
@@ -762,3 +811,69 @@ def test_complete_response_before_the_request_ends(proxy: ProxyProc) -> None:
 
         c.send(c.request(5, "/echo"))
         assert c.response(5).status == 200
+
+
+# -- request trailers and grpc-timeout ---------------------------------------------------------
+
+
+def test_request_trailers_h2_client_to_h2_upstream(proxy: ProxyProc, tmp_path: Path) -> None:
+    """nghttp sends a body and trailer fields; the h2 upstream gets both trailers. (Not
+    h2up: the /stall tests leave its shared connection without window for bodies.)"""
+    body = tmp_path / "body.bin"
+    body.write_bytes(BLOCK[:3000])
+    res = run("nghttp", "-d", str(body), "--trailer", "x-checksum: abc123",
+              "--trailer", "x-count: 3", "-H", ":authority: fresh.test",
+              url(proxy, "h2c", "/echo"))
+    assert res.returncode == 0, res.stderr.decode()
+    doc = json.loads(res.stdout)
+    assert doc.get("body_bytes") == 3000, doc
+    assert doc["trailers"] == [["x-checksum", "abc123"], ["x-count", "3"]]
+
+
+def test_request_trailers_h2_client_to_h1_upstream_chunked(proxy: ProxyProc,
+                                                          upgrader: UpgradeUpstream) -> None:
+    """A body of unknown length goes to an HTTP/1.1 upstream chunked; the client's trailers
+    become its trailer section (content-length among them is dropped)."""
+    before = len(upgrader.heads)
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        c.send(c.request(1, "/upload", "POST", authority="upgrade.test", end_stream=False),
+               DataFrame(1, data=b"hello "), DataFrame(1, data=b"world"),
+               c.headers(1, [("x-digest", "sha-256=abc"), ("content-length", "11")], True))
+        resp = c.response(1)
+    assert resp.status == 200 and resp.body == b"plain"
+    raw = upgrader.heads[before]
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert body == b"6\r\nhello \r\n5\r\nworld\r\n0\r\nx-digest: sha-256=abc\r\n\r\n"
+
+
+def test_request_without_trailers_h1_upstream_chunked_ends_plainly(
+        proxy: ProxyProc, upgrader: UpgradeUpstream) -> None:
+    before = len(upgrader.heads)
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        data = DataFrame(1, data=b"abc")
+        data.flags.add("END_STREAM")
+        c.send(c.request(1, "/upload", "POST", authority="upgrade.test", end_stream=False),
+               data)
+        assert c.response(1).status == 200
+    assert upgrader.heads[before].endswith(b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+
+
+def test_grpc_timeout_forwarded_is_the_time_left(proxy: ProxyProc,
+                                                 latestart: H2Upstream) -> None:
+    """The upstream connection is ready only after 600 ms (late SETTINGS): the request
+    that waited for it carries what is left of the client's 5 s, in milliseconds. (The
+    only request to that upstream: a second one would find the connection open.)"""
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        c.send(c.request(1, "/echo", "POST", authority="latestart.test", extra=[
+            ("content-type", "application/grpc"), ("te", "trailers"),
+            ("grpc-timeout", "5S")]))
+        resp = c.response(1)
+    assert resp.status == 200
+    fields = dict(json.loads(resp.body)["headers"])
+    value = fields["grpc-timeout"]
+    assert value.endswith("m"), value
+    assert 3000 < int(value[:-1]) <= 4450, value

@@ -18,6 +18,7 @@ from .schema import (
     ServerConfig,
     TlsConfig,
     TracingConfig,
+    UpstreamTlsConfig,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "ServerConfig",
     "TlsConfig",
     "TracingConfig",
+    "UpstreamTlsConfig",
     "format_address",
     "load_config",
     "load_config_text",

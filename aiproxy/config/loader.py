@@ -40,6 +40,7 @@ from .schema import (
     TlsConfig,
     TracingConfig,
     TrafficClass,
+    UpstreamTlsConfig,
 )
 
 PROTOCOLS = ("http1", "h2c", "h2")
@@ -463,14 +464,41 @@ class _Checker:
             health = self.health_check(item, path)
             load_metrics = self.load_metrics(item, path)
             outlier = self.outlier(item, path)
+            tls = self.upstream_tls(item, path)
             if len(self.problems) == before:
                 clusters.append(ClusterConfig(name, endpoints, balancer=balancer,
                                               protocol=protocol, hash_key=hash_key,
                                               llm_score=llm_score, health_check=health,
                                               load_metrics=load_metrics,
-                                              outlier_detection=outlier, **extra))
+                                              outlier_detection=outlier, tls=tls, **extra))
         self.unique_names(names, "cluster")
         return tuple(clusters), [name for _, name in names]
+
+    def upstream_tls(self, data: dict[str, Any], path: KeyPath) -> UpstreamTlsConfig | None:
+        """A cluster's `tls`: true, false, or { ca = "...", sni = "...", verify = true }."""
+        if "tls" not in data:
+            return None
+        value = data["tls"]
+        path += ("tls",)
+        if isinstance(value, bool):
+            return UpstreamTlsConfig() if value else None
+        if not isinstance(value, dict):
+            self.error(path, "must be true, false or a table { ca, sni, verify }")
+            return None
+        self.check_keys(value, path, ("ca", "sni", "verify"))
+        ca = self.get(value, path, "ca", "string")
+        if ca is not None:
+            full = os.path.join(os.path.dirname(os.path.abspath(self.filename)), ca)
+            if not os.path.isfile(full):
+                self.error(path + ("ca",), f"no such file '{ca}'")
+            ca = full
+        sni = self.get(value, path, "sni", "string")
+        if sni is not None and not HOSTNAME.fullmatch(sni):
+            self.error(path + ("sni",), f"invalid host name '{sni}'")
+        verify = self.get(value, path, "verify", "boolean")
+        if verify is False and ca is not None:
+            self.error(path + ("verify",), "'ca' is only used with verify = true")
+        return UpstreamTlsConfig(ca=ca, sni=sni, verify=verify is not False)
 
     def hash_key(self, data: dict[str, Any], path: KeyPath) -> str:
         value = self.get(data, path, "hash_key", "string")

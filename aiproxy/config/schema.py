@@ -49,6 +49,16 @@ class TlsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamTlsConfig:
+    """TLS to a cluster's endpoints: `ca` (PEM bundle; default: the system's), `sni`
+    (default: the endpoint's host), `verify` the certificate and host name."""
+
+    ca: str | None = None
+    sni: str | None = None
+    verify: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class ListenerConfig:
     name: str
     address: str
@@ -163,6 +173,7 @@ class ClusterConfig:
     max_connections: int = _bounded(0, 0)
     max_pending: int = _bounded(0, 0)
     max_requests: int = _bounded(0, 0)
+    tls: UpstreamTlsConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)

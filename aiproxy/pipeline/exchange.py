@@ -101,6 +101,15 @@ def forwarded_upgrade(value: bytes | None) -> bytes | None:
     return b", ".join(t for t in tokens if t and t.lower() != b"h2c") or None
 
 
+def grpc_timeout_value(seconds: float) -> bytes:
+    """A grpc-timeout value for what is left of a deadline: whole milliseconds (rounded
+    down, at least 1), in a larger unit when 8 digits do not hold them."""
+    ms = max(1, int(seconds * 1000))
+    if ms < 100_000_000:
+        return b"%dm" % ms
+    return b"%dS" % min(ms // 1000, 99_999_999)
+
+
 def grpc_timeout(value: bytes | None) -> float | None:
     """Seconds from a grpc-timeout value ("100m", "5S", ...), None if absent or invalid."""
     if not value or len(value) > 9 or not value[:-1].isdigit():
@@ -614,7 +623,7 @@ class Exchange:
         authority = self.host_line[6:-2] if self.host_line else head.host
         if not authority:
             authority = pool.endpoint.address.encode()
-        fields = [(b":method", self.method), (b":scheme", b"http"),
+        fields = [(b":method", self.method), (b":scheme", pool.scheme),
                   (b":path", self.up_target), (b":authority", authority)]
         drop = F_HOP | F_HOST
         if self.body_len >= 0:
@@ -649,7 +658,16 @@ class Exchange:
                 fields.append((b"x-aiproxy-intent-domain", self.intent_domain.encode()))
         if self.grpc or head.get(b"te") == b"trailers":
             fields.append((b"te", b"trailers"))
+        if self.deadline_at < INFINITY:
+            # The upstream gets the time left, not the client's whole budget.
+            fields = [f for f in fields if f[0] != b"grpc-timeout"]
+            fields.append((b"grpc-timeout",
+                           grpc_timeout_value(self.deadline_at - self.loop.time())))
         return fields
+
+    def request_trailers(self) -> list[tuple[bytes, bytes]] | None:
+        """The trailer fields that ended the client's request body (HTTP/2), if any."""
+        return getattr(self.down, "request_trailers", None)
 
     def _xff(self) -> bytes:
         peer = self.down.peer

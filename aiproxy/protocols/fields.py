@@ -21,14 +21,25 @@ _FLAGS = {b"content-length": F_CONTENT_LENGTH, b"host": F_HOST, b"x-forwarded-fo
           b"x-forwarded-proto": F_XFP}
 
 
+# RFC 9110 6.5.1: besides hop fields, what a trailer section must not carry (framing,
+# routing): dropped when request trailers are forwarded.
+_NOT_IN_TRAILERS = _HOP | {b"content-length", b"host", b"content-type", b"content-encoding",
+                           b"content-range", b"authorization", b"cookie"}
+
+
+def trailer_fields(fields: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes, bytes]]:
+    """The trailer fields (received over HTTP/2: validated, lower-case) to forward."""
+    if not fields:
+        return []
+    return [(n, v) for n, v in fields
+            if n not in _NOT_IN_TRAILERS and n[:1] != b":" and n[:6] != b"proxy-"]
+
+
 class MalformedHead(Exception):
     """A field list that is not a valid message head (RFC 9113 8.1.1: malformed)."""
 
 
-def _flag(name: bytes) -> int:
-    if name in _HOP or name.startswith(b"proxy-"):
-        return F_HOP
-    return _FLAGS.get(name, 0)
+_NAME_FLAGS = {**_FLAGS, **dict.fromkeys(_HOP, F_HOP)}
 
 
 def _content_length(values: list[bytes]) -> int:
@@ -56,9 +67,20 @@ class FieldsHead:
 
     def __init__(self, items: list[tuple[bytes, bytes]]) -> None:
         self.items = items
-        self.flags = [_flag(name) for name, _ in items]
-        cls = [v for (n, v), f in zip(items, self.flags, strict=True) if f == F_CONTENT_LENGTH]
-        self.content_length = _content_length(cls) if cls else -1
+        flags = []
+        lengths = None
+        table = _NAME_FLAGS
+        for name, value in items:
+            f = table.get(name)
+            if f is None:
+                f = F_HOP if name[:6] == b"proxy-" else 0
+            elif f == F_CONTENT_LENGTH:
+                if lengths is None:
+                    lengths = []
+                lengths.append(value)
+            flags.append(f)
+        self.flags = flags
+        self.content_length = _content_length(lengths) if lengths else -1
 
     def get(self, lname: bytes) -> bytes | None:
         for name, value in self.items:
@@ -76,13 +98,12 @@ class FieldsHead:
         return [item for item, f in zip(self.items, self.flags, strict=True) if not f & drop_mask]
 
     def serialize(self, start_line: bytes, extra: bytes, drop_mask: int) -> bytes:
-        lines = [start_line]
+        parts = [start_line]
         for (name, value), f in zip(self.items, self.flags, strict=True):
             if not f & drop_mask:
-                lines.append(b"%s: %s\r\n" % (name, value))
-        lines.append(extra)
-        lines.append(b"\r\n")
-        return b"".join(lines)
+                parts += (name, b": ", value, b"\r\n")
+        parts += (extra, b"\r\n")
+        return b"".join(parts)
 
 
 class H2RequestHead(FieldsHead):
@@ -132,7 +153,7 @@ class H2RequestHead(FieldsHead):
         self.target = path
         self.scheme = scheme
         self.host = authority if authority is not None else host
-        self.has_xff = any(f == F_XFF for f in self.flags)
+        self.has_xff = F_XFF in self.flags
         self.body_streamed = not end_stream
 
     def serialize(self, start_line: bytes, extra: bytes, drop_mask: int) -> bytes:

@@ -13,6 +13,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_response
+from aiproxy.protocols.fields import trailer_fields
 
 if TYPE_CHECKING:
     from aiproxy.routing.pool import Pool
@@ -76,7 +77,13 @@ class H1UpstreamConnection(asyncio.Protocol):
 
     def end_body(self) -> None:
         if self.chunked:
-            self.transport.write(b"0\r\n\r\n")
+            # An HTTP/2 client's request trailers go in the chunked trailer section.
+            trailers = trailer_fields(self.exchange.request_trailers())
+            if trailers:
+                self.transport.write(b"0\r\n" + b"".join(
+                    [n + b": " + v + b"\r\n" for n, v in trailers]) + b"\r\n")
+            else:
+                self.transport.write(b"0\r\n\r\n")
 
     def tunnel_write(self, data: bytes) -> None:
         if self.transport is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -30,13 +29,13 @@ import h2.exceptions
 import h2.settings
 import hpack
 from h2.errors import ErrorCodes
-from h2.stream import StreamClosedBy
-from hyperframe.frame import GoAwayFrame, RstStreamFrame
+from hyperframe.frame import GoAwayFrame
 
 from aiproxy.pipeline.exchange import Exchange
-from aiproxy.protocols import replies
+from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_HOP, H2RequestHead, MalformedHead
 from aiproxy.protocols.h1_upstream import BODY_NONE
+from aiproxy.protocols.h2_output import OUT_HIGH, StreamOutput
 from aiproxy.telemetry.recorder import server_timing
 
 if TYPE_CHECKING:
@@ -47,7 +46,6 @@ log = logging.getLogger("aiproxy.h2")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 STREAM_WINDOW = 256 * 1024
 CONNECTION_WINDOW = 4 * 1024 * 1024
-OUT_HIGH = 256 * 1024       # buffered response bytes per stream before pausing the upstream
 WRITE_BUFFER_LIMIT = 8 * 1024 * 1024
 RESET_BUDGET = 200.0        # client stream resets (and refused streams) allowed in a burst ...
 RESET_REFILL = 100.0        # ... and per second after it
@@ -68,31 +66,15 @@ def grpc_status_for(status: int, code: str | None) -> int:
     return GRPC_STATUS.get(status, 2)
 
 
-class _ServerH2(h2.connection.H2Connection):
-    """h2 with three corrections:
-    - RFC 9113 5.1.2 as a stream error: a HEADERS frame over the concurrent stream limit
-      refuses that stream only (h2 itself would end the connection); `refused` counts
-      them so the connection can budget them like client resets.
+class _ServerH2(h2_fast.FastReceive, h2.connection.H2Connection):
+    """h2 with the corrections of FastReceive (RFC 9113 5.1.2: streams over the limit are
+    refused one by one) and two more:
     - RFC 9113 4.3: a field block that cannot be decoded is COMPRESSION_ERROR (h2 says
       PROTOCOL_ERROR).
     - RFC 9113 6.8: a GOAWAY from the client stops new streams, not the ones in flight
       (h2 would refuse to send another frame)."""
 
-    refused = 0
-
-    def _receive_headers_frame(self, frame: Any) -> tuple[list, list]:
-        sid = frame.stream_id
-        if (sid not in self.streams and sid % 2 == 1 and sid > self.highest_inbound_stream_id
-                and self.open_inbound_streams >= self.local_settings.max_concurrent_streams):
-            # Decode the block anyway: the HPACK table must stay in step with the peer.
-            h2.connection._decode_headers(self.decoder, frame.data)
-            self.highest_inbound_stream_id = sid
-            self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
-            rst = RstStreamFrame(sid)
-            rst.error_code = ErrorCodes.REFUSED_STREAM
-            self.refused += 1
-            return [rst], []
-        return super()._receive_headers_frame(frame)
+    refuse_excess = True
 
     def _receive_frame(self, frame: Any) -> list:
         try:
@@ -124,6 +106,8 @@ class H2ServerConnection(asyncio.Protocol):
         self.peer = b""
         self.writing_paused = False
         self.closed = False
+        self.receiving = False       # inside data_received, which flushes when done
+        self.flush_wanted = False
         self.goaway_sent = False
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
@@ -157,6 +141,7 @@ class H2ServerConnection(asyncio.Protocol):
         })
         conn.decoder.max_header_list_size = http.max_header_bytes
         self.h2 = conn
+        h2_fast.quiet_hpack_logging()
         self.idle_since = self.reset_at = self.control_at = self.loop.time()
         if self.upgrade is not None:
             head, settings = self.upgrade
@@ -179,16 +164,20 @@ class H2ServerConnection(asyncio.Protocol):
         except h2.exceptions.ProtocolError as exc:
             self._connection_error(exc)
             return
-        if self.await_preface:
-            self.await_preface = False
-            for stream in list(self.streams.values()):
-                stream.try_send()
-        for event in events:
-            handler = _HANDLERS.get(type(event))
-            if handler is not None:
-                handler(self, event)
-            if self.closed:
-                return
+        self.receiving = True
+        try:
+            if self.await_preface:
+                self.await_preface = False
+                for stream in list(self.streams.values()):
+                    stream.try_send()
+            for event in events:
+                handler = _HANDLERS.get(type(event))
+                if handler is not None:
+                    handler(self, event)
+                if self.closed:
+                    return
+        finally:
+            self.receiving = False
         if self.h2.refused:
             # Streams refused over the concurrency limit cost like client resets
             # (a rapid-reset variant that needs no RST_STREAM from the client).
@@ -322,7 +311,16 @@ class H2ServerConnection(asyncio.Protocol):
 
     # -- output and lifecycle --------------------------------------------------------------
 
+    def want_flush(self) -> None:
+        """Write what h2 has queued once this event-loop turn is over: the streams of a
+        connection answered in one turn share one write (one syscall)."""
+        if not self.flush_wanted and not self.closed:
+            self.flush_wanted = True
+            if not self.receiving:
+                self.loop.call_soon(self._flush)
+
     def _flush(self) -> None:
+        self.flush_wanted = False
         if self.closed:
             return
         data = self.h2.data_to_send()
@@ -373,6 +371,8 @@ class H2ServerConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if not self.closed:
+            if self.flush_wanted:
+                self._flush()  # what the last streams queued (their ends) goes out first
             self.closed = True
             if self.timer is not None:
                 self.timer.cancel()
@@ -436,28 +436,23 @@ _HANDLERS = {
 }
 
 
-class H2Stream:
+class H2Stream(StreamOutput):
     """One request/response on an HTTP/2 connection: the downstream of an Exchange."""
 
-    __slots__ = ("conn", "sid", "head", "exchange", "out", "out_size", "end_pending",
-                 "trailers_pending", "pause_mask", "unacked", "request_trailers", "done",
-                 "ended", "upstream_paused")
+    __slots__ = ("conn", "sid", "head", "exchange", "pause_mask", "unacked",
+                 "request_trailers", "done", "ended")
 
     def __init__(self, conn: H2ServerConnection, sid: int, head: Any) -> None:
         self.conn = conn
         self.sid = sid
         self.head = head
         self.exchange: Exchange | None = None
-        self.out: deque[bytes] = deque()
-        self.out_size = 0
-        self.end_pending = False
-        self.trailers_pending: list | None = None
         self.pause_mask = 0
         self.unacked = 0
         self.request_trailers: list | None = None
         self.done = False
         self.ended = False
-        self.upstream_paused = False
+        self._init_output()
 
     # what the Exchange reads
     @property
@@ -511,9 +506,9 @@ class H2Stream:
             return
         try:
             conn.h2.increment_flow_control_window(n, stream_id=self.sid)
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError, KeyError):
+        except (h2.exceptions.ProtocolError, KeyError):
             return  # the stream is over: no window to open
-        conn._flush()
+        conn.want_flush()
 
     # -- response --------------------------------------------------------------------
 
@@ -547,27 +542,16 @@ class H2Stream:
     def send_body(self, data: bytes) -> None:
         if self.ended or self.done:
             return
-        if self.out:
-            self.out.append(data)
-            self.out_size += len(data)
-        else:
-            self._send(data)
-        if self.out_size > OUT_HIGH and not self.upstream_paused and self.exchange is not None:
-            self.upstream_paused = True
-            self.exchange.on_client_pause_writing()
-        self.conn._flush()
+        self.queue_data(data)
+        self.conn.want_flush()
 
     def flush(self) -> None:
-        self.conn._flush()
+        self.conn.want_flush()
 
     def send_end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
         if self.ended or self.done:
             return
-        if self.out:
-            self.end_pending = True
-            self.trailers_pending = trailers
-            return
-        self._end(trailers)
+        self.queue_end(trailers)
 
     def send_error(self, ex: Exchange, status: int, message: str, code: str | None,
                    headers: list[tuple[bytes, bytes]] | None = None) -> bool:
@@ -580,7 +564,6 @@ class H2Stream:
                            (b"grpc-status", b"%d" % grpc_status_for(status, code)),
                            (b"grpc-message", quote(message).encode()), *extra], True)
             self.ended = True
-            self.conn._flush()
             return True
         body = replies.error_body(status, code, message)
         self._headers([(b":status", b"%d" % status), (b"content-type", b"application/json"),
@@ -588,15 +571,13 @@ class H2Stream:
                        *extra], ex.method == b"HEAD")
         if ex.method == b"HEAD":
             self.ended = True
-            self.conn._flush()
         else:
             self.send_body(body)
             self.send_end(None)
         return True
 
     def abort_response(self, code: int = ErrorCodes.INTERNAL_ERROR) -> None:
-        self.out.clear()
-        self.out_size = 0
+        self.clear_output()
         self._reset(code)
         self._finish()
 
@@ -610,6 +591,32 @@ class H2Stream:
     def start_tunnel(self, resp: Any, upgrade: bytes) -> None:  # pragma: no cover
         self.abort_response()
 
+    # -- StreamOutput -----------------------------------------------------------------
+
+    def _blocked(self) -> bool:
+        conn = self.conn
+        return conn.writing_paused or conn.await_preface
+
+    def _output_failed(self, exc: Exception) -> None:
+        log.info("cannot send data on stream %d: %s", self.sid, exc)
+        self._finish()
+
+    def _output_ended(self, ok: bool, exc: Exception | None) -> None:
+        if not ok:
+            log.info("cannot end stream %d: %s", self.sid, exc)
+        self.ended = True
+        ex = self.exchange
+        if ex is None or ex.finished:
+            self._finish()
+
+    def _pause_producer(self) -> None:
+        if self.exchange is not None:
+            self.exchange.on_client_pause_writing()
+
+    def _resume_producer(self) -> None:
+        if self.exchange is not None:
+            self.exchange.on_client_resume_writing()
+
     # -- internals ---------------------------------------------------------------------
 
     def _headers(self, fields: list[tuple[bytes, bytes]], end: bool) -> None:
@@ -617,82 +624,12 @@ class H2Stream:
         if conn.closed:
             return
         try:
-            conn.h2.send_headers(self.sid, fields, end_stream=end)
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as exc:
+            h2_fast.send_headers(conn.h2, self.sid, fields, end)
+        except h2.exceptions.ProtocolError as exc:
             log.info("cannot send headers on stream %d: %s", self.sid, exc)
             self._finish()
             return
-        conn._flush()
-
-    def _send(self, data: bytes) -> None:
-        conn = self.conn
-        if conn.closed:
-            return
-        h2c = conn.h2
-        try:
-            window = (0 if conn.writing_paused or conn.await_preface
-                      else h2c.local_flow_control_window(self.sid))
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
-            self._finish()
-            return
-        frame = h2c.max_outbound_frame_size
-        view = memoryview(data)
-        n = len(view)
-        off = 0
-        try:
-            while off < n and window > 0:
-                size = min(n - off, window, frame)
-                h2c.send_data(self.sid, view[off:off + size])
-                off += size
-                window -= size
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as exc:
-            log.info("cannot send data on stream %d: %s", self.sid, exc)
-            self._finish()
-            return
-        if off < n:
-            rest = bytes(view[off:])
-            self.out.append(rest)
-            self.out_size += len(rest)
-
-    def try_send(self) -> None:
-        """Send what waited for window; finish the stream if its end was waiting too."""
-        if self.done:
-            return
-        out = self.out
-        while out:
-            data = out.popleft()
-            self.out_size -= len(data)
-            before = len(out)
-            self._send(data)
-            if len(out) > before:
-                # _send appended the unsent rest at the back: put it first again.
-                out.rotate(1)
-                break
-        if not out and self.end_pending:
-            self.end_pending = False
-            self._end(self.trailers_pending)
-        if self.upstream_paused and self.out_size <= OUT_HIGH // 2:
-            self.upstream_paused = False
-            if self.exchange is not None:
-                self.exchange.on_client_resume_writing()
-        self.conn._flush()
-
-    def _end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
-        conn = self.conn
-        if conn.closed:
-            return
-        try:
-            if trailers:
-                conn.h2.send_headers(self.sid, trailers, end_stream=True)
-            else:
-                conn.h2.end_stream(self.sid)
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError) as exc:
-            log.info("cannot end stream %d: %s", self.sid, exc)
-        self.ended = True
-        ex = self.exchange
-        if ex is None or ex.finished:
-            self._finish()
-        conn._flush()
+        conn.want_flush()
 
     def _reset(self, code: int) -> None:
         conn = self.conn
@@ -700,9 +637,9 @@ class H2Stream:
             return
         try:
             conn.h2.reset_stream(self.sid, code)
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
+        except h2.exceptions.ProtocolError:
             pass
-        conn._flush()
+        conn.want_flush()
 
     def _finish(self) -> None:
         if self.done:

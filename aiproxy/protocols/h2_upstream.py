@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import h2.config
@@ -20,8 +19,10 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
-from aiproxy.protocols.fields import H2ResponseHead, MalformedHead
+from aiproxy.protocols import h2_fast
+from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
 from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE
+from aiproxy.protocols.h2_output import StreamOutput
 
 if TYPE_CHECKING:
     from aiproxy.routing.pool import H2Pool
@@ -30,10 +31,10 @@ log = logging.getLogger("aiproxy.h2.upstream")
 
 STREAM_WINDOW = 1024 * 1024
 CONNECTION_WINDOW = 8 * 1024 * 1024
-OUT_HIGH = 256 * 1024
+SWEEP_EVERY = 64
 
 
-class _ClientH2(h2.connection.H2Connection):
+class _ClientH2(h2_fast.FastReceive, h2.connection.H2Connection):
     """h2 with RFC 9113 6.8: after the upstream's GOAWAY the streams it will still
     process (up to its last stream id) carry on; h2 itself would refuse every frame
     from then on, failing responses a gracefully stopping upstream is finishing."""
@@ -55,6 +56,10 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.goaway = False
         self.writing_paused = False
+        self.receiving = False       # inside data_received, which flushes when done
+        self.flush_wanted = False
+        self.max_streams = 100       # the peer's SETTINGS_MAX_CONCURRENT_STREAMS, once known
+        self.done_count = 0
         self.idle_since = 0.0
         # Done when the peer's first SETTINGS frame has arrived (its stream limit is known).
         self.settings_received: asyncio.Future[None] = pool.loop.create_future()
@@ -83,14 +88,23 @@ class H2UpstreamConnection(asyncio.Protocol):
     def available(self) -> bool:
         if self.closed or self.goaway or self.transport is None or self.transport.is_closing():
             return False
-        return len(self.streams) < self.h2.remote_settings.max_concurrent_streams
+        return len(self.streams) < self.max_streams
 
     def open_stream(self) -> H2UpstreamStream | None:
         if not self.available():
             return None
         return H2UpstreamStream(self)
 
+    def want_flush(self) -> None:
+        """Write what h2 has queued once this event-loop turn is over: the requests
+        started in one turn share one write."""
+        if not self.flush_wanted and not self.closed:
+            self.flush_wanted = True
+            if not self.receiving:
+                self.pool.loop.call_soon(self.flush)
+
     def flush(self) -> None:
+        self.flush_wanted = False
         if not self.closed:
             data = self.h2.data_to_send()
             if data:
@@ -98,6 +112,12 @@ class H2UpstreamConnection(asyncio.Protocol):
 
     def stream_done(self, stream: H2UpstreamStream) -> None:
         self.streams.pop(stream.sid, None)
+        self.done_count += 1
+        if self.done_count >= SWEEP_EVERY:
+            # h2 forgets its closed streams only while counting the open ones (a scan of
+            # all): once per SWEEP_EVERY streams, not on every new one as h2 itself would.
+            self.done_count = 0
+            self.h2.open_outbound_streams  # noqa: B018
         if not self.streams:
             self.idle_since = self.pool.loop.time()
             if self.goaway:
@@ -105,6 +125,8 @@ class H2UpstreamConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if not self.closed:
+            if self.flush_wanted:
+                self.flush()
             self.closed = True
             if self.transport is not None:
                 self.transport.close()
@@ -125,6 +147,14 @@ class H2UpstreamConnection(asyncio.Protocol):
             self._fail_all("upstream_bad_response", f"HTTP/2 protocol error: {exc}")
             self.close()
             return
+        self.receiving = True
+        try:
+            self._dispatch(events)
+        finally:
+            self.receiving = False
+        self.flush()
+
+    def _dispatch(self, events: list) -> None:
         for event in events:
             sid = getattr(event, "stream_id", 0)
             stream = self.streams.get(sid) if sid else None
@@ -163,6 +193,8 @@ class H2UpstreamConnection(asyncio.Protocol):
                 elif stream is not None:
                     stream.try_send()
             elif kind is h2.events.RemoteSettingsChanged:
+                # Kept here: h2's Settings answer each read through collections.abc.
+                self.max_streams = self.h2.remote_settings.max_concurrent_streams
                 if not self.settings_received.done():
                     self.settings_received.set_result(None)
                 for s in list(self.streams.values()):
@@ -175,7 +207,6 @@ class H2UpstreamConnection(asyncio.Protocol):
                         # Never processed by the upstream: safe to retry elsewhere.
                         s.fail(503, "upstream_goaway", "upstream sent GOAWAY")
                 self.pool.discard(self)
-        self.flush()
 
     def eof_received(self) -> bool:
         return False
@@ -204,26 +235,23 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.flush()
 
 
-class H2UpstreamStream:
+class H2UpstreamStream(StreamOutput):
     """The upstream side of one Exchange over a shared HTTP/2 connection."""
 
-    __slots__ = ("conn", "sid", "exchange", "out", "out_size", "end_pending", "paused",
-                 "unacked", "received", "trailers", "done", "ended_local", "body_paused")
+    __slots__ = ("conn", "sid", "exchange", "paused", "unacked", "received", "trailers",
+                 "done", "ended_local")
 
     def __init__(self, conn: H2UpstreamConnection) -> None:
         self.conn = conn
         self.sid = 0
         self.exchange: Any = None
-        self.out: deque[bytes] = deque()
-        self.out_size = 0
-        self.end_pending = False
         self.paused = False
         self.unacked = 0
         self.received = False
         self.trailers: list | None = None
         self.done = False
         self.ended_local = False
-        self.body_paused = False
+        self._init_output()
 
     # -- driven by the exchange ----------------------------------------------------------
 
@@ -233,31 +261,23 @@ class H2UpstreamStream:
         self.sid = conn.h2.get_next_available_stream_id()
         conn.streams[self.sid] = self
         try:
-            conn.h2.send_headers(self.sid, exchange.h2_request_headers(conn.pool))
+            h2_fast.send_headers(conn.h2, self.sid, exchange.h2_request_headers(conn.pool),
+                                 method=exchange.method)
         except h2.exceptions.ProtocolError as exc:
             self.fail(503, "upstream_overloaded", f"cannot open an upstream stream: {exc}")
             return
-        conn.flush()
+        conn.want_flush()
 
     def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:
         for piece in pieces:
-            if self.out:
-                self.out.append(piece)
-                self.out_size += len(piece)
-            else:
-                self._send(piece)
-        if self.out_size > OUT_HIGH and not self.body_paused and self.exchange is not None:
-            self.body_paused = True
-            self.exchange.on_upstream_pause_writing()
-        self.conn.flush()
+            self.queue_data(piece)
+        self.conn.want_flush()
 
     def end_body(self) -> None:
         if self.done or self.ended_local:
             return
-        if self.out:
-            self.end_pending = True
-            return
-        self._end()
+        # An HTTP/2 client's request trailers (gRPC client streaming may send some).
+        self.queue_end(trailer_fields(self.exchange.request_trailers()) or None)
 
     def pause(self) -> None:
         self.paused = True
@@ -270,10 +290,9 @@ class H2UpstreamStream:
                 n, self.unacked = self.unacked, 0
                 try:
                     self.conn.h2.increment_flow_control_window(n, stream_id=self.sid)
-                except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError,
-                        KeyError):
+                except (h2.exceptions.ProtocolError, KeyError):
                     pass  # the stream is over: no window to open
-                self.conn.flush()
+                self.conn.want_flush()
 
     def usable(self) -> bool:
         return False  # a stream carries one exchange; the connection is what is shared
@@ -357,58 +376,24 @@ class H2UpstreamStream:
         if ex is not None:
             ex.on_upstream_failed(status, code, message)
 
-    # -- internals ---------------------------------------------------------------------------
+    # -- StreamOutput ----------------------------------------------------------------------
 
-    def _send(self, data: bytes) -> None:
-        conn = self.conn
-        if conn.closed or self.done:
-            return
-        h2c = conn.h2
-        try:
-            window = 0 if conn.writing_paused else h2c.local_flow_control_window(self.sid)
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
-            return
-        frame = h2c.max_outbound_frame_size
-        view = memoryview(data)
-        n = len(view)
-        off = 0
-        while off < n and window > 0:
-            size = min(n - off, window, frame)
-            h2c.send_data(self.sid, view[off:off + size])
-            off += size
-            window -= size
-        if off < n:
-            rest = bytes(view[off:])
-            self.out.append(rest)
-            self.out_size += len(rest)
+    def _output_failed(self, exc: Exception) -> None:
+        pass  # the stream is over; its end (reset or response) arrives as an event
 
-    def try_send(self) -> None:
-        out = self.out
-        while out and not self.done:
-            data = out.popleft()
-            self.out_size -= len(data)
-            before = len(out)
-            self._send(data)
-            if len(out) > before:
-                out.rotate(1)
-                break
-        if not out and self.end_pending:
-            self.end_pending = False
-            self._end()
-        if self.body_paused and self.out_size <= OUT_HIGH // 2 and self.exchange is not None:
-            self.body_paused = False
+    def _output_ended(self, ok: bool, exc: Exception | None) -> None:
+        if ok:
+            self.ended_local = True
+
+    def _pause_producer(self) -> None:
+        if self.exchange is not None:
+            self.exchange.on_upstream_pause_writing()
+
+    def _resume_producer(self) -> None:
+        if self.exchange is not None:
             self.exchange.on_upstream_resume_writing()
 
-    def _end(self) -> None:
-        conn = self.conn
-        if conn.closed or self.done:
-            return
-        try:
-            conn.h2.end_stream(self.sid)
-        except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
-            return
-        self.ended_local = True
-        conn.flush()
+    # -- internals ---------------------------------------------------------------------------
 
     def _reset(self, code: int) -> None:
         conn = self.conn
@@ -419,7 +404,7 @@ class H2UpstreamStream:
         if not conn.closed and self.sid:
             try:
                 conn.h2.reset_stream(self.sid, code)
-            except (h2.exceptions.ProtocolError, h2.exceptions.StreamClosedError):
+            except h2.exceptions.ProtocolError:
                 pass
-            conn.flush()
+            conn.want_flush()
         conn.stream_done(self)

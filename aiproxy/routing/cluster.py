@@ -18,7 +18,7 @@ from random import choice, random, sample
 from typing import TYPE_CHECKING, Any
 
 from aiproxy.config import ClusterConfig, Endpoint, HttpConfig
-from aiproxy.routing.pool import H2Pool, Pool
+from aiproxy.routing.pool import H2Pool, Pool, tls_connect_args
 from aiproxy.routing.stats import EndpointStats
 
 if TYPE_CHECKING:
@@ -490,7 +490,8 @@ async def http_get(pool: Pool, path: bytes, timeout: float, body: bool,
     writer = None
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(pool.host, pool.port)
+            reader, writer = await asyncio.open_connection(
+                pool.host, pool.port, **tls_connect_args(pool, "http/1.1"))
             writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: " + pool.endpoint.address.encode()
                          + b"\r\nUser-Agent: aiproxy\r\nConnection: close\r\n\r\n")
             line = await reader.readline()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import TYPE_CHECKING
 
-from aiproxy.config import ClusterConfig, Endpoint
+from aiproxy.config import ClusterConfig, Endpoint, UpstreamTlsConfig
 from aiproxy.protocols.h1_upstream import H1UpstreamConnection
 from aiproxy.protocols.h2_upstream import H2UpstreamConnection, H2UpstreamStream
 from aiproxy.routing.stats import EndpointStats
@@ -21,18 +22,63 @@ class UpstreamConnectError(Exception):
         self.timeout = timeout
 
 
+def upstream_tls_context(tls: UpstreamTlsConfig, alpn: str) -> ssl.SSLContext:
+    """Client TLS for a cluster: TLS 1.2+, ALPN offering only the cluster's protocol."""
+    if tls.verify:
+        ctx = ssl.create_default_context(cafile=tls.ca)  # the system's CAs without `ca`
+    else:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols([alpn])
+    return ctx
+
+
+def tls_connect_args(pool: EndpointPool, alpn: str) -> dict:
+    """create_connection() arguments for TLS to the pool's endpoint ({} without TLS)."""
+    tls = pool.cluster_cfg.tls
+    if tls is None:
+        return {}
+    key = (id(tls), alpn)
+    entry = _TLS_CONTEXTS.get(key)
+    if entry is None or entry[0] is not tls:  # made once per config (again after a reload)
+        entry = _TLS_CONTEXTS[key] = (tls, upstream_tls_context(tls, alpn))
+    return {"ssl": entry[1], "server_hostname": tls.sni or pool.host,
+            "ssl_handshake_timeout": pool.cluster_cfg.connect_timeout_ms / 1000}
+
+
+_TLS_CONTEXTS: dict[tuple[int, str], tuple[UpstreamTlsConfig, ssl.SSLContext]] = {}
+
+
 async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protocol:
-    timeout = pool.cluster_cfg.connect_timeout_ms / 1000
+    cfg = pool.cluster_cfg
+    timeout = cfg.connect_timeout_ms / 1000
     address = pool.endpoint.address
+    tls = cfg.tls
+    alpn = "h2" if cfg.protocol == "h2" else "http/1.1"
+    extra = tls_connect_args(pool, alpn)
     try:
         async with asyncio.timeout(timeout):
-            _, conn = await pool.loop.create_connection(
-                lambda: protocol(pool), pool.host, pool.port)
+            transport, conn = await pool.loop.create_connection(
+                lambda: protocol(pool), pool.host, pool.port, **extra)
     except TimeoutError:
         raise UpstreamConnectError(True, f"connect to {address} timed out") from None
+    except ssl.SSLError as exc:
+        text = str(getattr(exc, "reason", None) or exc)
+        if "no application protocol" in text.replace("_", " ").lower():
+            raise UpstreamConnectError(
+                False, f"{address} did not agree to {alpn} (ALPN)") from None
+        raise UpstreamConnectError(False, f"TLS handshake with {address} failed: {text}") from None
     except OSError as exc:
         raise UpstreamConnectError(
             False, f"connect to {address} failed: {exc.strerror or exc}") from None
+    if tls is not None:
+        chosen = transport.get_extra_info("ssl_object").selected_alpn_protocol()
+        if chosen not in (alpn, None) or (chosen is None and alpn == "h2"):
+            transport.abort()
+            raise UpstreamConnectError(
+                False, f"{address} did not agree to {alpn} (ALPN: {chosen or 'none'})")
     return conn
 
 
@@ -56,6 +102,11 @@ class EndpointPool:
         self.open_count = 0
         self.closed = False
         self.stats = EndpointStats()
+
+    @property
+    def scheme(self) -> bytes:
+        """The :scheme of requests to this endpoint (HTTP/2)."""
+        return b"https" if self.cluster_cfg.tls is not None else b"http"
 
 
 class Pool(EndpointPool):

@@ -1,0 +1,475 @@
+"""The proxy's own outbound HEADERS and DATA frames on a connection the h2 library runs.
+
+h2's send path costs most of an HTTP/2 request's CPU in Python: per header field it
+searches the HPACK tables, Huffman-codes, builds hyperframe objects and serializes them.
+The proxy builds every field list it sends itself (names already lower-case, hop fields
+dropped), so outbound validation is off anyway; what is left to do is the stream state
+transition (kept: h2's state machines still decide what may be sent) and the bytes.
+
+HPACK here is stateless, as in nginx: fields go out as static-table indexes or literals
+*without indexing*, so an encoding depends only on the field and is cached. The peer's
+dynamic table then only changes when h2's own encoder writes a block (the connection
+preface, or the first block after the peer resized the table: that block must start with
+a table size update, RFC 7541 4.2), and since these blocks never refer to it, both
+encoders' blocks stay valid. Credentials go out never-indexed (RFC 7541 7.1.3) and are
+not cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import h2.connection
+import h2.exceptions
+import h2.frame_buffer
+import h2.stream
+import h2.utilities
+import hpack.hpack
+import hyperframe.flags
+import hyperframe.frame
+from h2.connection import AllowedStreamIDs, ConnectionInputs
+from h2.errors import ErrorCodes
+from h2.exceptions import ProtocolError
+from h2.stream import StreamInputs
+from hpack import NeverIndexedHeaderTuple
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+from hpack.table import HeaderTable
+from hyperframe.frame import RstStreamFrame
+
+T_DATA = 0x0
+T_HEADERS = 0x1
+T_CONTINUATION = 0x9
+END_STREAM = 0x1
+END_HEADERS = 0x4
+
+# hyperframe builds, for every frame it parses, the set of its class's flag names: made
+# once per frame class here instead (same set, read-only; other callers unchanged).
+_FLAG_NAMES = {id(cls.defined_flags): (cls.defined_flags,
+                                       frozenset(f.name for f in cls.defined_flags))
+               for cls in hyperframe.frame.FRAMES.values()}
+
+
+def _flags_init(self: hyperframe.flags.Flags, defined_flags: Any) -> None:
+    entry = _FLAG_NAMES.get(id(defined_flags))
+    if entry is not None and entry[0] is defined_flags:
+        self._valid_flags = entry[1]
+    else:
+        self._valid_flags = {flag.name for flag in defined_flags}
+    self._flags = set()
+
+
+hyperframe.flags.Flags.__init__ = _flags_init
+
+_huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
+_STATIC: dict[tuple[bytes, bytes], int] = {}
+_STATIC_NAMES: dict[bytes, int] = {}
+for _i, _field in enumerate(HeaderTable.STATIC_TABLE, 1):
+    _STATIC.setdefault(_field, _i)
+    _STATIC_NAMES.setdefault(_field[0], _i)
+_SECRET = frozenset((b"authorization", b"proxy-authorization", b"cookie", b"set-cookie"))
+_CACHE: dict[tuple[bytes, bytes], bytes] = {}
+CACHE_LIMIT = 4096
+
+
+def _integer(value: int, prefix_bits: int, first: int) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _string(s: bytes) -> bytes:
+    h = _huffman.encode(s)
+    if len(h) < len(s):
+        return _integer(len(h), 7, 0x80) + h
+    return _integer(len(s), 7, 0) + s
+
+
+def _encode_field(name: bytes, value: bytes) -> bytes:
+    if name in _SECRET:
+        first = 0x10  # never indexed
+    else:
+        index = _STATIC.get((name, value))
+        if index is not None:
+            return bytes((0x80 | index,))
+        first = 0x00  # without indexing
+    index = _STATIC_NAMES.get(name)
+    if index is not None:
+        return _integer(index, 4, first) + _string(value)
+    return bytes((first,)) + _string(name) + _string(value)
+
+
+def encode_fields(fields: list[tuple[bytes, bytes]]) -> bytes:
+    """One HPACK field block, touching no dynamic table."""
+    cache = _CACHE
+    out = []
+    for field in fields:
+        block = cache.get(field)
+        if block is None:
+            name, value = field
+            block = _encode_field(name, value)
+            if name not in _SECRET:
+                if len(cache) >= CACHE_LIMIT:
+                    cache.clear()
+                cache[field] = block
+        out.append(block)
+    return b"".join(out)
+
+
+def _frame_head(length: int, kind: int, flags: int, sid: int) -> bytes:
+    return (length.to_bytes(3, "big") + bytes((kind, flags)) + sid.to_bytes(4, "big"))
+
+
+def send_headers(conn: Any, sid: int, fields: list[tuple[bytes, bytes]],
+                 end_stream: bool = False, method: bytes | None = None) -> None:
+    """h2's send_headers for a field list the proxy built: a response (or informational
+    response, or trailers) on a server connection, a request or trailers on a client one
+    (method given for a new request: h2 needs it to frame a HEAD response).
+    Raises what h2 would (ProtocolError, StreamClosedError) when the state forbids it."""
+    conn.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
+    stream = conn.streams.get(sid)
+    if stream is None:
+        # h2 would count the open streams here (a scan of all of them, which is also when
+        # it forgets closed ones): the caller keeps to the peer's limit, and sweeps.
+        stream = conn._get_or_create_stream(sid, AllowedStreamIDs(conn.config.client_side))
+    if (not conn.config.client_side and fields[0][0] == b":status"
+            and fields[0][1][:1] == b"1"):
+        if end_stream:
+            raise ProtocolError("informational responses cannot end the stream")
+        stream.state_machine.process_input(StreamInputs.SEND_INFORMATIONAL_HEADERS)
+    else:
+        stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
+    encoder = conn.encoder
+    if encoder.header_table.resized:
+        block = encoder.encode(fields)  # starts with the table size update
+    else:
+        block = encode_fields(fields)
+    if end_stream:
+        stream.state_machine.process_input(StreamInputs.SEND_END_STREAM)
+    if method is not None:
+        stream.request_method = method
+    max_frame = conn.max_outbound_frame_size
+    n = len(block)
+    flags = END_STREAM if end_stream else 0
+    out = conn._data_to_send
+    if n <= max_frame:
+        out += _frame_head(n, T_HEADERS, flags | END_HEADERS, sid)
+        out += block
+        return
+    out += _frame_head(max_frame, T_HEADERS, flags, sid)
+    out += block[:max_frame]
+    off = max_frame
+    while off < n:
+        size = min(n - off, max_frame)
+        out += _frame_head(size, T_CONTINUATION, END_HEADERS if off + size == n else 0, sid)
+        out += block[off:off + size]
+        off += size
+
+
+def send_data(conn: Any, stream: Any, data: bytes | memoryview, end_stream: bool = False) -> None:
+    """h2's send_data without its checks: the caller keeps data within the flow-control
+    window (min of the connection's and the stream's) and the peer's frame size."""
+    n = len(data)
+    conn.state_machine.process_input(ConnectionInputs.SEND_DATA)
+    sm = stream.state_machine
+    sm.process_input(StreamInputs.SEND_DATA)
+    if end_stream:
+        sm.process_input(StreamInputs.SEND_END_STREAM)
+    stream.outbound_flow_control_window -= n
+    conn.outbound_flow_control_window -= n
+    out = conn._data_to_send
+    out += _frame_head(n, T_DATA, END_STREAM if end_stream else 0, stream.stream_id)
+    out += data
+
+
+def end_stream(conn: Any, sid: int) -> None:
+    """An empty DATA frame with END_STREAM."""
+    stream = conn._get_stream_by_id(sid)
+    conn.state_machine.process_input(ConnectionInputs.SEND_DATA)
+    stream.state_machine.process_input(StreamInputs.SEND_END_STREAM)
+    conn._data_to_send += _frame_head(0, T_DATA, END_STREAM, sid)
+
+
+def stream_window(conn: Any, sid: int) -> tuple[Any, int]:
+    """h2's stream and how many DATA bytes may go out on it now (h2's
+    local_flow_control_window; raises StreamClosedError/NoSuchStreamError as it does)."""
+    stream = conn.streams.get(sid)
+    if stream is None:
+        stream = conn._get_stream_by_id(sid)
+    w = stream.outbound_flow_control_window
+    c = conn.outbound_flow_control_window
+    return stream, (w if w < c else c)
+
+
+class _Quiet:
+    """Stands in for hpack's module logger while it is not enabled for DEBUG: hpack calls
+    log.debug for every header field it decodes, which costs even when nothing logs."""
+
+    def __init__(self, real: logging.Logger) -> None:
+        self.real = real
+
+    def debug(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def quiet_hpack_logging() -> None:
+    log = hpack.hpack.log
+    if isinstance(log, _Quiet):
+        if log.real.isEnabledFor(logging.DEBUG):
+            hpack.hpack.log = log.real
+    elif not log.isEnabledFor(logging.DEBUG):
+        hpack.hpack.log = _Quiet(log)
+
+
+# -- inbound: h2's header validation in one pass ---------------------------------------
+
+_NAME_CHARS = bytes(range(0x21, 0x41)) + bytes(range(0x5B, 0x7F))  # RFC 9113 8.2.1
+_CONNECTION_FIELDS = h2.utilities.CONNECTION_HEADERS
+_PSEUDO_FIELDS = h2.utilities._ALLOWED_PSEUDO_HEADER_FIELDS
+
+
+def _check_value(value: bytes) -> None:
+    if len(value.translate(None, b"\0\r\n")) != len(value):
+        raise ProtocolError(f"Illegal character in header value: {value!r}")
+    if value[0] in (0x20, 0x09) or value[-1] in (0x20, 0x09):
+        raise ProtocolError(f"Received header value surrounded by whitespace {value!r}")
+
+
+def checked_fields(headers: list, flags: Any) -> list:
+    """h2's normalize_inbound_headers + validate_headers (RFC 9113 8.2 and 8.3, as h2 4.x
+    applies them, with the same outcome for every input) as one loop with C-speed
+    character checks instead of a chain of seven generators."""
+    out = []
+    cookies = None
+    pseudo: set[bytes] = set()
+    regular = False
+    method = None
+    request = not flags.is_response_header and not flags.is_trailer
+    authority = host = None
+    for field in headers:
+        name, value = field
+        if name == b"cookie":
+            # Joined and put last, as h2's normalization does, then checked.
+            if cookies is None:
+                cookies = []
+            cookies.append(value)
+            continue
+        if not name:
+            raise ProtocolError("Received header name with zero length.")
+        if name.translate(None, _NAME_CHARS) or name.find(b":", 1) != -1:
+            raise ProtocolError(f"Illegal character in header name: {name!r}")
+        if value:
+            _check_value(value)
+        if name[0] == 0x3A:
+            if name in pseudo:
+                raise ProtocolError(f"Received duplicate pseudo-header field {name!r}")
+            pseudo.add(name)
+            if regular:
+                raise ProtocolError(f"Received pseudo-header field out of sequence: {name!r}")
+            if name not in _PSEUDO_FIELDS:
+                raise ProtocolError(f"Received custom pseudo-header field {name!r}")
+            if name == b":method":
+                method = value
+            elif request:
+                if name == b":authority":
+                    authority = value
+                elif name == b":path" and not value:
+                    raise ProtocolError("An empty :path header is forbidden")
+        else:
+            if name == b"te" and value.lower() != b"trailers":
+                raise ProtocolError(f"Invalid value for TE header: {value!r}")
+            if name in _CONNECTION_FIELDS:
+                raise ProtocolError(f"Connection-specific header field present: {name!r}.")
+            regular = True
+            if request and name == b"host":
+                if host is not None:
+                    raise ProtocolError("Request header block has multiple Host headers.")
+                host = value
+        out.append(field)
+    if cookies is not None:
+        value = b"; ".join(cookies)
+        if value:
+            _check_value(value)
+        out.append(NeverIndexedHeaderTuple(b"cookie", value))
+    h2.utilities._check_pseudo_header_field_acceptability(pseudo, method, flags)
+    if request:
+        if authority is None and host is None:
+            raise ProtocolError(
+                "Request header block does not have an :authority or Host header.")
+        if authority is not None and host is not None and authority != host:
+            raise ProtocolError("Request header block has mismatched :authority and Host "
+                                f"headers: {authority!r} / {host!r}")
+    return out
+
+
+class FastDecoder(hpack.Decoder):
+    """hpack's Decoder with the common case inline: a field from the static or dynamic
+    table by a one-byte index (what a client repeating its fields sends). Every other
+    representation, and every check (list size, table size, truncation, bad index),
+    stays hpack's. Fields come back as hpack's tuples, or plain (name, value) tuples."""
+
+    def decode(self, data: bytes, raw: bool = False) -> list:
+        if not raw:
+            return list(super().decode(data, raw))
+        table = self.header_table
+        static = HeaderTable.STATIC_TABLE
+        n_static = len(static)
+        dynamic = table.dynamic_entries
+        mem = memoryview(data)
+        headers: list = []
+        size = 0
+        limit = self.max_header_list_size
+        i = 0
+        n = len(data)
+        while i < n:
+            b = data[i]
+            if b & 0x80:
+                index = b & 0x7F
+                if 0 < index <= n_static:
+                    header = static[index - 1]
+                    consumed = 1
+                elif n_static < index < 0x7F and index - n_static <= len(dynamic):
+                    header = dynamic[index - n_static - 1]
+                    consumed = 1
+                else:
+                    header, consumed = self._decode_indexed(mem[i:])
+            elif b & 0x40:
+                header, consumed = self._decode_literal_index(mem[i:])
+            elif b & 0x20:
+                if headers:
+                    raise hpack.HPACKDecodingError(
+                        "Table size update not at the start of the block")
+                consumed = self._update_encoding_context(mem[i:])
+                header = None
+            else:
+                header, consumed = self._decode_literal_no_index(mem[i:])
+            if header is not None:
+                headers.append(header)
+                size += 32 + len(header[0]) + len(header[1])
+                if size > limit:
+                    raise hpack.OversizedHeaderListError(
+                        f"A header list larger than {limit} has been received")
+            i += consumed
+        self._assert_valid_table_size()
+        return headers
+
+
+class _Stream(h2.stream.H2Stream):
+    """h2's stream with checked_fields() for received field blocks."""
+
+    def _process_received_headers(self, headers: Any, flags: Any, header_encoding: Any) -> list:
+        config = self.config
+        if (header_encoding or not config.normalize_inbound_headers
+                or not config.validate_inbound_headers):
+            return super()._process_received_headers(headers, flags, header_encoding)
+        return checked_fields(headers, flags)
+
+
+class _FrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's FrameBuffer, but RFC 9113 6.5: a SETTINGS frame with ACK and a payload is a
+    FRAME_SIZE_ERROR (hyperframe calls it invalid data, which h2 makes PROTOCOL_ERROR).
+    Checked on the frame header, before h2 parses anything."""
+
+    def __next__(self) -> Any:
+        data = self._data
+        if (len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and data[0:3] != b"\0\0\0"
+                and data[5:9] == b"\0\0\0\0"):  # on a stream: h2's PROTOCOL_ERROR stands
+            raise h2.exceptions.FrameTooLargeError("SETTINGS ACK frame with a payload")
+        return super().__next__()
+
+
+class FastReceive:
+    """Mixin for h2.connection.H2Connection subclasses (first in the bases):
+    - HPACK blocks are decoded by FastDecoder;
+    - a SETTINGS ACK with a payload is FRAME_SIZE_ERROR (_FrameBuffer);
+    - no repr() of every frame received;
+    - streams check received fields with checked_fields();
+    - a new stream counts the open ones (a scan of every stream) only when there can be
+      enough of them to reach the limit: h2 scans on every HEADERS frame, twice here.
+    - RFC 9113 5.1.2 as a stream error (when `refuse_excess`): a HEADERS frame over the
+      concurrent stream limit refuses that stream only (h2 itself would end the
+      connection); `refused` counts them, for the caller to budget like client resets."""
+
+    refuse_excess = False
+    refused = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        old = self.decoder
+        self.decoder = FastDecoder(old.max_header_list_size)
+        self.decoder.max_allowed_table_size = old.max_allowed_table_size
+        self.incoming_buffer.__class__ = _FrameBuffer
+
+    def _receive_frame(self, frame: Any) -> list:
+        """h2's H2Connection._receive_frame (4.x) without its trace call, whose argument,
+        repr(frame), is built for every frame received even though nothing logs it."""
+        try:
+            frames, events = self._frame_dispatch_table[frame.__class__](frame)
+        except h2.exceptions.StreamClosedError as e:
+            if self._stream_is_closed_by_reset(e.stream_id):
+                f = RstStreamFrame(e.stream_id)
+                f.error_code = e.error_code
+                self._prepare_for_sending([f])
+                events = e._events
+            else:
+                raise
+        except h2.exceptions.StreamIDTooLowError as e:
+            if self._stream_is_closed_by_reset(e.stream_id):
+                f = RstStreamFrame(e.stream_id)
+                f.error_code = ErrorCodes.STREAM_CLOSED
+                self._prepare_for_sending([f])
+                events = []
+            elif self._stream_is_closed_by_end(e.stream_id):
+                raise h2.exceptions.StreamClosedError(e.stream_id) from e
+            else:
+                raise
+        else:
+            if frames:
+                self._prepare_for_sending(frames)
+        return events
+
+    def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> Any:
+        stream = super()._begin_new_stream(stream_id, allowed_ids)
+        stream.__class__ = _Stream
+        return stream
+
+    def _receive_headers_frame(self, frame: Any) -> tuple[list, list]:
+        sid = frame.stream_id
+        streams = self.streams
+        if sid not in streams:
+            limit = self.local_settings.max_concurrent_streams
+            if len(streams) >= limit and self.open_inbound_streams >= limit:
+                if (self.refuse_excess and sid % 2 == 1
+                        and sid > self.highest_inbound_stream_id):
+                    # Decode the block anyway: the HPACK table must stay in step.
+                    h2.connection._decode_headers(self.decoder, frame.data)
+                    self.highest_inbound_stream_id = sid
+                    self._closed_streams[sid] = h2.stream.StreamClosedBy.SEND_RST_STREAM
+                    rst = RstStreamFrame(sid)
+                    rst.error_code = ErrorCodes.REFUSED_STREAM
+                    self.refused += 1
+                    return [rst], []
+                raise h2.exceptions.TooManyStreamsError(
+                    f"Max inbound streams is {limit}, {self.open_inbound_streams} open")
+        # From here as h2.connection.H2Connection._receive_headers_frame (4.x).
+        headers = h2.connection._decode_headers(self.decoder, frame.data)
+        events = self.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
+        stream = self._get_or_create_stream(sid, AllowedStreamIDs(not self.config.client_side))
+        frames, stream_events = stream.receive_headers(
+            headers, "END_STREAM" in frame.flags, self.config.header_encoding)
+        if "PRIORITY" in frame.flags:
+            p_frames, p_events = self._receive_priority_frame(frame)
+            stream_events[0].priority_updated = p_events[0]
+            stream_events.extend(p_events)
+        return frames, events + stream_events

@@ -1,0 +1,182 @@
+"""aiproxy/protocols/h2_fast.py against the libraries it stands in for: its HPACK output
+decoded by hpack's own Decoder, FastDecoder beside hpack's Decoder on the same blocks
+(valid and broken), and checked_fields() beside h2's normalize+validate pipeline on a
+generated corpus of field blocks, valid and malformed (RFC 9113 8.2, 8.3)."""
+
+from __future__ import annotations
+
+import random
+
+import h2.utilities
+import hpack
+import pytest
+from h2.exceptions import ProtocolError
+from h2.utilities import HeaderValidationFlags
+
+from aiproxy.protocols import h2_fast
+
+FIELDS = [
+    (b":status", b"200"), (b":status", b"404"), (b":status", b"299"),
+    (b":method", b"GET"), (b":path", b"/"), (b":path", b"/v1/chat/completions?x=1"),
+    (b"content-type", b"application/grpc"), (b"content-length", b"2"),
+    (b"server", b"nginx/1.22.1"), (b"date", b"Mon, 30 Nov 2026 00:00:00 GMT"),
+    (b"x-custom", b"value"), (b"x-long", b"v" * 300), (b"n" * 200, b"short"),
+    (b"x-binary", bytes(range(0x21, 0x7f)) + bytes(range(0x80, 0x100))),
+    (b"authorization", b"Bearer secret"), (b"cookie", b"a=b"), (b"set-cookie", b"c=d"),
+    (b"grpc-status", b"0"), (b"grpc-message", b""), (b"te", b"trailers"),
+]
+
+
+def test_encoded_fields_decode_to_the_same_list_and_leave_the_table_empty() -> None:
+    dec = hpack.Decoder()
+    rng = random.Random(7)
+    for _ in range(300):
+        fields = rng.sample(FIELDS, rng.randint(1, len(FIELDS)))
+        out = dec.decode(h2_fast.encode_fields(fields), raw=True)
+        assert [tuple(f) for f in out] == fields
+        assert len(dec.header_table.dynamic_entries) == 0
+        for got, (name, _value) in zip(out, fields, strict=True):
+            secret = name in (b"authorization", b"proxy-authorization", b"cookie",
+                              b"set-cookie")
+            assert isinstance(got, hpack.NeverIndexedHeaderTuple) == secret
+
+
+def test_fast_blocks_mix_with_hpack_encoder_blocks() -> None:
+    """After the peer resizes its table, h2's own encoder writes the next block (it must
+    start with a size update); our blocks before and after stay decodable."""
+    enc, dec = hpack.Encoder(), hpack.Decoder()
+    first = [(b":status", b"200"), (b"x-a", b"1")]
+    assert dec.decode(enc.encode(first), raw=True) == first  # indexes x-a
+    assert dec.decode(h2_fast.encode_fields(first), raw=True) == first
+    enc.header_table_size = 0
+    assert enc.header_table.resized
+    assert dec.decode(enc.encode(first), raw=True) == first
+    assert dec.header_table_size == 0
+    assert dec.decode(h2_fast.encode_fields(first), raw=True) == first
+
+
+def _blocks(rng: random.Random) -> list[bytes]:
+    enc = hpack.Encoder()
+    blocks = []
+    for _ in range(200):
+        fields = rng.sample(FIELDS, rng.randint(1, 8))
+        fields = [f for f in fields if f[0] not in (b"authorization", b"cookie")]
+        blocks.append(enc.encode(fields or [(b":path", b"/")], huffman=rng.random() < 0.5))
+    return blocks
+
+
+def _outcome(dec: hpack.Decoder, block: bytes) -> object:
+    try:
+        return [tuple(f) for f in dec.decode(block, raw=True)], list(
+            dec.header_table.dynamic_entries)
+    except hpack.HPACKError as exc:
+        return type(exc)
+
+
+def test_fast_decoder_matches_hpack_decoder() -> None:
+    rng = random.Random(11)
+    blocks = _blocks(rng)
+    ref, fast = hpack.Decoder(), h2_fast.FastDecoder()
+    for block in blocks:
+        assert _outcome(fast, block) == _outcome(ref, block)
+    # Broken blocks: bad indexes (0, past the dynamic table, multi-byte past it), size
+    # updates after a field, truncation, and mutations of valid blocks.
+    broken = [b"\x80", b"\xbf", b"\xff\x10", b"\x82\x3f\xe1\x1f", b"\x82\x20",
+              b"\x40\x05ab", b"\x00\x81", b"\x0f\x2f"]
+    for block in blocks[:60]:
+        data = bytearray(block)
+        data[rng.randrange(len(data))] = rng.randrange(256)
+        broken.append(bytes(data))
+        broken.append(block[:-1])
+    for block in broken:
+        ref_dec, fast_dec = hpack.Decoder(), h2_fast.FastDecoder()
+        for b in blocks[:5]:  # some dynamic entries first
+            ref_dec.decode(b, raw=True)
+            fast_dec.decode(b, raw=True)
+        assert _outcome(fast_dec, block) == _outcome(ref_dec, block), block
+
+
+def test_fast_decoder_header_list_limit() -> None:
+    block = hpack.Encoder().encode([(b"x-big", b"v" * 200)] * 5)
+    for dec in (hpack.Decoder(max_header_list_size=500),
+                h2_fast.FastDecoder(max_header_list_size=500)):
+        with pytest.raises(hpack.OversizedHeaderListError):
+            dec.decode(block, raw=True)
+
+
+# -- checked_fields beside h2's pipeline --------------------------------------------------
+
+PIECES = [
+    (b":method", b"GET"), (b":method", b"POST"), (b":method", b"CONNECT"),
+    (b":scheme", b"https"), (b":path", b"/"), (b":path", b""), (b":authority", b"a.test"),
+    (b":authority", b"b.test"), (b":status", b"200"), (b":protocol", b"websocket"),
+    (b":custom", b"x"), (b":PATH", b"/"), (b"host", b"a.test"), (b"host", b"b.test"),
+    (b"content-type", b"text/plain"), (b"te", b"trailers"), (b"te", b"TRAILERS"),
+    (b"te", b"gzip"), (b"connection", b"close"), (b"keep-alive", b"1"),
+    (b"transfer-encoding", b"chunked"), (b"upgrade", b"h2c"), (b"proxy-connection", b"x"),
+    (b"cookie", b"a=1"), (b"cookie", b"b=2"), (b"cookie", b" c=3"), (b"cookie", b""),
+    (b"x-ok", b"v"), (b"x-ok", b""), (b"X-Upper", b"v"), (b"", b"v"), (b"x sp", b"v"),
+    (b"x:colon", b"v"), (b"x-nul", b"a\x00b"), (b"x-cr", b"a\rb"), (b"x-lf", b"a\nb"),
+    (b"x-lead", b" v"), (b"x-trail", b"v\t"), (b"x-del", b"\x7fv"), (b"x\x80", b"v"),
+    (b"x-high", b"\xffv"), (b"grpc-status", b"0"),
+]
+REQUEST_BASE = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/"),
+                (b":authority", b"a.test")]
+RESPONSE_BASE = [(b":status", b"200")]
+
+
+def _h2_pipeline(headers: list, flags: HeaderValidationFlags) -> object:
+    try:
+        out = h2.utilities.validate_headers(
+            h2.utilities.normalize_inbound_headers(headers, flags), flags)
+        return [tuple(f) for f in out]
+    except ProtocolError:
+        return ProtocolError
+
+
+def _ours(headers: list, flags: HeaderValidationFlags) -> object:
+    try:
+        return [tuple(f) for f in h2_fast.checked_fields(headers, flags)]
+    except ProtocolError:
+        return ProtocolError
+
+
+@pytest.mark.parametrize("kind", ["request", "response", "trailers"])
+def test_checked_fields_agree_with_h2(kind: str) -> None:
+    rng = random.Random(hash(kind) & 0xFFFF)
+    flags = HeaderValidationFlags(is_client=kind == "response", is_trailer=kind == "trailers",
+                                  is_response_header=kind == "response",
+                                  is_push_promise=False)
+    base = {"request": REQUEST_BASE, "response": RESPONSE_BASE, "trailers": []}[kind]
+    seen = {ProtocolError: 0, list: 0}
+    for _ in range(4000):
+        headers = list(base)
+        for _ in range(rng.randint(0, 4)):
+            headers.insert(rng.randint(0, len(headers)), rng.choice(PIECES))
+        if headers and rng.random() < 0.2:
+            del headers[rng.randrange(len(headers))]
+        expected = _h2_pipeline(list(headers), flags)
+        assert _ours(list(headers), flags) == expected, headers
+        seen[ProtocolError if expected is ProtocolError else list] += 1
+    assert seen[ProtocolError] > 100 and seen[list] > 100, seen
+
+
+def test_grpc_timeout_value_round_trips() -> None:
+    from aiproxy.pipeline.exchange import grpc_timeout, grpc_timeout_value
+
+    for seconds, text in [(4.4567, b"4456m"), (0.0001, b"1m"), (-1.0, b"1m"),
+                          (99_999.999, b"99999999m"), (100_000.0, b"100000S"),
+                          (10**12, b"99999999S")]:
+        value = grpc_timeout_value(seconds)
+        assert value == text and len(value) <= 9
+        assert grpc_timeout(value) is not None
+
+
+def test_frame_flags_still_checked() -> None:
+    from hyperframe.frame import DataFrame, HeadersFrame
+
+    a, b = HeadersFrame(1), HeadersFrame(3)
+    a.flags.add("END_STREAM")
+    assert "END_STREAM" in a.flags and "END_STREAM" not in b.flags
+    with pytest.raises(ValueError):
+        DataFrame(1).flags.add("END_HEADERS")
