@@ -499,9 +499,13 @@ cdef int _parse_version(const unsigned char *p, Py_ssize_t a, Py_ssize_t n, int 
 
 
 def parse_request(const unsigned char[::1] buf, Py_ssize_t max_head=32768,
-                  Py_ssize_t max_line=8192, Py_ssize_t max_headers=100):
-    """Parse a request head at the start of buf. None when incomplete."""
+                  Py_ssize_t max_line=8192, Py_ssize_t max_headers=100,
+                  Py_ssize_t length=-1):
+    """Parse a request head at the start of buf (its first `length` bytes when given:
+    a read buffer filled in part). None when incomplete."""
     cdef Py_ssize_t n = buf.shape[0]
+    if 0 <= length < n:
+        n = length
     if n == 0:
         return None
     cdef const unsigned char *p = &buf[0]
@@ -608,9 +612,12 @@ cdef _finish_framing(Head h, FieldState *st, bint is_request):
 
 
 def parse_response(const unsigned char[::1] buf, Py_ssize_t max_head=32768,
-                   Py_ssize_t max_headers=100):
-    """Parse a response head at the start of buf. None when incomplete."""
+                   Py_ssize_t max_headers=100, Py_ssize_t length=-1):
+    """Parse a response head at the start of buf (its first `length` bytes when given).
+    None when incomplete."""
     cdef Py_ssize_t n = buf.shape[0]
+    if 0 <= length < n:
+        n = length
     if n == 0:
         return None
     cdef const unsigned char *p = &buf[0]
