@@ -3,12 +3,13 @@ reads slowly (so the proxy's writes to it stay queued and the slabs they came fr
 are parked), other clients churn the pool, and requests are pipelined.
 
 Real parts: nginx serves random files (Content-Length bodies, which the proxy forwards
-as views of its read slabs), the aiohttp demo upstream echoes upload digests, and
-the clients are raw sockets and httpx.
+as views of its read slabs), the aiohttp demo upstream echoes upload digests, a small
+socket upstream reads uploads slowly, and the clients are raw sockets and httpx.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -82,11 +84,114 @@ http {{
         stop_process(proc)
 
 
-def config(files_port: int, echo_port: int, admin_port: int) -> str:
+class SlowReadingUpstream:
+    """A socket upstream that reads request bodies slowly (small receive buffer, a stall,
+    then 4 KiB per read with a pause) and answers each with the body's sha256: the
+    proxy's writes of request body views to it stay queued."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(30)
+        buf = bytearray()
+
+        def more(slow: bool = True) -> None:
+            data = conn.recv(4096 if slow else 65536)
+            if not data:
+                raise EOFError
+            buf.extend(data)
+            if slow:
+                time.sleep(0.001)
+
+        def line() -> bytes:
+            while b"\r\n" not in buf:
+                more()
+            end = buf.index(b"\r\n") + 2
+            out = bytes(buf[:end])
+            del buf[:end]
+            return out
+
+        def body(length: int, digest: Any) -> None:
+            # Stall first (the proxy fills the kernel's socket buffers, up to several
+            # MiB on loopback, and then its own), then crawl for a while, then read on.
+            time.sleep(0.3)
+            got = 0
+            while got < length:
+                if not buf:
+                    more(got < 1 << 20)
+                take = min(len(buf), length - got)
+                digest.update(buf[:take])
+                del buf[:take]
+                got += take
+
+        with conn, contextlib.suppress(EOFError, OSError):
+            while not self.stop.is_set():
+                head = b""
+                while not head.endswith(b"\r\n\r\n"):
+                    head += line()
+                head = head.lower()
+                digest = hashlib.sha256()
+                if b"transfer-encoding: chunked" in head:
+                    while (size := int(line().split(b";")[0], 16)) > 0:
+                        body(size, digest)
+                        line()
+                    while line() != b"\r\n":  # trailers
+                        pass
+                else:
+                    body(int(head.split(b"content-length:")[1].split(b"\r\n")[0]), digest)
+                out = digest.hexdigest().encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(out), out))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.threads[0].join(5)  # the accept loop, before its socket goes
+        self.sock.close()
+        for t in self.threads[1:]:
+            t.join(5)
+
+
+@pytest.fixture
+def slow_upstream() -> Iterator[int]:
+    up = SlowReadingUpstream()
+    yield up.port
+    up.close()
+
+
+def config(files_port: int, echo_port: int, admin_port: int, slow_port: int = 0) -> str:
+    slow = f"""
+[[clusters]]
+name = "slow"
+endpoints = ["127.0.0.1:{slow_port}"]
+
+[[routes]]
+name = "slow"
+match = {{ path_prefix = "/slow" }}
+cluster = "slow"
+""" if slow_port else ""
     return f"""
 [admin]
 address = "127.0.0.1:{admin_port}"
-
+{slow}
 [[clusters]]
 name = "files"
 endpoints = ["127.0.0.1:{files_port}"]
@@ -228,3 +333,51 @@ def test_slow_pipelined_reader_gets_intact_bodies(start_proxy, nginx_files, demo
         time.sleep(0.2)
     assert m['aiproxy_buffer_pool_slabs{state="held"}'] == 0
     assert m['aiproxy_buffer_pool_slabs{state="free"}'] > 0
+
+
+def test_uploads_to_a_slow_upstream_arrive_intact(start_proxy, nginx_files, demo_upstream,
+                                                  slow_upstream, files) -> None:
+    """Request bodies go to an HTTP/1.1 upstream as views of the client's read slabs; the
+    upstream reads slowly, so those writes queue and the slabs park, while downloads by
+    other clients reuse every free slab."""
+    admin = free_port()
+    proxy = start_proxy(config(nginx_files, demo_upstream, admin, slow_upstream))
+    wait_port("127.0.0.1", admin)
+    before = metrics(admin)
+    stop = threading.Event()
+    errors: list[str] = []
+    churners = [threading.Thread(target=churn, args=(proxy.url, names, files, stop, errors))
+                for names in (["d.bin", "c.bin"], ["b.bin"])]
+    for t in churners:
+        t.start()
+    uploads = [os.urandom(6_000_000 + i * 77_777) for i in range(3)]
+    try:
+        sock = socket.socket()
+        sock.connect(("127.0.0.1", proxy.port))
+        sock.settimeout(60)
+        # Pipelined: two uploads back to back, then a download.
+        for body in uploads[:2]:
+            sock.sendall(b"POST /slow/up HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n"
+                         % len(body) + body)
+        sock.sendall(b"GET /c.bin HTTP/1.1\r\nHost: t\r\n\r\n")
+        buf = bytearray()
+        for body in uploads[:2]:
+            status, digest = read_response(sock, buf, 65536, 0)
+            assert status == 200
+            assert digest.decode() == hashlib.sha256(body).hexdigest()
+        status, body = read_response(sock, buf, 65536, 0)
+        assert status == 200 and body == files["c.bin"]
+        sock.close()
+        # A chunked upload (decoded by the proxy, re-chunked upstream) from httpx.
+        r = httpx.post(f"{proxy.url}/slow/chunked", content=iter([uploads[2][:999_999],
+                                                                   uploads[2][999_999:]]),
+                       timeout=60)
+        assert r.status_code == 200 and r.text == hashlib.sha256(uploads[2]).hexdigest()
+    finally:
+        stop.set()
+        for t in churners:
+            t.join(60)
+    assert not errors, errors
+    after = metrics(admin)
+    assert after["aiproxy_buffer_pool_parked_total"] > before.get(
+        "aiproxy_buffer_pool_parked_total", 0)

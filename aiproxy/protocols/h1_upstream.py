@@ -45,6 +45,10 @@ class H1UpstreamConnection(asyncio.BufferedProtocol):
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
                  "received", "reading_paused", "chunked", "slab", "views_to")
 
+    # send_body() hands what it gets to the transport at once and keeps no reference:
+    # the client connection may pass views of its read slab.
+    takes_views = True
+
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None

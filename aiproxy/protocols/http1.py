@@ -7,9 +7,11 @@ connection-level timers: header read, keep-alive idle and request body idle.
 Reads land in a slab of the process's buffer pool (aiproxy/_fast/bufpool.pyx),
 taken in get_buffer and back in the pool when buffer_updated returns: a request
 head is parsed in place; bytes that must wait (a partial head, pipelined
-requests) are copied to `buf`, request body bytes leave as bytes (the exchange
-keeps them for replay). Response body bytes from an HTTP/1.1 upstream arrive as
-views of the upstream's slab (`takes_views`) and go straight to the transport.
+requests) are copied to `buf`; request body bytes leave as bytes (the exchange
+keeps them for replay) unless they go to an HTTP/1.1 upstream: then as views of
+the slab, which returns to the pool once that upstream's transport has sent them.
+Response body bytes from an HTTP/1.1 upstream arrive as views of the upstream's
+slab (`takes_views`) and go straight to the transport.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class H1Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         slab = self.slab
         self.slab = None
+        lend_to = None
         try:
             if (self.exchange is None and not self.buf and not self.in_process
                     and not self.tunnel and not self.lingering
@@ -120,10 +123,23 @@ class H1Connection(asyncio.BufferedProtocol):
                     self.in_process = False
                 if started and self.buf:
                     self._process()
+                return
+            ex = self.exchange
+            up = ex.upstream if ex is not None else None
+            if (up is not None and getattr(up, "takes_views", False) and ex.reading_body
+                    and not self.buf and not self.tunnel and not self.lingering):
+                # Request body for an HTTP/1.1 upstream: its transport gets views of the
+                # slab (the exchange copies what it keeps for replay or while pending).
+                lend_to = up.transport
+                data = memoryview(slab)[:nbytes]
+                n = ex.feed_body(data)
+                if n < nbytes and not self.closed:
+                    self.buf += data[n:]
+                    self._process()
             else:
                 self.data_received(copy_out(slab, 0, nbytes))
         finally:
-            POOL.put(slab)
+            POOL.lend(slab, lend_to)
 
     def _release_slab(self) -> None:
         # get_buffer() not followed by buffer_updated(): the read failed or hit EOF.
