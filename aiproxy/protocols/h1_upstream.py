@@ -115,6 +115,7 @@ class H1UpstreamConnection(asyncio.BufferedProtocol):
 
     def park(self, now: float) -> None:
         self.exchange = None
+        self.views_to = None  # an idle connection keeps no client transport alive
         self.idle_since = now
         if self.reading_paused:
             self.resume()
