@@ -68,6 +68,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PROXIES = ("nginx", "haproxy", "aiproxy")
+BASELINE = "aiproxy-base"  # --baseline-tree: a second aiproxy build for A/B runs
 IDLE_CONCURRENCY = 256  # idle connections being opened at once
 
 # name -> (path, body bytes, description)
@@ -179,12 +180,14 @@ def children_of(pid: int) -> list[int]:
     return sorted(out)
 
 
-def cpu_ticks(pids: list[int]) -> int:
-    total = 0
+def cpu_ticks(pids: list[int]) -> tuple[int, int]:
+    """(utime, stime) clock ticks of pids, summed."""
+    user = system = 0
     for pid in pids:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    return total
+        user += int(fields[11])  # utime, stime (fields 14 and 15)
+        system += int(fields[12])
+    return user, system
 
 
 def status_kib(pids: list[int], key: str) -> int:
@@ -290,9 +293,10 @@ class Servers:
     """The backend and the three proxies, each on its own free port."""
 
     def __init__(self, tmp: Path, tools: dict[str, str], idle: int, nofile: int,
-                 aiproxy_tree: Path) -> None:
+                 aiproxy_tree: Path, baseline_tree: Path | None = None) -> None:
         self.tmp = tmp
         self.aiproxy_tree = aiproxy_tree
+        self.baseline_tree = baseline_tree
         self.tools = tools
         self.nofile = nofile
         self.worker_connections = idle + 2048
@@ -339,7 +343,10 @@ server {{
 """)
 
     def start(self, name: str) -> None:
-        getattr(self, f"_start_{name}")()
+        if name == BASELINE:
+            self._start_aiproxy(BASELINE, self.baseline_tree)
+        else:
+            getattr(self, f"_start_{name}")()
 
     def restart(self, name: str) -> None:
         self.proxies.pop(name).stop()
@@ -395,9 +402,9 @@ server {{
         wait_port(port, proc)
         self.proxies["haproxy"], self.ports["haproxy"] = proc, port
 
-    def _start_aiproxy(self) -> None:
+    def _start_aiproxy(self, name: str = "aiproxy", tree: Path | None = None) -> None:
         port = free_port()
-        conf = self.tmp / "aiproxy.toml"
+        conf = self.tmp / f"{name}.toml"
         conf.write_text(textwrap.dedent(f"""\
             [server]
             workers = 1
@@ -428,13 +435,13 @@ server {{
             match = {{ path_prefix = "/" }}
             cluster = "backend"
             """))
-        tree = self.aiproxy_tree
+        tree = tree or self.aiproxy_tree
         env = {"PYTHONPATH": os.pathsep.join(
             p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
-        proc = Proc("aiproxy", [sys.executable, "-m", "aiproxy", "-c", str(conf)], self.tmp, env,
+        proc = Proc(name, [sys.executable, "-m", "aiproxy", "-c", str(conf)], self.tmp, env,
                     cwd=tree)
         wait_port(port, proc)
-        self.proxies["aiproxy"], self.ports["aiproxy"] = proc, port
+        self.proxies[name], self.ports[name] = proc, port
 
     def check(self, name: str) -> list[str]:
         """Every path answers 200 with the right body length; returns the problems."""
@@ -481,7 +488,9 @@ def measure_run(servers: Servers, name: str, case: str, duration: int, connectio
     if not proc.alive():
         raise RuntimeError(f"{name} exited during the run:\n{proc.log_tail()}")
     seconds = w["duration_us"] / 1e6
-    cpu_s = (cpu1 - cpu0) / CLK_TCK
+    user_s = (cpu1[0] - cpu0[0]) / CLK_TCK
+    sys_s = (cpu1[1] - cpu0[1]) / CLK_TCK
+    cpu_s = user_s + sys_s
     n = max(w["requests"], 1)
     return {
         "requests": w["requests"],
@@ -490,6 +499,8 @@ def measure_run(servers: Servers, name: str, case: str, duration: int, connectio
         "p50_ms": w["p50_us"] / 1000,
         "p99_ms": w["p99_us"] / 1000,
         "cpu_us_per_req": cpu_s * 1e6 / n,
+        "user_us_per_req": user_s * 1e6 / n,
+        "sys_us_per_req": sys_s * 1e6 / n,
         "cpu_util": cpu_s / seconds,
         "peak_rss_mib": status_kib(pids, "VmHWM") / 1024,
         "peak_since_start": not peak_reset,
@@ -618,6 +629,8 @@ THROUGHPUT_COLUMNS = [  # (header, key, format)
     ("p50 ms", "p50_ms", "{:.2f}"),
     ("p99 ms", "p99_ms", "{:.2f}"),
     ("CPU us/req", "cpu_us_per_req", "{:.1f}"),
+    ("user us/req", "user_us_per_req", "{:.1f}"),
+    ("sys us/req", "sys_us_per_req", "{:.1f}"),
     ("peak RSS MiB", "peak_rss_mib", "{:.1f}"),
 ]
 
@@ -720,6 +733,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run aiproxy from this source tree, with its extensions built in place "
                         "(this repository); e.g. a clone at a fixed commit while the working "
                         "tree is being edited")
+    p.add_argument("--baseline-tree", type=Path, metavar="DIR",
+                   help="also run aiproxy from this tree as 'aiproxy-base', interleaved with "
+                        "the others (A/B of two builds in one run)")
     a = p.parse_args(argv)
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.duration = a.duration or (3 if a.quick else 8)
@@ -728,6 +744,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.cases = [c for c in a.cases.split(",") if c]
     a.proxies = [x for x in a.proxies.split(",") if x]
     a.aiproxy_tree = a.aiproxy_tree.resolve()
+    if a.baseline_tree is not None:
+        a.baseline_tree = a.baseline_tree.resolve()
+        a.proxies.append(BASELINE)
     if "aiproxy" in a.proxies and not list((a.aiproxy_tree / "aiproxy" / "_fast").glob("h1.*.so")):
         p.error(f"no compiled aiproxy/_fast/h1 in {a.aiproxy_tree}: run scripts/bootstrap.sh "
                 "there, or `python setup.py build_ext --inplace`")
@@ -735,7 +754,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if c not in CASES and c != "idle":
             p.error(f"unknown case {c!r}")
     for x in a.proxies:
-        if x not in PROXIES:
+        if x not in PROXIES and x != BASELINE:
             p.error(f"unknown proxy {x!r}")
     return a
 
@@ -750,11 +769,15 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     script.write_text(WRK_SCRIPT)
     started = dt.datetime.now(dt.UTC)
     info = host_info(tools, args.aiproxy_tree)
+    if args.baseline_tree is not None:
+        info["baseline_tree"] = str(args.baseline_tree)
+        info["baseline_commit"] = version_of(
+            ["git", "-C", str(args.baseline_tree), "rev-parse", "--short", "HEAD"])
     load_start = round(os.getloadavg()[0], 2)
     if (info["cpus"] or 1) < 3:
         log(f"{info['cpus']} CPUs: wrk, the backend and the proxy share them; read ratios, "
             "not absolute numbers")
-    servers = Servers(tmp, tools, args.idle, nofile, args.aiproxy_tree)
+    servers = Servers(tmp, tools, args.idle, nofile, args.aiproxy_tree, args.baseline_tree)
     servers.start_backend()
     problems = servers.check("backend")
     for name in args.proxies:
@@ -778,8 +801,9 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                 r = measure_run(servers, name, case, args.duration, args.connections,
                                 tools["wrk"], script)
                 runs[case][name].append(r)
-                log(f"round {rnd + 1}/{args.rounds} {case:5} {name:8} {r['rps']:>10,.0f} req/s "
-                    f"{r['cpu_us_per_req']:6.1f} us/req  p99 {r['p99_ms']:.2f} ms")
+                log(f"round {rnd + 1}/{args.rounds} {case:5} {name:12} {r['rps']:>10,.0f} req/s "
+                    f"{r['cpu_us_per_req']:6.1f} us/req (user {r['user_us_per_req']:.1f}, "
+                    f"sys {r['sys_us_per_req']:.1f})  p99 {r['p99_ms']:.2f} ms")
                 time.sleep(0.3)
     for case in load_cases:
         for name in args.proxies:

@@ -60,3 +60,4 @@ cdef class ChunkedDecoder:
     cdef readonly Py_ssize_t tail
 
     cdef int _trailer_byte(self, unsigned char c) except -1
+    cdef list _feed(self, object data, const unsigned char *p, Py_ssize_t n)

@@ -9,6 +9,7 @@ status an origin server would send (400, 414, 431, 501, 505); the caller maps
 errors in upstream responses to 502.
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcpy
@@ -498,13 +499,29 @@ cdef int _parse_version(const unsigned char *p, Py_ssize_t a, Py_ssize_t n, int 
     return 1
 
 
-def parse_request(const unsigned char[::1] buf, Py_ssize_t max_head=32768,
-                  Py_ssize_t max_line=8192, Py_ssize_t max_headers=100):
-    """Parse a request head at the start of buf. None when incomplete."""
-    cdef Py_ssize_t n = buf.shape[0]
+def parse_request(object buf, Py_ssize_t max_head=32768,
+                  Py_ssize_t max_line=8192, Py_ssize_t max_headers=100,
+                  Py_ssize_t length=-1):
+    """Parse a request head at the start of buf (its first `length` bytes when given:
+    a read buffer filled in part). None when incomplete."""
+    # A plain buffer request: a typed memoryview costs more than the parse of a
+    # small head (bench/bench_h1.py).
+    cdef Py_buffer view
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    cdef Py_ssize_t n = view.len
+    if 0 <= length < n:
+        n = length
+    try:
+        return _parse_request(<const unsigned char *>view.buf, n, max_head, max_line,
+                              max_headers)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef object _parse_request(const unsigned char *p, Py_ssize_t n, Py_ssize_t max_head,
+                           Py_ssize_t max_line, Py_ssize_t max_headers):
     if n == 0:
         return None
-    cdef const unsigned char *p = &buf[0]
     cdef Py_ssize_t start = 0, i, j, k, line_end, end
     cdef int version = 0, r
     cdef int *o
@@ -607,13 +624,25 @@ cdef _finish_framing(Head h, FieldState *st, bint is_request):
         h.upgrade = PyBytes_FromStringAndSize(PyBytes_AS_STRING(h.raw) + o[2], o[3] - o[2])
 
 
-def parse_response(const unsigned char[::1] buf, Py_ssize_t max_head=32768,
-                   Py_ssize_t max_headers=100):
-    """Parse a response head at the start of buf. None when incomplete."""
-    cdef Py_ssize_t n = buf.shape[0]
+def parse_response(object buf, Py_ssize_t max_head=32768,
+                   Py_ssize_t max_headers=100, Py_ssize_t length=-1):
+    """Parse a response head at the start of buf (its first `length` bytes when given).
+    None when incomplete."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    cdef Py_ssize_t n = view.len
+    if 0 <= length < n:
+        n = length
+    try:
+        return _parse_response(<const unsigned char *>view.buf, n, max_head, max_headers)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef object _parse_response(const unsigned char *p, Py_ssize_t n, Py_ssize_t max_head,
+                            Py_ssize_t max_headers):
     if n == 0:
         return None
-    cdef const unsigned char *p = &buf[0]
     cdef Py_ssize_t i, line_end, end, rs
     cdef int version = 0, r, status
     cdef FieldState st
@@ -703,17 +732,23 @@ cdef class ChunkedDecoder:
         return bytes(self._trailers)
 
     def feed(self, data):
-        cdef const unsigned char[::1] mv = data
-        cdef Py_ssize_t n = mv.shape[0], i = 0, take, ts
+        """Decode data (any contiguous buffer); returns the chunk data pieces as bytes."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            return self._feed(data, <const unsigned char *>view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef list _feed(self, object data, const unsigned char *p, Py_ssize_t n):
+        cdef Py_ssize_t i = 0, take, ts
         cdef list out = []
-        cdef const unsigned char *p
         cdef unsigned char c
         cdef int hv
         if self.done:
             raise ParseError(400, "data after the end of a chunked body")
         if n == 0:
             return out
-        p = &mv[0]
         while i < n:
             c = p[i]
             if self.state == C_DATA:

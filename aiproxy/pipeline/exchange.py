@@ -675,8 +675,9 @@ class Exchange:
             return b", ".join([*self.head.get_all(b"x-forwarded-for"), peer])
         return peer
 
-    def feed_body(self, data: bytes) -> int:
-        """HTTP/1.1: take request body bytes from data; returns how many were body."""
+    def feed_body(self, data: bytes | memoryview) -> int:
+        """HTTP/1.1: take request body bytes from data; returns how many were body.
+        data may be a view of the connection's read buffer (see _forward)."""
         self.body_activity = self.loop.time()
         if self.req_mode == REQ_LENGTH:
             n = len(data)
@@ -726,17 +727,19 @@ class Exchange:
             self._request_complete()
 
     def _forward(self, parts: tuple[bytes, ...] | list[bytes]) -> None:
+        # parts may be views of the downstream's read buffer, valid during this call
+        # only: what is kept is copied (bytes() of bytes is the same object).
         if self.replay is not None:
             self.replay_size += sum(map(len, parts))
             if self.replay_size > REPLAY_LIMIT:
                 self.replay = None
             else:
-                self.replay.extend(parts)
+                self.replay.extend(map(bytes, parts))
         up = self.upstream
         if up is not None:
             up.send_body(parts)
         elif not self.finished:
-            self.pending.extend(parts)
+            self.pending.extend(map(bytes, parts))
             self.pending_size += sum(map(len, parts))
             if self.pending_size > PENDING_LIMIT:
                 self.down.pause(P_PENDING)

@@ -5,6 +5,14 @@ chunked, or read-until-close) and hands the pieces to its exchange:
   on_upstream_head(resp, mode), on_upstream_informational(resp),
   on_upstream_body(data), on_upstream_end(), on_upstream_failed(status, code, message),
   on_upstream_tunnel_data(data), on_upstream_pause_writing(), on_upstream_resume_writing().
+
+Reads land in a slab of the process's buffer pool (aiproxy/_fast/bufpool.pyx) and
+are parsed there. When the exchange's downstream says it takes views (an HTTP/1.1
+client connection: `takes_views`), on_upstream_body gets a memoryview of the slab,
+valid only during the call: whoever keeps body bytes past it must copy them. The
+slab goes back to the pool with lend() once the downstream's transport has sent
+what it took from it. Other downstreams (HTTP/2 streams queue DATA under flow
+control) get bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_response
 from aiproxy.protocols.fields import trailer_fields
 
@@ -32,10 +41,14 @@ _TUNNEL = 3
 _CLOSED = 4
 
 
-class H1UpstreamConnection(asyncio.Protocol):
+class H1UpstreamConnection(asyncio.BufferedProtocol):
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
-                 "received", "reading_paused", "chunked")
+                 "received", "reading_paused", "chunked", "slab", "views_to")
+
+    # send_body() hands what it gets to the transport at once and keeps no reference:
+    # the client connection may pass views of its read slab.
+    takes_views = True
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
@@ -54,6 +67,9 @@ class H1UpstreamConnection(asyncio.Protocol):
         self.received = False
         self.reading_paused = False
         self.chunked = False
+        self.slab: bytearray | None = None
+        # The downstream transport body views go to, or None: body as bytes.
+        self.views_to: asyncio.Transport | None = None
 
     # -- driven by the exchange -------------------------------------------------
 
@@ -64,6 +80,8 @@ class H1UpstreamConnection(asyncio.Protocol):
         self.chunked = exchange.up_chunked
         self.received = False
         self.requests += 1
+        down = exchange.down
+        self.views_to = down.transport if getattr(down, "takes_views", False) else None
         self.transport.write(exchange.h1_request_head(self.pool))
 
     def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:
@@ -104,6 +122,7 @@ class H1UpstreamConnection(asyncio.Protocol):
 
     def park(self, now: float) -> None:
         self.exchange = None
+        self.views_to = None  # an idle connection keeps no client transport alive
         self.idle_since = now
         if self.reading_paused:
             self.resume()
@@ -136,19 +155,39 @@ class H1UpstreamConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.pool.open_count += 1
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> bytearray:
+        slab = self.slab
+        if slab is None:
+            slab = self.slab = POOL.get()
+        return slab
+
+    def buffer_updated(self, nbytes: int) -> None:
+        slab = self.slab
+        self.slab = None
         state = self.state
         self.received = True
-        if state == _BODY:
-            self._body(data)
-        elif state == _HEAD:
-            self.buf += data
-            self._head()
-        elif state == _TUNNEL:
-            self.exchange.on_upstream_tunnel_data(data)
-        else:
-            # Bytes on an idle connection: the peer is out of sync; never reuse it.
-            self.close()
+        views_to = self.views_to
+        try:
+            if state == _BODY:
+                if views_to is None:
+                    self._body(copy_out(slab, 0, nbytes))
+                else:
+                    self._body(memoryview(slab)[:nbytes])
+            elif state == _HEAD:
+                if self.buf:
+                    self.buf += memoryview(slab)[:nbytes]
+                    self._head(None, 0)
+                else:
+                    self._head(slab, nbytes)
+            elif state == _TUNNEL:
+                views_to = None
+                self.exchange.on_upstream_tunnel_data(copy_out(slab, 0, nbytes))
+            else:
+                # Bytes on an idle connection: the peer is out of sync; never reuse it.
+                views_to = None
+                self.close()
+        finally:
+            POOL.lend(slab, views_to)
 
     def eof_received(self) -> bool:
         self.keep_alive = False
@@ -162,6 +201,9 @@ class H1UpstreamConnection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.slab is not None:  # get_buffer without buffer_updated: a failed read
+            POOL.put(self.slab)
+            self.slab = None
         self.pool.open_count -= 1
         state = self.state
         self.state = _CLOSED
@@ -199,19 +241,32 @@ class H1UpstreamConnection(asyncio.Protocol):
         if ex is not None:
             ex.on_upstream_failed(502, code, message)
 
-    def _head(self) -> None:
+    def _head(self, slab: bytearray | None, nbytes: int) -> None:
+        """Parse from self.buf, or (self.buf empty) in place from slab[:nbytes]."""
         pool = self.pool
+        start = 0
         while True:
             try:
-                resp = parse_response(self.buf, pool.max_head, pool.max_headers)
+                if slab is None:
+                    resp = parse_response(self.buf, pool.max_head, pool.max_headers)
+                elif start:
+                    resp = parse_response(memoryview(slab)[start:nbytes], pool.max_head,
+                                          pool.max_headers)
+                else:
+                    resp = parse_response(slab, pool.max_head, pool.max_headers, nbytes)
             except ParseError as exc:
                 self._fail("upstream_bad_response", exc.message)
                 return
             if resp is None:
+                if slab is not None:
+                    self.buf += memoryview(slab)[start:nbytes]
                 if len(self.buf) > pool.max_head:
                     self._fail("upstream_bad_response", "upstream response head too large")
                 return
-            del self.buf[:resp.consumed]
+            if slab is None:
+                del self.buf[:resp.consumed]
+            else:
+                start += resp.consumed
             status = resp.status
             if status < 200 and status != 101:
                 self.exchange.on_upstream_informational(resp)
@@ -234,8 +289,15 @@ class H1UpstreamConnection(asyncio.Protocol):
             mode = BODY_UNTIL_CLOSE
             self.keep_alive = False
         self.mode = mode
-        rest = bytes(self.buf)
-        self.buf.clear()
+        if slab is None:
+            rest = bytes(self.buf)
+            self.buf.clear()
+        elif start == nbytes:
+            rest = b""
+        elif mode == BODY_TUNNEL or self.views_to is None:
+            rest = copy_out(slab, start, nbytes)
+        else:
+            rest = memoryview(slab)[start:nbytes]
         ex = self.exchange
         if mode == BODY_TUNNEL:
             self.state = _TUNNEL

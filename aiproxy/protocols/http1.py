@@ -3,6 +3,15 @@
 It parses request heads (pipelined requests are answered in order, one
 exchange at a time), hands body bytes to the current Exchange, and owns the
 connection-level timers: header read, keep-alive idle and request body idle.
+
+Reads land in a slab of the process's buffer pool (aiproxy/_fast/bufpool.pyx),
+taken in get_buffer and back in the pool when buffer_updated returns: a request
+head is parsed in place; bytes that must wait (a partial head, pipelined
+requests) are copied to `buf`; request body bytes leave as bytes (the exchange
+keeps them for replay) unless they go to an HTTP/1.1 upstream: then as views of
+the slab, which returns to the pool once that upstream's transport has sent them.
+Response body bytes from an HTTP/1.1 upstream arrive as views of the upstream's
+slab (`takes_views`) and go straight to the transport.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import binascii
 import logging
 from typing import TYPE_CHECKING, Any
 
+from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.h1 import ParseError, parse_request
 from aiproxy.pipeline.exchange import Exchange, serialize_without
 from aiproxy.protocols import h2_server, replies
@@ -43,11 +53,15 @@ def valid_h2_settings(value: bytes) -> bool:
     return len(raw) % 6 == 0
 
 
-class H1Connection(asyncio.Protocol):
+class H1Connection(asyncio.BufferedProtocol):
     __slots__ = ("server", "loop", "transport", "buf", "exchange", "peer", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
-                 "scheme", "head_out", "chunked_out", "h2c", "switched")
+                 "scheme", "head_out", "chunked_out", "h2c", "switched", "slab")
+
+    # send_body() writes what it gets at once and keeps no reference to it: an HTTP/1.1
+    # upstream may pass views of its read buffer (aiproxy/protocols/h1_upstream.py).
+    takes_views = True
 
     def __init__(self, server: ProxyServer, h2c: bool = False) -> None:
         self.server = server
@@ -72,6 +86,7 @@ class H1Connection(asyncio.Protocol):
         self.scheme = b"http"
         self.head_out = b""
         self.chunked_out = False
+        self.slab: bytearray | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -84,6 +99,53 @@ class H1Connection(asyncio.Protocol):
         self.server.connections.add(self)
         self.head_started = self.idle_since = self.loop.time()
         self._arm(self.server.runtime.min_timeout)
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        slab = self.slab
+        if slab is None:
+            slab = self.slab = POOL.get()
+        return slab
+
+    def buffer_updated(self, nbytes: int) -> None:
+        slab = self.slab
+        self.slab = None
+        lend_to = None
+        try:
+            if (self.exchange is None and not self.buf and not self.in_process
+                    and not self.tunnel and not self.lingering
+                    and not (self.h2c and not self.served)):
+                # A new request head: parsed in place, only the rest is copied.
+                self.head_started = self.loop.time()
+                self.in_process = True
+                try:
+                    started = self._start_exchange(slab, nbytes)
+                finally:
+                    self.in_process = False
+                if started and self.buf:
+                    self._process()
+                return
+            ex = self.exchange
+            up = ex.upstream if ex is not None else None
+            if (up is not None and getattr(up, "takes_views", False) and ex.reading_body
+                    and not self.buf and not self.tunnel and not self.lingering):
+                # Request body for an HTTP/1.1 upstream: its transport gets views of the
+                # slab (the exchange copies what it keeps for replay or while pending).
+                lend_to = up.transport
+                data = memoryview(slab)[:nbytes]
+                n = ex.feed_body(data)
+                if n < nbytes and not self.closed:
+                    self.buf += data[n:]
+                    self._process()
+            else:
+                self.data_received(copy_out(slab, 0, nbytes))
+        finally:
+            POOL.lend(slab, lend_to)
+
+    def _release_slab(self) -> None:
+        # get_buffer() not followed by buffer_updated(): the read failed or hit EOF.
+        if self.slab is not None:
+            POOL.put(self.slab)
+            self.slab = None
 
     def data_received(self, data: bytes) -> None:
         if self.tunnel:
@@ -105,6 +167,7 @@ class H1Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.client_eof = True
+        self._release_slab()
         if self.tunnel:
             self.exchange.tunnel_client_eof()
             return True
@@ -114,6 +177,7 @@ class H1Connection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._release_slab()
         if self.switched:
             return
         self.closed = True
@@ -164,23 +228,33 @@ class H1Connection(asyncio.Protocol):
         finally:
             self.in_process = False
 
-    def _start_exchange(self) -> bool:
+    def _start_exchange(self, slab: bytearray | None = None, nbytes: int = 0) -> bool:
+        """Parse a request head from self.buf, or (self.buf empty) from slab[:nbytes]."""
         http = self.server.runtime.http
-        if self.h2c and not self.served and self.buf[:1] == b"P":
+        if slab is None and self.h2c and not self.served and self.buf[:1] == b"P":
             if h2_server.preface_pending(self.buf):
                 return False
             if h2_server.is_preface(self.buf):
                 self._switch(h2_server.H2ServerConnection(self.server, self.scheme))
                 return False
         try:
-            head = parse_request(self.buf, http.max_header_bytes, http.max_request_line_bytes,
-                                 http.max_headers)
+            if slab is None:
+                head = parse_request(self.buf, http.max_header_bytes,
+                                     http.max_request_line_bytes, http.max_headers)
+            else:
+                head = parse_request(slab, http.max_header_bytes, http.max_request_line_bytes,
+                                     http.max_headers, nbytes)
         except ParseError as exc:
             self.reject(exc.status, exc.message)
             return False
         if head is None:
+            if slab is not None:
+                self.buf += memoryview(slab)[:nbytes]
             return False
-        del self.buf[:head.consumed]
+        if slab is None:
+            del self.buf[:head.consumed]
+        elif head.consumed < nbytes:
+            self.buf += memoryview(slab)[head.consumed:nbytes]  # body or pipelined requests
         if self.h2c and head.upgrade is not None and self._upgrade_h2c(head):
             return False
         self.exchange = ex = Exchange(self, head, self.head_started)

@@ -17,6 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
+from aiproxy._fast.bufpool import POOL
 from aiproxy.telemetry.kernel_metrics import kernel_families
 
 if TYPE_CHECKING:
@@ -138,6 +139,27 @@ class ProxyCollector:
             collect = getattr(state, "collect", None)  # filter features' own families
             if collect is not None:
                 yield from collect()
+        POOL.reclaim()  # parked slabs whose transports have drained by now
+        slabs = GaugeMetricFamily("aiproxy_buffer_pool_slabs",
+                                  "HTTP/1.1 read buffers (slabs) of this process, by state: "
+                                  "in_use (held by a read or a transport still sending), "
+                                  "free (kept for reuse), held (waiting for a transport)",
+                                  labels=["state"])
+        slabs.add_metric(["in_use"], POOL.in_use)
+        slabs.add_metric(["free"], POOL.free)
+        slabs.add_metric(["held"], POOL.held)
+        yield slabs
+        yield GaugeMetricFamily("aiproxy_buffer_pool_slab_bytes", "Size of one read buffer",
+                                value=POOL.slab_size)
+        yield CounterMetricFamily("aiproxy_buffer_pool_gets", "Read buffers handed out",
+                                  value=POOL.gets)
+        yield CounterMetricFamily("aiproxy_buffer_pool_misses",
+                                  "Read buffers allocated because none was free",
+                                  value=POOL.misses)
+        yield CounterMetricFamily("aiproxy_buffer_pool_parked",
+                                  "Read buffers returned while a transport still held views "
+                                  "of them (reused only after it sent them)",
+                                  value=POOL.parked)
         yield CounterMetricFamily("aiproxy_config_reloads", "Successful config reloads",
                                   value=m.reloads)
         yield CounterMetricFamily("aiproxy_config_reload_failures", "Rejected config reloads",
