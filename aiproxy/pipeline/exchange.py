@@ -438,12 +438,18 @@ class Exchange:
         self.head_sent = True
         self.t_first = perf_counter()
         resp = self._filter_head(result.head)
+        if resp is None:
+            return
         mode = BODY_NONE if self.method == b"HEAD" or self.status in (204, 304) else BODY_LENGTH
         self.keep_alive = self.down.send_response(self, resp, mode)
         if mode != BODY_NONE:
             for chunk in result.chunks:
                 self.on_upstream_body(chunk)
+                if self.finished:
+                    return
         tail = self._filter_end()
+        if tail is None:
+            return
         if tail:
             self.resp_bytes += len(tail)
             self.down.send_body(tail)
@@ -451,18 +457,42 @@ class Exchange:
         self._drop_upstream()
         self._finish(self.keep_alive and self.req_done)
 
+    # A response hook that raises ends the response (a redaction filter must fail closed:
+    # nothing it has not seen may reach the client); None tells the caller to stop.
+
     def _filter_head(self, resp: Any) -> Any:
-        for f in reversed(self.filters):
-            resp = f.response_head(self, resp)
+        try:
+            for f in reversed(self.filters):
+                resp = f.response_head(self, resp)
+        except Exception:
+            return self._filter_failed(f)
         return resp
 
-    def _filter_end(self) -> bytes:
+    def _filter_body(self, data: bytes) -> bytes | None:
+        try:
+            for f in reversed(self.filters):
+                data = f.response_body(self, data)
+        except Exception:
+            return self._filter_failed(f)
+        return data
+
+    def _filter_end(self) -> bytes | None:
         out = b""
-        for f in reversed(self.filters):
-            if out:
-                out = f.response_body(self, out)
-            out += f.response_end(self)
+        try:
+            for f in reversed(self.filters):
+                if out:
+                    out = f.response_body(self, out)
+                out += f.response_end(self)
+        except Exception:
+            return self._filter_failed(f)
         return out
+
+    def _filter_failed(self, f: Filter) -> None:
+        log.exception("response filter %s failed; ending the response", type(f).__name__)
+        if self.done_filters is None:
+            self.done_filters = self.filters
+        self.filters = ()
+        self._abort()
 
     def _dispatch(self) -> None:
         """Pick an endpoint of the chosen cluster and send the request there."""
@@ -996,12 +1026,14 @@ class Exchange:
             return self._start_tunnel(resp)
         if self.filters:
             resp = self._filter_head(resp)
+            if resp is None:
+                return
         self.keep_alive = self.down.send_response(self, resp, mode)
 
     def on_upstream_body(self, data: bytes) -> None:
         if self.filters:
-            for f in reversed(self.filters):
-                data = f.response_body(self, data)
+            # Filters may keep what they see; a read slab's view lives only for this call.
+            data = self._filter_body(bytes(data))
             if not data:
                 return
         self.resp_bytes += len(data)
@@ -1018,6 +1050,8 @@ class Exchange:
         self.upstream = None
         if self.filters:
             tail = self._filter_end()
+            if tail is None:
+                return
             if tail:
                 self.resp_bytes += len(tail)
                 self.down.send_body(tail)
