@@ -196,3 +196,19 @@ def test_onnx_matches_numpy_forward(tmp_path, dtype, hidden, bias, fold, ensembl
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     assert ops.count("MatMul") == (1 if folded else 2 if not hidden else 3)
     assert emb.shape[1] == (len(model.labels) if folded else (hidden or 16) * ensemble)
+
+
+def test_ensemble_members_in_processes_give_the_same_weights():
+    """--jobs trains the members in separate processes: the same weights as one after the
+    other (each member has its own seeded generator), and the members do differ."""
+    from aiproxy.semantic.train import Dataset, TrainConfig, train
+
+    rows = _rows(20, 9)
+    data = Dataset([r["text"] for r in rows], [r["intent"] for r in rows], ["mem"])
+    cfg = TrainConfig(buckets=2048, dim=16, epochs=2, batch=16, seed=4, ensemble=3,
+                      label_smoothing=0.1, fold=False, dtype="float32")
+    serial = train(cfg, data).weights
+    parallel = train(cfg, data, jobs=3).weights
+    assert np.array_equal(serial.E, parallel.E) and np.array_equal(serial.W2, parallel.W2)
+    a, b = serial.E[:, :16], serial.E[:, 16:32]
+    assert not np.allclose(a, b)

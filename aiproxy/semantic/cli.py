@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--ensemble", type=int, default=d.ensemble, metavar="K",
                    help="train K members from different seeds; the model averages their "
                    "logits in one graph (K times the table width)")
+    t.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="train ensemble members in N processes (same weights, less wall time)")
     t.add_argument("--fold", action=argparse.BooleanOptionalAction, default=d.fold,
                    help="without a hidden layer, ship the table times the output layer "
                    "(one table of per-class logits: no output MatMul at run time)")
@@ -137,7 +139,7 @@ def _train(args) -> int:
         raise ValueError("no training rows")
     val = load_jsonl(args.val, args.text_field, args.label_field, None) if args.val else None
     log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    trained = train(cfg, data, val, log=log)
+    trained = train(cfg, data, val, log=log, jobs=args.jobs)
     if args.threshold is not None:
         trained.threshold = args.threshold
     domains = load_domains(args.domains) if args.domains else data.domains

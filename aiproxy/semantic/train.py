@@ -450,19 +450,34 @@ class Trained:
     meta: dict[str, Any]
 
 
-def train(cfg: TrainConfig, data: Dataset, val: Dataset | None = None, log=None) -> Trained:
+def train(cfg: TrainConfig, data: Dataset, val: Dataset | None = None, log=None,
+          jobs: int = 1) -> Trained:
     t0 = time.time()
     vec = cfg.vectorizer()
     classes = sorted(set(data.labels))
     index = {c: i for i, c in enumerate(classes)}
     y = np.array([index[lab] for lab in data.labels], dtype=np.int64)
     ids, w, offsets = featurize(vec, data.texts)
-    members = []
-    for member in range(max(1, cfg.ensemble)):
-        if log and cfg.ensemble > 1:
-            log(f"member {member + 1}/{cfg.ensemble}")
-        members.append(train_weights(cfg, ids, w, offsets, y, len(classes), log=log,
-                                     member=member))
+    k = max(1, cfg.ensemble)
+    if jobs > 1 and k > 1:
+        # members are independent (each has its own generator): one process each, same
+        # weights as one after the other
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        if log:
+            log(f"training {k} members in {min(jobs, k)} processes")
+        with ProcessPoolExecutor(min(jobs, k), mp_context=multiprocessing.get_context("fork")) as ex:
+            futures = [ex.submit(train_weights, cfg, ids, w, offsets, y, len(classes),
+                                 member=m) for m in range(k)]
+            members = [f.result() for f in futures]
+    else:
+        members = []
+        for member in range(k):
+            if log and k > 1:
+                log(f"member {member + 1}/{k}")
+            members.append(train_weights(cfg, ids, w, offsets, y, len(classes), log=log,
+                                         member=member))
     weights = combine(members)
     if cfg.fold:
         weights = fold(weights)
