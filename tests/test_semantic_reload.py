@@ -153,6 +153,12 @@ def test_swapped_model_takes_effect_on_sighup(start_proxy, upstreams, second_mod
     log = _wait_for(lambda: "reload rejected" in proxy.log() and proxy.log(),
                     "the rejection in the log")
     assert f"{model}: cannot load ONNX model" in log
+    # the admin API's reload says the same to its caller
+    r = httpx.post(f"http://127.0.0.1:{admin}/config/reload", timeout=30)
+    assert r.status_code == 400
+    assert f"{model}: cannot load ONNX model" in r.json()["error"]["message"]
+    assert _reloads(admin) == (1, 2)
+    assert _ask(proxy) == ("general", "account_question")
 
     # and a good file again is picked up by the next SIGHUP
     _swap(model, BUILTINS["clinc150"].read_bytes(), keep_mtime=False)
