@@ -7,7 +7,9 @@ Targets from issue 6: feature ids of a 200-byte prompt <= 2 us; one classificati
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,6 +67,19 @@ def test_classify_single_short(benchmark, model):
 
 def test_classify_single_200_bytes(benchmark, model):
     benchmark(model.classify, PROMPT_200)
+
+
+VAL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "clinc150" / "val.jsonl"
+
+
+def test_classify_single_val_rows(benchmark, model):
+    """One classification per call, cycling through CLINC150 validation texts (the mix of
+    lengths the accuracy numbers are about; `aiproxy router eval` reports their p50)."""
+    if not VAL.is_file():
+        pytest.skip("CLINC150 data not found beside the repo")
+    rows = [json.loads(line)["text"] for line in VAL.read_text().splitlines()[::10]]
+    texts = itertools.cycle(rows)
+    benchmark(lambda: model.classify(next(texts)))
 
 
 def test_classify_batch_32(benchmark, model):

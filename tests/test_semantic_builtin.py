@@ -16,10 +16,10 @@ from aiproxy.semantic.train import load_jsonl, metrics
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "clinc150"
 # Issue 6's targets on the validation split. The shipped model meets the oos recall target;
-# its in-scope accuracy (92.5%) is short of 93.5% (see test_builtin_reaches_accuracy_target),
+# its in-scope accuracy (93.1%) is short of 93.5% (see test_builtin_reaches_accuracy_target),
 # so ACCURACY_FLOOR guards what it does reach against regressions.
 ACCURACY_TARGET = 0.935
-ACCURACY_FLOOR = 0.92
+ACCURACY_FLOOR = 0.93
 OOS_RECALL_TARGET = 0.5
 
 
@@ -32,6 +32,19 @@ def test_builtin_is_packaged_and_small():
     path = BUILTINS["clinc150"]
     assert path.is_file()
     assert path.stat().st_size < 8 * 1024 * 1024
+
+
+def test_builtin_is_a_folded_ensemble(model):
+    """Three members' logits averaged, shipped as one table of per-class scores: the graph
+    has a single MatMul whatever the trained width."""
+    import onnx
+
+    graph = onnx.load(str(BUILTINS["clinc150"])).graph
+    assert [n.op_type for n in graph.node].count("MatMul") == 1
+    table = next(t for t in graph.initializer if t.name == "T")
+    assert list(table.dims) == [model.features["buckets"], len(model.labels)]
+    config = model.training["config"]
+    assert config["ensemble"] == 3 and config["fold"] and config["label_smoothing"] == 0.2
 
 
 def test_builtin_metadata(model):
@@ -77,7 +90,9 @@ def test_builtin_eval_on_val(model, val_metrics):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 6 target not reached yet: the hashed n-gram "
-                   "model reaches 92.5% in-scope accuracy on val (93.5% asked)")
+                   "model (3-member ensemble, label smoothing 0.2) reaches 93.10% in-scope "
+                   "accuracy on val at oos recall 0.56 (93.30% with no oos threshold); "
+                   "93.5% asked")
 def test_builtin_reaches_accuracy_target(val_metrics):
     assert val_metrics["accuracy"] >= ACCURACY_TARGET, val_metrics
 

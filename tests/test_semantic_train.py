@@ -166,16 +166,18 @@ def test_train_reports_bad_rows(tmp_path, capsys):
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("dtype,hidden,bias", [("int8", 32, False), ("int8", 0, True),
-                                               ("float16", 0, False), ("float32", 32, True)])
-def test_onnx_matches_numpy_forward(tmp_path, dtype, hidden, bias):
+@pytest.mark.parametrize("dtype,hidden,bias,fold,ensemble", [
+    ("int8", 32, False, True, 1), ("int8", 0, True, True, 1), ("int8", 0, False, False, 1),
+    ("int8", 0, False, True, 3), ("float16", 0, False, True, 2), ("float32", 0, True, False, 1),
+    ("float32", 32, True, True, 2)])
+def test_onnx_matches_numpy_forward(tmp_path, dtype, hidden, bias, fold, ensemble):
     from aiproxy.semantic import export
     from aiproxy.semantic.train import Dataset, TrainConfig, featurize, forward, train
 
     rows = _rows(20, 5)
     data = Dataset([r["text"] for r in rows], [r["intent"] for r in rows], ["mem"])
     cfg = TrainConfig(buckets=2048, dim=16, hidden=hidden, epochs=2, batch=16, seed=1, dtype=dtype,
-                      output_bias=bias)
+                      output_bias=bias, fold=fold, ensemble=ensemble)
     trained = train(cfg, data)
     assert bool(np.any(trained.weights.b2)) == bias
     path = export.save(trained, tmp_path / f"m-{dtype}.onnx", {"weather": "travel"})
@@ -188,3 +190,25 @@ def test_onnx_matches_numpy_forward(tmp_path, dtype, hidden, bias):
     norm = hid / np.maximum(np.linalg.norm(hid, axis=1, keepdims=True), 1e-12)
     assert np.allclose(emb, norm, atol=2e-4)
     assert model.domains["weather"] == "travel" and model.domains["oos"] == "oos"
+    # a linear model ships folded (one table of per-class logits): no output MatMul left
+    folded = fold and not hidden
+    assert trained.weights.folded == folded
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("MatMul") == (1 if folded else 2 if not hidden else 3)
+    assert emb.shape[1] == (len(model.labels) if folded else (hidden or 16) * ensemble)
+
+
+def test_ensemble_members_in_processes_give_the_same_weights():
+    """--jobs trains the members in separate processes: the same weights as one after the
+    other (each member has its own seeded generator), and the members do differ."""
+    from aiproxy.semantic.train import Dataset, TrainConfig, train
+
+    rows = _rows(20, 9)
+    data = Dataset([r["text"] for r in rows], [r["intent"] for r in rows], ["mem"])
+    cfg = TrainConfig(buckets=2048, dim=16, epochs=2, batch=16, seed=4, ensemble=3,
+                      label_smoothing=0.1, fold=False, dtype="float32")
+    serial = train(cfg, data).weights
+    parallel = train(cfg, data, jobs=3).weights
+    assert np.array_equal(serial.E, parallel.E) and np.array_equal(serial.W2, parallel.W2)
+    a, b = serial.E[:, :16], serial.E[:, 16:32]
+    assert not np.allclose(a, b)

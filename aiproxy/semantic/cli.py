@@ -50,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="give the output layer a bias (off: one graph node less)")
     t.add_argument("--average-from", type=int, default=d.average_from, metavar="EPOCH",
                    help="ship the mean of the weights after each epoch from EPOCH on (0: last)")
+    t.add_argument("--ensemble", type=int, default=d.ensemble, metavar="K",
+                   help="train K members from different seeds; the model averages their "
+                   "logits in one graph (K times the table width)")
+    t.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="train ensemble members in N processes (same weights, less wall time)")
+    t.add_argument("--fold", action=argparse.BooleanOptionalAction, default=d.fold,
+                   help="without a hidden layer, ship the table times the output layer "
+                   "(one table of per-class logits: no output MatMul at run time)")
     t.add_argument("--word-ngrams", type=int, default=d.word_ngrams, choices=(1, 2, 3))
     t.add_argument("--char-ngrams", default=f"{d.char_min},{d.char_max}", metavar="MIN,MAX",
                    help="character n-gram lengths (0,0: none)")
@@ -123,7 +131,7 @@ def _train(args) -> int:
         lr_decay=args.lr_decay, dropout=args.dropout, hidden_dropout=args.hidden_dropout,
         feature_dropout=args.feature_dropout, weight_decay=args.weight_decay,
         label_smoothing=args.label_smoothing, average_from=args.average_from,
-        output_bias=args.output_bias,
+        output_bias=args.output_bias, ensemble=args.ensemble, fold=args.fold,
         oos_label=args.oos_label,
         threshold_target=args.threshold_target, dtype=args.dtype)
     data = load_jsonl(args.data, args.text_field, args.label_field, args.domain_field)
@@ -131,7 +139,7 @@ def _train(args) -> int:
         raise ValueError("no training rows")
     val = load_jsonl(args.val, args.text_field, args.label_field, None) if args.val else None
     log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    trained = train(cfg, data, val, log=log)
+    trained = train(cfg, data, val, log=log, jobs=args.jobs)
     if args.threshold is not None:
         trained.threshold = args.threshold
     domains = load_domains(args.domains) if args.domains else data.domains

@@ -12,7 +12,13 @@ is mostly per node, not per multiply.
     embedding = LpNormalization(hidden)              # output "embedding" [batch, 1, H or D]
     top_p, top_i = TopK(probs, k)                    # outputs            [batch, 1, k] (k = 3)
 
-The embedding table is stored as int8 with one scale (folded into W1, or W2 without a
+A linear model (no hidden layer) trained with `fold` (the default) ships folded instead:
+
+    logits    = (weights @ Gather(T, ids)) * T_scale  # T = E @ W2, int8 [buckets, classes]
+    probs     = Softmax(logits (+ b2))
+    embedding = LpNormalization(logits)               # [batch, 1, classes]
+
+Otherwise the embedding table is stored as int8 with one scale (folded into W1, or W2 without a
 hidden layer: the pooling is linear and the embedding output is normalised), float16
 (both Cast after the Gather) or float32, as trained (`--dtype`). Labels, label -> domain
 map, feature settings, threshold and training metadata go into metadata_props (keys under
@@ -35,9 +41,11 @@ IR_VERSION = 8
 def build_model(weights, classes: list[str], features: dict[str, Any], threshold: float,
                 oos_label: str, domains: dict[str, str], training: dict[str, Any],
                 top_k: int = 3):
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    if weights.folded:
+        return _build_folded(weights, classes, features, threshold, oos_label, domains,
+                             training, top_k)
     E = np.ascontiguousarray(weights.E)
     hidden = weights.W1.size > 0
     inits = [numpy_helper.from_array(E, "E")]
@@ -74,6 +82,52 @@ def build_model(weights, classes: list[str], features: dict[str, Any], threshold
         helper.make_node("LpNormalization", [feat], ["embedding"], axis=-1, p=2),
         helper.make_node("TopK", ["probs", "k"], ["top_p", "top_i"], axis=-1, largest=1, sorted=1),
     ]
+    return _finish(nodes, inits, len(classes), width, classes, features, threshold, oos_label,
+                   domains, training)
+
+
+def _build_folded(weights, classes, features, threshold, oos_label, domains, training, top_k):
+    """A linear model whose output layer was folded into the table (`train.fold`):
+    logits = weights @ Gather(T, ids) with T = E @ W2. One MatMul less per run, and the cost
+    no longer grows with the trained width, so an ensemble's wide table is free at run
+    time. An int8 T has one scale per class: a Mul on the pooled logits."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    T = np.ascontiguousarray(weights.E)
+    inits = [numpy_helper.from_array(T, "T"),
+             numpy_helper.from_array(np.array([min(top_k, len(classes))], np.int64), "k")]
+    if T.dtype == np.float32:
+        nodes = [helper.make_node("Gather", ["T", "ids"], ["gathered"], axis=0)]
+    else:
+        nodes = [helper.make_node("Gather", ["T", "ids"], ["gathered_q"], axis=0),
+                 helper.make_node("Cast", ["gathered_q"], ["gathered"], to=TensorProto.FLOAT)]
+    nodes.append(helper.make_node("MatMul", ["weights", "gathered"], ["logits"]))
+    if T.dtype == np.int8:
+        scale = np.broadcast_to(np.asarray(weights.E_scale, np.float32), (T.shape[1],))
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(scale), "T_scale"))
+        nodes[-1].output[0] = "logits_q"
+        nodes.append(helper.make_node("Mul", ["logits_q", "T_scale"], ["logits"]))
+    feat = "logits"
+    if np.any(weights.b2):
+        inits.append(numpy_helper.from_array(weights.b2.astype(np.float32), "b2"))
+        feat = nodes[-1].output[0] = "logits_nb"
+        nodes.append(helper.make_node("Add", ["logits_nb", "b2"], ["logits"]))
+    nodes += [
+        helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+        # the intent embedding: the direction of the pooled per-class scores (where in
+        # intent space a text lies), whatever members or width the model was trained with
+        helper.make_node("LpNormalization", [feat], ["embedding"], axis=-1, p=2),
+        helper.make_node("TopK", ["probs", "k"], ["top_p", "top_i"], axis=-1, largest=1, sorted=1),
+    ]
+    return _finish(nodes, inits, len(classes), len(classes), classes, features, threshold,
+                   oos_label, domains, training)
+
+
+def _finish(nodes, inits, n_classes, width, classes, features, threshold, oos_label, domains,
+            training):
+    import onnx
+    from onnx import TensorProto, helper
+
     graph = helper.make_graph(
         nodes, "aiproxy_intent",
         [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "n"]),

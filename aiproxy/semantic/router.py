@@ -20,12 +20,16 @@ log = logging.getLogger("aiproxy.semantic")
 
 
 def model_key(cfg: SemanticConfig) -> tuple:
+    """What says the configured model file is still the one loaded. ctime and inode are in
+    it, not only mtime: a deploy that renames a new file over the path (or copies one with
+    its mtime kept) changes those even when the mtime is the old one's."""
     path = resolve(cfg.model)
     try:
-        mtime = os.stat(path).st_mtime_ns
+        st = os.stat(path)
+        stamp: tuple = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     except OSError:
-        mtime = 0
-    return (str(path), mtime, cfg.threshold)
+        stamp = ()
+    return (str(path), stamp, cfg.threshold)
 
 
 def load_model(cfg: SemanticConfig, previous: SemanticRouter | None = None) -> IntentModel:

@@ -51,6 +51,8 @@ class TrainConfig:
     oos_label: str = "oos"
     threshold_target: float = 0.55  # oos recall the threshold search aims for
     dtype: str = "int8"           # embedding table as shipped: int8 (per-row scale), float16, float32
+    ensemble: int = 1          # members trained from different seeds, logits averaged in one graph
+    fold: bool = True          # linear model: ship E @ W2 as the table (see fold)
 
     def feature_settings(self) -> dict[str, Any]:
         return self.vectorizer().settings()
@@ -117,12 +119,51 @@ class Weights:
     b1: np.ndarray
     W2: np.ndarray  # [hidden or dim, classes]
     b2: np.ndarray
-    E_scale: float | None = None  # E = int8 table * E_scale
+    E_scale: float | np.ndarray | None = None  # E = int8 table * E_scale (or per column)
+    folded: bool = False  # E is E @ W2 of a linear model, W2 the identity (see fold)
 
     def dense_E(self) -> np.ndarray:
         if self.E.dtype == np.int8:
-            return self.E.astype(np.float32) * np.float32(self.E_scale)
+            return self.E.astype(np.float32) * np.asarray(self.E_scale, np.float32)
         return self.E.astype(np.float32) if self.E.dtype != np.float32 else self.E
+
+
+def fold(weights: Weights) -> Weights:
+    """A linear model (no hidden layer) as one table of per-feature logits: pooling and the
+    output layer are both linear, so weights @ (E @ W2)[ids] gives the same logits with
+    one matrix product less per run, and with a table as wide as the class count whatever
+    width (or ensemble) it was trained with."""
+    if weights.W1.size or weights.folded:
+        return weights
+    T = weights.dense_E() @ weights.W2.astype(np.float32)
+    C = T.shape[1]
+    return Weights(T.astype(np.float32), weights.W1, weights.b1, np.eye(C, dtype=np.float32),
+                   weights.b2, folded=True)
+
+
+def combine(members: list[Weights]) -> Weights:
+    """One model whose logits are the mean of the members' logits. Pooling is linear, so
+    the members' tables side by side give every member's pooled vector in one Gather; the
+    hidden layers become one block-diagonal layer and the output layers are stacked and
+    divided by the member count: the graph keeps its nodes, only wider."""
+    if len(members) == 1:
+        return members[0]
+    k = np.float32(len(members))
+    E = np.concatenate([m.dense_E() for m in members], axis=1)
+    if members[0].W1.size:
+        rows = sum(m.W1.shape[0] for m in members)
+        cols = sum(m.W1.shape[1] for m in members)
+        W1 = np.zeros((rows, cols), np.float32)
+        r = c = 0
+        for m in members:
+            W1[r:r + m.W1.shape[0], c:c + m.W1.shape[1]] = m.W1
+            r, c = r + m.W1.shape[0], c + m.W1.shape[1]
+        b1 = np.concatenate([m.b1 for m in members])
+    else:
+        W1, b1 = members[0].W1, members[0].b1
+    W2 = np.concatenate([m.W2 for m in members], axis=0) / k
+    b2 = sum(m.b2 for m in members) / k
+    return Weights(E, W1, b1, W2.astype(np.float32), np.asarray(b2, np.float32))
 
 
 def quantize(weights: Weights, dtype: str) -> Weights:
@@ -130,14 +171,19 @@ def quantize(weights: Weights, dtype: str) -> Weights:
     it into the next layer's weights, so it costs nothing at run time; on CLINC150 this
     loses no accuracy against float32), float16, or float32 as trained."""
     E = weights.E.astype(np.float32)
+    rest = (weights.W1, weights.b1, weights.W2, weights.b2)
     if dtype == "int8":
-        scale = float(np.abs(E).max()) / 127.0 or 1.0
+        if weights.folded:  # columns are classes, of different ranges: a scale per class
+            scale = np.abs(E).max(axis=0) / np.float32(127.0)
+            scale[scale == 0] = 1.0
+        else:
+            scale = float(np.abs(E).max()) / 127.0 or 1.0
         q = np.clip(np.rint(E / scale), -127, 127).astype(np.int8)
-        return Weights(q, weights.W1, weights.b1, weights.W2, weights.b2, scale)
+        return Weights(q, *rest, scale, folded=weights.folded)
     if dtype == "float16":
-        return Weights(E.astype(np.float16), weights.W1, weights.b1, weights.W2, weights.b2)
+        return Weights(E.astype(np.float16), *rest, folded=weights.folded)
     if dtype == "float32":
-        return Weights(E, weights.W1, weights.b1, weights.W2, weights.b2)
+        return Weights(E, *rest, folded=weights.folded)
     raise ValueError(f"unknown dtype {dtype!r}")
 
 
@@ -367,16 +413,27 @@ def metrics(pred: list[str], gold: list[str], oos_label: str = "oos") -> dict[st
 
 
 def choose_threshold(probs: np.ndarray, classes: list[str], gold: list[str], oos_label: str,
-                     target_recall: float) -> tuple[float, dict[str, Any]]:
-    """Lowest confidence threshold whose oos recall reaches `target_recall` (the least
-    in-scope accuracy given up for it); without oos rows, 0."""
+                     target_recall: float, step: float = 0.001) -> tuple[float, dict[str, Any]]:
+    """Lowest confidence threshold (a multiple of `step`) whose oos recall reaches
+    `target_recall`: the least in-scope accuracy given up for it. Without oos rows, 0; when
+    no threshold below 0.95 reaches the target, the one with the best accuracy + recall."""
     if oos_label not in gold:
         return 0.0, metrics(predict_labels(probs, classes, 0.0, oos_label), gold, oos_label)
+    top = probs.argmax(axis=1)
+    conf = probs[np.arange(len(top)), top]
+    oos = np.array([g == oos_label for g in gold])
+    caught = top[oos] == classes.index(oos_label) if oos_label in classes else np.zeros(
+        int(oos.sum()), bool)
+    grid = np.round(np.arange(0.0, 0.95 + step / 2, step), 6)
+    # recall at each threshold: oos rows predicted oos, or below the threshold
+    recall = ((conf[oos][None, :] < grid[:, None]) | caught[None, :]).mean(axis=1)
+    hit = np.flatnonzero(recall >= target_recall)
+    if hit.size:
+        t = float(grid[hit[0]])
+        return t, metrics(predict_labels(probs, classes, t, oos_label), gold, oos_label)
     best = None
-    for t in np.round(np.arange(0.0, 0.951, 0.01), 2):
+    for t in grid[::10]:
         m = metrics(predict_labels(probs, classes, float(t), oos_label), gold, oos_label)
-        if m["oos_recall"] >= target_recall:
-            return float(t), m
         score = m["accuracy"] + m["oos_recall"]
         if best is None or score > best[0]:
             best = (score, float(t), m)
@@ -393,14 +450,37 @@ class Trained:
     meta: dict[str, Any]
 
 
-def train(cfg: TrainConfig, data: Dataset, val: Dataset | None = None, log=None) -> Trained:
+def train(cfg: TrainConfig, data: Dataset, val: Dataset | None = None, log=None,
+          jobs: int = 1) -> Trained:
     t0 = time.time()
     vec = cfg.vectorizer()
     classes = sorted(set(data.labels))
     index = {c: i for i, c in enumerate(classes)}
     y = np.array([index[lab] for lab in data.labels], dtype=np.int64)
     ids, w, offsets = featurize(vec, data.texts)
-    weights = train_weights(cfg, ids, w, offsets, y, len(classes), log=log)
+    k = max(1, cfg.ensemble)
+    if jobs > 1 and k > 1:
+        # members are independent (each has its own generator): one process each, same
+        # weights as one after the other
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        if log:
+            log(f"training {k} members in {min(jobs, k)} processes")
+        with ProcessPoolExecutor(min(jobs, k), mp_context=multiprocessing.get_context("fork")) as ex:
+            futures = [ex.submit(train_weights, cfg, ids, w, offsets, y, len(classes),
+                                 member=m) for m in range(k)]
+            members = [f.result() for f in futures]
+    else:
+        members = []
+        for member in range(k):
+            if log and k > 1:
+                log(f"member {member + 1}/{k}")
+            members.append(train_weights(cfg, ids, w, offsets, y, len(classes), log=log,
+                                         member=member))
+    weights = combine(members)
+    if cfg.fold:
+        weights = fold(weights)
     weights = quantize(weights, cfg.dtype)
     threshold, val_metrics = 0.0, None
     if val is not None and val.texts:
