@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -125,10 +124,10 @@ name = "rest"
 match = { path_prefix = "/" }
 cluster = "c"
 """)
-    t = time.monotonic()
+    # The upstream answers in 400 ms, well inside the cluster's 5 s: only the route's
+    # 100 ms can make this a 504.
     r = httpx.get(proxy.url + "/fast")
     assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
-    assert time.monotonic() - t < 0.35
     assert httpx.get(proxy.url + "/slow").status_code == 200
 
 
