@@ -14,6 +14,7 @@ from typing import Any
 
 from .address import HOSTNAME, parse_address
 from .errors import ConfigError, Problem
+from .governance import GOVERNANCE_KEYS, governance_sections
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
 from .schema import (
@@ -46,7 +47,7 @@ UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin", "least_request", "ring_hash", "maglev", "llm_score")
 
 _TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes",
-             "kernel", "semantic", "tracing")
+             "kernel", "semantic", "tracing", *GOVERNANCE_KEYS)
 _KERNEL_KEYS = tuple(f.name for f in dataclasses.fields(KernelConfig))
 _CLASS_KEYS = ("name", "ports", "payload", "dscp", "priority")
 XDP_MODES = ("auto", "native", "generic")
@@ -276,6 +277,7 @@ class _Checker:
             routes=self.routes(data, cluster_names),
             kernel=self.kernel(data, listeners),
             tracing=self.tracing(data),
+            **governance_sections(self, data, listeners),
         )
 
     def listeners(self, data: dict[str, Any]) -> tuple[ListenerConfig, ...]:

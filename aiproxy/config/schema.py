@@ -280,6 +280,12 @@ class Config:
     routes: tuple[RouteConfig, ...] = ()
     kernel: KernelConfig = field(default_factory=KernelConfig)
     tracing: TracingConfig | None = None
+    # Governance sections (aiproxy/config/governance.py): None when not configured.
+    auth: Any = None
+    policy: Any = None
+    audit: Any = None
+    guard: Any = None
+    redact: Any = None
 
     def cluster_by_name(self, name: str) -> ClusterConfig:
         for cluster in self.clusters:
