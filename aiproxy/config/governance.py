@@ -341,6 +341,13 @@ def _policy(checker: _Checker, data: dict) -> PolicyConfig | None:
         files.append(full)
     if not files:
         checker.error(path + ("files",), "needs at least one policy file")
+    elif all(os.path.isfile(f) for f in files):
+        from aiproxy.governance.policy import load_policy_files
+
+        try:
+            load_policy_files(files)
+        except ConfigError as exc:
+            checker.problems.extend(exc.problems)
     dry_run = checker.get(table, path, "dry_run", "boolean")
     return PolicyConfig(files=tuple(files), dry_run=bool(dry_run),
                         poll_ms=_int(checker, table, path, "poll_ms", 100, 10, 10_000))

@@ -32,11 +32,72 @@ def run_auth(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_policy(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("policy", help="explain policy decisions",
+                       description="Helpers for the [policy] section.")
+    cmds = p.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", required=True)
+    e = cmds.add_parser(
+        "explain", help="print the decision for a request and the rules that made it",
+        description="Evaluate the config's policy files for one request given as JSON: "
+        '{"subject": "alice", "roles": ["analyst"], "claims": {...}, "method": "POST", '
+        '"path": "/v1/chat/completions", "route": "chat", "model": "gpt-4o", "intent": "...", '
+        '"domain": "...", "source": "10.0.0.1", "body_bytes": 1200, '
+        '"time": "2026-01-05T10:00:00Z"}. Exit 0 when allowed, 1 when denied.')
+    e.add_argument("-c", "--config", required=True, metavar="FILE", help="TOML config file")
+    e.add_argument("--request", required=True, metavar="JSON", help="the request attributes")
+
+
+def run_policy(args: argparse.Namespace) -> int:
+    import json
+    from datetime import datetime
+
+    from aiproxy.config import ConfigError, load_config
+    from aiproxy.governance.policy import Request, decide
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if cfg.policy is None:
+        print(f"{args.config}: no [policy] section", file=sys.stderr)
+        return 2
+    try:
+        doc = json.loads(args.request)
+        if not isinstance(doc, dict):
+            raise ValueError("expected a JSON object")
+        when = doc.pop("time", None)
+        now = (datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+               if when else __import__("time").time())
+        if "roles" in doc:
+            doc["roles"] = tuple(doc["roles"])
+        req = Request(**doc, now=now)
+    except (ValueError, TypeError, AttributeError) as exc:
+        print(f"--request: {exc}", file=sys.stderr)
+        return 2
+    from aiproxy.governance.policy import load_policy_files
+
+    policy = load_policy_files(cfg.policy.files)
+    decision = decide(policy, req, explain=True)
+    sources = {r.id: r.source for r in policy.rules}
+    print(f"decision: {decision.name} (rule {decision.rule})"
+          + (" [dry-run: would only be logged]" if cfg.policy.dry_run and not decision.allowed
+             else ""))
+    for rid, effect, outcome in decision.trace:
+        print(f"  {effect:5} {rid:30} {outcome:20} {sources[rid]}")
+    if decision.rule == "default":
+        print(f"  no rule matched: default {policy.default}")
+    return 0 if decision.allowed else 1
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     add_auth(sub)
+    add_policy(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "auth":
         return run_auth(args)
+    if args.command == "policy":
+        return run_policy(args)
     return 2

@@ -117,7 +117,7 @@ class Exchange:
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
-        "trace_id", "identity", "llm", "done_filters",
+        "trace_id", "identity", "llm", "done_filters", "gov",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -179,6 +179,8 @@ class Exchange:
         self.trace_id: str | None = None  # set by the tracing filter
         self.identity: Identity | None = None  # set by the auth filter
         self.llm: Any = None  # what the LLM filter read of an OpenAI-style request/response
+        # Governance facts for the audit record: policy decision, guard hits, redactions.
+        self.gov: dict[str, Any] = {}
         self.done_filters: tuple[Filter, ...] | None = None
         self.gate_task: asyncio.Future | None = None
         self.intent: str | None = None

@@ -29,7 +29,9 @@ bytes wait in the exchange and go upstream untouched afterwards.
 
 Shared per-request facts (Exchange attributes): ex.trace_id (tracing), ex.identity (an
 Identity, set by the auth filter), ex.llm (what the LLM filter read of an OpenAI-style
-request and response: model, stream, token usage), ex.intent/intent_domain (semantic).
+request and response: model, stream, token usage), ex.intent/intent_domain (semantic),
+ex.gov (a dict of governance facts for the audit record: "policy" -> (decision, rule id),
+"guard" -> flagged rule ids, "redactions" -> counts per type).
 
 Upstream request headers: `ex.set_upstream_header(name, value)` adds a field to the
 request sent upstream, replacing any the client sent under that name.
