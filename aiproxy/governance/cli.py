@@ -90,9 +90,48 @@ def run_policy(args: argparse.Namespace) -> int:
     return 0 if decision.allowed else 1
 
 
+def add_audit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("audit", help="verify and query audit log files",
+                       description="Tools for the [audit] log.")
+    cmds = p.add_subparsers(dest="audit_command", metavar="SUBCOMMAND", required=True)
+    v = cmds.add_parser("verify", help="check the hash chain across files",
+                        description="Exit 0 when every record chains to the one before it; "
+                        "print each edited, removed or reordered record and exit 1.")
+    v.add_argument("files", nargs="+", metavar="FILE")
+    q = cmds.add_parser(
+        "query", help="filter and group records (schema-on-read)",
+        description="Fields are dotted names of the JSON records (identity.sub, "
+        "timings_ms.total); missing fields are null; a field seen with several types "
+        "is compared as a string.")
+    q.add_argument("files", nargs="+", metavar="FILE")
+    q.add_argument("--where", action="append", default=[], metavar="COND",
+                   help="FIELD=VALUE, != > < >= <=, or FIELD~REGEX (repeatable, all must hold)")
+    q.add_argument("--group-by", action="append", default=[], metavar="FIELD",
+                   help="count records per value (repeatable or comma-separated)")
+    q.add_argument("--since", metavar="DURATION|TIME", help="e.g. 15m, 1h, 2d or an ISO time")
+    q.add_argument("--fields", metavar="F1,F2", help="columns to print (without --group-by)")
+    q.add_argument("--format", choices=["table", "json"], default="table")
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    from aiproxy.governance import audit_tools
+
+    try:
+        if args.audit_command == "verify":
+            return audit_tools.verify(args.files)
+        group_by = [g for item in args.group_by for g in item.split(",") if g]
+        fields = [f for f in args.fields.split(",") if f] if args.fields else None
+        return audit_tools.query(args.files, args.where, group_by, args.since, fields,
+                                 args.format)
+    except (OSError, ValueError) as exc:
+        print(f"aiproxy audit: {exc}", file=sys.stderr)
+        return 2
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     add_auth(sub)
     add_policy(sub)
+    add_audit(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,4 +139,6 @@ def run(args: argparse.Namespace) -> int:
         return run_auth(args)
     if args.command == "policy":
         return run_policy(args)
+    if args.command == "audit":
+        return run_audit(args)
     return 2

@@ -7,11 +7,12 @@ nearest the upstream (so a cached answer still passes every filter in front of i
 
 from __future__ import annotations
 
-from aiproxy.governance import auth, policy, tracing
+from aiproxy.governance import audit, auth, policy, tracing
 from aiproxy.pipeline.filters import BuilderEntry
 
 BUILDERS: list[BuilderEntry] = [
     ("tracing", tracing.make_state, tracing.build),
+    ("audit", audit.make_state, audit.build),
     ("auth", auth.make_state, auth.build),
     ("policy", policy.make_state, policy.build),
 ]

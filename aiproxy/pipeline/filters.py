@@ -16,6 +16,11 @@ starts a small per-request Filter. The Exchange runs the chain at fixed points:
   response_body(ex, b)   body bytes on their way to the client; return what to send
                          (b"" holds them back).
   response_end(ex)       the upstream finished; return held-back bytes to send last.
+  finishing(ex)          the response is complete and about to be released to the
+                         client (its last bytes, end of stream or trailers, or a whole
+                         local reply): return an awaitable to hold that release until
+                         it is done (the audit log's fsync = "always"); if it fails
+                         the response is aborted instead of completed.
   done(ex)               the exchange ended (answered, failed or abandoned): settle
                          reservations, write audit records. Runs before metrics/logs.
 
@@ -138,6 +143,9 @@ class Filter:
 
     def response_end(self, ex: Exchange) -> bytes:
         return b""
+
+    def finishing(self, ex: Exchange) -> Awaitable[None] | None:
+        return None
 
     def done(self, ex: Exchange) -> None:
         return None
