@@ -66,6 +66,12 @@ def chat_upstream() -> Iterator[int]:
     t.start()
     wait_port("127.0.0.1", port)
     yield port
+
+    async def cleanup() -> None:
+        for r in [runner]:
+            await r.cleanup()
+
+    asyncio.run_coroutine_threadsafe(cleanup(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     t.join(5)
 
