@@ -238,3 +238,53 @@ def test_local_replies_and_streams_recorded(start_proxy, demo_upstream, tmp_path
     recs = _wait_records(tmp_path / "audit.log", 2)
     assert [r["status"] for r in recs] == [200, 401]
     assert recs[0]["bytes_out"] == len(r.content) or recs[0]["bytes_out"] > 0
+
+
+def test_time_rotation_and_restart_continue_the_chain(tmp_path):
+    """The writer by itself (a real thread and files): rotation by time, and a new
+    writer (a restart) continuing the chain after dropping a torn last line."""
+    import asyncio
+
+    from aiproxy.config.governance import AuditConfig
+    from aiproxy.governance.audit import AuditWriter
+
+    path = tmp_path / "a.log"
+    cfg = AuditConfig(path=str(path), fsync="always", rotate_interval_s=1)
+
+    async def write(writer: AuditWriter, n: int) -> None:
+        await asyncio.gather(*(writer.submit({"n": i}, durable=True) for i in range(n)))
+
+    w = AuditWriter(cfg)
+    asyncio.run(write(w, 5))
+    time.sleep(1.3)
+    asyncio.run(write(w, 5))
+    w.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"seq": 11, "prev": "torn')  # a crash in the middle of a write
+    w = AuditWriter(cfg)
+    asyncio.run(write(w, 3))
+    w.close()
+    files = sorted(tmp_path.glob("a.log*"))
+    assert len(files) >= 2, files
+    res = _cli("verify", *map(str, files))
+    assert res.returncode == 0 and "ok: 13 records" in res.stdout, res.stdout
+    assert [r["seq"] for r in _records(path)][-3:] == [11, 12, 13]
+
+
+def test_reload_keeps_one_chain(start_proxy, demo_upstream, tmp_path):
+    proxy = start_proxy(_config(demo_upstream, tmp_path, 'fsync = "never"\n'))
+    with httpx.Client(timeout=10) as c:
+        for _ in range(3):
+            assert c.get(f"{proxy.url}/echo", headers={"x-api-key": KEY}).status_code == 200
+        text = proxy.config_path.read_text().replace('fsync = "never"', 'fsync = "always"')
+        proxy.config_path.write_text(text)
+        proxy.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reload" not in proxy.log().lower():
+            assert time.monotonic() < deadline, proxy.log()
+            time.sleep(0.05)
+        for _ in range(3):
+            assert c.get(f"{proxy.url}/echo", headers={"x-api-key": KEY}).status_code == 200
+    recs = _wait_records(tmp_path / "audit.log", 6)
+    assert [r["seq"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert _cli("verify", str(tmp_path / "audit.log")).returncode == 0

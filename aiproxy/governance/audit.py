@@ -138,11 +138,11 @@ class AuditWriter:
     # -- the thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        cfg = self.cfg
-        interval = cfg.fsync_interval_ms / 1000
         dirty = False
         last_sync = time.monotonic()
         while True:
+            cfg = self.cfg  # a reload may change the settings (not the path)
+            interval = cfg.fsync_interval_ms / 1000
             with self.cond:
                 while not self.queue and not self.stopping:
                     timeout = None
@@ -368,12 +368,22 @@ class AuditState:
         self.writer.close()
 
 
+RETIRE_AFTER_S = 60.0  # a replaced writer still takes records from in-flight requests
+
+
 def make_state(config: Config, previous: Any) -> Any:
+    """The same writer across reloads while the path stays (one chain, one thread);
+    other settings change in place. A writer whose file is no longer configured is
+    closed a while later, once the requests of the old config are done."""
     cfg = config.audit
     if isinstance(previous, AuditState):
-        if previous.cfg == cfg:
+        if cfg is not None and previous.cfg.path == cfg.path:
+            previous.cfg = previous.writer.cfg = cfg
+            previous.factory.durable = cfg.fsync == "always"
             return previous
-        previous.writer.close()
+        timer = threading.Timer(RETIRE_AFTER_S, previous.writer.close)
+        timer.daemon = True
+        timer.start()
     return AuditState(cfg) if cfg is not None else None
 
 
