@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import aiohttp
@@ -130,3 +131,58 @@ def test_store_is_bounded():
     assert list(store.traces) == ["t2", "t3", "t4"] and store.dropped == 2
     assert len(store.graph("t4")["spans"]) == 256
     assert store.graph("t0") is None
+
+
+def test_spans_exported_over_otlp_grpc(start_proxy, demo_upstream):
+    """A real OTLP/gRPC receiver (opentelemetry-proto's service on a grpcio server)."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import (
+        trace_service_pb2,
+        trace_service_pb2_grpc,
+    )
+
+    received = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the generated name)
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        from tests.conftest import simple_config
+
+        proxy = start_proxy(simple_config(demo_upstream) + f"""
+[tracing]
+otlp_endpoint = "127.0.0.1:{port}"
+service_name = "edge-1"
+""")
+        with httpx.Client(timeout=10) as c:
+            for i in range(3):
+                r = c.get(f"{proxy.url}/echo/{i}",
+                          headers={"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"})
+                assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while sum(len(ss.spans) for req in received for rs in req.resource_spans
+                  for ss in rs.scope_spans) < 3:
+            assert time.monotonic() < deadline, "spans never exported"
+            time.sleep(0.05)
+    finally:
+        server.stop(0)
+    rs = received[0].resource_spans[0]
+    assert rs.resource.attributes[0].key == "service.name"
+    assert rs.resource.attributes[0].value.string_value == "edge-1"
+    spans = [s for req in received for r in req.resource_spans for ss in r.scope_spans
+             for s in ss.spans]
+    assert {s.trace_id.hex() for s in spans} == {TRACE}
+    assert {s.parent_span_id.hex() for s in spans} == {CLIENT_SPAN}
+    assert len({s.span_id for s in spans}) == 3
+    attrs = {kv.key: kv.value for kv in spans[0].attributes}
+    assert attrs["http.response.status_code"].int_value == 200
+    assert attrs["aiproxy.route"].string_value == "all"
+    assert spans[0].end_time_unix_nano > spans[0].start_time_unix_nano

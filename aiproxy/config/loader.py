@@ -428,7 +428,14 @@ class _Checker:
         table = self.section(data, "tracing", _field_names(TracingConfig))
         if table is None:
             return None
-        cfg = TracingConfig(**self.scalars(TracingConfig, table, ("tracing",)))
+        values: dict[str, Any] = self.scalars(TracingConfig, table, ("tracing",))
+        endpoint = self.get(table, ("tracing",), "otlp_endpoint", "string")
+        if endpoint is not None and self.parse_address(endpoint, ("tracing", "otlp_endpoint")):
+            values["otlp_endpoint"] = endpoint
+        name = self.get(table, ("tracing",), "service_name", "string")
+        if name:
+            values["service_name"] = name
+        cfg = TracingConfig(**values)
         return cfg if cfg.enabled else None
 
     def access_log(self, data: dict[str, Any]) -> AccessLogConfig:

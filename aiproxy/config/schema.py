@@ -80,6 +80,8 @@ class TracingConfig:
     """W3C Trace Context: continue or start a trace per request (aiproxy/governance/tracing.py)."""
 
     enabled: bool = True
+    otlp_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC collector: spans exported
+    service_name: str = "aiproxy"
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,19 +108,19 @@ def model_id(ex: Exchange) -> str | None:
 
 
 class TraceFilter(Filter):
-    __slots__ = ("trace_id", "parent_id", "span_id", "store", "start")
+    __slots__ = ("trace_id", "parent_id", "span_id", "factory", "start")
 
     def __init__(self, trace_id: bytes, parent_id: bytes | None, span_id: bytes,
-                 store: LineageStore) -> None:
+                 factory: TraceFactory) -> None:
         self.trace_id = trace_id
         self.parent_id = parent_id
         self.span_id = span_id
-        self.store = store
+        self.factory = factory
         self.start = time.time()
 
     def done(self, ex: Exchange) -> None:
         route = ex.route
-        self.store.add({
+        self.factory.add_span({
             "trace_id": self.trace_id.decode(),
             "span_id": self.span_id.decode(),
             "parent_id": self.parent_id.decode() if self.parent_id is not None else None,
@@ -143,6 +143,7 @@ class TraceFactory(FilterFactory):
 
     def __init__(self) -> None:
         self.store = LineageStore()
+        self.exporter: Any = None  # an OtlpExporter with [tracing] otlp_endpoint
 
     def start(self, ex: Exchange) -> Filter:
         head = ex.head
@@ -160,13 +161,37 @@ class TraceFactory(FilterFactory):
         caller = head.get(b"x-model-id")
         if caller is not None:
             ex.gov["caller_model"] = caller.decode("latin-1")
-        return TraceFilter(trace, parent, span, self.store)
+        return TraceFilter(trace, parent, span, self)
+
+    def add_span(self, span: dict[str, Any]) -> None:
+        self.store.add(span)
+        if self.exporter is not None:
+            self.exporter.add(span)
+
+    def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
 
 
 def make_state(config: Config, previous: Any) -> Any:
-    if config.tracing is None:
+    """The span store survives reloads; the exporter follows the config."""
+    cfg = config.tracing
+    if not isinstance(previous, TraceFactory):
+        previous = None
+    if cfg is None:
+        if previous is not None:
+            previous.close()
         return None
-    return previous if isinstance(previous, TraceFactory) else TraceFactory()
+    state = previous or TraceFactory()
+    old = state.exporter
+    if old is None or (old.endpoint, old.service_name) != (cfg.otlp_endpoint, cfg.service_name):
+        state.close()
+        if cfg.otlp_endpoint:
+            from aiproxy.governance.otlp import OtlpExporter
+
+            state.exporter = OtlpExporter(cfg.otlp_endpoint, cfg.service_name)
+    return state
 
 
 def build(config: Config, route: RouteConfig, state: TraceFactory) -> FilterFactory:
