@@ -308,6 +308,19 @@ def load_policy_files(paths: tuple[str, ...] | list[str]) -> Policy:
         "models" in r.globs or r.rbac for r in rules))
 
 
+def kernel_deny_cidrs(policy: Policy) -> tuple[str, ...]:
+    """Networks of the deny rules that say nothing but source_cidrs (no expiry, no other
+    condition): those can be dropped by XDP before a connection exists. Rules with
+    more conditions stay in the proxy."""
+    out: list[str] = []
+    for r in policy.rules:
+        if (r.effect == "deny" and r.cidrs and not r.globs and not r.claims and not r.rbac
+                and r.body_over is None and r.body_max is None and r.days is None
+                and r.minutes is None and r.not_before is None and r.expires is None):
+            out += (str(n) for n in r.cidrs if str(n) not in out)
+    return tuple(out)
+
+
 # -- evaluation -------------------------------------------------------------------------------
 
 
