@@ -160,22 +160,23 @@ class AuditWriter:
                 if batch:
                     if self._due_rotation():
                         self._rotate()
-                    out = []
+                    out: list[bytes] = []
+                    size = 0
                     for record, fut in batch:
                         self.seq += 1
                         line = json.dumps({"seq": self.seq, "prev": self.prev, **record},
                                           separators=(",", ":"), ensure_ascii=False,
-                                          default=str).encode()
-                        self.prev = line_hash(line)
+                                          default=str).encode() + b"\n"
+                        self.prev = line_hash(line[:-1])
+                        if (out or self.size) and self.size + size + len(line) > cfg.rotate_bytes:
+                            self._write(out)  # a group commit may span a rotation
+                            self._rotate()
+                            out, size = [], 0
                         out.append(line)
+                        size += len(line)
                         if fut is not None:
                             waiting.append(fut)
-                    data = b"\n".join(out) + b"\n"
-                    view = memoryview(data)
-                    while view:
-                        n = os.write(self.fd, view)
-                        view = view[n:]
-                    self.size += len(data)
+                    self._write(out)
                     self.written += len(batch)
                     dirty = True
                 now = time.monotonic()
@@ -197,6 +198,13 @@ class AuditWriter:
             if stopping:
                 os.close(self.fd)
                 return
+
+    def _write(self, lines: list[bytes]) -> None:
+        view = memoryview(b"".join(lines))
+        self.size += len(view)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
 
     @staticmethod
     def _settle(futures: list[asyncio.Future], exc: Exception | None) -> None:
