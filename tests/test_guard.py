@@ -116,11 +116,20 @@ def test_prompt_guard_blocks_and_flags(start_proxy, chat_upstream):
 
 
 def test_json_response_redacted_and_still_json(start_proxy, chat_upstream):
-    proxy = start_proxy(simple_config(chat_upstream) + GUARD)
+    admin = free_port()
+    proxy = start_proxy(simple_config(chat_upstream) + GUARD
+                        + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n')
     with httpx.Client(timeout=10) as c:
         r = c.post(f"{proxy.url}/v1/chat/completions",
                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
                    headers={"accept-encoding": "gzip"})
+        assert _ask(c, proxy, "my password").status_code == 200
+        wait_port("127.0.0.1", admin)
+        metrics = c.get(f"http://127.0.0.1:{admin}/metrics").text
+    for kind in ("card", "us_ssn", "iban", "prc_id", "phone", "email"):
+        assert f'aiproxy_redactions_total{{type="{kind}"}} ' in metrics, metrics
+    assert 'aiproxy_redactions_total{type="card"} 2.0' in metrics  # two responses
+    assert 'aiproxy_guard_hits_total{action="flag",rule="secrets"} 1.0' in metrics
     assert r.status_code == 200
     doc = r.json()  # still valid JSON
     text = doc["choices"][0]["message"]["content"]

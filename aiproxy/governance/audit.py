@@ -178,6 +178,7 @@ class AuditWriter:
                             waiting.append(fut)
                     self._write(out)
                     self.written += len(batch)
+                    self.failed = None
                     dirty = True
                 now = time.monotonic()
                 if dirty and (cfg.fsync == "always" or stopping or (
@@ -191,6 +192,7 @@ class AuditWriter:
                 log.error("audit write failed: %s", exc)
                 self.failed = exc
                 self._settle(waiting, exc)
+                waiting = []
                 if stopping:
                     return
                 continue
@@ -374,6 +376,15 @@ class AuditState:
 
     def close(self) -> None:
         self.writer.close()
+
+    def metric_families(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        w = self.writer
+        yield CounterMetricFamily("aiproxy_audit_records", "Audit records written",
+                                  value=w.written)
+        yield GaugeMetricFamily("aiproxy_audit_write_failed",
+                                "1 if the last audit write failed", value=int(w.failed is not None))
 
 
 RETIRE_AFTER_S = 60.0  # a replaced writer still takes records from in-flight requests

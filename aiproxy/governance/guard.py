@@ -65,12 +65,14 @@ class PromptGuard:
 
 
 class GuardFilter(Filter):
-    __slots__ = ("guard", "flags", "redactor", "detector", "json_fields")
+    __slots__ = ("guard", "flags", "redactor", "detector", "json_fields", "counts")
 
-    def __init__(self, guard: PromptGuard | None, detector: Any, json_fields: tuple) -> None:
+    def __init__(self, guard: PromptGuard | None, detector: Any, json_fields: tuple,
+                 counts: dict[tuple[str, str], int]) -> None:
         self.guard = guard
         self.detector = detector
         self.json_fields = json_fields
+        self.counts = counts
         self.flags: list[str] = []
         self.redactor: Redactor | None = None
 
@@ -90,6 +92,10 @@ class GuardFilter(Filter):
             return None
         actions = self.guard.actions
         blocked = [h for h in hits if actions[h] == "block"]
+        counts = self.counts
+        for h in hits:
+            key = ("guard", f"{h}:{actions[h]}")
+            counts[key] = counts.get(key, 0) + 1
         ex.gov["guard"] = {"hits": hits, "blocked": blocked[0] if blocked else None}
         if blocked:
             return LocalReply(403, "guard_blocked", f"blocked by guard rule {blocked[0]}",
@@ -116,6 +122,7 @@ class GuardFilter(Filter):
         encoding = resp.get(b"content-encoding")
         if encoding is not None and encoding.strip().lower() != b"identity":
             ex.gov["redactions"] = {"skipped": 1}
+            self.counts[("redact", "skipped")] = self.counts.get(("redact", "skipped"), 0) + 1
             return
         mode = ("sse" if ctype == "text/event-stream" else
                 "json" if "json" in ctype else "text")
@@ -132,13 +139,17 @@ class GuardFilter(Filter):
         tail = r.end()
         if r.counts:
             ex.gov["redactions"] = dict(r.counts)
+            counts = self.counts
+            for kind, n in r.counts.items():
+                counts[("redact", kind)] = counts.get(("redact", kind), 0) + n
         return tail
 
 
 class GuardFactory(FilterFactory):
     name = "guard"
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, counts: dict[tuple[str, str], int]) -> None:
+        self.counts = counts  # ("guard", "rule:action") / ("redact", type) -> count
         self.guard = PromptGuard(config.guard) if config.guard is not None and \
             config.guard.rules else None
         self.inspect_bytes = config.guard.inspect_bytes if self.guard is not None else 0
@@ -150,13 +161,30 @@ class GuardFactory(FilterFactory):
     def start(self, ex: Exchange) -> Filter:
         if self.detector is not None:
             ex.set_upstream_header(b"accept-encoding", None)
-        return GuardFilter(self.guard, self.detector, self.json_fields)
+        return GuardFilter(self.guard, self.detector, self.json_fields, self.counts)
+
+    def metric_families(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        hits = CounterMetricFamily("aiproxy_guard_hits", "Prompt guard rule hits",
+                                   labels=["rule", "action"])
+        masked = CounterMetricFamily("aiproxy_redactions",
+                                     "Values masked in responses, by type (skipped: "
+                                     "compressed responses passed unredacted)",
+                                     labels=["type"])
+        for (what, key), n in sorted(self.counts.items()):
+            if what == "guard":
+                hits.add_metric(key.rsplit(":", 1), n)
+            else:
+                masked.add_metric([key], n)
+        yield hits
+        yield masked
 
 
 def make_state(config: Config, previous: Any) -> Any:
     if config.guard is None and config.redact is None:
         return None
-    return GuardFactory(config)
+    return GuardFactory(config, previous.counts if isinstance(previous, GuardFactory) else {})
 
 
 def build(config: Config, route: RouteConfig, state: GuardFactory) -> FilterFactory:

@@ -477,6 +477,25 @@ class PolicyState:
         self.watch = FileWatch(files, poll_ms / 1000)
         self.reloads = 0
         self.reload_errors = 0
+        self.decisions: dict[tuple[str, str], int] = {}  # (result, rule) -> count
+
+    def count(self, result: str, rule: str) -> None:
+        key = (result, rule)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+
+    def metric_families(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily("aiproxy_policy_decisions", "Policy decisions by rule",
+                                  labels=["result", "rule"])
+        for (result, rule), n in sorted(self.decisions.items()):
+            fam.add_metric([result, rule], n)
+        yield fam
+        yield CounterMetricFamily("aiproxy_policy_reloads", "Policy files reloaded",
+                                  value=self.reloads)
+        yield CounterMetricFamily("aiproxy_policy_reload_failures",
+                                  "Policy changes rejected (the previous policy kept serving)",
+                                  value=self.reload_errors)
 
     def current(self) -> Policy:
         if self.watch.changed():
@@ -503,14 +522,17 @@ class PolicyFilter(Filter):
         decision = decide(policy, request_of(ex, policy.uses_model))
         if decision.allowed:
             ex.gov["policy"] = ("allow", decision.rule)
+            state.count("allow", decision.rule)
             return None
         subject = ex.identity.subject if ex.identity is not None else "-"
         if state.dry_run:
             ex.gov["policy"] = ("would_deny", decision.rule)
+            state.count("would_deny", decision.rule)
             log.warning("dry-run: would deny %s %s for %s (rule %s)", ex.method.decode(),
                         ex.path.decode("latin-1"), subject, decision.rule)
             return None
         ex.gov["policy"] = ("deny", decision.rule)
+        state.count("deny", decision.rule)
         return LocalReply(403, "forbidden", f"denied by policy rule {decision.rule}",
                           [(b"x-aiproxy-policy-rule", decision.rule.encode("latin-1"))])
 
