@@ -8,7 +8,7 @@ import sys
 
 from aiproxy import __version__
 
-COMMANDS = ("run", "check", "demo-upstream", "bpf")
+COMMANDS = ("run", "check", "demo-upstream", "bpf", "auth", "policy", "audit")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     from aiproxy.kernel.cli import add_arguments as _bpf_arguments
 
     _bpf_arguments(bpf)
+
+    from aiproxy.governance import cli as _gov
+
+    _gov.add_commands(sub)
 
     sub.add_parser("demo-upstream", add_help=False,
                    help="run the bundled OpenAI-style demo upstream (see its --help)")
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from aiproxy.kernel.cli import run as bpf_run
 
         return bpf_run(args)
+    if args.command in ("auth", "policy", "audit"):
+        from aiproxy.governance import cli as gov_cli
+
+        return gov_cli.run(args)
     return _run(args.config, args.log_level)
 
 

@@ -1,7 +1,7 @@
 """Admin HTTP API on its own listener (loopback by default), served by aiohttp.
 
 GET /healthz, /readyz, /metrics (Prometheus text), /config (secrets redacted),
-/config/routes, /clusters; POST /config/reload. With [admin] token set, every
+/config/routes, /clusters, /lineage/<trace_id>; POST /config/reload. With [admin] token set, every
 endpoint but /healthz and /readyz wants `Authorization: Bearer <token>`.
 """
 
@@ -37,6 +37,12 @@ def effective_config(server: ProxyServer) -> dict[str, Any]:
     admin = data.get("admin")
     if admin and admin.get("token"):
         admin["token"] = "<redacted>"
+    auth = data.get("auth")
+    if auth:
+        if auth.get("upstream_secret"):
+            auth["upstream_secret"] = "<redacted>"
+        for key in auth.get("api_keys") or ():
+            key["salt"] = key["digest"] = "<redacted>"
     return data
 
 
@@ -52,6 +58,7 @@ class AdminServer:
         app.router.add_get("/config", self.config)
         app.router.add_get("/config/routes", self.routes)
         app.router.add_get("/clusters", self.clusters)
+        app.router.add_get("/lineage/{trace_id}", self.lineage)
         app.router.add_post("/config/reload", self.reload)
         self.app = app
 
@@ -108,6 +115,19 @@ class AdminServer:
     async def clusters(self, request: web.Request) -> web.Response:
         return web.json_response(
             [cluster.describe() for cluster in self.server.runtime.clusters.values()])
+
+    async def lineage(self, request: web.Request) -> web.Response:
+        tracing = self.server.runtime.filter_states.get("tracing")
+        if tracing is None:
+            return web.json_response(
+                {"error": {"code": "tracing_off", "message": "no [tracing] section"}},
+                status=404)
+        graph = tracing.store.graph(request.match_info["trace_id"])
+        if graph is None:
+            return web.json_response(
+                {"error": {"code": "unknown_trace", "message": "no spans for this trace"}},
+                status=404)
+        return web.json_response(graph)
 
     async def reload(self, request: web.Request) -> web.Response:
         ok, message = await self.server.reload()

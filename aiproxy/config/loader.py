@@ -15,6 +15,7 @@ from typing import Any
 from . import llm_sections
 from .address import HOSTNAME, parse_address
 from .errors import ConfigError, Problem
+from .governance import GOVERNANCE_KEYS, governance_sections
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
 from .schema import (
@@ -48,7 +49,7 @@ UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin", "least_request", "ring_hash", "maglev", "llm_score")
 
 _TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes",
-             "kernel", "semantic", "tracing", *llm_sections.TOP_KEYS)
+             "kernel", "semantic", "tracing", *llm_sections.TOP_KEYS, *GOVERNANCE_KEYS)
 _KERNEL_KEYS = tuple(f.name for f in dataclasses.fields(KernelConfig))
 _CLASS_KEYS = ("name", "ports", "payload", "dscp", "priority")
 XDP_MODES = ("auto", "native", "generic")
@@ -281,6 +282,7 @@ class _Checker:
             llm=llm_sections.llm(self, data),
             ratelimits=llm_sections.ratelimits(self, data),
             cache=llm_sections.cache(self, data),
+            **governance_sections(self, data, listeners),
         )
 
     def listeners(self, data: dict[str, Any]) -> tuple[ListenerConfig, ...]:
@@ -431,7 +433,14 @@ class _Checker:
         table = self.section(data, "tracing", _field_names(TracingConfig))
         if table is None:
             return None
-        cfg = TracingConfig(**self.scalars(TracingConfig, table, ("tracing",)))
+        values: dict[str, Any] = self.scalars(TracingConfig, table, ("tracing",))
+        endpoint = self.get(table, ("tracing",), "otlp_endpoint", "string")
+        if endpoint is not None and self.parse_address(endpoint, ("tracing", "otlp_endpoint")):
+            values["otlp_endpoint"] = endpoint
+        name = self.get(table, ("tracing",), "service_name", "string")
+        if name:
+            values["service_name"] = name
+        cfg = TracingConfig(**values)
         return cfg if cfg.enabled else None
 
     def access_log(self, data: dict[str, Any]) -> AccessLogConfig:

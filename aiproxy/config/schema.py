@@ -90,6 +90,8 @@ class TracingConfig:
     """W3C Trace Context: continue or start a trace per request (aiproxy/governance/tracing.py)."""
 
     enabled: bool = True
+    otlp_endpoint: str | None = None  # HOST:PORT of an OTLP/gRPC collector: spans exported
+    service_name: str = "aiproxy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +348,12 @@ class Config:
     llm: LlmConfig | None = None
     ratelimits: tuple[RateLimitConfig, ...] = ()
     cache: CacheConfig | None = None
+    # Governance sections (aiproxy/config/governance.py): None when not configured.
+    auth: Any = None
+    policy: Any = None
+    audit: Any = None
+    guard: Any = None
+    redact: Any = None
 
     def cluster_by_name(self, name: str) -> ClusterConfig:
         for cluster in self.clusters:

@@ -2,11 +2,21 @@
 span. A valid incoming `traceparent` is continued (same trace id, this hop's own span
 id as the upstream's parent); a missing or invalid one starts a new trace, and its
 `tracestate` is dropped with it (the spec forbids using tracestate without a valid
-traceparent). The upstream also gets `x-trace-id`."""
+traceparent). The upstream also gets `x-trace-id` (and `x-model-id` from a route with
+`model`, see aiproxy/routing/table.py); a caller's own x-model-id is kept in its span.
+
+Lineage: each proxied hop is a span (trace id, span id, parent span id, model id, route,
+cluster, status, timings) kept in a bounded in-memory store (the oldest traces go
+first). When model services call each other through aiproxy, passing traceparent on,
+the spans of one trace form the call graph: parent span -> child span, labelled with
+the model called (the SpanID + ModelID fingerprint). GET /lineage/<trace_id> on the
+admin listener returns it."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from aiproxy.pipeline.filters import Filter, FilterFactory
@@ -43,17 +53,97 @@ def parse_traceparent(value: bytes | None) -> tuple[bytes, bytes, bytes] | None:
     return trace, span, flags
 
 
-class TraceFilter(Filter):
-    __slots__ = ("trace_id", "parent_id", "span_id")
+MAX_TRACES = 10_000
+MAX_SPANS = 256  # per trace
 
-    def __init__(self, trace_id: bytes, parent_id: bytes | None, span_id: bytes) -> None:
+
+class LineageStore:
+    """Spans by trace id, bounded: at most MAX_TRACES traces (least recently touched
+    dropped first) of at most MAX_SPANS spans each."""
+
+    def __init__(self, max_traces: int = MAX_TRACES) -> None:
+        self.max_traces = max_traces
+        self.traces: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self.dropped = 0
+
+    def add(self, span: dict[str, Any]) -> None:
+        trace = span["trace_id"]
+        spans = self.traces.get(trace)
+        if spans is None:
+            spans = self.traces[trace] = []
+            if len(self.traces) > self.max_traces:
+                self.traces.popitem(last=False)
+                self.dropped += 1
+        else:
+            self.traces.move_to_end(trace)
+        if len(spans) < MAX_SPANS:
+            spans.append(span)
+
+    def graph(self, trace_id: str) -> dict[str, Any] | None:
+        spans = self.traces.get(trace_id)
+        if spans is None:
+            return None
+        ids = {s["span_id"] for s in spans}
+        edges = [{"parent": s["parent_id"], "child": s["span_id"], "model": s["model_id"]}
+                 for s in spans if s["parent_id"] is not None]
+        roots = [s["span_id"] for s in spans if s["parent_id"] not in ids]
+        return {"trace_id": trace_id, "spans": sorted(spans, key=lambda s: s["start"]),
+                "edges": edges, "roots": roots}
+
+
+def model_id(ex: Exchange) -> str | None:
+    """The model a hop called: the LLM filter's reading of the request, the model the
+    policy read from the body, or the route's configured model."""
+    llm = ex.llm
+    model = getattr(llm, "model", None) if llm is not None else None
+    if model:
+        return str(model)
+    model = ex.gov.get("model")
+    if model:
+        return model
+    route = ex.route
+    if route is not None and route.model is not None:
+        return route.model.decode("latin-1")
+    return None
+
+
+class TraceFilter(Filter):
+    __slots__ = ("trace_id", "parent_id", "span_id", "factory", "start")
+
+    def __init__(self, trace_id: bytes, parent_id: bytes | None, span_id: bytes,
+                 factory: TraceFactory) -> None:
         self.trace_id = trace_id
         self.parent_id = parent_id
         self.span_id = span_id
+        self.factory = factory
+        self.start = time.time()
+
+    def done(self, ex: Exchange) -> None:
+        route = ex.route
+        self.factory.add_span({
+            "trace_id": self.trace_id.decode(),
+            "span_id": self.span_id.decode(),
+            "parent_id": self.parent_id.decode() if self.parent_id is not None else None,
+            "model_id": model_id(ex),
+            "caller_model_id": ex.gov.get("caller_model"),
+            "route": route.name if route is not None else None,
+            "cluster": ex.cluster.name if ex.cluster is not None else None,
+            "endpoint": ex.pool.endpoint.address if ex.pool is not None else None,
+            "subject": ex.identity.subject if ex.identity is not None else None,
+            "method": ex.method.decode("latin-1"),
+            "path": ex.path.decode("latin-1"),
+            "status": ex.status,
+            "start": self.start,
+            "duration_ms": round((time.time() - self.start) * 1000, 3),
+        })
 
 
 class TraceFactory(FilterFactory):
     name = "tracing"
+
+    def __init__(self) -> None:
+        self.store = LineageStore()
+        self.exporter: Any = None  # an OtlpExporter with [tracing] otlp_endpoint
 
     def start(self, ex: Exchange) -> Filter:
         head = ex.head
@@ -67,11 +157,41 @@ class TraceFactory(FilterFactory):
         ex.set_upstream_header(b"traceparent", b"00-%s-%s-%s" % (trace, span, flags))
         ex.set_upstream_header(b"x-trace-id", trace)
         ex.trace_id = trace.decode()
-        return TraceFilter(trace, parent, span)
+        ex.gov["span_id"] = span.decode()
+        caller = head.get(b"x-model-id")
+        if caller is not None:
+            ex.gov["caller_model"] = caller.decode("latin-1")
+        return TraceFilter(trace, parent, span, self)
+
+    def add_span(self, span: dict[str, Any]) -> None:
+        self.store.add(span)
+        if self.exporter is not None:
+            self.exporter.add(span)
+
+    def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
 
 
 def make_state(config: Config, previous: Any) -> Any:
-    return TraceFactory() if config.tracing is not None else None
+    """The span store survives reloads; the exporter follows the config."""
+    cfg = config.tracing
+    if not isinstance(previous, TraceFactory):
+        previous = None
+    if cfg is None:
+        if previous is not None:
+            previous.close()
+        return None
+    state = previous or TraceFactory()
+    old = state.exporter
+    if old is None or (old.endpoint, old.service_name) != (cfg.otlp_endpoint, cfg.service_name):
+        state.close()
+        if cfg.otlp_endpoint:
+            from aiproxy.governance.otlp import OtlpExporter
+
+            state.exporter = OtlpExporter(cfg.otlp_endpoint, cfg.service_name)
+    return state
 
 
 def build(config: Config, route: RouteConfig, state: TraceFactory) -> FilterFactory:

@@ -41,6 +41,15 @@ def run(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
     kernel = cfg.kernel
+    if cfg.policy is not None and kernel.interfaces:
+        # [policy] deny rules on source CIDRs alone are dropped in XDP too.
+        import dataclasses
+
+        from aiproxy.governance.policy import kernel_deny_cidrs, load_policy_files
+
+        extra = kernel_deny_cidrs(load_policy_files(cfg.policy.files))
+        kernel = dataclasses.replace(kernel, deny_cidrs=tuple(dict.fromkeys(
+            kernel.deny_cidrs + extra)))
     if not kernel.interfaces:
         print(f"{args.config}: [kernel] names no interfaces: nothing to do", file=sys.stderr)
         return EXIT_USAGE

@@ -131,7 +131,7 @@ class Exchange:
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
-        "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision",
+        "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -194,6 +194,8 @@ class Exchange:
         self.trace_id: str | None = None  # set by the tracing filter
         self.identity: Identity | None = None  # set by the auth filter
         self.llm: Any = None  # what the LLM filter read of an OpenAI-style request/response
+        # Governance facts for the audit record: policy decision, guard hits, redactions.
+        self.gov: dict[str, Any] = {}
         self.done_filters: tuple[Filter, ...] | None = None
         self.gate_task: asyncio.Future | None = None
         self.intent: str | None = None
@@ -450,11 +452,15 @@ class Exchange:
         tail = self._filter_end()
         if tail is None:
             return
+        self.resp_bytes += len(tail)
+        self._drop_upstream()
+        gate = self._finishing()
+        if gate is not None:
+            gate.add_done_callback(lambda g: self._release_end(g, tail, result.trailers))
+            return
         if tail:
-            self.resp_bytes += len(tail)
             self.down.send_body(tail)
         self.down.send_end(result.trailers)
-        self._drop_upstream()
         self._finish(self.keep_alive and self.req_done)
 
     # A response hook that raises ends the response (a redaction filter must fail closed:
@@ -1048,19 +1054,52 @@ class Exchange:
     def on_upstream_end(self, trailers: list[tuple[bytes, bytes]] | None = None) -> None:
         up = self.upstream
         self.upstream = None
-        if self.filters:
-            tail = self._filter_end()
-            if tail is None:
-                return
-            if tail:
-                self.resp_bytes += len(tail)
-                self.down.send_body(tail)
-        self.down.send_end(trailers)
         if up is not None:
             if self.req_done:
                 self.pool.release(up)
             else:
                 up.close()
+        if self.filters:
+            tail = self._filter_end()
+            if tail is None:
+                return
+            self.resp_bytes += len(tail)
+            gate = self._finishing()
+            if gate is not None:
+                gate.add_done_callback(lambda g: self._release_end(g, tail, trailers))
+                return
+            if tail:
+                self.down.send_body(tail)
+        self.down.send_end(trailers)
+        self._finish(self.keep_alive and self.req_done)
+
+    def _finishing(self) -> asyncio.Future | None:
+        """What the filters' finishing hooks want the end of the response to wait for."""
+        waits = []
+        for f in self.done_filters or self.filters:
+            try:
+                w = f.finishing(self)
+            except Exception:
+                log.exception("filter %s failed finishing the response", type(f).__name__)
+                w = self.loop.create_future()
+                w.set_exception(RuntimeError("finishing failed"))
+            if w is not None:
+                waits.append(w)
+        if not waits:
+            return None
+        return asyncio.ensure_future(waits[0]) if len(waits) == 1 else asyncio.gather(*waits)
+
+    def _release_end(self, gate: asyncio.Future, tail: bytes,
+                     trailers: list[tuple[bytes, bytes]] | None) -> None:
+        if self.finished:
+            return
+        if gate.cancelled() or gate.exception() is not None:
+            log.error("response not completed: a filter could not finish it (%s)",
+                      "cancelled" if gate.cancelled() else gate.exception())
+            return self._abort()
+        if tail:
+            self.down.send_body(tail)
+        self.down.send_end(trailers)
         self._finish(self.keep_alive and self.req_done)
 
     def on_upstream_failed(self, status: int, code: str, message: str) -> None:
@@ -1223,9 +1262,25 @@ class Exchange:
         self.reading_body = False
         self.status = status
         self.head_sent = True
+        if self.filters or self.done_filters:
+            gate = self._finishing()
+            if gate is not None:
+                self._drop_upstream()
+                gate.add_done_callback(
+                    lambda g: self._release_reply(g, status, message, code, headers))
+                return
         keep = self.down.send_error(self, status, message, code, headers)
         self._drop_upstream()
         self._finish(keep)
+
+    def _release_reply(self, gate: asyncio.Future, status: int, message: str,
+                       code: str | None, headers: list[tuple[bytes, bytes]] | None) -> None:
+        if self.finished:
+            return
+        if gate.cancelled() or gate.exception() is not None:
+            log.error("reply not sent: a filter could not finish it")
+            return self._abort()
+        self._finish(self.down.send_error(self, status, message, code, headers))
 
     def _drop_upstream(self) -> None:
         gate = self.gate_task

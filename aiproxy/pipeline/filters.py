@@ -16,6 +16,11 @@ starts a small per-request Filter. The Exchange runs the chain at fixed points:
   response_body(ex, b)   body bytes on their way to the client; return what to send
                          (b"" holds them back).
   response_end(ex)       the upstream finished; return held-back bytes to send last.
+  finishing(ex)          the response is complete and about to be released to the
+                         client (its last bytes, end of stream or trailers, or a whole
+                         local reply): return an awaitable to hold that release until
+                         it is done (the audit log's fsync = "always"); if it fails
+                         the response is aborted instead of completed.
   done(ex)               the exchange ended (answered, failed or abandoned): settle
                          reservations, write audit records. Runs before metrics/logs.
 
@@ -29,7 +34,9 @@ bytes wait in the exchange and go upstream untouched afterwards.
 
 Shared per-request facts (Exchange attributes): ex.trace_id (tracing), ex.identity (an
 Identity, set by the auth filter), ex.llm (what the LLM filter read of an OpenAI-style
-request and response: model, stream, token usage), ex.intent/intent_domain (semantic).
+request and response: model, stream, token usage), ex.intent/intent_domain (semantic),
+ex.gov (a dict of governance facts for the audit record: "policy" -> (decision, rule id),
+"guard" -> flagged rule ids, "redactions" -> counts per type).
 
 Upstream request headers: `ex.set_upstream_header(name, value)` adds a field to the
 request sent upstream, replacing any the client sent under that name.
@@ -136,6 +143,9 @@ class Filter:
 
     def response_end(self, ex: Exchange) -> bytes:
         return b""
+
+    def finishing(self, ex: Exchange) -> Awaitable[None] | None:
+        return None
 
     def done(self, ex: Exchange) -> None:
         return None

@@ -69,6 +69,10 @@ class Runtime:
     def close(self) -> None:
         for cluster in self.clusters.values():
             cluster.close()
+        for state in self.filter_states.values():
+            close = getattr(state, "close", None)
+            if close is not None:
+                close()  # e.g. the audit writer: write and sync what is queued
 
 
 def load_intent_model(config: Config, previous: Runtime | None = None) -> Any:

@@ -167,6 +167,11 @@ class ProxyCollector:
         yield GaugeMetricFamily("aiproxy_config_last_reload_success",
                                 "1 if the last reload succeeded (or none happened)",
                                 value=m.last_reload_ok)
+        # Filter chain features export their own families (aiproxy/pipeline/chain.py).
+        for state in server.runtime.filter_states.values():
+            families = getattr(state, "metric_families", None)
+            if families is not None:
+                yield from families()
 
 
 def registry_for(server: ProxyServer) -> CollectorRegistry:

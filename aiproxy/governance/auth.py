@@ -1,0 +1,310 @@
+"""`[auth]`: who is asking. API keys (salted hashes), JWT bearer tokens and mTLS client
+certificates establish ex.identity; a request without valid credentials gets 401 with
+WWW-Authenticate (RFC 6750 3) when auth is required.
+
+JWT: the token's `alg` must be on the configured allow-list (so `none` never passes),
+and the key is chosen by `kid` from a JWKS file and must be of the algorithm's family
+(an HS256 token is never checked against an RSA key's bytes: key confusion). The JWKS
+file is re-read when it changes; a broken file keeps the previous keys.
+
+The credential is removed before the request goes upstream. With upstream_identity the
+upstream gets x-aiproxy-identity (subject, kind, roles, time) and its HMAC-SHA256 in
+x-aiproxy-identity-signature; fields of those names from the client are always dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import jwt
+
+from aiproxy.config.errors import ConfigError
+from aiproxy.config.governance import ApiKey, AuthConfig, JwtConfig, load_key_file
+from aiproxy.governance.watch import FileWatch
+from aiproxy.pipeline.filters import Filter, FilterFactory, Identity, LocalReply
+
+if TYPE_CHECKING:
+    from aiproxy.config import Config, RouteConfig
+    from aiproxy.pipeline.exchange import Exchange
+
+log = logging.getLogger("aiproxy.auth")
+
+IDENTITY_HEADER = b"x-aiproxy-identity"
+SIGNATURE_HEADER = b"x-aiproxy-identity-signature"
+KEY_FAMILIES = {"HS": "oct", "RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
+VERIFIED_CACHE = 4096  # presented API key digests known good (unsalted, in memory only)
+
+
+def hash_key(key: str, salt: bytes | None = None) -> str:
+    """The stored form of an API key: sha256$SALT$HEX. API keys are long random
+    strings, so one salted SHA-256 is enough (no password stretching needed)."""
+    salt = os.urandom(16) if salt is None else salt
+    return f"sha256${salt.hex()}${hashlib.sha256(salt + key.encode()).hexdigest()}"
+
+
+def new_key() -> str:
+    return "ak_" + base64.urlsafe_b64encode(os.urandom(30)).decode().rstrip("=")
+
+
+class AuthError(Exception):
+    def __init__(self, error: str, description: str) -> None:
+        super().__init__(description)
+        self.error = error  # RFC 6750 error code: invalid_request | invalid_token
+
+
+class KeyStore:
+    """API keys from the config plus the key file (re-read when it changes)."""
+
+    def __init__(self, cfg: AuthConfig) -> None:
+        self.inline = cfg.api_keys
+        self.file = cfg.key_file
+        self.keys: tuple[ApiKey, ...] = cfg.api_keys
+        self.watch = FileWatch([cfg.key_file]) if cfg.key_file else None
+        self.verified: dict[bytes, ApiKey] = {}
+        if cfg.key_file:
+            self._load()
+
+    def _load(self) -> None:
+        try:
+            self.keys = self.inline + load_key_file(self.file)
+        except ConfigError as exc:
+            log.error("API key file not reloaded, the previous keys stay:\n%s", exc)
+            return
+        self.verified.clear()
+
+    def find(self, presented: str) -> ApiKey | None:
+        if self.watch is not None and self.watch.changed():
+            self._load()
+        raw = presented.encode()
+        fast = hashlib.sha256(raw).digest()
+        key = self.verified.get(fast)
+        if key is not None:
+            return key
+        found = None
+        for key in self.keys:
+            if hmac.compare_digest(hashlib.sha256(key.salt + raw).digest(), key.digest):
+                found = key
+        if found is not None:
+            if len(self.verified) >= VERIFIED_CACHE:
+                self.verified.clear()
+            self.verified[fast] = found
+        return found
+
+
+class Jwks:
+    """Verification keys by kid from a JWKS file, re-read on change."""
+
+    def __init__(self, cfg: JwtConfig) -> None:
+        self.cfg = cfg
+        self.watch = FileWatch([cfg.jwks_file])
+        self.keys: dict[str | None, jwt.PyJWK] = {}
+        self.load()
+
+    def load(self) -> bool:
+        try:
+            with open(self.cfg.jwks_file, "rb") as fh:
+                data = json.loads(fh.read())
+            keys = {}
+            for item in data["keys"]:
+                try:
+                    k = jwt.PyJWK(item)
+                except jwt.PyJWKError as exc:
+                    log.warning("JWKS %s: key %s skipped: %s", self.cfg.jwks_file,
+                                item.get("kid"), exc)
+                    continue
+                keys[k.key_id] = k
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("JWKS %s not loaded, the previous keys stay: %s", self.cfg.jwks_file, exc)
+            return False
+        self.keys = keys
+        return True
+
+    def key_for(self, kid: str | None, alg: str) -> jwt.PyJWK:
+        if self.watch.changed():
+            self.load()
+        key = self.keys.get(kid)
+        if key is None and kid is None and len(self.keys) == 1:
+            key = next(iter(self.keys.values()))
+        if key is None:
+            raise AuthError("invalid_token", "unknown signing key")
+        if key.key_type != KEY_FAMILIES.get(alg[:2]):
+            raise AuthError("invalid_token", "signing key does not fit the token's algorithm")
+        return key
+
+
+class Authenticator:
+    def __init__(self, cfg: AuthConfig) -> None:
+        self.cfg = cfg
+        self.keys = KeyStore(cfg) if cfg.api_keys or cfg.key_file else None
+        self.jwks = Jwks(cfg.jwt) if cfg.jwt is not None else None
+        challenge = f'Bearer realm="{cfg.realm}"'
+        self.challenge = challenge.encode()
+
+    def verify_jwt(self, token: str) -> Identity:
+        cfg = self.cfg.jwt
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.InvalidTokenError as exc:
+            raise AuthError("invalid_token", f"malformed token: {exc}") from None
+        alg = header.get("alg")
+        if not isinstance(alg, str) or alg not in cfg.algorithms:
+            raise AuthError("invalid_token", f"algorithm {alg!r} is not allowed")
+        kid = header.get("kid")
+        key = self.jwks.key_for(kid if isinstance(kid, str) else None, alg)
+        try:
+            claims = jwt.decode(
+                token, key.key, algorithms=[alg], audience=list(cfg.audience) or None,
+                issuer=cfg.issuer, leeway=cfg.leeway_s,
+                options={"require": list(cfg.require), "verify_aud": bool(cfg.audience)})
+        except jwt.ExpiredSignatureError:
+            raise AuthError("invalid_token", "token expired") from None
+        except jwt.ImmatureSignatureError:
+            raise AuthError("invalid_token", "token not yet valid") from None
+        except jwt.InvalidAudienceError:
+            raise AuthError("invalid_token", "wrong audience") from None
+        except jwt.InvalidIssuerError:
+            raise AuthError("invalid_token", "wrong issuer") from None
+        except jwt.InvalidTokenError as exc:
+            raise AuthError("invalid_token", f"invalid token: {exc}") from None
+        subject = claims.get(cfg.subject_claim)
+        if not isinstance(subject, str) or not subject:
+            raise AuthError("invalid_token", f"no {cfg.subject_claim} claim")
+        roles = claims.get(cfg.roles_claim, ())
+        if isinstance(roles, str):
+            roles = roles.split()
+        roles = tuple(r for r in roles if isinstance(r, str)) if isinstance(roles, list | tuple) \
+            else ()
+        return Identity(subject, "jwt", claims, roles)
+
+    def authenticate(self, ex: Exchange) -> Identity | None:
+        """The request's identity; None when it carries no credentials; AuthError when
+        it carries bad ones."""
+        head = ex.head
+        authz = head.get(b"authorization")
+        if authz is not None:
+            scheme, _, value = authz.partition(b" ")
+            if scheme.lower() != b"bearer" or not value.strip():
+                raise AuthError("invalid_request", "expected Authorization: Bearer")
+            ex.set_upstream_header(b"authorization", None)
+            token = value.strip().decode("latin-1")
+            if self.jwks is not None and token.count(".") == 2:
+                return self.verify_jwt(token)
+            return self._api_key(token)
+        header = self.cfg.api_key_header
+        presented = head.get(header)
+        if presented is not None:
+            ex.set_upstream_header(header, None)
+            return self._api_key(presented.strip().decode("latin-1"))
+        if self.cfg.mtls:
+            return self._client_cert(ex)
+        return None
+
+    def _api_key(self, presented: str) -> Identity:
+        if self.keys is None:
+            raise AuthError("invalid_token", "API keys are not accepted here")
+        key = self.keys.find(presented)
+        if key is None:
+            raise AuthError("invalid_token", "unknown API key")
+        return Identity(key.subject, "api_key", {"key_id": key.id}, key.roles)
+
+    def _client_cert(self, ex: Exchange) -> Identity | None:
+        cert = peer_certificate(ex.down)
+        if not cert:
+            return None
+        subject = dict(x[0] for x in cert.get("subject", ()))
+        cn = subject.get("commonName")
+        if not cn:
+            raise AuthError("invalid_token", "client certificate without a common name")
+        claims = {"subject": subject,
+                  "issuer": dict(x[0] for x in cert.get("issuer", ())),
+                  "san": [v for _, v in cert.get("subjectAltName", ())],
+                  "serial": cert.get("serialNumber")}
+        return Identity(cn, "mtls", claims, self.cfg.mtls_roles)
+
+    def sign(self, identity: Identity, now: int) -> tuple[bytes, bytes]:
+        """(x-aiproxy-identity, its signature) for the upstream."""
+        value = "subject={};kind={};roles={};ts={}".format(
+            _quote(identity.subject), identity.kind,
+            ",".join(_quote(r) for r in identity.roles), now).encode()
+        return value, hmac.new(self.cfg.upstream_secret, value, hashlib.sha256).hexdigest().encode()
+
+
+def _quote(text: str) -> str:
+    from urllib.parse import quote
+
+    return quote(text, safe="")
+
+
+def peer_certificate(down: Any) -> dict | None:
+    """The verified client certificate of the connection under a downstream (an
+    HTTP/1.1 connection or an HTTP/2 stream), or None."""
+    conn = getattr(down, "conn", down)
+    transport = getattr(conn, "transport", None)
+    if transport is None:
+        return None
+    sslobj = transport.get_extra_info("ssl_object")
+    if sslobj is None:
+        return None
+    try:
+        return sslobj.getpeercert()
+    except ValueError:
+        return None
+
+
+class AuthFactory(FilterFactory):
+    name = "auth"
+
+    def __init__(self, auth: Authenticator) -> None:
+        self.auth = auth
+
+    def start(self, ex: Exchange) -> Filter | None:
+        auth = self.auth
+        ex.set_upstream_header(IDENTITY_HEADER, None)
+        ex.set_upstream_header(SIGNATURE_HEADER, None)
+        try:
+            identity = auth.authenticate(ex)
+        except AuthError as exc:
+            return _Refuse(auth, exc.error, str(exc))
+        if identity is None:
+            if auth.cfg.required:
+                return _Refuse(auth, None, "credentials required")
+            return None
+        ex.identity = identity
+        if auth.cfg.upstream_secret is not None:
+            value, sig = auth.sign(identity, int(time.time()))
+            ex.set_upstream_header(IDENTITY_HEADER, value)
+            ex.set_upstream_header(SIGNATURE_HEADER, sig)
+        return None
+
+
+class _Refuse(Filter):
+    """Answers 401 when the chain reaches auth (filters before it, tracing and audit,
+    still see the refusal)."""
+
+    __slots__ = ("reply",)
+
+    def __init__(self, auth: Authenticator, error: str | None, description: str) -> None:
+        challenge = auth.challenge
+        if error is not None:
+            challenge += b', error="%s", error_description="%s"' % (
+                error.encode(), description.replace('"', "'").encode("ascii", "replace"))
+        self.reply = LocalReply(401, "unauthorized", description,
+                                [(b"www-authenticate", challenge)])
+
+    def request(self, ex: Exchange) -> LocalReply:
+        return self.reply
+
+
+def make_state(config: Config, previous: Any) -> Any:
+    return AuthFactory(Authenticator(config.auth)) if config.auth is not None else None
+
+
+def build(config: Config, route: RouteConfig, state: AuthFactory) -> FilterFactory:
+    return state

@@ -1,0 +1,191 @@
+"""Guardrails: a prompt guard over the request's text and redaction of the response.
+
+Prompt guard (`[[guard.rules]]`): keywords (case-insensitive substrings, all rules' in
+one Aho-Corasick automaton) and regexes (one alternation) over the UnifiedRequest text
+the semantic layer extracts (chat messages, prompts, gRPC strings, form values ...).
+A `block` rule answers 403 with its id; a `flag` rule lets the request through with
+x-aiproxy-guard-flags on the upstream request and the response, and in the audit record.
+
+Redaction (`[redact]`): see aiproxy/governance/redact.py. The upstream is asked for an
+uncompressed response (Accept-Encoding removed) so the text can be read; a response
+that comes compressed anyway passes unredacted and is counted as "skipped".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+import ahocorasick
+
+from aiproxy.config.governance import GuardConfig, RedactConfig
+from aiproxy.governance.redact import Redactor, compile_detector
+from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply, ResponseHead
+from aiproxy.semantic.unified import extract
+
+if TYPE_CHECKING:
+    from aiproxy.config import Config, RouteConfig
+    from aiproxy.pipeline.exchange import Exchange
+
+log = logging.getLogger("aiproxy.guard")
+
+FLAGS_HEADER = b"x-aiproxy-guard-flags"
+
+
+class PromptGuard:
+    def __init__(self, cfg: GuardConfig) -> None:
+        self.actions = {r.id: r.action for r in cfg.rules}
+        self.automaton: Any = None
+        words = [(kw.casefold(), r.id) for r in cfg.rules for kw in r.keywords]
+        if words:
+            auto = ahocorasick.Automaton()
+            for word, rid in words:
+                ids = auto.get(word, ())
+                auto.add_word(word, (*ids, rid))
+            auto.make_automaton()
+            self.automaton = auto
+        groups = [(f"g{i}", r.id, rx) for i, (r, rx) in enumerate(
+            (r, rx) for r in cfg.rules for rx in r.regexes)]
+        self.group_rule = {g: rid for g, rid, _ in groups}
+        self.regex = (re.compile("|".join(f"(?P<{g}>{rx})" for g, _, rx in groups))
+                      if groups else None)
+
+    def scan(self, text: str) -> list[str]:
+        """Ids of the rules the text hits, in rule order of first hit."""
+        hits: dict[str, None] = {}
+        if self.automaton is not None:
+            for _, ids in self.automaton.iter(text.casefold()):
+                for rid in ids:
+                    hits[rid] = None
+        if self.regex is not None:
+            for m in self.regex.finditer(text):
+                hits[self.group_rule[m.lastgroup]] = None
+        return list(hits)
+
+
+class GuardFilter(Filter):
+    __slots__ = ("guard", "flags", "redactor", "detector", "json_fields", "counts")
+
+    def __init__(self, guard: PromptGuard | None, detector: Any, json_fields: tuple,
+                 counts: dict[tuple[str, str], int]) -> None:
+        self.guard = guard
+        self.detector = detector
+        self.json_fields = json_fields
+        self.counts = counts
+        self.flags: list[str] = []
+        self.redactor: Redactor | None = None
+
+    def request(self, ex: Exchange) -> LocalReply | None:
+        if self.guard is None:
+            return None
+        head = ex.head
+        q = ex.up_target.find(b"?")
+        size = head.content_length if head.content_length >= 0 else None
+        text = extract(head.get(b"content-type") or b"", ex.request_body(),
+                       ex.up_target[q + 1:] if q >= 0 else b"", self.json_fields,
+                       body_size=size).text
+        if not text:
+            return None
+        hits = self.guard.scan(text)
+        if not hits:
+            return None
+        actions = self.guard.actions
+        blocked = [h for h in hits if actions[h] == "block"]
+        counts = self.counts
+        for h in hits:
+            key = ("guard", f"{h}:{actions[h]}")
+            counts[key] = counts.get(key, 0) + 1
+        ex.gov["guard"] = {"hits": hits, "blocked": blocked[0] if blocked else None}
+        if blocked:
+            return LocalReply(403, "guard_blocked", f"blocked by guard rule {blocked[0]}",
+                              [(b"x-aiproxy-guard", blocked[0].encode("latin-1"))])
+        self.flags = hits
+        ex.set_upstream_header(FLAGS_HEADER, ",".join(hits).encode("latin-1"))
+        return None
+
+    def response_head(self, ex: Exchange, resp: Any) -> Any:
+        if self.detector is not None:
+            self._start_redaction(ex, resp)
+        if self.flags:
+            resp = ResponseHead(resp.status, [
+                *resp.fields(0), (FLAGS_HEADER, ",".join(self.flags).encode("latin-1"))])
+        return resp
+
+    def _start_redaction(self, ex: Exchange, resp: Any) -> None:
+        detector, ctypes = self.detector
+        ctype = (resp.get(b"content-type") or b"").split(b";", 1)[0].strip().lower().decode(
+            "latin-1")
+        if ctype not in ctypes and not (ctype.endswith("+json") and "application/json" in
+                                        ctypes):
+            return
+        encoding = resp.get(b"content-encoding")
+        if encoding is not None and encoding.strip().lower() != b"identity":
+            ex.gov["redactions"] = {"skipped": 1}
+            self.counts[("redact", "skipped")] = self.counts.get(("redact", "skipped"), 0) + 1
+            return
+        mode = ("sse" if ctype == "text/event-stream" else
+                "json" if "json" in ctype else "text")
+        self.redactor = Redactor(detector, mode)
+
+    def response_body(self, ex: Exchange, data: bytes) -> bytes:
+        r = self.redactor
+        return data if r is None else r.feed(data)
+
+    def response_end(self, ex: Exchange) -> bytes:
+        r = self.redactor
+        if r is None:
+            return b""
+        tail = r.end()
+        if r.counts:
+            ex.gov["redactions"] = dict(r.counts)
+            counts = self.counts
+            for kind, n in r.counts.items():
+                counts[("redact", kind)] = counts.get(("redact", kind), 0) + n
+        return tail
+
+
+class GuardFactory(FilterFactory):
+    name = "guard"
+
+    def __init__(self, config: Config, counts: dict[tuple[str, str], int]) -> None:
+        self.counts = counts  # ("guard", "rule:action") / ("redact", type) -> count
+        self.guard = PromptGuard(config.guard) if config.guard is not None and \
+            config.guard.rules else None
+        self.inspect_bytes = config.guard.inspect_bytes if self.guard is not None else 0
+        redact: RedactConfig | None = config.redact
+        self.detector = ((compile_detector(redact.types), redact.content_types)
+                         if redact is not None and redact.types else None)
+        self.json_fields = config.semantic.json_fields if config.semantic is not None else ()
+
+    def start(self, ex: Exchange) -> Filter:
+        if self.detector is not None:
+            ex.set_upstream_header(b"accept-encoding", None)
+        return GuardFilter(self.guard, self.detector, self.json_fields, self.counts)
+
+    def metric_families(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        hits = CounterMetricFamily("aiproxy_guard_hits", "Prompt guard rule hits",
+                                   labels=["rule", "action"])
+        masked = CounterMetricFamily("aiproxy_redactions",
+                                     "Values masked in responses, by type (skipped: "
+                                     "compressed responses passed unredacted)",
+                                     labels=["type"])
+        for (what, key), n in sorted(self.counts.items()):
+            if what == "guard":
+                hits.add_metric(key.rsplit(":", 1), n)
+            else:
+                masked.add_metric([key], n)
+        yield hits
+        yield masked
+
+
+def make_state(config: Config, previous: Any) -> Any:
+    if config.guard is None and config.redact is None:
+        return None
+    return GuardFactory(config, previous.counts if isinstance(previous, GuardFactory) else {})
+
+
+def build(config: Config, route: RouteConfig, state: GuardFactory) -> FilterFactory:
+    return state

@@ -1,0 +1,125 @@
+"""OTLP/gRPC export of the spans tracing records (`[tracing] otlp_endpoint`).
+
+A thread batches spans (up to MAX_BATCH, or what arrived within FLUSH_S) into one
+ExportTraceServiceRequest and calls the collector's TraceService/Export. The queue is
+bounded: when the collector is slow or down, spans are dropped and counted, never
+held against the request path. Needs grpcio and opentelemetry-proto (the "otlp" extra).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+log = logging.getLogger("aiproxy.otlp")
+
+MAX_QUEUE = 10_000
+MAX_BATCH = 512
+FLUSH_S = 0.2
+SPAN_KIND_SERVER = 2
+STATUS_ERROR = 2
+
+
+def _attr(key: str, value: Any) -> Any:
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    if isinstance(value, bool):
+        v = AnyValue(bool_value=value)
+    elif isinstance(value, int):
+        v = AnyValue(int_value=value)
+    else:
+        v = AnyValue(string_value=str(value))
+    return KeyValue(key=key, value=v)
+
+
+ATTRIBUTES = (("method", "http.request.method"), ("path", "url.path"),
+              ("status", "http.response.status_code"), ("route", "aiproxy.route"),
+              ("cluster", "aiproxy.cluster"), ("endpoint", "server.address"),
+              ("model_id", "gen_ai.request.model"), ("caller_model_id", "aiproxy.caller_model"),
+              ("subject", "enduser.id"))
+
+
+def to_proto(span: dict[str, Any]) -> Any:
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+    start = int(span["start"] * 1e9)
+    out = Span(
+        trace_id=bytes.fromhex(span["trace_id"]), span_id=bytes.fromhex(span["span_id"]),
+        name=f"{span['method']} {span['route'] or span['path']}", kind=SPAN_KIND_SERVER,
+        start_time_unix_nano=start,
+        end_time_unix_nano=start + int(span["duration_ms"] * 1e6),
+        attributes=[_attr(name, span[k]) for k, name in ATTRIBUTES if span.get(k) is not None])
+    if span["parent_id"]:
+        out.parent_span_id = bytes.fromhex(span["parent_id"])
+    if span["status"] >= 500 or not span["status"]:
+        out.status.CopyFrom(Status(code=STATUS_ERROR))
+    return out
+
+
+class OtlpExporter:
+    def __init__(self, endpoint: str, service_name: str) -> None:
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        self.endpoint = endpoint
+        self.service_name = service_name
+        self.channel = grpc.insecure_channel(endpoint)
+        self.stub = trace_service_pb2_grpc.TraceServiceStub(self.channel)
+        self.queue: deque[dict[str, Any]] = deque()
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.exported = self.dropped = self.failed = 0
+        self.thread = threading.Thread(target=self._run, name="otlp-export", daemon=True)
+        self.thread.start()
+
+    def add(self, span: dict[str, Any]) -> None:
+        if len(self.queue) >= MAX_QUEUE:
+            self.dropped += 1
+            return
+        self.queue.append(span)
+        if len(self.queue) >= MAX_BATCH:
+            with self.cond:
+                self.cond.notify()
+
+    def _request(self, spans: list[dict[str, Any]]) -> Any:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+        from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
+        from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+        from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
+
+        return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+            resource=Resource(attributes=[_attr("service.name", self.service_name)]),
+            scope_spans=[ScopeSpans(scope=InstrumentationScope(name="aiproxy"),
+                                    spans=[to_proto(s) for s in spans])])])
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                if not self.queue and not self.stopping:
+                    self.cond.wait(FLUSH_S)
+                stopping = self.stopping
+            while self.queue:
+                batch = []
+                while self.queue and len(batch) < MAX_BATCH:
+                    batch.append(self.queue.popleft())
+                try:
+                    self.stub.Export(self._request(batch), timeout=5)
+                    self.exported += len(batch)
+                except Exception as exc:  # the collector's problem must not stop export
+                    self.failed += len(batch)
+                    log.warning("OTLP export of %d spans to %s failed: %s", len(batch),
+                                self.endpoint, exc)
+                    break
+            if stopping:
+                self.channel.close()
+                return
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(timeout=10)

@@ -1,0 +1,564 @@
+"""`[policy] files = [...]`: may this identity make this request?
+
+A policy file (TOML) has role permissions (RBAC) and rules with conditions (ABAC):
+
+    default = "deny"                       # when no rule matches (the default)
+    [roles]
+    analyst = ["route:chat", "model:gpt-4o*", "intent:*"]
+
+    [[rules]]
+    id = "no-lab-net"
+    effect = "deny"
+    source_cidrs = ["10.66.0.0/16"]
+
+    [[rules]]
+    id = "rbac"
+    effect = "allow"
+    rbac = true                            # the roles' permissions cover route/model/intent
+    methods = ["POST"]
+    time = { days = ["mon", "tue", "wed", "thu", "fri"], from = "08:00", to = "18:00" }
+    expires = 2026-12-31T00:00:00Z         # a time-limited grant: void afterwards
+
+Conditions of one rule must all hold: subjects, roles, claims, methods, paths, routes,
+models, intents, domains (globs), source_cidrs, body_over/body_max (bytes), time (UTC
+days and hours), not_before/expires, rbac. Any matching deny wins over every allow (deny
+overrides); with no match the file's default decides. JWT claim `aiproxy_grants`
+([{"permission": "model:x", "exp": epoch}]) adds permissions until their exp.
+
+Files are re-read when they change (checked every poll_ms on the request path); a file
+that does not parse is reported with FILE:LINE and the previous policy keeps serving.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import re
+import time as _time
+import tomllib
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any
+
+from aiproxy.config.errors import ConfigError, Problem
+from aiproxy.config.locate import KeyPath, Locator
+from aiproxy.config.locate import format_path as _format_path
+from aiproxy.governance.watch import FileWatch
+from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply
+
+if TYPE_CHECKING:
+    from aiproxy.config import Config, RouteConfig
+    from aiproxy.pipeline.exchange import Exchange
+
+log = logging.getLogger("aiproxy.policy")
+
+DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+GLOB_KEYS = ("subjects", "roles", "methods", "paths", "routes", "models", "intents", "domains")
+RULE_KEYS = ("id", "effect", "description", *GLOB_KEYS, "claims", "source_cidrs", "body_over",
+             "body_max", "time", "not_before", "expires", "rbac")
+MODEL_IN_BODY = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
+INSPECT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    id: str
+    effect: str
+    source: str  # FILE:LINE
+    globs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    claims: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    cidrs: tuple[Any, ...] = ()
+    body_over: int | None = None
+    body_max: int | None = None
+    days: tuple[int, ...] | None = None
+    minutes: tuple[int, int] | None = None  # [from, to) minutes of the UTC day
+    not_before: float | None = None
+    expires: float | None = None
+    rbac: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    rules: tuple[Rule, ...]
+    roles: dict[str, tuple[str, ...]]
+    default: str = "deny"
+    uses_model: bool = False
+
+
+@dataclass(slots=True)
+class Decision:
+    allowed: bool
+    rule: str  # the deciding rule's id ("default" when none matched)
+    trace: list[tuple[str, str, str]]  # (rule id, effect, "match" or why not)
+
+    @property
+    def name(self) -> str:
+        return "allow" if self.allowed else "deny"
+
+
+@dataclass(slots=True)
+class Request:
+    """What rules look at; built from an Exchange or from `policy explain` JSON."""
+
+    subject: str | None = None
+    roles: tuple[str, ...] = ()
+    claims: dict[str, Any] = field(default_factory=dict)
+    method: str = "GET"
+    path: str = "/"
+    route: str | None = None
+    model: str | None = None
+    intent: str | None = None
+    domain: str | None = None
+    source: str | None = None
+    body_bytes: int = 0
+    now: float = 0.0
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _timestamp(value: Any) -> float | None:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value.timestamp()
+    if isinstance(value, date):
+        return datetime(value.year, value.month, value.day, tzinfo=UTC).timestamp()
+    return None
+
+
+def _hhmm(text: Any) -> int | None:
+    if not isinstance(text, str):
+        return None
+    m = re.fullmatch(r"([01]\d|2[0-4]):([0-5]\d)", text)
+    if m is None:
+        return None
+    minutes = int(m.group(1)) * 60 + int(m.group(2))
+    return minutes if minutes <= 1440 else None
+
+
+def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"at line (\d+)", str(exc))
+        return Policy((), {}), [Problem(filename, int(m.group(1)) if m else 0, "", str(exc))]
+    locator = Locator(text)
+    problems: list[Problem] = []
+
+    def error(path: KeyPath, message: str) -> None:
+        problems.append(Problem(filename, locator.line(path), _format_path(path), message))
+
+    for key in data:
+        if key not in ("default", "roles", "rules"):
+            error((key,), "unknown key (expected default, roles, rules)")
+    default = data.get("default", "deny")
+    if default not in ("allow", "deny"):
+        error(("default",), f"expected \"allow\" or \"deny\", got {default!r}")
+        default = "deny"
+    roles: dict[str, tuple[str, ...]] = {}
+    raw_roles = data.get("roles", {})
+    if not isinstance(raw_roles, dict):
+        error(("roles",), "expected table of role = [permissions]")
+        raw_roles = {}
+    for name, perms in raw_roles.items():
+        if not isinstance(perms, list) or not all(isinstance(p, str) for p in perms):
+            error(("roles", name), "expected an array of permission strings")
+            continue
+        for i, p in enumerate(perms):
+            if p != "*" and p.split(":", 1)[0] not in ("route", "model", "intent", "domain"):
+                error(("roles", name, i), f"permission '{p}' is not route:, model:, intent:, "
+                      "domain: or *")
+        roles[name] = tuple(perms)
+    rules = []
+    raw_rules = data.get("rules", [])
+    if not isinstance(raw_rules, list):
+        error(("rules",), "expected array of tables")
+        raw_rules = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_rules):
+        path: KeyPath = ("rules", i)
+        if not isinstance(raw, dict):
+            error(path, "expected table")
+            continue
+        rule = _rule(raw, path, error, f"{filename}:{locator.line(path)}")
+        if rule is not None:
+            if rule.id in seen:
+                error(path + ("id",), f"duplicate rule id '{rule.id}'")
+            seen.add(rule.id)
+            rules.append(rule)
+    uses_model = any("models" in r.globs or r.rbac for r in rules)
+    return Policy(tuple(rules), roles, default, uses_model), problems
+
+
+def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
+    ok = True
+
+    def bad(key: str, message: str) -> None:
+        nonlocal ok
+        ok = False
+        error(path + (key,), message)
+
+    for key in raw:
+        if key not in RULE_KEYS:
+            bad(key, f"unknown key (one of: {', '.join(RULE_KEYS)})")
+    rid = raw.get("id")
+    if not isinstance(rid, str) or not rid:
+        bad("id", "missing required key" if "id" not in raw else "expected a non-empty string")
+    effect = raw.get("effect")
+    if effect not in ("allow", "deny"):
+        bad("effect", f"expected \"allow\" or \"deny\", got {effect!r}")
+    globs = {}
+    for key in GLOB_KEYS:
+        if key in raw:
+            value = raw[key]
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                bad(key, "expected an array of non-empty strings")
+            else:
+                globs[key] = tuple(v.upper() for v in value) if key == "methods" else tuple(value)
+    claims = {}
+    if "claims" in raw:
+        if not isinstance(raw["claims"], dict):
+            bad("claims", "expected table of claim = value or [values]")
+        else:
+            for name, value in raw["claims"].items():
+                values = value if isinstance(value, list) else [value]
+                claims[name] = tuple(str(v) for v in values)
+    cidrs = []
+    for j, text in enumerate(raw.get("source_cidrs", [])):
+        try:
+            cidrs.append(ipaddress.ip_network(str(text), strict=False))
+        except ValueError as exc:
+            error(path + ("source_cidrs", j), f"invalid CIDR '{text}': {exc}")
+            ok = False
+    sizes = {}
+    for key in ("body_over", "body_max"):
+        if key in raw:
+            if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 0:
+                bad(key, "expected a non-negative integer (bytes)")
+            else:
+                sizes[key] = raw[key]
+    days = minutes = None
+    if "time" in raw:
+        t = raw["time"]
+        if not isinstance(t, dict) or set(t) - {"days", "from", "to"}:
+            bad("time", "expected { days = [...], from = \"HH:MM\", to = \"HH:MM\" } (UTC)")
+        else:
+            if "days" in t:
+                if not isinstance(t["days"], list) or not all(d in DAYS for d in t["days"]):
+                    bad("time", f"days are {', '.join(DAYS)}")
+                else:
+                    days = tuple(DAYS.index(d) for d in t["days"])
+            if "from" in t or "to" in t:
+                lo, hi = _hhmm(t.get("from", "00:00")), _hhmm(t.get("to", "24:00"))
+                if lo is None or hi is None:
+                    bad("time", "from/to are \"HH:MM\" (UTC)")
+                else:
+                    minutes = (lo, hi)
+    stamps = {}
+    for key in ("not_before", "expires"):
+        if key in raw:
+            stamp = _timestamp(raw[key])
+            if stamp is None:
+                bad(key, "expected a TOML date-time (e.g. 2026-12-31T00:00:00Z)")
+            stamps[key] = stamp
+    rbac = raw.get("rbac", False)
+    if not isinstance(rbac, bool):
+        bad("rbac", "expected boolean")
+    if not ok:
+        return None
+    return Rule(rid, effect, source, globs, claims, tuple(cidrs), sizes.get("body_over"),
+                sizes.get("body_max"), days, minutes, stamps.get("not_before"),
+                stamps.get("expires"), rbac)
+
+
+def load_policy_files(paths: tuple[str, ...] | list[str]) -> Policy:
+    """One policy from several files (rules in order, roles merged, the last default);
+    ConfigError with FILE:LINE problems when any file is broken."""
+    rules: list[Rule] = []
+    roles: dict[str, tuple[str, ...]] = {}
+    default = "deny"
+    problems: list[Problem] = []
+    for path in paths:
+        try:
+            with open(path, "rb") as fh:
+                text = fh.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(Problem(path, 0, "", f"cannot read policy file: {exc}"))
+            continue
+        policy, found = parse_policy(text, path)
+        problems += found
+        rules += policy.rules
+        for name, perms in policy.roles.items():
+            roles[name] = roles.get(name, ()) + perms
+        if "default" in text:
+            default = policy.default
+    ids: dict[str, str] = {}
+    for rule in rules:
+        if rule.id in ids and ids[rule.id] != rule.source:
+            file, _, line = rule.source.rpartition(":")
+            problems.append(Problem(file, int(line), "id", f"duplicate rule id '{rule.id}' "
+                                    f"(first at {ids[rule.id]})"))
+        ids.setdefault(rule.id, rule.source)
+    if problems:
+        raise ConfigError(problems)
+    return Policy(tuple(rules), roles, default, any(
+        "models" in r.globs or r.rbac for r in rules))
+
+
+def kernel_deny_cidrs(policy: Policy) -> tuple[str, ...]:
+    """Networks of the deny rules that say nothing but source_cidrs (no expiry, no other
+    condition): those can be dropped by XDP before a connection exists. Rules with
+    more conditions stay in the proxy."""
+    out: list[str] = []
+    for r in policy.rules:
+        if (r.effect == "deny" and r.cidrs and not r.globs and not r.claims and not r.rbac
+                and r.body_over is None and r.body_max is None and r.days is None
+                and r.minutes is None and r.not_before is None and r.expires is None):
+            out += (str(n) for n in r.cidrs if str(n) not in out)
+    return tuple(out)
+
+
+# -- evaluation -------------------------------------------------------------------------------
+
+
+def _any_glob(patterns: tuple[str, ...], value: str | None) -> bool:
+    return value is not None and any(fnmatchcase(value, p) for p in patterns)
+
+
+def _permitted(perms: list[str], kind: str, value: str | None) -> bool:
+    if value is None:
+        return True  # nothing to check on this dimension (no model in the request, ...)
+    return any(p == "*" or (p.startswith(kind + ":") and fnmatchcase(value, p[len(kind) + 1:]))
+               for p in perms)
+
+
+def permissions(policy: Policy, req: Request) -> list[str]:
+    perms = [p for role in req.roles for p in policy.roles.get(role, ())]
+    grants = req.claims.get("aiproxy_grants")
+    if isinstance(grants, list):
+        for g in grants:
+            if (isinstance(g, dict) and isinstance(g.get("permission"), str)
+                    and isinstance(g.get("exp"), int | float) and g["exp"] > req.now):
+                perms.append(g["permission"])
+    return perms
+
+
+def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
+    """None when the rule's conditions all hold, else the first one that does not."""
+    now = req.now
+    if rule.expires is not None and now >= rule.expires:
+        return "expired"
+    if rule.not_before is not None and now < rule.not_before:
+        return "not yet valid"
+    g = rule.globs
+    values = {"subjects": req.subject, "methods": req.method, "paths": req.path,
+              "routes": req.route, "models": req.model, "intents": req.intent,
+              "domains": req.domain}
+    for key, patterns in g.items():
+        if key == "roles":
+            if not any(_any_glob(patterns, r) for r in req.roles):
+                return "roles"
+        elif not _any_glob(patterns, values[key]):
+            return key
+    for name, allowed in rule.claims.items():
+        have = req.claims.get(name)
+        have_list = have if isinstance(have, list) else [have] if have is not None else []
+        if not any(str(h) in allowed for h in have_list):
+            return f"claims.{name}"
+    if rule.cidrs:
+        try:
+            addr = ipaddress.ip_address(req.source or "")
+        except ValueError:
+            return "source_cidrs"
+        if not any(addr in net for net in rule.cidrs if net.version == addr.version):
+            return "source_cidrs"
+    if rule.body_over is not None and not req.body_bytes > rule.body_over:
+        return "body_over"
+    if rule.body_max is not None and req.body_bytes > rule.body_max:
+        return "body_max"
+    if rule.days is not None or rule.minutes is not None:
+        t = datetime.fromtimestamp(now, UTC)
+        if rule.days is not None and t.weekday() not in rule.days:
+            return "time.days"
+        if rule.minutes is not None:
+            m = t.hour * 60 + t.minute
+            lo, hi = rule.minutes
+            inside = lo <= m < hi if lo <= hi else (m >= lo or m < hi)  # a window over 0:00
+            if not inside:
+                return "time"
+    if rule.rbac:
+        perms = permissions(policy, req)
+        for kind, value in (("route", req.route), ("model", req.model),
+                            ("intent", req.intent), ("domain", req.domain)):
+            if not _permitted(perms, kind, value):
+                return f"rbac.{kind}"
+    return None
+
+
+def decide(policy: Policy, req: Request, explain: bool = False) -> Decision:
+    allow = deny = None
+    trace: list[tuple[str, str, str]] = []
+    for rule in policy.rules:
+        if not explain and rule.effect == "allow" and allow is not None:
+            continue
+        miss = why_not(policy, rule, req)
+        if explain:
+            trace.append((rule.id, rule.effect, "match" if miss is None else f"no: {miss}"))
+        if miss is None:
+            if rule.effect == "deny":
+                if deny is None:
+                    deny = rule.id
+                if not explain:
+                    break
+            elif allow is None:
+                allow = rule.id
+    if deny is not None:
+        return Decision(False, deny, trace)
+    if allow is not None:
+        return Decision(True, allow, trace)
+    return Decision(policy.default == "allow", "default", trace)
+
+
+# -- the filter --------------------------------------------------------------------------------
+
+
+def model_of(ex: Exchange) -> str | None:
+    llm = ex.llm
+    model = getattr(llm, "model", None) if llm is not None else None
+    if model:
+        return model
+    body = ex.request_body()
+    if body:
+        if ex.req_done:
+            try:
+                doc = json.loads(body)
+                if isinstance(doc, dict) and isinstance(doc.get("model"), str):
+                    return doc["model"]
+                return None
+            except ValueError:
+                pass
+        m = MODEL_IN_BODY.search(body)
+        if m is not None:
+            try:
+                return json.loads(b'"' + m.group(1) + b'"')
+            except ValueError:
+                return None
+    route_model = ex.route.cfg.model if ex.route is not None else None
+    return route_model.decode("latin-1") if route_model else None
+
+
+def request_of(ex: Exchange, uses_model: bool) -> Request:
+    ident = ex.identity
+    head = ex.head
+    length = head.content_length
+    body_bytes = length if length is not None and length >= 0 else ex.pending_size
+    return Request(
+        subject=ident.subject if ident is not None else None,
+        roles=ident.roles if ident is not None else (),
+        claims=ident.claims if ident is not None else {},
+        method=ex.method.decode("latin-1"), path=ex.path.decode("latin-1"),
+        route=ex.route.name if ex.route is not None else None,
+        model=model_of(ex) if uses_model else None,
+        intent=ex.intent, domain=ex.intent_domain,
+        source=ex.down.peer.decode("latin-1"), body_bytes=body_bytes, now=_time.time())
+
+
+class PolicyState:
+    """The current policy; re-read when its files change (kept across config reloads
+    while the file list is the same)."""
+
+    def __init__(self, files: tuple[str, ...], dry_run: bool, poll_ms: int) -> None:
+        self.files = files
+        self.dry_run = dry_run
+        self.policy = load_policy_files(files)
+        self.watch = FileWatch(files, poll_ms / 1000)
+        self.reloads = 0
+        self.reload_errors = 0
+        self.decisions: dict[tuple[str, str], int] = {}  # (result, rule) -> count
+
+    def count(self, result: str, rule: str) -> None:
+        key = (result, rule)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+
+    def metric_families(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily("aiproxy_policy_decisions", "Policy decisions by rule",
+                                  labels=["result", "rule"])
+        for (result, rule), n in sorted(self.decisions.items()):
+            fam.add_metric([result, rule], n)
+        yield fam
+        yield CounterMetricFamily("aiproxy_policy_reloads", "Policy files reloaded",
+                                  value=self.reloads)
+        yield CounterMetricFamily("aiproxy_policy_reload_failures",
+                                  "Policy changes rejected (the previous policy kept serving)",
+                                  value=self.reload_errors)
+
+    def current(self) -> Policy:
+        if self.watch.changed():
+            try:
+                self.policy = load_policy_files(self.files)
+                self.reloads += 1
+                log.info("policy reloaded from %s (%d rules)", ", ".join(self.files),
+                         len(self.policy.rules))
+            except ConfigError as exc:
+                self.reload_errors += 1
+                log.error("policy not reloaded, the previous policy stays:\n%s", exc)
+        return self.policy
+
+
+class PolicyFilter(Filter):
+    __slots__ = ("state",)
+
+    def __init__(self, state: PolicyState) -> None:
+        self.state = state
+
+    def request(self, ex: Exchange) -> LocalReply | None:
+        state = self.state
+        policy = state.current()
+        decision = decide(policy, request_of(ex, policy.uses_model))
+        if decision.allowed:
+            ex.gov["policy"] = ("allow", decision.rule)
+            state.count("allow", decision.rule)
+            return None
+        subject = ex.identity.subject if ex.identity is not None else "-"
+        if state.dry_run:
+            ex.gov["policy"] = ("would_deny", decision.rule)
+            state.count("would_deny", decision.rule)
+            log.warning("dry-run: would deny %s %s for %s (rule %s)", ex.method.decode(),
+                        ex.path.decode("latin-1"), subject, decision.rule)
+            return None
+        ex.gov["policy"] = ("deny", decision.rule)
+        state.count("deny", decision.rule)
+        return LocalReply(403, "forbidden", f"denied by policy rule {decision.rule}",
+                          [(b"x-aiproxy-policy-rule", decision.rule.encode("latin-1"))])
+
+
+class PolicyFactory(FilterFactory):
+    name = "policy"
+
+    def __init__(self, state: PolicyState) -> None:
+        self.state = state
+        self.inspect_bytes = INSPECT_BYTES if state.policy.uses_model else 0
+
+    def start(self, ex: Exchange) -> Filter:
+        return PolicyFilter(self.state)
+
+
+def make_state(config: Config, previous: Any) -> Any:
+    cfg = config.policy
+    if cfg is None:
+        return None
+    if (isinstance(previous, PolicyState) and previous.files == cfg.files):
+        previous.dry_run = cfg.dry_run
+        previous.watch.interval = cfg.poll_ms / 1000
+        previous.current()
+        return previous
+    return PolicyState(cfg.files, cfg.dry_run, cfg.poll_ms)
+
+
+def build(config: Config, route: RouteConfig, state: PolicyState) -> FilterFactory:
+    return PolicyFactory(state)

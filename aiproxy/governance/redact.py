@@ -1,0 +1,260 @@
+"""Response redaction: e-mail addresses, phone numbers, payment cards (Luhn), IBANs
+(mod-97), PRC resident ID numbers (18 digits, ISO 7064 check character) and US SSNs,
+masked in place keeping the last 4 letters/digits ("****-****-****-1234").
+
+Masks replace ASCII letters and digits with "*", so a body keeps its length (and its
+Content-Length) and JSON stays JSON: only the insides of JSON strings are searched
+(never numbers or keys' syntax), and escape sequences are never touched.
+
+Streams: an event stream's text arrives split over events (OpenAI-style deltas), so
+the string values of content keys ("content", "text", "delta", "arguments", ...) are
+read as one running text across events; other strings are read one by one. What could
+still become a match (a partial match at the end, or a match that could grow) is held
+back from its first byte; everything before it goes out at once. Nothing else waits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import regex
+
+CONTENT_KEYS = frozenset((b"content", b"text", b"delta", b"arguments", b"output_text",
+                          b"reasoning_content", b"refusal", b"transcript"))
+MAX_HOLD = 64 * 1024  # a bound on held bytes, whatever a pattern could still become
+TAIL = 512  # longer than any match of the patterns below
+
+# Each detector: a pattern (bounded, so a partial match cannot run forever) and a check.
+PATTERNS: dict[str, bytes] = {
+    "card": rb"(?<![\w])(?:\d[ -]?){12,18}\d(?![\w])",
+    "iban": rb"(?<![\w])[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]){11,30}(?![\w])",
+    "prc_id": rb"(?<![\w])\d{17}[\dXx](?![\w])",
+    "us_ssn": rb"(?<![\w-])(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}(?![\w-])",
+    "email": rb"(?<![\w.%+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63})"
+             rb"{0,4}\.[A-Za-z]{2,24}(?![\w])",
+    "phone": rb"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]?\d{2,4})"
+             rb"{1,4}(?![\w])",
+}
+ORDER = ("card", "iban", "prc_id", "us_ssn", "email", "phone")
+_ALNUM = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+_ESCAPE = regex.compile(rb"\\(?:u[0-9a-fA-F]{4}|[^u])")
+_PRC_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
+
+
+def luhn(digits: bytes) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = ch - 48
+        if i % 2:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+def iban_ok(text: bytes) -> bool:
+    s = text.replace(b" ", b"")
+    if not 15 <= len(s) <= 34:
+        return False
+    s = s[4:] + s[:4]
+    n = "".join(str(c - 55) if c >= 65 else chr(c) for c in s)
+    return int(n) % 97 == 1
+
+
+def prc_id_ok(text: bytes) -> bool:
+    total = sum((c - 48) * w for c, w in zip(text[:17], _PRC_WEIGHTS, strict=True))
+    return b"10X98765432"[total % 11] == text[17:18].upper()[0]
+
+
+def _digits(text: bytes) -> bytes:
+    return bytes(c for c in text if 48 <= c <= 57)
+
+
+CHECKS = {
+    "card": lambda t: 13 <= len(_digits(t)) <= 19 and luhn(_digits(t)),
+    "iban": iban_ok,
+    "prc_id": prc_id_ok,
+    "us_ssn": lambda t: True,
+    "email": lambda t: True,
+    "phone": lambda t: 10 <= len(_digits(t)) <= 15,
+}
+
+
+def compile_detector(kinds: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
+    names = tuple(k for k in ORDER if k in kinds)
+    combined = b"|".join(b"(?P<%s>%s)" % (k.encode(), PATTERNS[k]) for k in names)
+    return regex.compile(combined), names
+
+
+_SINGLE = {k: regex.compile(PATTERNS[k]) for k in ORDER}
+_STARTS = regex.compile(rb"(?<![A-Za-z0-9_])(?=[A-Za-z0-9_+(])")  # where a match can begin
+
+
+def classify(text: bytes, names: tuple[str, ...], first: str) -> str | None:
+    """The type a candidate really is: the alternative that matched, if its check
+    passes, else another type that matches the same text and passes its check."""
+    if CHECKS[first](text):
+        return first
+    for k in names:
+        if k != first and _SINGLE[k].fullmatch(text) and CHECKS[k](text):
+            return k
+    return None
+
+
+class Redactor:
+    """One response body. mode: "json" (every string by itself), "sse" (content
+    strings as one running text across events), "text" (the whole body is text)."""
+
+    __slots__ = ("pattern", "names", "mode", "buf", "in_str", "content", "last_str",
+                 "colon", "counts")
+
+    def __init__(self, detector: tuple[Any, tuple[str, ...]], mode: str) -> None:
+        self.pattern, self.names = detector
+        self.mode = mode
+        self.buf = b""
+        self.in_str = mode == "text"
+        self.content = mode == "text"
+        self.last_str: bytes | None = None  # the last closed string (a key, if ':' follows)
+        self.colon = False
+        self.counts: dict[str, int] = {}
+
+    def feed(self, data: bytes) -> bytes:
+        return self._run(self.buf + data, False)
+
+    def end(self) -> bytes:
+        return self._run(self.buf, True) if self.buf else b""
+
+    # -- scanning ---------------------------------------------------------------------------
+
+    def _strings(self, buf: bytes) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]],
+                                            int | None]:
+        """(content segments, other strings' segments, position of an escape cut short
+        at the end). Updates the scanner state to the end of buf."""
+        n = len(buf)
+        if self.mode == "text":
+            return [(0, n)], [], None
+        content: list[tuple[int, int]] = []
+        others: list[list[tuple[int, int]]] = []
+        in_str, is_content = self.in_str, self.content
+        start = 0
+        i = 0
+        cut = None
+        joined = self.mode == "sse"
+        while i < n:
+            if in_str:
+                q = buf.find(b'"', i)
+                b = buf.find(b"\\", i, q if q >= 0 else n)
+                if b >= 0:
+                    if b + 1 >= n or (buf[b + 1] == 0x75 and b + 6 > n):
+                        cut = b
+                        break
+                    i = b + (6 if buf[b + 1] == 0x75 else 2)
+                    continue
+                if q < 0:
+                    break
+                seg = (start, q)
+                (content.append(seg) if is_content and joined else others.append([seg]))
+                self.last_str = buf[start:q] if q - start <= 32 else None
+                self.colon = False
+                in_str = False
+                i = q + 1
+            else:
+                while i < n and buf[i] in b" \t\r\n":
+                    i += 1
+                if i >= n:
+                    break
+                c = buf[i]
+                if c == 0x22:  # a string starts: a content value if `"content":` came before
+                    is_content = self.colon and self.last_str in CONTENT_KEYS
+                    in_str = True
+                    start = i + 1
+                elif c == 0x3A:  # ':'
+                    self.colon = self.last_str is not None
+                else:
+                    self.colon = False
+                    if c != 0x5B:  # '[' keeps the key ("content": [...] parts are texts)
+                        self.last_str = None if c in b",{}" else self.last_str
+                i += 1
+        if in_str:
+            end = cut if cut is not None else n
+            seg = (start, end)
+            (content.append(seg) if is_content and joined else others.append([seg]))
+        self.in_str, self.content = in_str, is_content
+        return content, others, cut
+
+    def _run(self, buf: bytes, final: bool) -> bytes:
+        state = (self.in_str, self.content, self.last_str, self.colon)
+        content, others, cut = self._strings(buf)
+        out = bytearray(buf)
+        n = len(buf)
+        hold = n if (final or cut is None) else cut
+        channels = [(content, self.mode != "json")] if content else []
+        for segs in others:
+            channels.append((segs, segs[-1][1] == n or (cut is not None and segs[-1][1] == cut)))
+        for segs, open_ in channels:
+            open_ = open_ and not final
+            hold = min(hold, self._scan(buf, out, segs, open_))
+        if not final and n - hold > MAX_HOLD:
+            hold = n - MAX_HOLD
+        if hold >= n:
+            self.buf = b""
+            return bytes(out)
+        # Rescan from the hold point next time: restore the scanner state there (inside
+        # the string the hold point is in).
+        self.buf = bytes(out[hold:])
+        in_str, content_flag, last_str, colon = state
+        self.in_str, self.content, self.last_str, self.colon = in_str, content_flag, \
+            last_str, colon
+        self._strings(buf[:hold])  # replays the state up to the hold point
+        return bytes(out[:hold])
+
+    def _scan(self, buf: bytes, out: bytearray, segs: list[tuple[int, int]],
+              open_: bool) -> int:
+        """Mask the complete matches of one channel; the buffer position to hold from."""
+        pieces = []
+        where = []  # virtual offset -> buffer offset, per segment
+        v = 0
+        for s, e in segs:
+            piece = _ESCAPE.sub(lambda m: b"\x00" * len(m.group()), buf[s:e])
+            pieces.append(piece)
+            where.append((v, s))
+            v += e - s
+        text = b"".join(pieces)
+        if not text:
+            return len(buf)
+
+        def pos(vi: int) -> int:
+            for vs, bs in reversed(where):
+                if vi >= vs:
+                    return bs + vi - vs
+            return where[0][1]
+
+        end = len(text)
+        hold_v = end
+        if open_:
+            # The earliest start of anything the coming bytes could still make (or grow)
+            # a match of: a position where the rest of the text is a viable prefix of a
+            # pattern. Patterns are bounded, so only the last TAIL bytes need a look.
+            for m in _STARTS.finditer(text, max(0, end - TAIL)):
+                p = m.start()
+                if any(_SINGLE[k].fullmatch(text, p, partial=True) for k in self.names):
+                    hold_v = p
+                    break
+        for m in self.pattern.finditer(text):
+            if m.end() > hold_v:
+                hold_v = min(hold_v, m.start())
+                break
+            kind = classify(m.group(), self.names, m.lastgroup)
+            if kind is None:
+                continue
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            alnum = [i for i in range(m.start(), m.end()) if text[i] in _ALNUM]
+            for i in alnum[:-4]:
+                out[pos(i)] = 0x2A  # "*"
+        return len(buf) if hold_v >= end else pos(hold_v)
+
+
+def redact_text(data: bytes, kinds: tuple[str, ...] = ORDER, mode: str = "text"
+                ) -> tuple[bytes, dict[str, int]]:
+    r = Redactor(compile_detector(kinds), mode)
+    out = r.feed(data) + r.end()
+    return out, r.counts

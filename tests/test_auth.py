@@ -1,0 +1,307 @@
+"""[auth] through a running proxy: API keys, JWT (RS256/ES256/HS256 from a JWKS file,
+rotation, and the attacks an allow-list must stop), mTLS subjects, 401 replies, and the
+signed identity the upstream sees."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from aiproxy.config import ConfigError, load_config_text
+from aiproxy.governance.auth import hash_key
+from tests.conftest import simple_config
+from tests.h2_support import make_pki
+
+KEY = "ak_test_key_0123456789abcdef"
+SECRET = "upstream-signing-secret-0123456789"
+
+
+def _rsa():
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def _jwk(private, kid: str) -> dict:
+    alg = "RS256" if isinstance(private, rsa.RSAPrivateKey) else "ES256"
+    cls = jwt.algorithms.RSAAlgorithm if alg == "RS256" else jwt.algorithms.ECAlgorithm
+    d = json.loads(cls.to_jwk(private.public_key()))
+    d.update(kid=kid, use="sig", alg=alg)
+    return d
+
+
+@pytest.fixture(scope="module")
+def keys():
+    return {"rsa1": _rsa(), "rsa2": _rsa(), "ec1": ec.generate_private_key(ec.SECP256R1())}
+
+
+def _write_jwks(path: Path, keys: dict, kids: list[str]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"keys": [_jwk(keys[k], k) for k in kids]}))
+    tmp.replace(path)
+
+
+def _token(private, kid: str, alg: str = "RS256", **claims) -> str:
+    now = int(time.time())
+    body = {"sub": "alice", "aud": "aiproxy", "iss": "https://issuer.test", "exp": now + 300,
+            "iat": now, "roles": ["user"]}
+    body.update(claims)
+    return jwt.encode({k: v for k, v in body.items() if v is not None}, private,
+                      algorithm=alg, headers={"kid": kid})
+
+
+def _auth_config(upstream: int, jwks: Path, extra: str = "") -> str:
+    return simple_config(upstream) + f"""
+[tracing]
+
+[auth]
+realm = "test"
+
+[[auth.api_keys]]
+id = "k1"
+subject = "svc-batch"
+hash = "{hash_key(KEY)}"
+roles = ["batch"]
+
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["RS256", "ES256"]
+issuer = "https://issuer.test"
+audience = "aiproxy"
+leeway_s = 30
+
+[auth.upstream_identity]
+secret = "{SECRET}"
+{extra}
+"""
+
+
+@pytest.fixture
+def jwt_proxy(start_proxy, demo_upstream, tmp_path, keys):
+    jwks = tmp_path / "jwks.json"
+    _write_jwks(jwks, keys, ["rsa1", "ec1"])
+    proxy = start_proxy(_auth_config(demo_upstream, jwks))
+    proxy.jwks = jwks
+    return proxy
+
+
+def _get(proxy, headers: dict[str, str]) -> httpx.Response:
+    return httpx.get(f"{proxy.url}/echo", headers=headers, timeout=10)
+
+
+def _assert_401(r: httpx.Response, needle: str) -> None:
+    assert r.status_code == 401, r.text
+    challenge = r.headers["www-authenticate"]
+    assert challenge.startswith('Bearer realm="test"'), challenge
+    assert r.json()["error"]["code"] == "unauthorized"
+    assert needle in r.json()["error"]["message"], r.text
+
+
+def test_api_key_good_and_bad_and_stripped(jwt_proxy):
+    for headers in ({"x-api-key": KEY}, {"authorization": f"Bearer {KEY}"}):
+        r = _get(jwt_proxy, headers)
+        assert r.status_code == 200, r.text
+        seen = r.json()["headers"]
+        assert "x-api-key" not in seen and "authorization" not in seen  # not sent upstream
+        value = seen["x-aiproxy-identity"]
+        assert "subject=svc-batch;kind=api_key;roles=batch;" in value
+        sig = hmac.new(SECRET.encode(), value.encode(), hashlib.sha256).hexdigest()
+        assert seen["x-aiproxy-identity-signature"] == sig
+    _assert_401(_get(jwt_proxy, {"x-api-key": KEY + "x"}), "unknown API key")
+    r = _get(jwt_proxy, {})
+    _assert_401(r, "credentials required")
+    assert "error=" not in r.headers["www-authenticate"]  # RFC 6750 3.1: no error w/o creds
+    # A client cannot pass an identity of its own to the upstream.
+    r = _get(jwt_proxy, {"x-api-key": KEY, "x-aiproxy-identity": "subject=root",
+                         "x-aiproxy-identity-signature": "00"})
+    assert "subject=svc-batch" in r.json()["headers"]["x-aiproxy-identity"]
+
+
+def test_jwt_accepted_rs256_and_es256(jwt_proxy, keys):
+    for kid, alg in (("rsa1", "RS256"), ("ec1", "ES256")):
+        r = _get(jwt_proxy, {"authorization": f"Bearer {_token(keys[kid], kid, alg)}"})
+        assert r.status_code == 200, r.text
+        seen = r.json()["headers"]
+        assert "authorization" not in seen
+        assert "subject=alice;kind=jwt;roles=user;" in seen["x-aiproxy-identity"]
+
+
+def test_jwt_refusals(jwt_proxy, keys):
+    now = int(time.time())
+    rsa1 = keys["rsa1"]
+    public_pem = rsa1.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    unsigned = jwt.api_jws.base64url_encode(json.dumps(
+        {"alg": "none", "kid": "rsa1"}).encode()).decode() + "." + \
+        jwt.api_jws.base64url_encode(json.dumps(
+            {"sub": "alice", "aud": "aiproxy", "iss": "https://issuer.test",
+             "exp": now + 300}).encode()).decode() + "."
+    # HS256 "signed" with the RSA public key's PEM: the classic key-confusion forgery.
+    import hmac as _hmac
+    header = jwt.api_jws.base64url_encode(json.dumps({"alg": "HS256", "kid": "rsa1",
+                                                      "typ": "JWT"}).encode())
+    payload = jwt.api_jws.base64url_encode(json.dumps(
+        {"sub": "mallory", "aud": "aiproxy", "iss": "https://issuer.test",
+         "exp": now + 300}).encode())
+    signing = header + b"." + payload
+    forged = (signing + b"." + jwt.api_jws.base64url_encode(
+        _hmac.new(public_pem, signing, hashlib.sha256).digest())).decode()
+    cases = {
+        "token expired": _token(rsa1, "rsa1", exp=now - 120),
+        "token not yet valid": _token(rsa1, "rsa1", nbf=now + 120),
+        "wrong audience": _token(rsa1, "rsa1", aud="someone-else"),
+        "wrong issuer": _token(rsa1, "rsa1", iss="https://evil.test"),
+        "algorithm 'none' is not allowed": unsigned,
+        "algorithm 'HS256' is not allowed": forged,
+        "unknown signing key": _token(keys["rsa2"], "rsa2"),
+        "Signature verification failed": _token(keys["rsa2"], "rsa1"),
+        "no sub claim": _token(rsa1, "rsa1", sub=None),
+        'missing the "exp" claim': _token(rsa1, "rsa1", exp=None),
+    }
+    for needle, token in cases.items():
+        r = _get(jwt_proxy, {"authorization": f"Bearer {token}"})
+        _assert_401(r, needle)
+        assert 'error="invalid_token"' in r.headers["www-authenticate"]
+    # Within the configured leeway (30 s) an expired token still passes.
+    token = _token(rsa1, "rsa1", exp=int(time.time()) - 5)
+    r = _get(jwt_proxy, {"authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    _assert_401(_get(jwt_proxy, {"authorization": "Basic YTpi"}), "expected Authorization")
+
+
+def test_hs256_allow_list_refuses_rsa_keys(start_proxy, demo_upstream, tmp_path, keys):
+    """With only HS256 allowed, a token naming an RSA key id is refused by key family
+    before any HMAC runs with the RSA key's bytes."""
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [
+        _jwk(keys["rsa1"], "rsa1"),
+        {"kty": "oct", "kid": "hs", "k": jwt.api_jws.base64url_encode(b"s" * 32).decode()}]}))
+    text = simple_config(demo_upstream) + f"""
+[auth]
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["HS256"]
+"""
+    proxy = start_proxy(text)
+    good = jwt.encode({"sub": "bob", "exp": int(time.time()) + 60}, b"s" * 32, "HS256",
+                      headers={"kid": "hs"})
+    assert _get(proxy, {"authorization": f"Bearer {good}"}).status_code == 200
+    pem = keys["rsa1"].public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    header = jwt.api_jws.base64url_encode(b'{"alg":"HS256","kid":"rsa1"}')
+    payload = jwt.api_jws.base64url_encode(
+        json.dumps({"sub": "mallory", "exp": int(time.time()) + 60}).encode())
+    sig = jwt.api_jws.base64url_encode(
+        hmac.new(pem, header + b"." + payload, hashlib.sha256).digest())
+    forged = (header + b"." + payload + b"." + sig).decode()
+    r = _get(proxy, {"authorization": f"Bearer {forged}"})
+    assert r.status_code == 401
+    assert "does not fit" in r.json()["error"]["message"]
+
+
+def test_jwks_rotation(jwt_proxy, keys):
+    new_token = _token(keys["rsa2"], "rsa2")
+    old_token = _token(keys["rsa1"], "rsa1")
+    assert _get(jwt_proxy, {"authorization": f"Bearer {new_token}"}).status_code == 401
+    _write_jwks(jwt_proxy.jwks, keys, ["rsa2"])
+    deadline = time.monotonic() + 5
+    while _get(jwt_proxy, {"authorization": f"Bearer {new_token}"}).status_code != 200:
+        assert time.monotonic() < deadline, "rotated key never accepted"
+        time.sleep(0.05)
+    _assert_401(_get(jwt_proxy, {"authorization": f"Bearer {old_token}"}),
+                "unknown signing key")
+    # A broken JWKS file keeps the keys that work.
+    jwt_proxy.jwks.write_text("{not json")
+    time.sleep(0.6)
+    assert _get(jwt_proxy, {"authorization": f"Bearer {new_token}"}).status_code == 200
+    assert "JWKS" in jwt_proxy.log() and "previous keys stay" in jwt_proxy.log()
+
+
+def test_key_file_and_hash_key_cli(start_proxy, demo_upstream, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "aiproxy", "auth", "hash-key", "--generate"],
+                         capture_output=True, text=True, check=True)
+    key = out.stderr.split("key: ", 1)[1].strip()
+    stored = out.stdout.strip()
+    keyfile = tmp_path / "keys.toml"
+    keyfile.write_text(f'[[keys]]\nid = "gen"\nsubject = "carol"\nhash = "{stored}"\n')
+    proxy = start_proxy(simple_config(demo_upstream) + f'[auth]\nkey_file = "{keyfile}"\n')
+    with httpx.Client() as client:
+        r = client.get(f"{proxy.url}/echo", headers={"x-api-key": key})
+        assert r.status_code == 200, r.text
+        # A key added to the file works without a restart.
+        key2 = "ak_second_key_abcdefghijklmnop"
+        keyfile.write_text(keyfile.read_text() + f'\n[[keys]]\nid = "two"\nsubject = "dave"\n'
+                           f'hash = "{hash_key(key2)}"\n')
+        deadline = time.monotonic() + 5
+        while client.get(f"{proxy.url}/echo", headers={"x-api-key": key2}).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_config_errors_name_file_and_line(tmp_path):
+    jwks = tmp_path / "j.json"
+    jwks.write_text('{"keys": []}')
+    text = f"""[[listeners]]
+name = "a"
+address = "127.0.0.1:1"
+
+[auth]
+[[auth.api_keys]]
+id = "x"
+subject = "y"
+hash = "plain-text-key"
+
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["HS256", "RS256", "none"]
+"""
+    with pytest.raises(ConfigError) as err:
+        load_config_text(text, "cfg.toml")
+    msg = str(err.value)
+    assert "cfg.toml:9: auth.api_keys[0].hash: expected sha256$SALT$HEX" in msg, msg
+    assert "cfg.toml:13: auth.jwt.algorithms[2]: unknown value 'none'" in msg, msg
+    assert "HS* cannot be mixed" in msg
+
+
+def test_grpc_unauthenticated_over_h2c(start_proxy, demo_upstream, tmp_path, keys):
+    import grpc
+
+    jwks = tmp_path / "jwks.json"
+    _write_jwks(jwks, keys, ["rsa1"])
+    proxy = start_proxy(_auth_config(demo_upstream, jwks), 'protocols = ["http1", "h2c"]')
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        call = channel.unary_unary("/pkg.Svc/Method")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"payload", timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert err.value.details() == "credentials required"
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"payload", timeout=10, metadata=[("x-api-key", "wrong")])
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_mtls_subject_is_the_identity(start_proxy, demo_upstream, tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    listener = (f'protocols = ["http1", "h2"]\ntls = {{ cert = "{pki.cert}", key = "{pki.key}", '
+                f'ca = "{pki.ca}" }}')
+    proxy = start_proxy(simple_config(demo_upstream) + f"""
+[auth]
+mtls = {{ roles = ["service"] }}
+upstream_identity = {{ secret = "{SECRET}" }}
+""", listener)
+    for flag in ("--http1.1", "--http2"):
+        res = subprocess.run(
+            ["curl", "-s", flag, "--cacert", str(pki.ca), "--cert", str(pki.client_cert),
+             "--key", str(pki.client_key), f"https://127.0.0.1:{proxy.port}/echo"],
+            capture_output=True, timeout=10, check=True)
+        seen = json.loads(res.stdout)["headers"]
+        assert seen["x-aiproxy-identity"].startswith("subject=client;kind=mtls;roles=service;")

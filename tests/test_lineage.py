@@ -1,0 +1,188 @@
+"""Model lineage across three hops through aiproxy: model services A -> B -> C call each
+other through the proxy passing traceparent on; GET /lineage/<trace> on the admin
+listener returns the call graph with the model of every edge."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import httpx
+import pytest
+from aiohttp import web
+
+from aiproxy.governance.tracing import LineageStore, parse_traceparent
+from tests.support import free_port, wait_port
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+def _service(name: str, next_url: str | None) -> web.Application:
+    async def handle(request: web.Request) -> web.Response:
+        seen = {"service": name, "model": request.headers.get("x-model-id"),
+                "traceparent": request.headers.get("traceparent")}
+        if next_url is not None:
+            # Call the next model through the proxy: pass the trace on, say who calls.
+            headers = {"traceparent": request.headers["traceparent"], "x-model-id": seen["model"]}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(next_url, json={"model": "whatever", "q": name},
+                                        headers=headers) as resp:
+                    seen["next"] = await resp.json()
+        return web.json_response(seen)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+@pytest.fixture
+def services(start_proxy) -> Iterator[tuple]:
+    proxy_port, admin_port = free_port(), free_port()
+    ports = {n: free_port() for n in "abc"}
+    loop = asyncio.new_event_loop()
+    runners = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        for n, nxt in (("a", "b"), ("b", "c"), ("c", None)):
+            url = f"http://127.0.0.1:{proxy_port}/{nxt}/v1/chat" if nxt else None
+            runner = web.AppRunner(_service(f"svc-{n}", url))
+            loop.run_until_complete(runner.setup())
+            loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", ports[n]).start())
+            runners.append(runner)
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    for p in ports.values():
+        wait_port("127.0.0.1", p)
+    body = f'[admin]\naddress = "127.0.0.1:{admin_port}"\n\n[tracing]\n'
+    for n, p in ports.items():
+        body += f"""
+[[clusters]]
+name = "svc-{n}"
+endpoints = ["127.0.0.1:{p}"]
+
+[[routes]]
+name = "to-{n}"
+cluster = "svc-{n}"
+match = {{ path_prefix = "/{n}/" }}
+model = "model-{n}"
+"""
+    # start_proxy picks its listener's port itself; the services need the proxy's port
+    # before it starts, so the proxy gets a second listener on a port chosen here.
+    hop = f'[[listeners]]\nname = "hop"\naddress = "127.0.0.1:{proxy_port}"\n\n'
+    start_proxy(hop + body)
+    wait_port("127.0.0.1", proxy_port)
+    wait_port("127.0.0.1", admin_port)
+    yield proxy_port, admin_port
+
+    async def cleanup() -> None:
+        for r in runners:
+            await r.cleanup()
+
+    asyncio.run_coroutine_threadsafe(cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+
+
+def test_lineage_across_three_hops(services):
+    proxy_port, admin_port = services
+    r = httpx.post(f"http://127.0.0.1:{proxy_port}/a/v1/chat", json={"model": "x"},
+                   headers={"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"}, timeout=20)
+    assert r.status_code == 200, r.text
+    a = r.json()
+    b, c = a["next"], a["next"]["next"]
+    assert [a["model"], b["model"], c["model"]] == ["model-a", "model-b", "model-c"]
+    hops = [parse_traceparent(x["traceparent"].encode()) for x in (a, b, c)]
+    assert all(h[0].decode() == TRACE for h in hops)
+
+    g = httpx.get(f"http://127.0.0.1:{admin_port}/lineage/{TRACE}", timeout=10).json()
+    spans = {s["span_id"]: s for s in g["spans"]}
+    assert len(spans) == 3
+    # The span ids the services saw as their parent are the proxy's hop spans.
+    hop_spans = [h[1].decode() for h in hops]
+    assert set(hop_spans) == set(spans)
+    assert g["roots"] == [hop_spans[0]]
+    assert spans[hop_spans[0]]["parent_id"] == CLIENT_SPAN
+    edges = {(e["parent"], e["child"], e["model"]) for e in g["edges"]}
+    assert edges == {(CLIENT_SPAN, hop_spans[0], "model-a"),
+                     (hop_spans[0], hop_spans[1], "model-b"),
+                     (hop_spans[1], hop_spans[2], "model-c")}
+    assert spans[hop_spans[1]]["caller_model_id"] == "model-a"
+    assert [spans[s]["route"] for s in hop_spans] == ["to-a", "to-b", "to-c"]
+    assert all(spans[s]["status"] == 200 for s in hop_spans)
+    # The outer hop lasted at least as long as the ones inside it.
+    assert spans[hop_spans[0]]["duration_ms"] >= spans[hop_spans[2]]["duration_ms"]
+    missing = httpx.get(f"http://127.0.0.1:{admin_port}/lineage/{'1' * 32}", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_trace"
+
+
+def test_store_is_bounded():
+    store = LineageStore(max_traces=3)
+    for i in range(5):
+        for j in range(300):
+            store.add({"trace_id": f"t{i}", "span_id": f"s{j}", "parent_id": None,
+                       "model_id": None, "start": j})
+    assert list(store.traces) == ["t2", "t3", "t4"] and store.dropped == 2
+    assert len(store.graph("t4")["spans"]) == 256
+    assert store.graph("t0") is None
+
+
+def test_spans_exported_over_otlp_grpc(start_proxy, demo_upstream):
+    """A real OTLP/gRPC receiver (opentelemetry-proto's service on a grpcio server)."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import (
+        trace_service_pb2,
+        trace_service_pb2_grpc,
+    )
+
+    received = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the generated name)
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        from tests.conftest import simple_config
+
+        proxy = start_proxy(simple_config(demo_upstream) + f"""
+[tracing]
+otlp_endpoint = "127.0.0.1:{port}"
+service_name = "edge-1"
+""")
+        with httpx.Client(timeout=10) as c:
+            for i in range(3):
+                r = c.get(f"{proxy.url}/echo/{i}",
+                          headers={"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"})
+                assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while sum(len(ss.spans) for req in received for rs in req.resource_spans
+                  for ss in rs.scope_spans) < 3:
+            assert time.monotonic() < deadline, "spans never exported"
+            time.sleep(0.05)
+    finally:
+        server.stop(0)
+    rs = received[0].resource_spans[0]
+    assert rs.resource.attributes[0].key == "service.name"
+    assert rs.resource.attributes[0].value.string_value == "edge-1"
+    spans = [s for req in received for r in req.resource_spans for ss in r.scope_spans
+             for s in ss.spans]
+    assert {s.trace_id.hex() for s in spans} == {TRACE}
+    assert {s.parent_span_id.hex() for s in spans} == {CLIENT_SPAN}
+    assert len({s.span_id for s in spans}) == 3
+    attrs = {kv.key: kv.value for kv in spans[0].attributes}
+    assert attrs["http.response.status_code"].int_value == 200
+    assert attrs["aiproxy.route"].string_value == "all"
+    assert spans[0].end_time_unix_nano > spans[0].start_time_unix_nano

@@ -1,0 +1,261 @@
+"""[policy]: RBAC + ABAC rules through a running proxy, live reload (latency measured and
+logged), broken files, dry-run, time-limited grants, `aiproxy policy explain`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aiproxy.config import ConfigError
+from aiproxy.governance.auth import hash_key
+from aiproxy.governance.policy import Request, decide, load_policy_files
+from tests.conftest import simple_config
+
+KEYS = {"alice": ("ak_alice_0123456789abcdef", ["analyst"]),
+        "bob": ("ak_bob_0123456789abcdefgh", ["intern"]),
+        "ops": ("ak_ops_0123456789abcdefgh", ["admin"])}
+
+POLICY = """
+default = "deny"
+
+[roles]
+analyst = ["route:all", "model:gpt-4o*", "intent:*"]
+intern = ["route:all", "model:tiny-*"]
+admin = ["*"]
+
+[[rules]]
+id = "no-delete"
+effect = "deny"
+methods = ["DELETE"]
+roles = ["analyst", "intern"]
+
+[[rules]]
+id = "big-bodies"
+effect = "deny"
+body_over = 1000
+subjects = ["bob"]
+
+[[rules]]
+id = "rbac"
+effect = "allow"
+rbac = true
+"""
+
+
+def _config(upstream: int, policy_file: Path, extra: str = "") -> str:
+    keys = "".join(
+        f'\n[[auth.api_keys]]\nid = "{name}"\nsubject = "{name}"\nhash = "{hash_key(key)}"\n'
+        f"roles = {roles!r}\n".replace("'", '"')
+        for name, (key, roles) in KEYS.items())
+    return simple_config(upstream) + f"""
+[auth]
+{keys}
+
+[policy]
+files = ["{policy_file}"]
+poll_ms = 50
+{extra}
+"""
+
+
+def _req(client: httpx.Client, proxy, who: str, method: str = "POST", model: str = "gpt-4o",
+         body_pad: int = 0) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "x" * body_pad}]}
+    return client.request(method, f"{proxy.url}/echo", json=body,
+                          headers={"x-api-key": KEYS[who][0]})
+
+
+@pytest.fixture
+def policy_proxy(start_proxy, demo_upstream, tmp_path):
+    pf = tmp_path / "policy.toml"
+    pf.write_text(POLICY)
+    proxy = start_proxy(_config(demo_upstream, pf))
+    proxy.policy_file = pf
+    return proxy
+
+
+def _assert_403(r: httpx.Response, rule: str) -> None:
+    assert r.status_code == 403, r.text
+    assert r.json()["error"] == {"code": "forbidden", "message": f"denied by policy rule {rule}"}
+    assert r.headers["x-aiproxy-policy-rule"] == rule
+
+
+def test_rbac_and_abac_decisions(policy_proxy):
+    with httpx.Client(timeout=10) as c:
+        assert _req(c, policy_proxy, "alice").status_code == 200
+        _assert_403(_req(c, policy_proxy, "alice", model="tiny-1"), "default")  # no permission
+        assert _req(c, policy_proxy, "bob", model="tiny-1").status_code == 200
+        _assert_403(_req(c, policy_proxy, "bob", model="gpt-4o"), "default")
+        _assert_403(_req(c, policy_proxy, "bob", model="tiny-1", body_pad=2000), "big-bodies")
+        _assert_403(_req(c, policy_proxy, "alice", method="DELETE"), "no-delete")
+        # deny overrides allow: admin is not in the deny rule's roles, so only rbac applies
+        assert _req(c, policy_proxy, "ops", method="DELETE", model="any").status_code == 200
+
+
+def test_policy_change_takes_effect_quickly_and_broken_file_keeps_old(policy_proxy):
+    pf = policy_proxy.policy_file
+    latencies = []
+    with httpx.Client(timeout=10) as c:
+        for round_ in range(3):
+            assert _req(c, policy_proxy, "alice").status_code == 200
+            changed = POLICY + f"""
+[[rules]]
+id = "lockout-{round_}"
+effect = "deny"
+subjects = ["alice"]
+"""
+            tmp = pf.with_suffix(".new")
+            tmp.write_text(changed)
+            t0 = time.monotonic()
+            tmp.replace(pf)
+            # A running client, one request every 5 ms, until it is denied.
+            while True:
+                r = _req(c, policy_proxy, "alice")
+                if r.status_code == 403:
+                    break
+                assert time.monotonic() - t0 < 5, "policy change never applied"
+                time.sleep(0.005)
+            latencies.append((time.monotonic() - t0) * 1000)
+            _assert_403(r, f"lockout-{round_}")
+            pf.write_text(POLICY)
+            deadline = time.monotonic() + 5
+            while _req(c, policy_proxy, "alice").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        print(f"policy reload latency ms (change -> first denial): "
+              f"{', '.join(f'{x:.0f}' for x in latencies)}")
+        assert max(latencies) < 2000  # generous bound; the target (300 ms) is what is logged
+        # A broken file is rejected with FILE:LINE and the previous policy keeps serving.
+        pf.write_text(POLICY + '\n[[rules]]\nid = "x"\neffect = "maybe"\n')
+        time.sleep(0.4)
+        assert _req(c, policy_proxy, "alice").status_code == 200
+        _assert_403(_req(c, policy_proxy, "alice", method="DELETE"), "no-delete")
+    log = policy_proxy.log()
+    assert "policy not reloaded" in log
+    assert f"{pf}:" in log and "rules[3].effect" in log
+
+
+def test_dry_run_logs_would_deny(start_proxy, demo_upstream, tmp_path):
+    pf = tmp_path / "policy.toml"
+    pf.write_text(POLICY)
+    proxy = start_proxy(_config(demo_upstream, pf, "dry_run = true"))
+    with httpx.Client(timeout=10) as c:
+        assert _req(c, proxy, "alice", method="DELETE").status_code == 200
+    deadline = time.monotonic() + 3
+    while "dry-run: would deny DELETE /echo for alice (rule no-delete)" not in proxy.log():
+        assert time.monotonic() < deadline, proxy.log()
+        time.sleep(0.05)
+
+
+def test_time_limited_grants_and_conditions():
+    now = datetime(2026, 1, 5, 10, 30, tzinfo=UTC)  # a Monday
+    pf_text = """
+[roles]
+user = ["route:all"]
+
+[[rules]]
+id = "temp"
+effect = "allow"
+subjects = ["carol"]
+expires = 2026-01-05T11:00:00Z
+
+[[rules]]
+id = "office-hours"
+effect = "allow"
+roles = ["user"]
+time = { days = ["mon", "tue"], from = "09:00", to = "17:00" }
+source_cidrs = ["192.0.2.0/24", "2001:db8::/32"]
+
+[[rules]]
+id = "gold"
+effect = "allow"
+claims = { tier = ["gold", "platinum"] }
+rbac = true
+"""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as fh:
+        fh.write(pf_text)
+    policy = load_policy_files([fh.name])
+    ts = now.timestamp()
+    assert decide(policy, Request(subject="carol", now=ts)).rule == "temp"
+    assert decide(policy, Request(subject="carol", now=ts + 3600)).allowed is False
+    office = Request(subject="u", roles=("user",), source="192.0.2.9", now=ts)
+    assert decide(policy, office).rule == "office-hours"
+    office.source = "198.51.100.1"
+    assert not decide(policy, office).allowed
+    office.source = "2001:db8::1"
+    office.now = (now + timedelta(days=5)).timestamp()  # Saturday
+    assert not decide(policy, office).allowed
+    office.now = ts
+    assert decide(policy, office).allowed
+    # A token's own time-limited grant (aiproxy_grants) and a claim condition.
+    claims = {"tier": "gold", "aiproxy_grants": [{"permission": "route:all", "exp": ts + 60}]}
+    req = Request(subject="d", claims=claims, route="all", now=ts)
+    assert decide(policy, req).rule == "gold"
+    req.now = ts + 120
+    assert not decide(policy, req).allowed
+    req.claims = {"tier": "silver", "aiproxy_grants": claims["aiproxy_grants"]}
+    req.now = ts
+    assert not decide(policy, req).allowed
+
+
+def test_broken_policy_file_at_startup_names_file_and_line(tmp_path):
+    pf = tmp_path / "p.toml"
+    pf.write_text('[[rules]]\nid = "a"\neffect = "allow"\n\n[[rules]]\nid = "b"\n'
+                  'effect = "deny"\nsource_cidrs = ["10.0.0.300/8"]\n')
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(pf)])
+    assert f"{pf}:8: rules[1].source_cidrs[0]: invalid CIDR" in str(err.value)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[[listeners]]\nname = "a"\naddress = "127.0.0.1:1"\n[policy]\n'
+                   f'files = ["{pf}"]\n')
+    res = subprocess.run([sys.executable, "-m", "aiproxy", "check", "-c", str(cfg)],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and f"{pf}:8:" in res.stderr, res.stderr
+
+
+def test_explain_cli(tmp_path):
+    pf = tmp_path / "p.toml"
+    pf.write_text(POLICY)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[[listeners]]\nname = "a"\naddress = "127.0.0.1:1"\n[policy]\n'
+                   f'files = ["{pf}"]\n')
+
+    def explain(request: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "aiproxy", "policy", "explain", "-c",
+                               str(cfg), "--request", request], capture_output=True, text=True)
+
+    res = explain('{"subject": "alice", "roles": ["analyst"], "method": "DELETE", '
+                  '"route": "all", "model": "gpt-4o"}')
+    assert res.returncode == 1, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "decision: deny (rule no-delete)"
+    assert any("no-delete" in ln and "match" in ln and f"{pf}:9" in ln for ln in lines), lines
+    assert any("rbac" in ln and "match" in ln for ln in lines)  # the allow it overrode
+    res = explain('{"subject": "bob", "roles": ["intern"], "route": "all", "model": "gpt-4o"}')
+    assert res.returncode == 1 and "decision: deny (rule default)" in res.stdout
+    assert "no: rbac.model" in res.stdout
+    res = explain('{"subject": "bob", "roles": ["intern"], "route": "all", "model": "tiny-2"}')
+    assert res.returncode == 0 and "decision: allow (rule rbac)" in res.stdout
+    assert explain('{"bogus": 1}').returncode == 2
+
+
+def test_grpc_permission_denied(start_proxy, demo_upstream, tmp_path):
+    import grpc
+
+    pf = tmp_path / "policy.toml"
+    pf.write_text(POLICY)
+    proxy = start_proxy(_config(demo_upstream, pf), 'protocols = ["http1", "h2c"]')
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/pkg.Svc/Method")(
+                b"x" * 2000, timeout=10, metadata=[("x-api-key", KEYS["bob"][0])])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
+    assert err.value.details() == "denied by policy rule big-bodies"

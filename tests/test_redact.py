@@ -1,0 +1,117 @@
+"""The redactor by itself: checksums, masks, JSON safety, and that any split of a
+stream gives the same bytes as the whole while holding back only what could still
+become a match."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from aiproxy.governance.redact import (
+    ORDER,
+    Redactor,
+    compile_detector,
+    iban_ok,
+    luhn,
+    prc_id_ok,
+    redact_text,
+)
+
+DETECTOR = compile_detector(ORDER)
+
+
+def test_checksums():
+    assert luhn(b"4111111111111111") and not luhn(b"4111111111111112")
+    assert luhn(b"378282246310005")  # Amex, 15 digits
+    assert iban_ok(b"GB82 WEST 1234 5698 7654 32") and iban_ok(b"DE89370400440532013000")
+    assert not iban_ok(b"GB82 WEST 1234 5698 7654 33")
+    assert prc_id_ok(b"11010519491231002X") and prc_id_ok(b"110105194912310029") is False
+
+
+@pytest.mark.parametrize("text, masked, kind", [
+    (b"pay with 4111-1111-1111-1111 today", b"pay with ****-****-****-1111 today", "card"),
+    (b"amex 378282246310005.", b"amex ***********0005.", "card"),
+    (b"ssn 078-05-1120 ok", b"ssn ***-**-1120 ok", "us_ssn"),
+    (b"IBAN DE89370400440532013000", b"IBAN ******************3000", "iban"),
+    (b"ID 11010519491231002x", b"ID **************002x", "prc_id"),
+    (b"mail jane_doe+x@mail.example.co.uk", b"mail ****_***+*@****.*******.co.uk", "email"),
+    (b"tel (415) 555-0100", b"tel (***) ***-0100", "phone"),
+])
+def test_masks_keep_last_four(text, masked, kind):
+    out, counts = redact_text(text)
+    assert out == masked and counts == {kind: 1}
+    assert len(out) == len(text)
+
+
+@pytest.mark.parametrize("text", [
+    b"order 4111 1111 1111 1112", b"ssn 666-12-3456", b"ssn 123-00-4567",
+    b"id 110105194912310029", b"year 2026", b"version 1.2.3", b"IBAN GB82 WEST 1234 5698 7654 33",
+])
+def test_left_alone(text):
+    assert redact_text(text) == (text, {})
+
+
+def _sse(parts: list[str]) -> bytes:
+    out = b""
+    for i, p in enumerate(parts):
+        out += b"event: delta\nid: %d\n" % i
+        out += b"data: " + json.dumps({"id": "chatcmpl-9", "created": 4111111111111111,
+                                       "choices": [{"delta": {"content": p}}]}).encode()
+        out += b"\n\n"
+    return out + b"data: [DONE]\n\n"
+
+
+def _run(data: bytes, mode: str, cuts: list[int]) -> tuple[bytes, Redactor, list[bytes]]:
+    r = Redactor(DETECTOR, mode)
+    pieces, last = [], 0
+    for c in [*cuts, len(data)]:
+        pieces.append(r.feed(data[last:c]))
+        last = c
+    pieces.append(r.end())
+    return b"".join(pieces), r, pieces
+
+
+def test_any_split_gives_the_same_result_and_valid_json():
+    parts = ["Card: 4111", " 1111 ", "1111 1111\n and \"mail\" x.y@", "corp.example.com, tel +44",
+             " 20 7946 0958. \u00e9t\u00e9 ssn 078-05-", "1120 end"]
+    data = _sse(parts)
+    whole, r, _ = _run(data, "sse", [])
+    assert r.counts == {"card": 1, "email": 1, "phone": 1, "us_ssn": 1}
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"]["content"]
+                   for line in whole.decode().split("\n")
+                   if line.startswith("data: {"))
+    assert "Card: **** **** **** 1111\n" in text
+    assert "*.*@****.******e.com" in text and "+** ** **** 0958" in text
+    assert "***-**-1120" in text
+    assert b'"created": 4111111111111111' in whole  # a JSON number is never touched
+    rng = random.Random(7)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
+        out, _, _ = _run(data, "sse", cuts)
+        assert out == whole, cuts
+
+
+def test_holds_only_what_could_still_match():
+    r = Redactor(DETECTOR, "text")
+    assert r.feed(b"hello world, my card is 4111 11") == b"hello world, my card is "
+    # "thanks" could still be the start of an e-mail address: held until it cannot.
+    assert r.feed(b"11 1111 1111 thanks") == b"**** **** **** 1111 "
+    assert r.feed(b"! bye") == b"thanks! "
+    assert r.end() == b"bye"
+    # JSON: outside strings nothing is held; inside, from the candidate's first byte.
+    r = Redactor(DETECTOR, "json")
+    assert r.feed(b'{"n": 12345, "t": "ok then 078-') == b'{"n": 12345, "t": "ok then '
+    assert r.feed(b'05-1120"}') == b'***-**-1120"}'
+    # An escape cut in half is held whole.
+    r = Redactor(DETECTOR, "json")
+    assert r.feed(b'{"t": "a \\u00') == b'{"t": "a '
+    assert r.feed(b'e9"}') == b'\\u00e9"}'
+
+
+def test_escapes_are_never_masked():
+    body = json.dumps({"t": "x\n4111111111111111\tand\\u0041 a@b.cd"}).encode()
+    out, counts = redact_text(body, mode="json")
+    doc = json.loads(out)
+    assert doc["t"] == "x\n************1111\tand\\u0041 a@b.cd" and counts["card"] == 1
