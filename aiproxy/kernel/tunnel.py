@@ -25,10 +25,13 @@ If any step fails the tunnel simply stays on the copy path (reading resumes).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import select
 import socket
+import struct
+import termios
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +51,7 @@ TCP_ESTABLISHED = 1  # tcpi_state
 POLL_S = 0.001
 FLUSH_TIMEOUT_S = 10.0
 FLUSH_POLL_MAX_S = 0.02
+DRAIN_READS = 64  # reads that must empty a receive queue before a splice
 
 _DRAINING, _SPLICED, _COPYING, _RELEASED = range(4)
 
@@ -94,6 +98,31 @@ def _dup_socket(transport: asyncio.Transport) -> socket.socket:
     return socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
 
 
+def _queued(sock: socket.socket) -> int:
+    """Bytes waiting in the socket's receive queue (SIOCINQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def _drain(sock: socket.socket, peer: asyncio.Transport) -> bool:
+    """Empty the socket's receive queue into the peer; False if it would not empty.
+
+    The verdict program is handed every skb still in the receive queue when the socket
+    joins the map, from the skb's start, even one user space has read part of (a read
+    into a 64 KiB buffer can stop inside a large loopback skb, and TCP appends new
+    segments to the last queued skb): its read bytes would go out twice. Once the queue
+    has been empty, what arrives later is in new, unread skbs, which the kernel may
+    take whole; the paused transports read nothing more."""
+    for _ in range(DRAIN_READS):
+        n = _queued(sock)
+        if not n:
+            return True
+        data = sock.recv(n, socket.MSG_DONTWAIT)
+        if not data:
+            return True  # EOF: the socket is no longer established; the caller copies
+        peer.write(data)
+    return False
+
+
 def _established(sock: socket.socket) -> bool:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_ESTABLISHED
 
@@ -130,6 +159,14 @@ class TunnelSplice:
                 return
             try:
                 self.socks = (_dup_socket(down), _dup_socket(up))
+                if not (_drain(self.socks[0], up) and _drain(self.socks[1], down)):
+                    self._close_socks()  # a sender faster than the drain: keep copying
+                    return
+                while down.get_write_buffer_size() or up.get_write_buffer_size():
+                    if down.is_closing() or up.is_closing():
+                        self._close_socks()
+                        return
+                    await asyncio.sleep(POLL_S)
                 if not all(map(_established, self.socks)):
                     # A side already half-closed (e.g. the client's FIN came with its
                     # request): the kernel only splices established sockets. Copy it.

@@ -294,8 +294,10 @@ def test_bytes_read_before_the_splice_keep_their_order(start_proxy, mode):
         # the 101 until its EOF; meanwhile send our own stream, then half-close.
         reader = threading.Thread(target=lambda: result.update(got=read_all(conn, rest)))
         reader.start()
-        for block in up_blocks:
+        for i, block in enumerate(up_blocks):
             conn.sendall(block)
+            if i == 0:
+                time.sleep(0.2)  # let the splice happen mid-stream (see _drain)
         conn.shutdown(socket.SHUT_WR)
         reader.join(30)
 
@@ -307,8 +309,10 @@ def test_bytes_read_before_the_splice_keep_their_order(start_proxy, mode):
         reader_out: dict = {}
         reader = threading.Thread(target=lambda: reader_out.update(got=read_all(c, rest)))
         reader.start()
-        for block in down_blocks:
+        for i, block in enumerate(down_blocks):
             c.sendall(block)
+            if i == 0:
+                time.sleep(0.2)
         c.shutdown(socket.SHUT_WR)  # half-close: the upstream's stream still arrives
         reader.join(30)
         server.close()
@@ -388,7 +392,12 @@ def test_client_half_close_while_upstream_streams(start_proxy, mode):
     want = hashlib.sha256(b"".join(blocks[i % 4] for i in range(size // MiB))).hexdigest()
 
     def script(conn, rest, result):
-        for i in range(size // MiB):
+        # A pause after the first MiB: the proxy splices only once the upstream's receive
+        # queue has been emptied (aiproxy/kernel/tunnel.py _drain), which a sender that
+        # never pauses on loopback can outrun until it is done.
+        conn.sendall(blocks[0])
+        time.sleep(0.2)
+        for i in range(1, size // MiB):
             conn.sendall(blocks[i % 4])
         conn.shutdown(socket.SHUT_WR)
         result["got"] = read_all(conn, rest)
@@ -404,7 +413,7 @@ def test_client_half_close_while_upstream_streams(start_proxy, mode):
                 c.shutdown(socket.SHUT_WR)
             rest = read_101(c)
             if not early_fin:
-                time.sleep(0.05)  # spliced by now; the upstream's stream is under way
+                time.sleep(0.1)  # spliced by now; the upstream's stream is about to go on
                 c.sendall(b"hello")
                 c.shutdown(socket.SHUT_WR)
             got = read_all(c, rest)
