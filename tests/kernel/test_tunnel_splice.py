@@ -81,6 +81,14 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
     return cond()
 
 
+def wait_decided(admin: int, tunnels: int) -> None:
+    """Wait until the proxy has chosen spliced or copied for `tunnels` tunnels: a
+    splice waits for the receive queues to empty (aiproxy/kernel/tunnel.py _drain),
+    which a loopback sender that never pauses can outrun until it is done."""
+    assert wait_for(lambda: sum(tunnel_metrics(admin)[k] for k in ("spliced", "copied"))
+                    >= tunnels, timeout=20)
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -297,13 +305,15 @@ def test_bytes_read_before_the_splice_keep_their_order(start_proxy, mode):
         for i, block in enumerate(up_blocks):
             conn.sendall(block)
             if i == 0:
-                time.sleep(0.2)  # let the splice happen mid-stream (see _drain)
+                wait_decided(ports["admin"], 1)  # the rest goes spliced, mid-stream
         conn.shutdown(socket.SHUT_WR)
         reader.join(30)
 
+    ports: dict[str, int] = {}
     server = RawUpgradeServer(b"early-from-upstream|", script)
     try:
         proxy, admin = start(start_proxy, mode, server.port)
+        ports["admin"] = admin
         c = upgrade_request(proxy.port, b"early-from-client|")
         rest = read_101(c)
         reader_out: dict = {}
@@ -312,7 +322,7 @@ def test_bytes_read_before_the_splice_keep_their_order(start_proxy, mode):
         for i, block in enumerate(down_blocks):
             c.sendall(block)
             if i == 0:
-                time.sleep(0.2)
+                wait_decided(admin, 1)
         c.shutdown(socket.SHUT_WR)  # half-close: the upstream's stream still arrives
         reader.join(30)
         server.close()
@@ -391,12 +401,13 @@ def test_client_half_close_while_upstream_streams(start_proxy, mode):
     blocks = [os.urandom(MiB) for _ in range(4)]
     want = hashlib.sha256(b"".join(blocks[i % 4] for i in range(size // MiB))).hexdigest()
 
+    calls: list[int] = []
+    ports: dict[str, int] = {}
+
     def script(conn, rest, result):
-        # A pause after the first MiB: the proxy splices only once the upstream's receive
-        # queue has been emptied (aiproxy/kernel/tunnel.py _drain), which a sender that
-        # never pauses on loopback can outrun until it is done.
+        calls.append(1)
         conn.sendall(blocks[0])
-        time.sleep(0.2)
+        wait_decided(ports["admin"], len(calls))
         for i in range(1, size // MiB):
             conn.sendall(blocks[i % 4])
         conn.shutdown(socket.SHUT_WR)
@@ -406,6 +417,7 @@ def test_client_half_close_while_upstream_streams(start_proxy, mode):
     server = RawUpgradeServer(b"", script, conns=4, delay_101=0.05)
     try:
         proxy, admin = start(start_proxy, mode, server.port)
+        ports["admin"] = admin
         for attempt in range(4):
             early_fin = attempt == 3
             c = upgrade_request(proxy.port, b"hello" if early_fin else b"")
@@ -413,7 +425,7 @@ def test_client_half_close_while_upstream_streams(start_proxy, mode):
                 c.shutdown(socket.SHUT_WR)
             rest = read_101(c)
             if not early_fin:
-                time.sleep(0.1)  # spliced by now; the upstream's stream is about to go on
+                wait_decided(admin, attempt + 1)  # spliced; the upstream's stream goes on
                 c.sendall(b"hello")
                 c.shutdown(socket.SHUT_WR)
             got = read_all(c, rest)
