@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -288,3 +289,44 @@ def test_reload_keeps_one_chain(start_proxy, demo_upstream, tmp_path):
     recs = _wait_records(tmp_path / "audit.log", 6)
     assert [r["seq"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert _cli("verify", str(tmp_path / "audit.log")).returncode == 0
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        out = b""
+        while b"\r\n\r\n" not in out:
+            data = s.recv(65536)
+            if not data:
+                break
+            out += data
+        return out
+
+
+def test_unrouted_replies_recorded(start_proxy, demo_upstream, tmp_path):
+    """Requests no route took (404, a 400 for a malformed target, a 417) still get one
+    audit record each, with their status and a trace id, in the same hash chain."""
+    config = _config(demo_upstream, tmp_path, 'fsync = "always"\n').replace(
+        'match = { path_prefix = "/" }', 'match = { path_prefix = "/v1/" }')
+    proxy = start_proxy(config)
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with httpx.Client(timeout=10) as c:
+        r = c.get(f"{proxy.url}/nowhere",
+                  headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "no_route", r.text
+        assert c.get(f"{proxy.url}/v1/echo", headers={"x-api-key": KEY}).status_code == 404
+    assert _raw(proxy.port, b"GET /v1/%zz HTTP/1.1\r\nHost: a\r\n\r\n").startswith(
+        b"HTTP/1.1 400 ")
+    assert _raw(proxy.port, b"GET /v1/a#b HTTP/1.1\r\nHost: a\r\n\r\n").startswith(
+        b"HTTP/1.1 400 ")
+    assert _raw(proxy.port, b"POST /v1/echo HTTP/1.1\r\nHost: a\r\nExpect: fly\r\n"
+                b"Content-Length: 1\r\n\r\nx").startswith(b"HTTP/1.1 417 ")
+    log = tmp_path / "audit.log"
+    recs = _wait_records(log, 5)
+    assert [r["status"] for r in recs] == [404, 404, 400, 400, 417], recs
+    assert recs[0]["trace_id"] == trace and recs[0]["route"] is None
+    assert recs[0]["path"] == "/nowhere" and recs[0]["outcome"] == "answered"
+    assert all(len(r["trace_id"]) == 32 and r["span_id"] for r in recs)
+    assert len({r["trace_id"] for r in recs}) == 5
+    res = _cli("verify", str(log))
+    assert res.returncode == 0 and res.stdout.startswith("ok: 5 records"), res.stdout

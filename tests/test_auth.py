@@ -305,3 +305,80 @@ upstream_identity = {{ secret = "{SECRET}" }}
             capture_output=True, timeout=10, check=True)
         seen = json.loads(res.stdout)["headers"]
         assert seen["x-aiproxy-identity"].startswith("subject=client;kind=mtls;roles=service;")
+
+
+def _authenticator(tmp_path: Path, keys: dict, extra: str = ""):
+    from aiproxy.governance.auth import Authenticator
+
+    jwks = tmp_path / "jwks.json"
+    _write_jwks(jwks, keys, ["rsa1"])
+    cfg = load_config_text(f"""[[listeners]]
+name = "a"
+address = "127.0.0.1:1"
+
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["RS256"]
+audience = "aiproxy"
+leeway_s = 0
+{extra}
+""", str(tmp_path / "cfg.toml"))
+    return Authenticator(cfg.auth), jwks
+
+
+def _refused(auth, token: str) -> str:
+    from aiproxy.governance.auth import AuthError
+
+    with pytest.raises(AuthError) as err:
+        auth.verify_jwt(token)
+    return str(err.value)
+
+
+def test_jwt_cache_hit_expiry_and_jwks_change(tmp_path, keys):
+    """Real RS256 tokens and JWKS file: a verified token is served from the cache, but
+    never past its exp, and not after the JWKS changed."""
+    auth, jwks = _authenticator(tmp_path, keys)
+    token = _token(keys["rsa1"], "rsa1")
+    first = auth.verify_jwt(token)
+    assert auth.verify_jwt(token) is first and auth.tokens.hits == 1
+    assert first.subject == "alice" and first.roles == ("user",)
+
+    short = _token(keys["rsa1"], "rsa1", exp=int(time.time()) + 1)
+    assert auth.verify_jwt(short).subject == "alice"
+    exp = jwt.decode(short, options={"verify_signature": False})["exp"]
+    while time.time() <= exp:
+        time.sleep(0.05)
+    assert "token expired" in _refused(auth, short)
+
+    _write_jwks(jwks, keys, ["rsa2"])  # rsa1 withdrawn: its cached tokens go too
+    time.sleep(0.3)  # the JWKS file is checked at most every 0.25 s
+    assert "unknown signing key" in _refused(auth, token)
+
+
+def test_jwt_cache_keeps_refusals_briefly(tmp_path, keys):
+    auth, _ = _authenticator(tmp_path, keys)
+    nbf = int(time.time()) + 2
+    early = _token(keys["rsa1"], "rsa1", nbf=nbf)
+    assert "not yet valid" in _refused(auth, early)
+    misses = auth.tokens.misses
+    assert "not yet valid" in _refused(auth, early)  # from the cache
+    assert auth.tokens.misses == misses and auth.tokens.hits == 1
+    while time.time() <= nbf:
+        time.sleep(0.05)
+    assert auth.verify_jwt(early).subject == "alice"  # refusal held <= 1 s
+
+
+def test_jwt_cache_bounded_and_off(tmp_path, keys):
+    auth, _ = _authenticator(tmp_path, keys, "cache_size = 2")
+    tokens = [_token(keys["rsa1"], "rsa1", jti=str(i)) for i in range(3)]
+    for t in tokens:
+        auth.verify_jwt(t)
+    assert list(auth.tokens.entries) == tokens[1:]  # least recently used went first
+    auth.verify_jwt(tokens[1])
+    auth.verify_jwt(_token(keys["rsa1"], "rsa1", jti="x"))
+    assert tokens[1] in auth.tokens.entries and tokens[2] not in auth.tokens.entries
+    off, _ = _authenticator(tmp_path, keys, "cache_ttl_s = 0")
+    assert off.tokens is None and off.verify_jwt(tokens[0]).subject == "alice"
+    with pytest.raises(ConfigError) as err:
+        _authenticator(tmp_path, keys, "cache_size = -1")
+    assert "cfg.toml:10: auth.jwt.cache_size: must be between 0 and 1000000" in str(err.value)

@@ -141,6 +141,21 @@ subjects = ["alice"]
     assert f"{pf}:" in log and "rules[3].effect" in log
 
 
+def test_idle_proxy_picks_up_a_changed_policy_file(policy_proxy):
+    """No request comes: a timer still re-reads the files (the kernel deny map follows
+    them, see tests/test_policy_xdp.py)."""
+    pf = policy_proxy.policy_file
+    tmp = pf.with_suffix(".new")
+    tmp.write_text(POLICY + '\n[[rules]]\nid = "idle"\neffect = "deny"\nmethods = ["PUT"]\n')
+    tmp.replace(pf)
+    deadline = time.monotonic() + 5
+    while "policy reloaded from" not in policy_proxy.log():
+        assert time.monotonic() < deadline, policy_proxy.log()
+        time.sleep(0.05)
+    with httpx.Client(timeout=10) as c:
+        _assert_403(_req(c, policy_proxy, "ops", method="PUT"), "idle")
+
+
 def test_dry_run_logs_would_deny(start_proxy, demo_upstream, tmp_path):
     pf = tmp_path / "policy.toml"
     pf.write_text(POLICY)

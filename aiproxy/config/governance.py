@@ -48,6 +48,8 @@ class JwtConfig:
     subject_claim: str = "sub"
     roles_claim: str = "roles"
     require: tuple[str, ...] = ("exp",)
+    cache_ttl_s: int = 300  # verified tokens kept (never past their exp); 0: no cache
+    cache_size: int = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +301,8 @@ def _jwt(checker: _Checker, table: dict, path: KeyPath) -> JwtConfig | None:
         return None
     path += ("jwt",)
     checker.check_keys(jwt, path, ("jwks_file", "algorithms", "issuer", "audience", "leeway_s",
-                                   "subject_claim", "roles_claim", "require"))
+                                   "subject_claim", "roles_claim", "require", "cache_ttl_s",
+                                   "cache_size"))
     jwks = _file(checker, jwt, path, "jwks_file", required=True)
     algorithms = _strings(checker, jwt, path, "algorithms", JWT_ALGORITHMS)
     if not algorithms:
@@ -325,7 +328,9 @@ def _jwt(checker: _Checker, table: dict, path: KeyPath) -> JwtConfig | None:
         leeway_s=_int(checker, jwt, path, "leeway_s", 30, 0, 3600),
         subject_claim=checker.get(jwt, path, "subject_claim", "string") or "sub",
         roles_claim=checker.get(jwt, path, "roles_claim", "string") or "roles",
-        require=("exp",) if require is None else require)
+        require=("exp",) if require is None else require,
+        cache_ttl_s=_int(checker, jwt, path, "cache_ttl_s", 300, 0, 86_400),
+        cache_size=_int(checker, jwt, path, "cache_size", 10_000, 0, 1_000_000))
 
 
 def _policy(checker: _Checker, data: dict) -> PolicyConfig | None:

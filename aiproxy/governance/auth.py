@@ -5,7 +5,8 @@ WWW-Authenticate (RFC 6750 3) when auth is required.
 JWT: the token's `alg` must be on the configured allow-list (so `none` never passes),
 and the key is chosen by `kid` from a JWKS file and must be of the algorithm's family
 (an HS256 token is never checked against an RSA key's bytes: key confusion). The JWKS
-file is re-read when it changes; a broken file keeps the previous keys.
+file is re-read when it changes; a broken file keeps the previous keys. Verified
+tokens are cached (aiproxy/governance/token_cache.py; cleared when the JWKS changes).
 
 The credential is removed before the request goes upstream. With upstream_identity the
 upstream gets x-aiproxy-identity (subject, kind, roles, time) and its HMAC-SHA256 in
@@ -27,6 +28,7 @@ import jwt
 
 from aiproxy.config.errors import ConfigError
 from aiproxy.config.governance import ApiKey, AuthConfig, JwtConfig, load_key_file
+from aiproxy.governance.token_cache import TokenCache
 from aiproxy.governance.watch import FileWatch
 from aiproxy.pipeline.filters import Filter, FilterFactory, Identity, LocalReply
 
@@ -126,9 +128,11 @@ class Jwks:
         self.keys = keys
         return True
 
+    def refresh(self) -> bool:
+        """Re-read the file if it changed; True when the keys were replaced."""
+        return self.watch.changed() and self.load()
+
     def key_for(self, kid: str | None, alg: str) -> jwt.PyJWK:
-        if self.watch.changed():
-            self.load()
         key = self.keys.get(kid)
         if key is None and kid is None and len(self.keys) == 1:
             key = next(iter(self.keys.values()))
@@ -144,10 +148,35 @@ class Authenticator:
         self.cfg = cfg
         self.keys = KeyStore(cfg) if cfg.api_keys or cfg.key_file else None
         self.jwks = Jwks(cfg.jwt) if cfg.jwt is not None else None
+        self.tokens = (TokenCache(cfg.jwt.cache_size, cfg.jwt.cache_ttl_s)
+                       if cfg.jwt is not None and cfg.jwt.cache_size and cfg.jwt.cache_ttl_s
+                       else None)
         challenge = f'Bearer realm="{cfg.realm}"'
         self.challenge = challenge.encode()
 
     def verify_jwt(self, token: str) -> Identity:
+        """The token's identity (AuthError if refused), from the cache when it was
+        verified before and the keys have not changed since."""
+        cache = self.tokens
+        if self.jwks.refresh() and cache is not None:
+            cache.clear()
+        if cache is None:
+            return self._verify_jwt(token)
+        now = time.time()
+        hit = cache.get(token, now)
+        if hit is not None:
+            if isinstance(hit, Identity):
+                return hit  # shared by the requests presenting this token; never mutated
+            raise AuthError(*hit)  # a fresh exception: a re-raised one grows its traceback
+        try:
+            identity = self._verify_jwt(token)
+        except AuthError as exc:
+            cache.refused(token, (exc.error, str(exc)), now)
+            raise
+        cache.verified(token, identity, identity.claims.get("exp"), now)
+        return identity
+
+    def _verify_jwt(self, token: str) -> Identity:
         cfg = self.cfg.jwt
         try:
             header = jwt.get_unverified_header(token)

@@ -37,6 +37,7 @@ import logging
 import re
 import time as _time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from fnmatch import fnmatchcase
@@ -478,6 +479,9 @@ class PolicyState:
         self.reloads = 0
         self.reload_errors = 0
         self.decisions: dict[tuple[str, str], int] = {}  # (result, rule) -> count
+        # Called (on the event loop) after the files were re-read: the server pushes
+        # the policy's source-CIDR denies into the XDP deny map.
+        self.on_reload: Callable[[PolicyState], None] | None = None
 
     def count(self, result: str, rule: str) -> None:
         key = (result, rule)
@@ -507,6 +511,12 @@ class PolicyState:
             except ConfigError as exc:
                 self.reload_errors += 1
                 log.error("policy not reloaded, the previous policy stays:\n%s", exc)
+            else:
+                if self.on_reload is not None:
+                    try:
+                        self.on_reload(self)
+                    except Exception:
+                        log.exception("policy reload hook failed")
         return self.policy
 
 

@@ -1,22 +1,30 @@
 """The kernel fast paths of one proxy process, driven by the server's lifecycle.
 
     kernel = ProxyKernel(config.source)
-    kernel.start(config.kernel)      # load + attach; KernelStartError if that fails
+    kernel.start(config.kernel, policy_cidrs)  # load + attach; KernelStartError if that fails
     kernel.reload(new.kernel)        # maps in place, no detach; KernelStartError (old
                                      # state kept) if the new [kernel] cannot be applied
     kernel.splice_tunnel(loop, down_transport, up_transport)   # per Upgrade tunnel
+    kernel.want_policy_cidrs(cidrs)  # on the loop: True when the deny map must change,
+    kernel.apply_policy_cidrs()      # then this in a thread
     kernel.stop()                    # detach everything, unload
 
 XDP/TC (``interfaces``) are an explicit request: failing to load or attach them is an
 error at start. ``splice_tunnels`` is an optimisation: when the kernel path is not
 available (not root, bpf() refused, objects not built) or cannot apply (a TLS
 connection), tunnels are copied in user space and the reason is logged once.
+
+[policy] deny rules on source CIDRs alone (governance.policy.kernel_deny_cidrs) join
+[kernel] deny_cidrs in the XDP deny map; they change with the policy files, without a
+config reload. Map changes run in threads, serialised by one lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 from aiproxy.config.schema import KernelConfig
@@ -48,40 +56,81 @@ class ProxyKernel:
         self.spliced_bytes = 0  # of released tunnels; live ones are read from the map
         self.watch: HangupWatch | None = None
         self._told: set[str] = set()
+        self.policy_cidrs: tuple[str, ...] = ()  # in the deny map now
+        self.policy_wanted: tuple[str, ...] = ()  # set on the event loop
+        self._lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self, cfg: KernelConfig) -> None:
-        self.cfg = cfg
-        if cfg.interfaces:
-            self.fast = self._start_fast(cfg)
+    def start(self, cfg: KernelConfig, policy_cidrs: tuple[str, ...] = ()) -> None:
+        with self._lock:
+            self.cfg = cfg
+            self.policy_cidrs = self.policy_wanted = tuple(policy_cidrs)
+            if cfg.interfaces:
+                self.fast = self._start_fast(self._with_policy(cfg))
         self._set_splice(cfg.splice_tunnels)
 
     def reload(self, cfg: KernelConfig) -> None:
         """Apply a new [kernel]: on failure the running programs and maps stay as they
         were and KernelStartError says why."""
-        old, fast = self.cfg, self.fast
-        if cfg.interfaces and fast is None:
-            self.fast = self._start_fast(cfg)
-        elif fast is not None and not cfg.interfaces:
-            fast.stop()
-            self.fast = None
-        elif fast is not None:
-            try:
-                fast.reload(cfg)
-            except (BPFError, ValueError) as exc:
+        with self._lock:
+            old, fast = self.cfg, self.fast
+            if cfg.interfaces and fast is None:
+                self.fast = self._start_fast(self._with_policy(cfg))
+            elif fast is not None and not cfg.interfaces:
+                fast.stop()
+                self.fast = None
+            elif fast is not None:
                 try:
-                    fast.reload(old)
-                except (BPFError, ValueError) as again:
-                    log.error("kernel: restoring the previous [kernel] failed too: %s", again)
-                raise KernelStartError(f"{self.source}: [kernel]: {exc}") from None
-        self.cfg = cfg
+                    fast.reload(self._with_policy(cfg))
+                except (BPFError, ValueError) as exc:
+                    try:
+                        fast.reload(self._with_policy(old))
+                    except (BPFError, ValueError) as again:
+                        log.error("kernel: restoring the previous [kernel] failed too: %s",
+                                  again)
+                    raise KernelStartError(f"{self.source}: [kernel]: {exc}") from None
+            self.cfg = cfg
         self._set_splice(cfg.splice_tunnels)
 
+    def want_policy_cidrs(self, cidrs: tuple[str, ...]) -> bool:
+        """Record the policy's deny CIDRs (on the event loop); True when they differ
+        from the last wanted, i.e. apply_policy_cidrs should run (in a thread)."""
+        cidrs = tuple(cidrs)
+        if cidrs == self.policy_wanted:
+            return False
+        self.policy_wanted = cidrs
+        return True
+
+    def apply_policy_cidrs(self) -> None:
+        """Bring the deny map to the latest wanted policy CIDRs (whichever call runs
+        last applies the newest). Errors are logged; the map keeps its entries."""
+        with self._lock:
+            cidrs = self.policy_wanted
+            if cidrs == self.policy_cidrs:
+                return
+            old, self.policy_cidrs = self.policy_cidrs, cidrs
+            if self.fast is None:
+                return
+            try:
+                self.fast.reload(self._with_policy(self.cfg))
+            except (BPFError, ValueError) as exc:
+                self.policy_cidrs = old
+                log.error("kernel: policy deny CIDRs not applied to the XDP deny map: %s", exc)
+                return
+        log.info("kernel: policy deny CIDRs in the XDP deny map: %s", ", ".join(cidrs) or "none")
+
+    def _with_policy(self, cfg: KernelConfig) -> KernelConfig:
+        if not self.policy_cidrs:
+            return cfg
+        return dataclasses.replace(cfg, deny_cidrs=tuple(dict.fromkeys(
+            cfg.deny_cidrs + self.policy_cidrs)))
+
     def stop(self) -> None:
-        if self.fast is not None:
-            self.fast.stop()
-            self.fast = None
+        with self._lock:
+            if self.fast is not None:
+                self.fast.stop()
+                self.fast = None
         if self.splicer is not None:
             self.splicer.close()
             self.splicer = None

@@ -45,3 +45,7 @@ BUILDERS: list[BuilderEntry] = [
     ("ratelimit", limiter.make_state, limiter.build),
     ("cache", prompt.make_state, prompt.build),
 ]
+
+# The features that also see an exchange no route took (a 404, a 400 for a bad target,
+# a 417): the trace it belongs to and its audit record. Their builders get route None.
+UNROUTED = ("tracing", "audit")

@@ -1262,6 +1262,8 @@ class Exchange:
         self.reading_body = False
         self.status = status
         self.head_sent = True
+        if not self.filters and self.done_filters is None and self.rt.unrouted_filters:
+            self._start_unrouted()
         if self.filters or self.done_filters:
             gate = self._finishing()
             if gate is not None:
@@ -1272,6 +1274,21 @@ class Exchange:
         keep = self.down.send_error(self, status, message, code, headers)
         self._drop_upstream()
         self._finish(keep)
+
+    def _start_unrouted(self) -> None:
+        """No route's chain started (no route matched, the request was refused before
+        routing, or the route's chain failed to start): the unrouted chain (tracing,
+        audit) still gives the exchange its trace id and audit record."""
+        started = []
+        for factory in self.rt.unrouted_filters:
+            try:
+                f = factory.start(self)
+            except Exception:
+                log.exception("filter %s failed to start", factory.name)
+                continue
+            if f is not None:
+                started.append(f)
+        self.filters = tuple(started)
 
     def _release_reply(self, gate: asyncio.Future, status: int, message: str,
                        code: str | None, headers: list[tuple[bytes, bytes]] | None) -> None:
@@ -1333,6 +1350,9 @@ class Exchange:
     def _report(self) -> None:
         if not self.reported:
             self.reported = True
+            if (self.route is None and not self.filters and self.done_filters is None
+                    and self.rt.unrouted_filters):
+                self._start_unrouted()  # ended (client gone) before a route was chosen
             if self.counted:
                 self._release_cluster()
             for f in self.done_filters or self.filters:

@@ -24,6 +24,11 @@ starts a small per-request Filter. The Exchange runs the chain at fixed points:
   done(ex)               the exchange ended (answered, failed or abandoned): settle
                          reservations, write audit records. Runs before metrics/logs.
 
+An exchange that takes no route (404, or a 400/417/501 before routing) runs the
+Runtime's `unrouted_filters` instead (tracing and audit, built with route None): they
+start just before its local reply (or at its end, if it ends unanswered before a route
+was chosen) and only see the response and done hooks.
+
 Response hooks run in reverse chain order (the filter nearest the upstream first), and
 for an answer from filter i only filters before i see it: a cached response is still
 redacted by a filter in front of the cache.
@@ -184,11 +189,15 @@ def prepare_states(builders: list[BuilderEntry], config: Config,
     return states
 
 
-def route_filters(builders: list[BuilderEntry], config: Config, route: RouteConfig,
-                  states: dict[str, Any]) -> tuple[FilterFactory, ...]:
-    """The chain for one route, in builder order; features without state are off."""
+def route_filters(builders: list[BuilderEntry], config: Config, route: RouteConfig | None,
+                  states: dict[str, Any],
+                  only: tuple[str, ...] | None = None) -> tuple[FilterFactory, ...]:
+    """The chain for one route, in builder order; features without state are off.
+    route None with `only`: the chain of exchanges that took no route."""
     chain = []
     for name, _, build in builders:
+        if only is not None and name not in only:
+            continue
         state = states.get(name)
         if state is not None:
             factory = build(config, route, state)

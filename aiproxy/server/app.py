@@ -45,11 +45,14 @@ class ProxyServer:
         self.admin: AdminServer | None = None
         self.reload_lock = asyncio.Lock()
         self.kernel = ProxyKernel(config.source)
+        self.policy_timer: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         # [kernel]: XDP/TC attached, splicing ready. In a thread: pyroute2 runs its own
         # event loop, which cannot start inside this one.
-        await self.loop.run_in_executor(None, self.kernel.start, self.config.kernel)
+        await self.loop.run_in_executor(None, self.kernel.start, self.config.kernel,
+                                        self._policy_cidrs())
+        self._watch_policy()
         for listener in self.config.listeners:
             factory, ctx = self._factory(listener)
             server = await self.loop.create_server(
@@ -91,6 +94,7 @@ class ProxyServer:
             self.runtime = Runtime(config, self.loop, previous=old, model=model)
             self.config = config
             old.retire(self.runtime)
+            self._watch_policy()
             self.metrics.reloads += 1
             self.metrics.last_reload_ok = 1
             self.metrics.last_reload_time = time.time()
@@ -99,6 +103,45 @@ class ProxyServer:
             sd_notify.notify("READY=1")
             return True, "; ".join(notes) or "ok"
 
+    # -- [policy]: files checked in the background; source-CIDR denies go to XDP ----------
+
+    def _policy_state(self) -> Any:
+        return self.runtime.filter_states.get("policy")
+
+    def _policy_cidrs(self) -> tuple[str, ...]:
+        state = self._policy_state()
+        if state is None or not self.config.kernel.interfaces:
+            return ()
+        from aiproxy.governance.policy import kernel_deny_cidrs
+
+        return kernel_deny_cidrs(state.policy)
+
+    def _watch_policy(self) -> None:
+        """Follow the current runtime's policy: its reloads update the XDP deny map, and
+        its files are checked every poll_ms even while no request asks for it."""
+        state = self._policy_state()
+        if state is not None:
+            state.on_reload = self._policy_reloaded
+        self._push_policy_cidrs()
+        if state is not None and self.policy_timer is None:
+            self._policy_tick()
+
+    def _policy_reloaded(self, state: Any) -> None:
+        if state is self._policy_state():  # not a retired runtime's
+            self._push_policy_cidrs()
+
+    def _push_policy_cidrs(self) -> None:
+        if self.kernel.want_policy_cidrs(self._policy_cidrs()):
+            self.loop.run_in_executor(None, self.kernel.apply_policy_cidrs)
+
+    def _policy_tick(self) -> None:
+        state = self._policy_state()
+        if state is None or self.draining:
+            self.policy_timer = None
+            return
+        state.current()  # a stat per poll_ms; re-reads the files when they changed
+        self.policy_timer = self.loop.call_later(state.watch.interval, self._policy_tick)
+
     def reopen_logs(self) -> None:
         if self.access_log is not None:
             self.access_log.reopen()
@@ -106,6 +149,9 @@ class ProxyServer:
     async def stop(self, timeout: float) -> None:
         """Stop accepting, let in-flight requests finish (bounded), then close."""
         self.draining = True
+        if self.policy_timer is not None:
+            self.policy_timer.cancel()
+            self.policy_timer = None
         for server in self.servers:
             server.close()
         for conn in list(self.connections):

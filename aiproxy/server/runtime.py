@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from aiproxy.config import Config
-from aiproxy.pipeline.chain import BUILDERS
+from aiproxy.pipeline.chain import BUILDERS, UNROUTED
 from aiproxy.pipeline.filters import prepare_states, route_filters
 from aiproxy.routing.cluster import Cluster, pool_key
 from aiproxy.routing.table import Route, RouteTable
@@ -15,7 +15,7 @@ from aiproxy.semantic.router import SemanticRouter
 
 class Runtime:
     __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout",
-                 "semantic", "filter_states", "decision_cache")
+                 "semantic", "filter_states", "decision_cache", "unrouted_filters")
 
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
                  previous: Runtime | None = None, model: Any = None) -> None:
@@ -36,6 +36,8 @@ class Runtime:
             for route in self.table.routes:
                 route.filters = route_filters(BUILDERS, config, route.cfg, self.filter_states)
                 route.filter_inspect = max((f.inspect_bytes for f in route.filters), default=0)
+        self.unrouted_filters = (route_filters(BUILDERS, config, None, self.filter_states,
+                                               UNROUTED) if self.filter_states else ())
         # The prompt cache's embedding side (aiproxy/cache/prompt.py), asked before the
         # intent model runs.
         self.decision_cache = (self.filter_states.get("cache")
