@@ -114,12 +114,14 @@ endpoints = ["127.0.0.1:9000"]
 
 
 def test_tcp_listener_config_loads(tmp_path):
-    from aiproxy.config import load_config
+    from aiproxy.config import load_config, summary
 
     path = tmp_path / "ok.toml"
     path.write_text(BASE)
-    listener = load_config(path).listeners[0]
+    config = load_config(path)
+    listener = config.listeners[0]
     assert listener.protocols == ("tcp",) and listener.cluster == "db"
+    assert "listener raw 127.0.0.1:8080 [tcp] -> db" in summary(config)
 
 
 def test_tcp_listener_config_errors(tmp_path):
