@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Tunnel throughput through the proxy: spliced in the kernel vs copied in user space.
 
-    python bench/e2e_tunnel.py [--rounds N] [--mib M] [--json PATH]      (root for "spliced")
+    python bench/e2e_tunnel.py [--rounds N] [--mib M] [--tcp] [--json PATH]  (root: "spliced")
 
 Two aiproxy processes (`python -m aiproxy -c`) in front of the same upstream, one with
 `[kernel] splice_tunnels = true`, one with `false`. The upstream (in this process, raw
 sockets) answers an `Upgrade: raw-bench` request with a 101, then sends M MiB while it
-reads the client's M MiB until EOF; the client does the same. Each run is one tunnel
+reads the client's M MiB until EOF; the client does the same. With --tcp the proxies
+have a raw TCP listener (`protocols = ["tcp"]`) instead and there is no 101. Each run is one tunnel
 carrying M MiB each way at once (loopback); the modes alternate, order rotating per round.
 
 Per run: MB/s (both directions together), the proxy's CPU per MB (utime+stime from
@@ -51,9 +52,12 @@ def machine_busy() -> float:
 
 def pump(sock: socket.socket, mib: int, counts: dict, key: str) -> list[threading.Thread]:
     def send() -> None:
-        for _ in range(mib):
-            sock.sendall(BLOCK)
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            for _ in range(mib):
+                sock.sendall(BLOCK)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # wait_port's probe of a tcp listener; a real run checks the counts
 
     def recv() -> None:
         n, buf = 0, bytearray(1 << 20)
@@ -67,8 +71,9 @@ def pump(sock: socket.socket, mib: int, counts: dict, key: str) -> list[threadin
 class Upstream:
     """Accepts tunnels: 101, then M MiB out and everything in until EOF."""
 
-    def __init__(self, mib: int) -> None:
+    def __init__(self, mib: int, tcp: bool) -> None:
         self.mib = mib
+        self.tcp = tcp
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.counts: dict[str, int] = {}
@@ -83,11 +88,12 @@ class Upstream:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += conn.recv(4096)
-        conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
-                     b"Upgrade: raw-bench\r\n\r\n")
+        if not self.tcp:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
+                         b"Upgrade: raw-bench\r\n\r\n")
         threads = pump(conn, self.mib, self.counts, "upstream")
         for t in threads:
             t.start()
@@ -96,13 +102,15 @@ class Upstream:
         conn.close()
 
 
-def start_proxy(tmp: Path, name: str, upstream: int, splice: bool):
+def start_proxy(tmp: Path, name: str, upstream: int, splice: bool, tcp: bool):
     port = free_port()
     path = tmp / f"{name}.toml"
+    listener = 'protocols = ["tcp"]\ncluster = "up"' if tcp else ""
     path.write_text(f"""
 [[listeners]]
 name = "bench"
 address = "127.0.0.1:{port}"
+{listener}
 
 [access_log]
 path = "off"
@@ -126,11 +134,13 @@ splice_tunnels = {"true" if splice else "false"}
 
 def one_run(proc, port: int, upstream: Upstream, mib: int) -> dict:
     c = socket.create_connection(("127.0.0.1", port))
-    c.sendall(b"GET /t HTTP/1.1\r\nHost: b\r\nConnection: Upgrade\r\nUpgrade: raw-bench\r\n\r\n")
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += c.recv(1)
-    assert head.startswith(b"HTTP/1.1 101"), head
+    if not upstream.tcp:
+        c.sendall(b"GET /t HTTP/1.1\r\nHost: b\r\nConnection: Upgrade\r\n"
+                  b"Upgrade: raw-bench\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += c.recv(1)
+        assert head.startswith(b"HTTP/1.1 101"), head
     upstream.counts.clear()
     counts: dict[str, int] = {}
     threads = pump(c, mib, counts, "client")
@@ -157,14 +167,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--mib", type=int, default=256, help="MiB each way per run")
+    ap.add_argument("--tcp", action="store_true", help="raw TCP listeners, no Upgrade")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    upstream = Upstream(args.mib)
+    upstream = Upstream(args.mib, args.tcp)
     procs = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for mode in ("spliced", "copied"):
-                procs[mode] = start_proxy(Path(tmp), mode, upstream.port, mode == "spliced")
+                procs[mode] = start_proxy(Path(tmp), mode, upstream.port, mode == "spliced",
+                                          args.tcp)
             runs: dict[str, list[dict]] = {"spliced": [], "copied": []}
             order = ["spliced", "copied"]
             for r in range(args.rounds):
@@ -181,7 +193,8 @@ def main() -> int:
     keys = ("MB_per_s", "proxy_cpu_ms_per_MB", "machine_cpu_ms_per_MB")
     med = {mode: {k: statistics.median(run[k] for run in rs) for k in keys}
            for mode, rs in runs.items()}
-    print(f"tunnel through aiproxy, {args.mib} MiB each way, {args.rounds} rounds, medians")
+    kind = "raw TCP tunnel" if args.tcp else "tunnel"
+    print(f"{kind} through aiproxy, {args.mib} MiB each way, {args.rounds} rounds, medians")
     print(f"{'mode':8s} {'MB/s':>9s} {'proxy CPU ms/MB':>16s} {'machine CPU ms/MB':>18s}")
     for mode in ("spliced", "copied"):
         m = med[mode]

@@ -369,7 +369,7 @@ def test_listener_protocols_and_cluster_balancer(tmp_path):
         protocols = []
         """)
     assert problems(tmp_path, text) == [
-        "4: listeners[0].protocols[0]: unknown protocol 'h3' (allowed: http1, h2c, h2)",
+        "4: listeners[0].protocols[0]: unknown protocol 'h3' (allowed: http1, h2c, h2, tcp)",
         "9: clusters[0].balancer: unknown balancer 'random' (allowed: round_robin, "
             "least_request, ring_hash, maglev, llm_score)",
         "13: listeners[1].protocols: must not be empty",

@@ -8,6 +8,7 @@ from .schema import ClusterConfig, Config, RouteConfig, RouteMatch
 def summary(cfg: Config) -> str:
     lines = [
         f"listener {listener.name} {listener.address} [{', '.join(listener.protocols)}]"
+        + (f" -> {listener.cluster}" if listener.cluster else "")
         for listener in cfg.listeners
     ]
     if cfg.admin is not None:

@@ -44,7 +44,7 @@ from .schema import (
     UpstreamTlsConfig,
 )
 
-PROTOCOLS = ("http1", "h2c", "h2")
+PROTOCOLS = ("http1", "h2c", "h2", "tcp")
 UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin", "least_request", "ring_hash", "maglev", "llm_score")
 
@@ -56,7 +56,7 @@ XDP_MODES = ("auto", "native", "generic")
 PAYLOAD_SIGNATURES = ("h2_preface", "post_v1")
 MAX_TRAFFIC_CLASSES = 15  # class ids 1..15 (bpf/include/classify.h: CLASSIFY_MAX_CLASSES - 1)
 _IFNAME = re.compile(r"[^\s/:]{1,15}")
-_LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls")
+_LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls", "cluster")
 _TLS_KEYS = ("cert", "key", "ca")
 _ENDPOINT_KEYS = ("address", "weight", "capacity")
 _ROUTE_KEYS = ("name", "cluster", "match", "split", "sticky_header", "timeout_ms", "retries",
@@ -267,6 +267,7 @@ class _Checker:
         http = self.section(data, "http", _field_names(HttpConfig))
         listeners = self.listeners(data)
         clusters, cluster_names = self.clusters(data)
+        self.tcp_listener_clusters(listeners, clusters, cluster_names)
         return Config(
             source=self.filename,
             server=ServerConfig(**self.scalars(ServerConfig, server or {}, ("server",))),
@@ -286,6 +287,7 @@ class _Checker:
         )
 
     def listeners(self, data: dict[str, Any]) -> tuple[ListenerConfig, ...]:
+        self.listener_paths: list[KeyPath] = []
         items = self.table_array(data, "listeners")
         if items is None:
             return ()
@@ -315,12 +317,42 @@ class _Checker:
             if tls is None and "h2" in protocols:
                 self.error(path + ("protocols",), "'h2' needs TLS: add tls = { cert, key }"
                            " (use 'h2c' for cleartext HTTP/2)")
+            cluster = self.tcp_listener(item, path, protocols, tls)
             extra = self.scalars(ListenerConfig, item, path)
             if len(self.problems) == before:
                 listeners.append(ListenerConfig(name, *address, protocols=protocols, tls=tls,
-                                                **extra))
+                                                cluster=cluster, **extra))
+                self.listener_paths.append(path)
         self.unique_names(names, "listener")
         return tuple(listeners)
+
+    def tcp_listener(self, data: dict[str, Any], path: KeyPath, protocols: tuple[str, ...],
+                     tls: TlsConfig | None) -> str | None:
+        """A raw TCP listener's `cluster` (checked against the clusters later)."""
+        if "tcp" not in protocols:
+            if "cluster" in data:
+                self.error(path + ("cluster",), "only a tcp listener takes a cluster "
+                           "(HTTP listeners pick clusters through [[routes]])")
+            return None
+        if len(protocols) > 1:
+            self.error(path + ("protocols",), "'tcp' cannot be combined with HTTP protocols")
+        if tls is not None:
+            self.error(path + ("tls",), "a tcp listener forwards raw bytes: tls is not "
+                       "supported on it")
+        return self.name(data, path, "cluster")
+
+    def tcp_listener_clusters(self, listeners: tuple[ListenerConfig, ...],
+                              clusters: tuple[ClusterConfig, ...],
+                              cluster_names: list[str]) -> None:
+        by_name = {c.name: c for c in clusters}
+        for listener, path in zip(listeners, self.listener_paths, strict=True):
+            if listener.cluster is None:
+                continue
+            self.known_cluster(listener.cluster, path + ("cluster",), cluster_names)
+            cluster = by_name.get(listener.cluster)
+            if cluster is not None and cluster.tls is not None:
+                self.error(path + ("cluster",), f"cluster '{cluster.name}' uses tls; a tcp "
+                           "listener forwards raw bytes to plain TCP endpoints")
 
     def protocols(self, data: dict[str, Any], path: KeyPath) -> tuple[str, ...]:
         if "protocols" not in data:

@@ -67,6 +67,7 @@ class ListenerConfig:
     protocols: tuple[str, ...] = ("http1",)
     backlog: int = _bounded(1024, 1)
     tls: TlsConfig | None = None
+    cluster: str | None = None  # protocols = ["tcp"]: raw bytes to this cluster
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from aiproxy.config import Config, ConfigError, ListenerConfig, load_config
 from aiproxy.kernel.lifecycle import KernelStartError, ProxyKernel
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
+from aiproxy.protocols.tcp_proxy import TcpProxyConnection
 from aiproxy.semantic.classifier import ModelError
 from aiproxy.server import sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
@@ -173,6 +174,9 @@ class ProxyServer:
 
     def _factory(self, listener: ListenerConfig) -> tuple[Any, ssl.SSLContext | None]:
         protocols = listener.protocols
+        if protocols == ("tcp",):
+            cluster = listener.cluster
+            return (lambda: TcpProxyConnection(self, cluster)), None
         if listener.tls is not None:
             ctx = tls_context(listener)
             return (lambda: AlpnDispatch(self, protocols)), ctx

@@ -1,0 +1,221 @@
+"""Raw TCP listeners through the real proxy, spliced in the kernel and copied in user space.
+
+Every test runs twice, like tests/kernel/test_tunnel_splice.py: `[kernel]
+splice_tunnels = true` ("spliced", root + bpf() only) and `false` ("copied"). Both must
+carry the same bytes both ways, propagate half-closes in either direction and release
+both sockets. The 100 MiB test prints the proxy's CPU time per path (not asserted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.kernel.test_tunnel_splice import (
+    open_fds,
+    proc_cpu_seconds,
+    splice_reason,
+    tunnel_metrics,
+    wait_for,
+)
+from tests.support import free_port, wait_port
+from tests.test_operations import admin_block
+from tests.test_tcp_proxy import ThreadServer, echo, start_tcp_proxy
+
+MiB = 1 << 20
+BIG = 100 * MiB
+CHUNK = 1 << 18
+
+
+@pytest.fixture(params=["spliced", "copied"])
+def mode(request) -> str:
+    if request.param == "spliced":
+        reason = splice_reason()
+        if reason:
+            pytest.skip(f"socket splicing unavailable: {reason}")
+    return request.param
+
+
+def start(start_proxy, mode: str, *ports: int):
+    admin = free_port()
+    kernel = f"[kernel]\nsplice_tunnels = {'true' if mode == 'spliced' else 'false'}\n"
+    proxy = start_tcp_proxy(start_proxy, *ports, extra=admin_block(admin) + "\n" + kernel)
+    wait_port("127.0.0.1", admin)
+    return proxy, admin
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        data = s.recv(n - len(buf))
+        if not data:
+            break
+        buf += data
+    return buf
+
+
+@pytest.mark.timeout(60)
+def test_tcp_echo(start_proxy, mode):
+    server = ThreadServer(echo)
+    try:
+        proxy, admin = start(start_proxy, mode, server.port)
+        before = tunnel_metrics(admin)
+        fds_before = open_fds(proxy.proc.pid)
+        big = os.urandom(MiB)
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            for i in range(20):
+                msg = f"message {i} ✓".encode()
+                s.sendall(msg)
+                assert recv_exact(s, len(msg)) == msg
+            s.sendall(big)
+            assert recv_exact(s, len(big)) == big
+            if mode == "spliced":
+                assert tunnel_metrics(admin)["active"] == 1
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(10) == b""  # the echo server's half-close came through
+        assert wait_for(lambda: open_fds(proxy.proc.pid) <= fds_before), (
+            "the proxy kept descriptors after the tunnel closed")
+        after = tunnel_metrics(admin)
+        assert after[mode] >= before[mode] + 1 and after["active"] == 0, (before, after)
+        if mode == "spliced":  # the kernel carried the bytes
+            assert after["bytes"] - before["bytes"] >= 2 * MiB
+    finally:
+        server.close()
+
+
+class HashingPeer:
+    """Sends `size` random bytes then half-closes, while hashing everything it receives
+    until EOF (both at once, in two threads)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.sent = hashlib.sha256()
+        self.got = hashlib.sha256()
+        self.got_n = 0
+
+    def run(self, conn: socket.socket) -> None:
+        sender = threading.Thread(target=self._send, args=(conn,), daemon=True)
+        sender.start()
+        while data := conn.recv(CHUNK):
+            self.got.update(data)
+            self.got_n += len(data)
+        sender.join(240)
+
+    def _send(self, conn: socket.socket) -> None:
+        left = self.size
+        try:
+            while left:
+                block = os.urandom(min(CHUNK, left))
+                conn.sendall(block)
+                self.sent.update(block)
+                left -= len(block)
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the reader reports what arrived; a short transfer fails the test
+
+
+@pytest.mark.timeout(300)
+def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
+    peers: list[HashingPeer] = []  # one per upstream connection (wait_port's probe too)
+    done = threading.Event()
+
+    def handler(conn: socket.socket) -> None:
+        peer = HashingPeer(BIG)
+        peers.append(peer)
+        peer.run(conn)
+        if peer.got_n:
+            done.set()
+
+    server = ThreadServer(handler)
+    try:
+        proxy, admin = start(start_proxy, mode, server.port)
+        client = HashingPeer(BIG)
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as s:
+            cpu0, t0 = proc_cpu_seconds(proxy.proc.pid), time.monotonic()
+            client.run(s)
+            assert done.wait(60)
+            wall, cpu = time.monotonic() - t0, proc_cpu_seconds(proxy.proc.pid) - cpu0
+        upstream = next(p for p in peers if p.got_n)
+        assert client.got_n == BIG and client.got.hexdigest() == upstream.sent.hexdigest()
+        assert upstream.got_n == BIG and upstream.got.hexdigest() == client.sent.hexdigest()
+        if mode == "spliced":
+            assert tunnel_metrics(admin)["bytes"] >= 2 * BIG
+        record_property("proxy_cpu_s", cpu)
+        print(f"\nraw TCP {BIG // MiB} MiB each way, {mode}: proxy CPU {cpu:.3f} s "
+              f"({cpu * 1000 / (2 * BIG / MiB):.3f} ms/MiB), wall {wall:.2f} s "
+              f"({2 * BIG / MiB / wall:.0f} MiB/s)")
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_tcp_half_close_client_first(start_proxy, mode):
+    """The client sends and half-closes; the upstream sees EOF, then still answers."""
+    seen: dict = {}
+
+    def handler(conn: socket.socket) -> None:
+        got = b""
+        while data := conn.recv(1 << 16):
+            got += data
+        if not got:
+            return  # wait_port's probe
+        seen["request"] = got
+        time.sleep(0.2)  # the answer comes well after the EOF
+        conn.sendall(b"answer to %d bytes" % len(got))
+        conn.shutdown(socket.SHUT_WR)
+
+    server = ThreadServer(handler)
+    try:
+        proxy, _ = start(start_proxy, mode, server.port)
+        payload = os.urandom(300_000)
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            time.sleep(0.2)  # let the splice (if any) take over before bytes flow
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            got = b""
+            while data := s.recv(1 << 16):
+                got += data
+        assert seen["request"] == payload
+        assert got == b"answer to 300000 bytes"
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_tcp_half_close_upstream_first(start_proxy, mode):
+    """The upstream sends a greeting and half-closes; the client reads it to EOF, then
+    sends on the still-open direction."""
+    seen: dict = {}
+    greeting = os.urandom(200_000)
+
+    def handler(conn: socket.socket) -> None:
+        time.sleep(0.2)
+        conn.sendall(greeting)
+        conn.shutdown(socket.SHUT_WR)
+        got = b""
+        while data := conn.recv(1 << 16):
+            got += data
+        if got:  # not wait_port's probe
+            seen["late"] = got
+
+    server = ThreadServer(handler)
+    try:
+        proxy, _ = start(start_proxy, mode, server.port)
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            got = b""
+            while data := s.recv(1 << 16):
+                got += data
+            assert got == greeting
+            time.sleep(0.1)
+            s.sendall(b"late words after the upstream's EOF")
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(10) == b""  # both directions done: the proxy closes
+        assert wait_for(lambda: "late" in seen)
+        assert seen["late"] == b"late words after the upstream's EOF"
+    finally:
+        server.close()
