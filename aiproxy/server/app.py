@@ -12,8 +12,8 @@ from typing import Any
 
 import uvloop
 
-from aiproxy.admin.server import AdminServer
-from aiproxy.config import Config, ConfigError, ListenerConfig, load_config
+from aiproxy.admin.server import AdminServer, LocalBackend
+from aiproxy.config import Config, ConfigError, ListenerConfig, load_config, load_config_text
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
 from aiproxy.semantic.classifier import ModelError
@@ -44,30 +44,38 @@ class ProxyServer:
         self.admin: AdminServer | None = None
         self.reload_lock = asyncio.Lock()
 
-    async def start(self) -> None:
+    async def start(self, *, reuse_port: bool = False, serve_admin: bool = True) -> None:
+        """Bind the listeners (SO_REUSEPORT in a worker process, so its siblings bind the
+        same addresses) and, unless a supervising parent does, the admin API."""
         for listener in self.config.listeners:
             factory, ctx = self._factory(listener)
             server = await self.loop.create_server(
                 factory, listener.host, listener.port, ssl=ctx,
-                backlog=listener.backlog, reuse_address=True)
+                backlog=listener.backlog, reuse_address=True, reuse_port=reuse_port)
             self.servers.append(server)
             for sock in server.sockets:
                 log.info("listener %s on %s", listener.name, _sockname(sock))
         admin = self.config.admin
-        if admin is not None:
-            self.admin = AdminServer(self)
+        if admin is not None and serve_admin:
+            self.admin = AdminServer(LocalBackend(self))
             await self.admin.start(admin.host, admin.port)
             log.info("admin API on %s", admin.address)
 
-    async def reload(self) -> tuple[bool, str]:
-        """Re-read the config file; swap the runtime only if it is valid.
+    async def reload(self, text: str | None = None) -> tuple[bool, str]:
+        """Re-read the config file (or take `text`, which a supervising parent has already
+        validated); swap the runtime only if it is valid.
 
         Requests in flight finish on the runtime they started with; pools of
         endpoints the new config keeps carry over with their connections."""
         async with self.reload_lock:
             sd_notify.reloading()
             try:
-                config = await self.loop.run_in_executor(None, load_config, self.config.source)
+                if text is None:
+                    config = await self.loop.run_in_executor(None, load_config,
+                                                             self.config.source)
+                else:
+                    config = await self.loop.run_in_executor(None, load_config_text, text,
+                                                             self.config.source)
                 model = await self.loop.run_in_executor(None, load_intent_model, config,
                                                         self.runtime)
             except (ConfigError, ModelError) as exc:
@@ -195,9 +203,6 @@ async def serve(config: Config) -> int:
         log.error("cannot bind listener: %s", exc)
         await server.stop(0)
         return 1
-    if config.server.workers > 1:
-        log.warning("workers = %d: multi-process mode is not implemented yet; running one "
-                    "process", config.server.workers)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -221,4 +226,9 @@ async def serve(config: Config) -> int:
 
 
 def run(config: Config) -> int:
+    """`workers = 1`: this process serves; more: a supervisor runs that many workers."""
+    if config.server.workers > 1:
+        from aiproxy.server.supervisor import run as supervise
+
+        return supervise(config)
     return uvloop.run(serve(config))
