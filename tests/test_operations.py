@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import simple_config
@@ -227,13 +226,6 @@ def test_sd_notify_sequence(tmp_path: Path, demo_upstream):
         stop_process(proc)
         sock.close()
         os.unlink(notify_path)
-
-
-@pytest.mark.parametrize("workers", [2])
-def test_workers_setting_warns_single_process(start_proxy, demo_upstream, workers):
-    proxy = start_proxy(f"[server]\nworkers = {workers}\n" + simple_config(demo_upstream))
-    assert httpx.get(proxy.url + "/echo").status_code == 200
-    assert "multi-process mode is not implemented yet" in proxy.log()
 
 
 def test_route_flips_under_load_take_effect_at_once(start_proxy, demo_upstream, demo_upstream_b):
