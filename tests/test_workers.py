@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Proxy, simple_config
@@ -202,6 +203,9 @@ def test_sigterm_lets_streams_finish_and_refuses_new_connections(start_proxy, de
             try:
                 socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
                 time.sleep(0.02)
+            except ConnectionResetError:
+                # handshake done in a closing worker's accept queue: reset, not served
+                pass
             except ConnectionRefusedError:
                 refused_at = time.monotonic()
         assert refused_at is not None, "new connections were still accepted"
@@ -349,3 +353,22 @@ def test_port_taken_by_another_process_fails_startup(tmp_path: Path, demo_upstre
             log = stop_process(proc)
     assert "cannot bind listener: l 127.0.0.1" in log
     assert "started (pid" not in log
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_workers_stop_when_the_supervisor_dies(start_proxy, demo_upstream):
+    proxy, _ = start_workers(start_proxy, simple_config(demo_upstream))
+    pids = [pid for _, pid in started(proxy.log())]
+    proxy.proc.kill()
+    proxy.proc.wait()
+    # no unsupervised workers keep serving: each sees its control channel close and drains
+    wait_for(lambda: not any(_alive(p) for p in pids), what="workers to exit")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=1)

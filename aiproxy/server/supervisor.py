@@ -1,8 +1,8 @@
 """The supervising parent of `[server] workers = N` (N > 1).
 
 It starts N worker processes (aiproxy.server.worker) from a multiprocessing forkserver
-that has the proxy imported already, so a start or restart is a fork, not a fresh
-interpreter. Each worker binds the listeners with SO_REUSEPORT. The parent binds no
+that has the proxy imported already (aiproxy.server.forkserver), so a start or restart
+is a fork, not a fresh interpreter. Each worker binds the listeners with SO_REUSEPORT. The parent binds no
 proxy listener; it serves the admin API, sums the workers' metrics, speaks sd_notify for
 the service and restarts a worker that dies (exponential backoff, capped).
 
@@ -16,22 +16,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from aiproxy.admin.server import AdminServer
 from aiproxy.config import Config, ConfigError, load_config_text, read_config_text
-from aiproxy.server import sd_notify
+from aiproxy.server import forkserver, sd_notify
 from aiproxy.server.channel import Channel
 from aiproxy.telemetry.aggregate import WorkerMetrics, merge, to_metrics
+
+if TYPE_CHECKING:
+    from aiproxy.admin.server import AdminServer
 
 log = logging.getLogger("aiproxy.server")
 
@@ -84,8 +85,7 @@ class Supervisor:
         self.text = text
         self.log_level = log_level
         self.slots = [WorkerSlot(i) for i in range(config.server.workers)]
-        self.mp = multiprocessing.get_context("forkserver")
-        self.mp.set_forkserver_preload(["aiproxy.server.worker"])
+        self.mp = forkserver.context()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping = False
         self.startup: asyncio.Future | None = None
@@ -113,6 +113,10 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGUSR1, self.signal_workers, signal.SIGUSR1)
         admin = self.config.admin
         if admin is not None:
+            # aiohttp only when there is an admin listener: it is most of this process's
+            # import time, and the workers' start waits for it
+            from aiproxy.admin.server import AdminServer
+
             self.admin = AdminServer(self)
             try:
                 await self.admin.start(admin.host, admin.port)
@@ -124,22 +128,27 @@ class Supervisor:
         self.startup = loop.create_future()
         for slot in self.slots:
             self.spawn(slot)
-        code = await self.startup
-        if code != 0:
+        stopped = loop.create_task(stop.wait())
+        await asyncio.wait([self.startup, stopped], return_when=asyncio.FIRST_COMPLETED)
+        code = self.startup.result() if self.startup.done() else 0
+        if stop.is_set() and code == 0:
+            self.startup.cancel()  # asked to stop before every worker was up
+        elif code != 0:
             log.error("a worker failed to start; stopping")
             await self.stop_workers(0)
             await self._stop_admin()
             return code
-        watchdog = sd_notify.watchdog_interval()
-        if watchdog:
-            def _ping() -> None:
-                sd_notify.notify("WATCHDOG=1")
-                loop.call_later(watchdog, _ping)
-            _ping()
-        log.info("aiproxy ready: %d workers (%d routes, %d clusters)", len(self.slots),
-                 len(self.config.routes), len(self.config.clusters))
-        sd_notify.notify("READY=1")
-        await stop.wait()
+        else:
+            watchdog = sd_notify.watchdog_interval()
+            if watchdog:
+                def _ping() -> None:
+                    sd_notify.notify("WATCHDOG=1")
+                    loop.call_later(watchdog, _ping)
+                _ping()
+            log.info("aiproxy ready: %d workers (%d routes, %d clusters)", len(self.slots),
+                     len(self.config.routes), len(self.config.clusters))
+            sd_notify.notify("READY=1")
+        await stopped
         sd_notify.notify("STOPPING=1")
         drain = self.config.server.drain_timeout_ms / 1000
         log.info("stopping: workers drain for up to %.0f ms", drain * 1000)
@@ -165,8 +174,8 @@ class Supervisor:
         except OSError as exc:
             ours.close()
             theirs.close()
-            log.error("cannot start worker %d: %s", slot.index, exc)
-            self._schedule_restart(slot, 0.0)
+            slot.started = time.monotonic()
+            self._restart_later(slot, f"cannot be started ({exc})")
             return
         finally:
             theirs.close()
@@ -233,15 +242,16 @@ class Supervisor:
                       exit_reason(code))
             self.startup.set_result(code if code else 1)
             return
+        self._restart_later(slot, f"(pid {pid}) {exit_reason(code)}")
+
+    def _restart_later(self, slot: WorkerSlot, why: str) -> None:
+        """Restart after a delay that doubles with each quick death (capped)."""
+        assert self.loop is not None
         lived = time.monotonic() - slot.started
         slot.streak = 0 if lived >= STABLE_AFTER else slot.streak + 1
         delay = min(BACKOFF_BASE * 2 ** slot.streak, BACKOFF_CAP)
-        log.error("worker %d (pid %s) %s after %.1f s; restarting in %.1f s", slot.index, pid,
-                  exit_reason(code), lived, delay)
-        self._schedule_restart(slot, delay)
-
-    def _schedule_restart(self, slot: WorkerSlot, delay: float) -> None:
-        assert self.loop is not None
+        log.error("worker %d %s after %.1f s; restarting in %.1f s", slot.index, why, lived,
+                  delay)
         slot.restarts += 1
         slot.restart_timer = self.loop.call_later(delay, self.spawn, slot)
 
