@@ -13,6 +13,8 @@ import httpx
 from tests.support import free_port, wait_port
 from tests.test_routing_e2e import cluster, fan_out, tunable  # noqa: F401 (fixture)
 
+# Circuit breakers count per worker process: their exact limits show with one process.
+SINGLE_PROCESS = "\n[server]\nworkers = 1\n"
 ROUTE = """
 [[routes]]
 name = "all"
@@ -87,7 +89,7 @@ health_check = { path = "/healthz", interval_ms = 50, timeout_ms = 200, healthy_
 
 def test_circuit_breaker_gives_503_at_once(start_proxy, tunable):  # noqa: F811
     up = tunable("slow", delay_ms=400)
-    proxy = start_proxy(cluster("c", up.port, extra="max_requests = 2") + ROUTE)
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", up.port, extra="max_requests = 2") + ROUTE)
 
     async def burst() -> list[tuple[int, float, dict]]:
         async with httpx.AsyncClient(base_url=proxy.url, timeout=5) as client:
@@ -110,7 +112,8 @@ def test_circuit_breaker_gives_503_at_once(start_proxy, tunable):  # noqa: F811
 
 def test_max_connections_breaker(start_proxy, tunable):  # noqa: F811
     up = tunable("slow", delay_ms=300)
-    proxy = start_proxy(cluster("c", up.port, extra="max_connections = 1") + ROUTE)
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", up.port, extra="max_connections = 1")
+                        + ROUTE)
 
     async def burst() -> list[int]:
         async with httpx.AsyncClient(base_url=proxy.url, timeout=5) as client:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import simple_config
@@ -34,9 +35,13 @@ def scrape(port: int, token: str | None = None) -> dict[tuple, float]:
     return out
 
 
-def test_metrics_count_traffic_and_parse(start_proxy, demo_upstream):
+@pytest.mark.parametrize("workers", ["1", '"auto"'])
+def test_metrics_count_traffic_and_parse(start_proxy, demo_upstream, workers):
+    """One process reads its own counters; with workers the supervisor sums theirs: the
+    same names, labels and numbers either way."""
     admin = free_port()
-    body = simple_config(demo_upstream) + admin_block(admin) + """
+    body = (f"[server]\nworkers = {workers}\n" + simple_config(demo_upstream)
+            + admin_block(admin)) + """
 [[routes]]
 name = "never"
 match = { path_prefix = "/" }
@@ -195,7 +200,9 @@ def test_sd_notify_sequence(tmp_path: Path, demo_upstream):
     sock.settimeout(10)
     port = free_port()
     cfg = tmp_path / "a.toml"
-    cfg.write_text(f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
+    # one process here; tests/test_workers.py has the supervisor's sequence
+    cfg.write_text('[server]\nworkers = 1\n'
+                   f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
                    + simple_config(demo_upstream))
     proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(cfg)],
                          env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000",

@@ -2,8 +2,8 @@
 
 It starts N worker processes (aiproxy.server.worker) from a multiprocessing forkserver
 that has the proxy imported already (aiproxy.server.forkserver), so a start or restart
-is a fork, not a fresh interpreter. Each worker binds the listeners with SO_REUSEPORT. The parent binds no
-proxy listener; it serves the admin API, sums the workers' metrics, speaks sd_notify for
+is a fork, not a fresh interpreter. Each worker binds the listeners with SO_REUSEPORT.
+The parent binds no proxy listener; it serves the admin API, sums the workers' metrics, speaks sd_notify for
 the service and restarts a worker that dies (exponential backoff, capped).
 
 Signals: SIGTERM/SIGINT drain every worker (SIGKILL after drain_timeout plus a margin);
