@@ -372,3 +372,25 @@ def test_workers_stop_when_the_supervisor_dies(start_proxy, demo_upstream):
     wait_for(lambda: not any(_alive(p) for p in pids), what="workers to exit")
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", proxy.port), timeout=1)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, len(os.sched_getaffinity(0))),
+    ('"auto"', len(os.sched_getaffinity(0))),
+    ("3", 3),
+    ('"many"', 'inline.toml:2: server.workers: expected integer or "auto", got \'many\''),
+    ("0", "inline.toml:2: server.workers: must be between 1 and 1024, got 0"),
+    ("1.5", 'inline.toml:2: server.workers: expected integer or "auto", got float'),
+])
+def test_workers_setting(value, expected):
+    from aiproxy.config import ConfigError, load_config_text
+
+    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:8080"\n'
+    if value is not None:
+        text = f"[server]\nworkers = {value}\n" + text
+    if isinstance(expected, int):
+        assert load_config_text(text, "inline.toml").server.workers == expected
+    else:
+        with pytest.raises(ConfigError) as err:
+            load_config_text(text, "inline.toml")
+        assert str(err.value) == expected
