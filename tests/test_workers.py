@@ -11,13 +11,14 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Proxy, simple_config
+from tests.conftest import CRASH_MARKERS, Proxy, simple_config
 from tests.support import (
     free_port,
     start_process,
@@ -66,17 +67,35 @@ def wait_for(predicate, timeout: float = 15, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
-def start_workers(start_proxy, body: str) -> tuple[Proxy, int]:
-    admin = free_port()
-    proxy = start_proxy(WORKERS + body + admin_block(admin))
-    wait_port("127.0.0.1", admin)
-    wait_for(lambda: httpx.get(f"http://127.0.0.1:{admin}/readyz").status_code == 200,
-             what="all workers ready")
-    return proxy, admin
+@pytest.fixture
+def workers_proxy(tmp_path: Path) -> Iterator[Callable[[str], tuple[Proxy, int]]]:
+    """Like conftest's start_proxy, plus workers = 2 and an admin listener; returns
+    (proxy, admin port) once /readyz says every worker serves. A supervisor and its
+    forkserver import in parallel, but on a loaded 2-core box that can pass 10 s."""
+    started: list[Proxy] = []
+
+    def _start(body: str) -> tuple[Proxy, int]:
+        port, admin = free_port(), free_port()
+        path = tmp_path / f"aiproxy-{len(started)}.toml"
+        path.write_text(f'[[listeners]]\nname = "test"\naddress = "127.0.0.1:{port}"\n'
+                        + WORKERS + body + admin_block(admin))
+        proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(path)])
+        proxy = Proxy(proc, port, path)
+        started.append(proxy)
+        wait_port("127.0.0.1", admin, timeout=60, proc=proc)
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{admin}/readyz").status_code == 200,
+                 timeout=60, what="all workers ready")
+        return proxy, admin
+
+    yield _start
+    logs = [stop_process(proxy.proc, timeout=15) for proxy in started]
+    crashed = [log for log in logs if any(marker in log for marker in CRASH_MARKERS)]
+    if crashed:
+        pytest.fail("proxy log shows an escaped exception:\n" + "\n----\n".join(crashed))
 
 
-def test_load_spreads_over_workers_and_metrics_sum(start_proxy, demo_upstream):
-    proxy, admin = start_workers(start_proxy, simple_config(demo_upstream))
+def test_load_spreads_over_workers_and_metrics_sum(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream))
     pids = {pid for _, pid in started(proxy.log())}
     assert len(pids) == 2 and proxy.proc.pid not in pids
     sent = 0
@@ -123,8 +142,8 @@ def _run_load(url: str, stop: asyncio.Event, results: list, clients: int = 8,
     return [asyncio.create_task(one()) for _ in range(clients)]
 
 
-def test_killed_worker_loses_only_its_requests_and_comes_back(start_proxy, demo_upstream):
-    proxy, admin = start_workers(start_proxy, simple_config(demo_upstream) + QUIET)
+def test_killed_worker_loses_only_its_requests_and_comes_back(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET)
     (_, victim), = [(w, p) for w, p in started(proxy.log()) if w == 0]
     results: list = []
 
@@ -169,8 +188,8 @@ def test_killed_worker_loses_only_its_requests_and_comes_back(start_proxy, demo_
     assert total(found, "aiproxy_requests_total") >= len(ok) + 30 - 8
 
 
-def test_crash_looping_worker_backs_off(start_proxy, demo_upstream):
-    proxy, admin = start_workers(start_proxy, simple_config(demo_upstream))
+def test_crash_looping_worker_backs_off(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream))
     killed = []
     for _ in range(4):
         wait_for(lambda: any(serving(proxy.log(), p) for w, p in started(proxy.log())
@@ -189,8 +208,8 @@ def test_crash_looping_worker_backs_off(start_proxy, demo_upstream):
     assert per_worker(samples(admin), "aiproxy_worker_restarts_total") == {"0": 0, "1": 4}
 
 
-def test_sigterm_lets_streams_finish_and_refuses_new_connections(start_proxy, demo_upstream):
-    proxy, _ = start_workers(start_proxy, simple_config(demo_upstream))
+def test_sigterm_lets_streams_finish_and_refuses_new_connections(workers_proxy, demo_upstream):
+    proxy, _ = workers_proxy(simple_config(demo_upstream))
     events = []
     with httpx.Client(base_url=proxy.url, timeout=10) as client, \
             client.stream("GET", "/sse?n=20&delay_ms=100") as response:
@@ -215,7 +234,7 @@ def test_sigterm_lets_streams_finish_and_refuses_new_connections(start_proxy, de
     assert "killed by signal" not in proxy.log()
 
 
-def test_sighup_reload_under_load_with_workers(start_proxy, demo_upstream, demo_upstream_b):
+def test_sighup_reload_under_load_with_workers(workers_proxy, demo_upstream, demo_upstream_b):
     def config(to_b: bool) -> str:
         return f"""
 [[clusters]]
@@ -237,7 +256,7 @@ match = {{ path_prefix = "/" }}
 cluster = "a"
 """
 
-    proxy, admin = start_workers(start_proxy, config(False) + QUIET)
+    proxy, admin = workers_proxy(config(False) + QUIET)
     text = proxy.config_path.read_text()
     results: list = []
 
@@ -275,8 +294,8 @@ cluster = "a"
     assert per_worker(found, "aiproxy_worker_restarts_total") == {"0": 0, "1": 0}
 
 
-def test_broken_reload_is_rejected_in_the_parent(start_proxy, demo_upstream):
-    proxy, admin = start_workers(start_proxy, simple_config(demo_upstream))
+def test_broken_reload_is_rejected_in_the_parent(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream))
     good = proxy.config_path.read_text()
     proxy.config_path.write_text(good + '\n[[routes]]\nname = "bad"\ncluster = "nope"\n')
     proxy.proc.send_signal(signal.SIGHUP)
@@ -296,7 +315,7 @@ def test_sd_notify_only_from_the_parent(tmp_path: Path, demo_upstream):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify_path))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-    sock.settimeout(15)
+    sock.settimeout(60)
     port = free_port()
     cfg = tmp_path / "a.toml"
     cfg.write_text(WORKERS + f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
@@ -363,8 +382,8 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def test_workers_stop_when_the_supervisor_dies(start_proxy, demo_upstream):
-    proxy, _ = start_workers(start_proxy, simple_config(demo_upstream))
+def test_workers_stop_when_the_supervisor_dies(workers_proxy, demo_upstream):
+    proxy, _ = workers_proxy(simple_config(demo_upstream))
     pids = [pid for _, pid in started(proxy.log())]
     proxy.proc.kill()
     proxy.proc.wait()

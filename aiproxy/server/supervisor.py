@@ -218,6 +218,7 @@ class Supervisor:
         self.loop.create_task(self._reap(slot, process))
 
     async def _reap(self, slot: WorkerSlot, process: Any) -> None:
+        slot.ready = False
         code = process.exitcode
         process.close()
         if slot.reader is not None:
@@ -356,13 +357,14 @@ class Supervisor:
 
     async def refresh_metrics(self) -> None:
         slots = self._serving()
+        pids = [s.pid for s in slots]
         results = await asyncio.gather(
             *(s.channel.call("metrics", SCRAPE_TIMEOUT) for s in slots),  # type: ignore[union-attr]
             return_exceptions=True)
-        for slot, result in zip(slots, results, strict=True):
+        for slot, pid, result in zip(slots, pids, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("worker %d did not answer a scrape: %r", slot.index, result)
-            elif slot.ready:
+            elif slot.ready and slot.pid == pid:  # not reaped (or replaced) meanwhile
                 slot.metrics.live = result
 
     async def routes(self) -> list[dict[str, Any]]:
