@@ -13,7 +13,8 @@ import httpx
 from tests.support import free_port, wait_port
 from tests.test_routing_e2e import cluster, fan_out, tunable  # noqa: F401 (fixture)
 
-# Circuit breakers count per worker process: their exact limits show with one process.
+# Circuit breakers and llm_score state are per worker process: exact limits and
+# shares show with one process.
 SINGLE_PROCESS = "\n[server]\nworkers = 1\n"
 ROUTE = """
 [[routes]]
@@ -36,7 +37,8 @@ def test_llm_score_prefers_fast_and_moves_when_it_slows(start_proxy, tunable):  
         tunable("slow", delay_ms=200)
     endpoints = ", ".join(f'{{ address = "127.0.0.1:{u.port}", capacity = 10 }}'
                           for u in (fast, medium, slow))
-    proxy = start_proxy(f"""
+    # scores are learned per worker process; the shares asserted are one learner's
+    proxy = start_proxy(SINGLE_PROCESS + f"""
 [[clusters]]
 name = "c"
 endpoints = [{endpoints}]
