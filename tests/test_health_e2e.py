@@ -13,8 +13,8 @@ import httpx
 from tests.support import free_port, wait_port
 from tests.test_routing_e2e import cluster, fan_out, tunable  # noqa: F401 (fixture)
 
-# Circuit breakers and llm_score state are per worker process: exact limits and
-# shares show with one process.
+# Circuit breakers, outlier ejection and llm_score state are per worker process:
+# exact limits, ejections and shares show with one process.
 SINGLE_PROCESS = "\n[server]\nworkers = 1\n"
 ROUTE = """
 [[routes]]
@@ -57,7 +57,8 @@ balancer = "llm_score"
 def test_failing_upstream_is_ejected_and_comes_back(start_proxy, tunable):  # noqa: F811
     a, b = tunable("a"), tunable("b")
     admin_port = free_port()
-    proxy = start_proxy(cluster("c", a.port, b.port, extra="""
+    # ejections are per worker process, and /clusters[0] must be the one that served
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", a.port, b.port, extra="""
 outlier_detection = { consecutive_failures = 3, base_ejection_ms = 300 }
 health_check = { path = "/healthz", interval_ms = 50, timeout_ms = 200, healthy_threshold = 2, unhealthy_threshold = 2 }
 """) + ROUTE + admin(admin_port))
