@@ -116,6 +116,12 @@ def _run(path: str, level: str) -> int:
     cfg = _load(path)
     if cfg is None:
         return 2
-    from aiproxy.server.app import run
+    if cfg.server.workers > 1:
+        # the forkserver imports the request path while this process imports the supervisor
+        from aiproxy.server.forkserver import prestart
 
+        prestart()
+        from aiproxy.server.supervisor import run
+    else:
+        from aiproxy.server.app import run
     return run(cfg)

@@ -161,8 +161,31 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (a supervisor's workers sit under its forkserver)."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """RSS of pid and its descendants: the whole proxy whether one process serves or a
+    supervisor with workers does."""
+    total = 0
+    for member in descendants(pid):
+        with contextlib.suppress(OSError, RuntimeError):
+            total += rss_bytes(member)
+    return total
+
+
 class RssMonitor:
-    """Samples a process's RSS every few milliseconds; `growth` is peak minus baseline."""
+    """Samples the RSS of a process and its descendants every few milliseconds; `growth`
+    is peak minus baseline."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -174,11 +197,11 @@ class RssMonitor:
     def _run(self) -> None:
         while not self._stop.is_set():
             with contextlib.suppress(OSError, RuntimeError):
-                self.peak = max(self.peak, rss_bytes(self.pid))
+                self.peak = max(self.peak, tree_rss_bytes(self.pid))
             self._stop.wait(0.005)
 
     def __enter__(self) -> RssMonitor:
-        self.base = self.peak = rss_bytes(self.pid)
+        self.base = self.peak = tree_rss_bytes(self.pid)
         self._thread.start()
         return self
 
@@ -186,7 +209,7 @@ class RssMonitor:
         self._stop.set()
         self._thread.join(2)
         with contextlib.suppress(OSError, RuntimeError):
-            self.peak = max(self.peak, rss_bytes(self.pid))
+            self.peak = max(self.peak, tree_rss_bytes(self.pid))
 
     @property
     def growth(self) -> int:

@@ -206,7 +206,7 @@ def test_out_of_range(tmp_path):
     assert problems(tmp_path, text) == [
         "10: http.max_header_bytes: must be between 1024 and 1048576, got 10",
         "11: http.body_timeout_ms: must be >= 1, got 0",
-        "13: server.workers: must be >= 1, got 0",
+        "13: server.workers: must be between 1 and 1024, got 0",
     ]
 
 
@@ -417,7 +417,7 @@ def test_load_config_text_uses_filename():
         load_config_text("[server]\nworkers = 0\n", "inline.toml")
     assert [str(p) for p in info.value.problems] == [
         "inline.toml:1: listeners: at least one listener is required",
-        "inline.toml:2: server.workers: must be >= 1, got 0",
+        "inline.toml:2: server.workers: must be between 1 and 1024, got 0",
     ]
 
 

@@ -13,6 +13,9 @@ import httpx
 from tests.support import free_port, wait_port
 from tests.test_routing_e2e import cluster, fan_out, tunable  # noqa: F401 (fixture)
 
+# Circuit breakers, outlier ejection and llm_score state are per worker process:
+# exact limits, ejections and shares show with one process.
+SINGLE_PROCESS = "\n[server]\nworkers = 1\n"
 ROUTE = """
 [[routes]]
 name = "all"
@@ -34,7 +37,8 @@ def test_llm_score_prefers_fast_and_moves_when_it_slows(start_proxy, tunable):  
         tunable("slow", delay_ms=200)
     endpoints = ", ".join(f'{{ address = "127.0.0.1:{u.port}", capacity = 10 }}'
                           for u in (fast, medium, slow))
-    proxy = start_proxy(f"""
+    # scores are learned per worker process; the shares asserted are one learner's
+    proxy = start_proxy(SINGLE_PROCESS + f"""
 [[clusters]]
 name = "c"
 endpoints = [{endpoints}]
@@ -53,7 +57,8 @@ balancer = "llm_score"
 def test_failing_upstream_is_ejected_and_comes_back(start_proxy, tunable):  # noqa: F811
     a, b = tunable("a"), tunable("b")
     admin_port = free_port()
-    proxy = start_proxy(cluster("c", a.port, b.port, extra="""
+    # ejections are per worker process, and /clusters[0] must be the one that served
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", a.port, b.port, extra="""
 outlier_detection = { consecutive_failures = 3, base_ejection_ms = 300 }
 health_check = { path = "/healthz", interval_ms = 50, timeout_ms = 200, healthy_threshold = 2, unhealthy_threshold = 2 }
 """) + ROUTE + admin(admin_port))
@@ -87,7 +92,7 @@ health_check = { path = "/healthz", interval_ms = 50, timeout_ms = 200, healthy_
 
 def test_circuit_breaker_gives_503_at_once(start_proxy, tunable):  # noqa: F811
     up = tunable("slow", delay_ms=400)
-    proxy = start_proxy(cluster("c", up.port, extra="max_requests = 2") + ROUTE)
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", up.port, extra="max_requests = 2") + ROUTE)
 
     async def burst() -> list[tuple[int, float, dict]]:
         async with httpx.AsyncClient(base_url=proxy.url, timeout=5) as client:
@@ -110,7 +115,8 @@ def test_circuit_breaker_gives_503_at_once(start_proxy, tunable):  # noqa: F811
 
 def test_max_connections_breaker(start_proxy, tunable):  # noqa: F811
     up = tunable("slow", delay_ms=300)
-    proxy = start_proxy(cluster("c", up.port, extra="max_connections = 1") + ROUTE)
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", up.port, extra="max_connections = 1")
+                        + ROUTE)
 
     async def burst() -> list[int]:
         async with httpx.AsyncClient(base_url=proxy.url, timeout=5) as client:

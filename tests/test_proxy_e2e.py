@@ -949,7 +949,9 @@ def test_keepalive_reuses_upstream_and_client_connections(
     start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
 ) -> None:
     up = serve(scripted_upstream)
-    proxy = start_proxy(simple_config(up.port))
+    # upstream pools are per worker process: one process, so both client connections
+    # below share one pool
+    proxy = start_proxy("[server]\nworkers = 1\n" + simple_config(up.port))
     # Raw socket: 50 sequential requests on one client connection.
     with RawConn(proxy.port) as c:
         for i in range(50):

@@ -210,13 +210,15 @@ cluster = "c"
 retries = { attempts = 1, on = ["reset"], backoff_ms = 1 }
 """)
     a.reset_first = 1
-    assert httpx.get(proxy.url + "/x").status_code == 200
-    # Now on a pooled connection: a reset before any byte is first replayed once on a
-    # fresh connection (a stale keep-alive connection, not a retry), then the policy's
-    # one retry; the third reset is the answer.
-    before = a.requests
-    a.reset_first = 3
-    assert httpx.get(proxy.url + "/x").status_code == 502
+    # one client connection, so one worker process and its upstream pool serve both
+    with httpx.Client(base_url=proxy.url) as client:
+        assert client.get("/x").status_code == 200
+        # Now on a pooled connection: a reset before any byte is first replayed once on
+        # a fresh connection (a stale keep-alive connection, not a retry), then the
+        # policy's one retry; the third reset is the answer.
+        before = a.requests
+        a.reset_first = 3
+        assert client.get("/x").status_code == 502
     assert a.requests - before == 3
 
 

@@ -3,17 +3,22 @@
 GET /healthz, /readyz, /metrics (Prometheus text), /config (secrets redacted),
 /config/routes, /clusters, /lineage/<trace_id>; POST /config/reload. With [admin] token set, every
 endpoint but /healthz and /readyz wants `Authorization: Bearer <token>`.
+
+What the endpoints show comes from an AdminBackend: LocalBackend for a proxy that
+serves in this process (`workers = 1`), the Supervisor when worker processes do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
 
+from aiproxy.config import Config
 from aiproxy.telemetry.metrics import registry_for
 
 if TYPE_CHECKING:
@@ -32,8 +37,8 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def effective_config(server: ProxyServer) -> dict[str, Any]:
-    data = _plain(dataclasses.asdict(server.config))
+def effective_config(config: Config) -> dict[str, Any]:
+    data = _plain(dataclasses.asdict(config))
     admin = data.get("admin")
     if admin and admin.get("token"):
         admin["token"] = "<redacted>"
@@ -46,10 +51,72 @@ def effective_config(server: ProxyServer) -> dict[str, Any]:
     return data
 
 
-class AdminServer:
+def describe_routes(server: ProxyServer) -> list[dict[str, Any]]:
+    rt = server.runtime
+    return [{"name": r.name, **r.describe(), "match": _plain(dataclasses.asdict(cfg.match))}
+            for r, cfg in zip(rt.table.routes, rt.config.routes, strict=True)]
+
+
+def describe_clusters(server: ProxyServer) -> list[dict[str, Any]]:
+    return [cluster.describe() for cluster in server.runtime.clusters.values()]
+
+
+class AdminBackend(Protocol):
+    """What the admin API reads and drives."""
+
+    config: Config
+    registry: CollectorRegistry
+
+    def problems(self) -> list[str]:
+        """Why the proxy is not ready; empty when it is."""
+
+    async def refresh_metrics(self) -> None:
+        """Bring what `registry` renders up to date (called before each scrape)."""
+
+    async def routes(self) -> list[dict[str, Any]]: ...
+
+    async def clusters(self) -> list[dict[str, Any]]: ...
+
+    async def reload(self) -> tuple[bool, str]: ...
+
+
+class LocalBackend:
+    """The admin view of a ProxyServer in this process."""
+
     def __init__(self, server: ProxyServer) -> None:
         self.server = server
         self.registry = registry_for(server)
+
+    @property
+    def config(self) -> Config:
+        return self.server.config
+
+    def problems(self) -> list[str]:
+        server = self.server
+        problems = []
+        if not server.servers or server.draining:
+            problems.append("listeners not bound" if not server.servers else "draining")
+        for cluster in server.runtime.clusters.values():
+            if not cluster.pools:
+                problems.append(f"cluster {cluster.name} has no endpoints")
+        return problems
+
+    async def refresh_metrics(self) -> None:
+        pass  # the collector reads the live counters
+
+    async def routes(self) -> list[dict[str, Any]]:
+        return describe_routes(self.server)
+
+    async def clusters(self) -> list[dict[str, Any]]:
+        return describe_clusters(self.server)
+
+    async def reload(self) -> tuple[bool, str]:
+        return await self.server.reload()
+
+
+class AdminServer:
+    def __init__(self, backend: AdminBackend) -> None:
+        self.backend = backend
         self.runner: web.AppRunner | None = None
         app = web.Application(middlewares=[self._auth])
         app.router.add_get("/healthz", self.healthz)
@@ -73,7 +140,7 @@ class AdminServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        admin = self.server.config.admin
+        admin = self.backend.config.admin
         token = admin.token if admin is not None else None
         if token and request.path not in OPEN_PATHS:
             given = request.headers.get("Authorization", "")
@@ -87,34 +154,24 @@ class AdminServer:
         return web.Response(text="ok\n")
 
     async def readyz(self, request: web.Request) -> web.Response:
-        server = self.server
-        problems = []
-        if not server.servers or server.draining:
-            problems.append("listeners not bound" if not server.servers else "draining")
-        for cluster in server.runtime.clusters.values():
-            if not cluster.pools:
-                problems.append(f"cluster {cluster.name} has no endpoints")
+        problems = self.backend.problems()
         if problems:
             return web.json_response({"ready": False, "problems": problems}, status=503)
         return web.json_response({"ready": True})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.registry)
+        await self.backend.refresh_metrics()
+        body = generate_latest(self.backend.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def config(self, request: web.Request) -> web.Response:
-        return web.json_response(effective_config(self.server))
+        return web.json_response(effective_config(self.backend.config))
 
     async def routes(self, request: web.Request) -> web.Response:
-        rt = self.server.runtime
-        return web.json_response([
-            {"name": r.name, **r.describe(),
-             "match": _plain(dataclasses.asdict(cfg.match))}
-            for r, cfg in zip(rt.table.routes, rt.config.routes, strict=True)])
+        return web.json_response(await self.backend.routes())
 
     async def clusters(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            [cluster.describe() for cluster in self.server.runtime.clusters.values()])
+        return web.json_response(await self.backend.clusters())
 
     async def lineage(self, request: web.Request) -> web.Response:
         tracing = self.server.runtime.filter_states.get("tracing")
@@ -130,7 +187,7 @@ class AdminServer:
         return web.json_response(graph)
 
     async def reload(self, request: web.Request) -> web.Response:
-        ok, message = await self.server.reload()
+        ok, message = await self.backend.reload()
         if ok:
             return web.json_response({"reloaded": True, "message": message})
         return web.json_response(

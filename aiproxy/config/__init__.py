@@ -3,7 +3,7 @@
 from .address import format_address, parse_address
 from .describe import summary
 from .errors import ConfigError, Problem
-from .loader import BALANCERS, PROTOCOLS, load_config, load_config_text
+from .loader import BALANCERS, PROTOCOLS, load_config, load_config_text, read_config_text
 from .schema import (
     AccessLogConfig,
     AdminConfig,
@@ -44,5 +44,6 @@ __all__ = [
     "load_config",
     "load_config_text",
     "parse_address",
+    "read_config_text",
     "summary",
 ]

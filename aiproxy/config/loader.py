@@ -19,6 +19,7 @@ from .governance import GOVERNANCE_KEYS, governance_sections
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
 from .schema import (
+    MAX_WORKERS,
     RETRY_ON,
     AccessLogConfig,
     AdminConfig,
@@ -97,6 +98,11 @@ _KINDS = (
 
 def load_config(path: str | os.PathLike[str]) -> Config:
     filename = os.fspath(path)
+    return load_config_text(read_config_text(filename), filename)
+
+
+def read_config_text(filename: str) -> str:
+    """The file's text, or ConfigError naming the file."""
     try:
         with open(filename, "rb") as fh:
             text = fh.read().decode("utf-8")
@@ -106,7 +112,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         ) from None
     except UnicodeDecodeError as exc:
         raise ConfigError([Problem(filename, 0, "", f"cannot read: not UTF-8 ({exc})")]) from None
-    return load_config_text(text, filename)
+    return text
 
 
 def load_config_text(text: str, filename: str) -> Config:
@@ -263,14 +269,13 @@ class _Checker:
     def config(self, data: dict[str, Any]) -> Config:
         self.data = data
         self.check_keys(data, (), _TOP_KEYS)
-        server = self.section(data, "server", _field_names(ServerConfig))
         http = self.section(data, "http", _field_names(HttpConfig))
         listeners = self.listeners(data)
         clusters, cluster_names = self.clusters(data)
         self.tcp_listener_clusters(listeners, clusters, cluster_names)
         return Config(
             source=self.filename,
-            server=ServerConfig(**self.scalars(ServerConfig, server or {}, ("server",))),
+            server=self.server(data),
             http=HttpConfig(**self.scalars(HttpConfig, http or {}, ("http",))),
             listeners=listeners,
             admin=self.admin(data, listeners),
@@ -285,6 +290,23 @@ class _Checker:
             cache=llm_sections.cache(self, data),
             **governance_sections(self, data, listeners),
         )
+
+    def server(self, data: dict[str, Any]) -> ServerConfig:
+        table = self.section(data, "server", _field_names(ServerConfig)) or {}
+        values = self.scalars(ServerConfig, table, ("server",))
+        workers = table.get("workers", "auto")
+        path = ("server", "workers")
+        if workers == "auto":
+            values.pop("workers", None)  # the schema default: one per CPU
+        elif isinstance(workers, bool) or not isinstance(workers, int | str):
+            self.error(path, f'expected integer or "auto", got {_kind(workers)}')
+        elif isinstance(workers, str):
+            self.error(path, f'expected integer or "auto", got \'{workers}\'')
+        elif not _in_range(workers, (1, MAX_WORKERS)):
+            self.error(path, _range_message((1, MAX_WORKERS), workers))
+        else:
+            values["workers"] = workers
+        return ServerConfig(**values)
 
     def listeners(self, data: dict[str, Any]) -> tuple[ListenerConfig, ...]:
         self.listener_paths: list[KeyPath] = []

@@ -7,6 +7,7 @@ loader validates carry their allowed range in ``metadata["range"]`` as ``(min, m
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +18,21 @@ def _bounded(default: int, lo: int, hi: int | None = None) -> Any:
     return field(default=default, metadata={"range": (lo, hi)})
 
 
+MAX_WORKERS = 1024
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (honours taskset/cpusets): `workers = "auto"`."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    workers: int = _bounded(1, 1)
+    # Processes serving the listeners; the loader turns "auto" (the default) into cpu_count().
+    workers: int = field(default_factory=cpu_count)
     drain_timeout_ms: int = _bounded(10_000, 0)
 
 

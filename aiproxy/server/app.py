@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -12,8 +13,9 @@ from typing import Any
 
 import uvloop
 
-from aiproxy.admin.server import AdminServer
-from aiproxy.config import Config, ConfigError, ListenerConfig, load_config
+from aiproxy.admin.server import AdminServer, LocalBackend
+from aiproxy.config import Config, ConfigError, ListenerConfig, load_config, load_config_text
+from aiproxy.config.schema import KernelConfig
 from aiproxy.kernel.lifecycle import KernelStartError, ProxyKernel
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
@@ -46,41 +48,54 @@ class ProxyServer:
         self.admin: AdminServer | None = None
         self.reload_lock = asyncio.Lock()
         self.kernel = ProxyKernel(config.source)
+        # Whether this process attaches [kernel] interfaces' XDP/TC programs: host-wide,
+        # so with workers only worker 0 does; every process splices its own tunnels.
+        self.kernel_attach = True
         self.policy_timer: asyncio.TimerHandle | None = None
 
-    async def start(self) -> None:
+    async def start(self, *, reuse_port: bool = False, serve_admin: bool = True) -> None:
+        """Bind the listeners (SO_REUSEPORT in a worker process, so its siblings bind the
+        same addresses) and, unless a supervising parent does, the admin API."""
         # [kernel]: XDP/TC attached, splicing ready. In a thread: pyroute2 runs its own
         # event loop, which cannot start inside this one.
-        await self.loop.run_in_executor(None, self.kernel.start, self.config.kernel,
+        await self.loop.run_in_executor(None, self.kernel.start,
+                                        self._kernel_config(self.config),
                                         self._policy_cidrs())
         self._watch_policy()
         for listener in self.config.listeners:
             factory, ctx = self._factory(listener)
             server = await self.loop.create_server(
                 factory, listener.host, listener.port, ssl=ctx,
-                backlog=listener.backlog, reuse_address=True)
+                backlog=listener.backlog, reuse_address=True, reuse_port=reuse_port)
             self.servers.append(server)
             for sock in server.sockets:
                 log.info("listener %s on %s", listener.name, _sockname(sock))
         admin = self.config.admin
-        if admin is not None:
-            self.admin = AdminServer(self)
+        if admin is not None and serve_admin:
+            self.admin = AdminServer(LocalBackend(self))
             await self.admin.start(admin.host, admin.port)
             log.info("admin API on %s", admin.address)
 
-    async def reload(self) -> tuple[bool, str]:
-        """Re-read the config file; swap the runtime only if it is valid.
+    async def reload(self, text: str | None = None) -> tuple[bool, str]:
+        """Re-read the config file (or take `text`, which a supervising parent has already
+        validated); swap the runtime only if it is valid.
 
         Requests in flight finish on the runtime they started with; pools of
         endpoints the new config keeps carry over with their connections."""
         async with self.reload_lock:
             sd_notify.reloading()
             try:
-                config = await self.loop.run_in_executor(None, load_config, self.config.source)
+                if text is None:
+                    config = await self.loop.run_in_executor(None, load_config,
+                                                             self.config.source)
+                else:
+                    config = await self.loop.run_in_executor(None, load_config_text, text,
+                                                             self.config.source)
                 model = await self.loop.run_in_executor(None, load_intent_model, config,
                                                         self.runtime)
                 # Maps in place, no detach; the old state is kept on error.
-                await self.loop.run_in_executor(None, self.kernel.reload, config.kernel)
+                await self.loop.run_in_executor(None, self.kernel.reload,
+                                                self._kernel_config(config))
             except (ConfigError, ModelError, KernelStartError) as exc:
                 self.metrics.reload_failures += 1
                 self.metrics.last_reload_ok = 0
@@ -108,6 +123,11 @@ class ProxyServer:
 
     def _policy_state(self) -> Any:
         return self.runtime.filter_states.get("policy")
+
+    def _kernel_config(self, config: Config) -> KernelConfig:
+        if self.kernel_attach or not config.kernel.interfaces:
+            return config.kernel
+        return dataclasses.replace(config.kernel, interfaces=())
 
     def _policy_cidrs(self) -> tuple[str, ...]:
         state = self._policy_state()
@@ -257,9 +277,6 @@ async def serve(config: Config) -> int:
         log.error("%s", exc)
         await server.stop(0)
         return 2
-    if config.server.workers > 1:
-        log.warning("workers = %d: multi-process mode is not implemented yet; running one "
-                    "process", config.server.workers)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -283,4 +300,9 @@ async def serve(config: Config) -> int:
 
 
 def run(config: Config) -> int:
+    """`workers = 1`: this process serves; more: a supervisor runs that many workers."""
+    if config.server.workers > 1:
+        from aiproxy.server.supervisor import run as supervise
+
+        return supervise(config)
     return uvloop.run(serve(config))

@@ -1,0 +1,462 @@
+"""The supervising parent of `[server] workers = N` (N > 1).
+
+It starts N worker processes (aiproxy.server.worker) from a multiprocessing forkserver
+that has the proxy imported already (aiproxy.server.forkserver), so a start or restart
+is a fork, not a fresh interpreter. Each worker binds the listeners with SO_REUSEPORT.
+The parent binds no proxy listener; it serves the admin API, sums the workers' metrics, speaks sd_notify for
+the service and restarts a worker that dies (exponential backoff, capped).
+
+Signals: SIGTERM/SIGINT drain every worker (SIGKILL after drain_timeout plus a margin);
+SIGHUP validates the file here and, if it is good, sends the validated text to each
+worker, which swaps it in place (see reload()); SIGUSR1 is passed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import uvloop
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import CollectorRegistry
+
+from aiproxy.config import Config, ConfigError, load_config_text, read_config_text
+from aiproxy.server import forkserver, sd_notify
+from aiproxy.server.channel import Channel
+from aiproxy.telemetry.aggregate import WorkerMetrics, merge, to_metrics
+
+if TYPE_CHECKING:
+    from aiproxy.admin.server import AdminServer
+
+log = logging.getLogger("aiproxy.server")
+
+BACKOFF_BASE = 0.1  # seconds before restarting a worker that had run for a while
+BACKOFF_CAP = 30.0
+STABLE_AFTER = 10.0  # a worker that lived this long resets the backoff
+STOP_MARGIN = 5.0  # past drain_timeout, before stragglers get SIGKILL
+SCRAPE_TIMEOUT = 2.0
+# Families the supervisor owns: workers' own reload counters would count each reload N times.
+PARENT_FAMILIES = frozenset({"aiproxy_config_reloads", "aiproxy_config_reload_failures",
+                             "aiproxy_config_last_reload_success"})
+
+
+def exit_reason(code: int | None) -> str:
+    if code is None:
+        return "vanished"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerSlot:
+    """Worker number `index` (the `worker` label); its process changes on restarts."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.process: Any = None  # multiprocessing.Process while one runs
+        self.pid: int | None = None
+        self.channel: Channel | None = None
+        self.reader: asyncio.Task | None = None
+        self.ready = False
+        self.text = ""  # the config text this worker runs
+        self.started = 0.0
+        self.restarts = 0
+        self.streak = 0  # quick deaths in a row
+        self.metrics = WorkerMetrics()
+        self.restart_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None
+
+
+class Supervisor:
+    def __init__(self, config: Config, text: str, log_level: int = logging.INFO) -> None:
+        self.config = config
+        self.text = text
+        self.log_level = log_level
+        self.slots = [WorkerSlot(i) for i in range(config.server.workers)]
+        self.mp = forkserver.context()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = False
+        self.startup: asyncio.Future | None = None
+        self.all_exited = asyncio.Event()
+        self.admin: AdminServer | None = None
+        self.reload_lock = asyncio.Lock()
+        self.reloads = 0
+        self.reload_failures = 0
+        self.last_reload_ok = 1
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(WorkersCollector(self))
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def main(self) -> int:
+        loop = self.loop = asyncio.get_running_loop()
+        busy = ports_in_use(self.config)
+        if busy:
+            log.error("cannot bind listener: %s", busy)
+            return 1
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+        loop.add_signal_handler(signal.SIGUSR1, self.signal_workers, signal.SIGUSR1)
+        admin = self.config.admin
+        if admin is not None:
+            # aiohttp only when there is an admin listener: it is most of this process's
+            # import time, and the workers' start waits for it
+            from aiproxy.admin.server import AdminServer
+
+            self.admin = AdminServer(self)
+            try:
+                await self.admin.start(admin.host, admin.port)
+            except OSError as exc:
+                log.error("cannot bind admin listener: %s", exc)
+                await self.admin.stop()
+                return 1
+            log.info("admin API on %s", admin.address)
+        self.startup = loop.create_future()
+        for slot in self.slots:
+            self.spawn(slot)
+        stopped = loop.create_task(stop.wait())
+        await asyncio.wait([self.startup, stopped], return_when=asyncio.FIRST_COMPLETED)
+        code = self.startup.result() if self.startup.done() else 0
+        if stop.is_set() and code == 0:
+            self.startup.cancel()  # asked to stop before every worker was up
+        elif code != 0:
+            log.error("a worker failed to start; stopping")
+            await self.stop_workers(0)
+            await self._stop_admin()
+            return code
+        else:
+            watchdog = sd_notify.watchdog_interval()
+            if watchdog:
+                def _ping() -> None:
+                    sd_notify.notify("WATCHDOG=1")
+                    loop.call_later(watchdog, _ping)
+                _ping()
+            log.info("aiproxy ready: %d workers (%d routes, %d clusters)", len(self.slots),
+                     len(self.config.routes), len(self.config.clusters))
+            sd_notify.notify("READY=1")
+        await stopped
+        sd_notify.notify("STOPPING=1")
+        drain = self.config.server.drain_timeout_ms / 1000
+        log.info("stopping: workers drain for up to %.0f ms", drain * 1000)
+        await self.stop_workers(drain + STOP_MARGIN)
+        await self._stop_admin()
+        log.info("stopped")
+        return 0
+
+    async def _stop_admin(self) -> None:
+        if self.admin is not None:
+            await self.admin.stop()
+
+    def spawn(self, slot: WorkerSlot) -> None:
+        slot.restart_timer = None
+        if self.stopping:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        process = self.mp.Process(
+            target=_worker_main, name=f"aiproxy-worker-{slot.index}", daemon=False,
+            args=(slot.index, theirs, self.text, self.config.source, self.log_level))
+        try:
+            process.start()
+        except OSError as exc:
+            ours.close()
+            theirs.close()
+            slot.started = time.monotonic()
+            self._restart_later(slot, f"cannot be started ({exc})")
+            return
+        finally:
+            theirs.close()
+        slot.process = process
+        slot.pid = process.pid
+        slot.text = self.text
+        slot.ready = False
+        slot.started = time.monotonic()
+        self.all_exited.clear()
+        log.info("worker %d started (pid %d)", slot.index, process.pid)
+        assert self.loop is not None
+        self.loop.add_reader(process.sentinel, self._exited, slot, process)
+        slot.reader = self.loop.create_task(self._serve_channel(slot, ours))
+
+    async def _serve_channel(self, slot: WorkerSlot, sock: socket.socket) -> None:
+        channel = slot.channel = await Channel.open(sock)
+
+        def on_event(name: str, fields: dict[str, Any]) -> None:
+            if name == "ready":
+                self._ready(slot)
+            elif name == "final":
+                slot.metrics.live = fields["metrics"]
+
+        await channel.serve({}, on_event)
+
+    def _ready(self, slot: WorkerSlot) -> None:
+        slot.ready = True
+        log.info("worker %d (pid %s) is serving", slot.index, slot.pid)
+        if slot.text != self.text:
+            # started from the old text while a reload was under way
+            assert self.loop is not None
+            self.loop.create_task(self._reload_worker(slot, self.text))
+        if (self.startup is not None and not self.startup.done()
+                and all(s.ready for s in self.slots)):
+            self.startup.set_result(0)
+
+    def _exited(self, slot: WorkerSlot, process: Any) -> None:
+        assert self.loop is not None
+        self.loop.remove_reader(process.sentinel)
+        self.loop.create_task(self._reap(slot, process))
+
+    async def _reap(self, slot: WorkerSlot, process: Any) -> None:
+        slot.ready = False
+        code = process.exitcode
+        process.close()
+        if slot.reader is not None:
+            # the worker's last words (its final metrics) are still in the socket
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                await asyncio.wait_for(asyncio.shield(slot.reader), 1.0)
+            slot.reader.cancel()
+        if slot.channel is not None:
+            await slot.channel.close()
+        slot.metrics.retire()
+        pid = slot.pid
+        slot.process = slot.channel = slot.reader = None
+        slot.ready = False
+        if not any(s.running for s in self.slots):
+            self.all_exited.set()
+        if self.stopping:
+            level = logging.INFO if code == 0 else logging.WARNING
+            log.log(level, "worker %d (pid %s) %s", slot.index, pid, exit_reason(code))
+            return
+        if self.startup is not None and not self.startup.done():
+            log.error("worker %d (pid %s) %s during startup", slot.index, pid,
+                      exit_reason(code))
+            self.startup.set_result(code if code else 1)
+            return
+        self._restart_later(slot, f"(pid {pid}) {exit_reason(code)}")
+
+    def _restart_later(self, slot: WorkerSlot, why: str) -> None:
+        """Restart after a delay that doubles with each quick death (capped)."""
+        assert self.loop is not None
+        lived = time.monotonic() - slot.started
+        slot.streak = 0 if lived >= STABLE_AFTER else slot.streak + 1
+        delay = min(BACKOFF_BASE * 2 ** slot.streak, BACKOFF_CAP)
+        log.error("worker %d %s after %.1f s; restarting in %.1f s", slot.index, why, lived,
+                  delay)
+        slot.restarts += 1
+        slot.restart_timer = self.loop.call_later(delay, self.spawn, slot)
+
+    def signal_workers(self, sig: int) -> None:
+        for slot in self.slots:
+            if slot.pid is not None and slot.running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(slot.pid, sig)
+
+    async def stop_workers(self, timeout: float) -> None:
+        """SIGTERM (each worker drains), then SIGKILL whoever is left after `timeout`."""
+        self.stopping = True
+        for slot in self.slots:
+            if slot.restart_timer is not None:
+                slot.restart_timer.cancel()
+                slot.restart_timer = None
+        if not any(s.running for s in self.slots):
+            return
+        self.signal_workers(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.all_exited.wait(), timeout)
+        except TimeoutError:
+            left = [s.index for s in self.slots if s.running]
+            log.warning("workers %s still running after %.1f s: SIGKILL", left, timeout)
+            self.signal_workers(signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.all_exited.wait(), 5)
+
+    # -- reload ------------------------------------------------------------------------
+
+    async def reload(self) -> tuple[bool, str]:
+        """Validate the file here; if it is good, every worker swaps the same text in
+        place (ProxyServer.reload: requests in flight finish on the old runtime, upstream
+        pools, health and outlier state carry over). Replacing workers instead would
+        throw that state away and, with SO_REUSEPORT, reset connections still queued in
+        a retiring worker's accept backlog."""
+        assert self.loop is not None
+        async with self.reload_lock:
+            sd_notify.reloading()
+            source = self.config.source
+            try:
+                text = await self.loop.run_in_executor(None, read_config_text, source)
+                config = await self.loop.run_in_executor(None, load_config_text, text, source)
+            except ConfigError as exc:
+                return self._reload_failed(str(exc))
+            live = [s for s in self.slots if s.ready and s.channel is not None]
+            results = await asyncio.gather(*(self._reload_worker(s, text) for s in live))
+            problems = [message for ok, message in results if not ok]
+            if problems:
+                return self._reload_failed(problems[0])
+            notes = []
+            if (config.listeners != self.config.listeners or config.admin != self.config.admin
+                    or config.server.workers != self.config.server.workers):
+                notes.append("listener, admin and workers changes take effect on restart")
+                log.warning("reload: %s", notes[-1])
+            self.config = config
+            self.text = text
+            self.reloads += 1
+            self.last_reload_ok = 1
+            log.info("config reloaded in %d workers (%d routes, %d clusters)", len(live),
+                     len(config.routes), len(config.clusters))
+            sd_notify.notify("READY=1")
+            return True, "; ".join(notes) or "ok"
+
+    async def _reload_worker(self, slot: WorkerSlot, text: str) -> tuple[bool, str]:
+        channel = slot.channel
+        if channel is None:
+            return True, "not running"  # it starts from the new text
+        try:
+            result = await channel.call("reload", text=text)
+        except (ConnectionError, RuntimeError) as exc:
+            if slot.running and not channel.closed:
+                return False, f"worker {slot.index}: {exc}"
+            return True, "exited"  # its replacement starts from the new text
+        if result["ok"]:
+            slot.text = text
+        return result["ok"], result["message"]
+
+    def _reload_failed(self, message: str) -> tuple[bool, str]:
+        self.reload_failures += 1
+        self.last_reload_ok = 0
+        log.error("reload rejected, keeping the running config:\n%s", message)
+        sd_notify.notify("READY=1")
+        return False, message
+
+    # -- admin backend (aiproxy.admin.server.AdminBackend) -------------------------------
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.stopping:
+            problems.append("draining")
+        for slot in self.slots:
+            if not slot.ready:
+                problems.append(f"worker {slot.index} not serving")
+        for cluster in self.config.clusters:
+            if not cluster.endpoints:
+                problems.append(f"cluster {cluster.name} has no endpoints")
+        return problems
+
+    def _serving(self) -> list[WorkerSlot]:
+        return [s for s in self.slots if s.ready and s.channel is not None]
+
+    async def refresh_metrics(self) -> None:
+        slots = self._serving()
+        pids = [s.pid for s in slots]
+        results = await asyncio.gather(
+            *(s.channel.call("metrics", SCRAPE_TIMEOUT) for s in slots),  # type: ignore[union-attr]
+            return_exceptions=True)
+        for slot, pid, result in zip(slots, pids, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("worker %d did not answer a scrape: %r", slot.index, result)
+            elif slot.ready and slot.pid == pid:  # not reaped (or replaced) meanwhile
+                slot.metrics.live = result
+
+    async def routes(self) -> list[dict[str, Any]]:
+        for slot in self._serving():
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                return await slot.channel.call("routes", SCRAPE_TIMEOUT)  # type: ignore
+        return []
+
+    async def clusters(self) -> list[dict[str, Any]]:
+        """Each worker's view of each cluster (health, ejections and in-flight counts are
+        per process), tagged with the worker's number."""
+        out = []
+        for slot in self._serving():
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                for cluster in await slot.channel.call("clusters", SCRAPE_TIMEOUT):  # type: ignore
+                    out.append({**cluster, "worker": slot.index})
+        return out
+
+
+class WorkersCollector:
+    """The workers' metrics summed, the supervisor's reload metrics, and per-worker
+    series labelled worker="N"."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Any:
+        sup = self.supervisor
+        families: dict = {}
+        for slot in sup.slots:
+            for part in slot.metrics.parts():
+                merge(families, part, PARENT_FAMILIES)
+        yield from to_metrics(families)
+        yield CounterMetricFamily("aiproxy_config_reloads", "Successful config reloads",
+                                  value=sup.reloads)
+        yield CounterMetricFamily("aiproxy_config_reload_failures", "Rejected config reloads",
+                                  value=sup.reload_failures)
+        yield GaugeMetricFamily("aiproxy_config_last_reload_success",
+                                "1 if the last reload succeeded (or none happened)",
+                                value=sup.last_reload_ok)
+        up = GaugeMetricFamily("aiproxy_worker_up", "1 while the worker process serves",
+                               labels=["worker"])
+        restarts = CounterMetricFamily("aiproxy_worker_restarts",
+                                       "Times the supervisor restarted the worker",
+                                       labels=["worker"])
+        requests = CounterMetricFamily("aiproxy_worker_requests",
+                                       "Requests answered by the worker (all its processes)",
+                                       labels=["worker"])
+        for slot in sup.slots:
+            label = [str(slot.index)]
+            up.add_metric(label, 1 if slot.ready else 0)
+            restarts.add_metric(label, slot.restarts)
+            requests.add_metric(label, slot.metrics.total("aiproxy_requests_total"))
+        yield up
+        yield restarts
+        yield requests
+
+
+def ports_in_use(config: Config) -> str | None:
+    """Workers bind with SO_REUSEPORT, which would quietly share a port with another
+    aiproxy (same user) already on it; a plain bind here catches that first."""
+    for listener in config.listeners:
+        try:
+            infos = socket.getaddrinfo(listener.host, listener.port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            return f"{listener.name} {listener.address}: {exc}"
+        for family, kind, proto, _, addr in infos:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                try:
+                    sock.bind(addr)
+                except OSError as exc:
+                    return f"{listener.name} {listener.address}: {exc.strerror}"
+    return None
+
+
+def _worker_main(*args: Any) -> None:
+    from aiproxy.server.worker import main
+
+    main(*args)
+
+
+def run(config: Config, log_level: int | None = None) -> int:
+    try:
+        text = read_config_text(config.source)
+        # what the workers run must be exactly the text validated here
+        config = load_config_text(text, config.source)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
+    return uvloop.run(Supervisor(config, text, level).main())

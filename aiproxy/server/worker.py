@@ -1,0 +1,102 @@
+"""One worker process under the supervisor (`[server] workers > 1`).
+
+It binds the listeners itself with SO_REUSEPORT (the kernel spreads new connections
+over the workers), runs its own uvloop and answers the supervisor's control channel.
+It never talks to systemd: the supervisor is the main PID and notifies for all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import ssl
+import sys
+
+import uvloop
+
+from aiproxy.admin.server import LocalBackend, describe_clusters, describe_routes
+from aiproxy.config import Config, load_config_text
+from aiproxy.kernel.lifecycle import KernelStartError
+from aiproxy.semantic.classifier import ModelError
+from aiproxy.server.app import ProxyServer
+from aiproxy.server.channel import Channel
+from aiproxy.server.runtime import load_intent_model
+from aiproxy.telemetry.aggregate import snapshot
+
+log = logging.getLogger("aiproxy.server")
+
+# Only the supervisor may speak for the service (NotifyAccess=main).
+SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+
+def main(slot: int, sock: socket.socket, text: str, source: str, log_level: int) -> None:
+    """multiprocessing target; the exit code tells the supervisor how it went
+    (0 stopped, 1 cannot bind, 2 bad model)."""
+    for name in SYSTEMD_VARS:
+        os.environ.pop(name, None)
+    logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
+                        format=f"%(asctime)s %(levelname)s %(name)s[worker {slot}]: %(message)s")
+    config = load_config_text(text, source)  # the supervisor validated this text
+    sys.exit(uvloop.run(serve_worker(config, sock, slot)))
+
+
+async def serve_worker(config: Config, sock: socket.socket, slot: int) -> int:
+    loop = asyncio.get_running_loop()
+    try:
+        model = load_intent_model(config)
+    except ModelError as exc:
+        log.error("%s: semantic.model: %s", config.source, exc)
+        return 2
+    server = ProxyServer(config, loop, model)
+    server.kernel_attach = slot == 0
+    try:
+        await server.start(reuse_port=True, serve_admin=False)
+    except KernelStartError as exc:
+        log.error("%s", exc)
+        await server.stop(0)
+        return 2
+    except ssl.SSLError as exc:
+        log.error("cannot load TLS certificate or key: %s", exc)
+        await server.stop(0)
+        return 1
+    except OSError as exc:
+        log.error("cannot bind listener: %s", exc)
+        await server.stop(0)
+        return 1
+    backend = LocalBackend(server)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
+    loop.add_signal_handler(signal.SIGUSR1, server.reopen_logs)
+
+    async def reload(text: str) -> dict:
+        ok, message = await server.reload(text)
+        return {"ok": ok, "message": message}
+
+    async def metrics() -> list:
+        return snapshot(backend.registry)
+
+    async def routes() -> list:
+        return describe_routes(server)
+
+    async def clusters() -> list:
+        return describe_clusters(server)
+
+    channel = await Channel.open(sock)
+    handlers = {"reload": reload, "metrics": metrics, "routes": routes, "clusters": clusters}
+    serving = loop.create_task(channel.serve(handlers))
+    # EOF on the channel means the supervisor is gone: stop rather than serve unsupervised.
+    serving.add_done_callback(lambda _: stop.set())
+    channel.event("ready", pid=os.getpid())
+    await stop.wait()
+    drain = server.config.server.drain_timeout_ms
+    log.info("stopping: draining for up to %d ms", drain)
+    await server.stop(drain / 1000)
+    channel.event("final", metrics=snapshot(backend.registry))
+    await channel.close()
+    serving.cancel()
+    return 0

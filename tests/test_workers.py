@@ -1,0 +1,415 @@
+"""Multi-process model: `[server] workers = 2` with a supervising parent (real processes,
+real clients, the demo upstream)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import CRASH_MARKERS, Proxy, simple_config
+from tests.support import (
+    free_port,
+    start_process,
+    stop_process,
+    wait_port,
+)
+
+WORKERS = "[server]\nworkers = 2\ndrain_timeout_ms = 5000\n"
+QUIET = '\n[access_log]\npath = "off"\n'  # keeps the log the tests poll small under load
+
+
+def admin_block(port: int) -> str:
+    return f'\n[admin]\naddress = "127.0.0.1:{port}"\n'
+
+
+def samples(admin: int) -> dict[tuple, float]:
+    text = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def total(found: dict[tuple, float], name: str) -> float:
+    return sum(v for (n, _), v in found.items() if n == name)
+
+
+def per_worker(found: dict[tuple, float], name: str) -> dict[str, float]:
+    return {dict(labels)["worker"]: v for (n, labels), v in found.items() if n == name}
+
+
+def started(log: str) -> list[tuple[int, int]]:
+    """(worker, pid) for each "worker N started (pid P)" line, in order."""
+    return [(int(w), int(p)) for w, p in re.findall(r"worker (\d) started \(pid (\d+)\)", log)]
+
+
+def serving(log: str, pid: int) -> bool:
+    return f"(pid {pid}) is serving" in log
+
+
+def wait_for(predicate, timeout: float = 15, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def workers_proxy(tmp_path: Path) -> Iterator[Callable[[str], tuple[Proxy, int]]]:
+    """Like conftest's start_proxy, plus workers = 2 and an admin listener; returns
+    (proxy, admin port) once /readyz says every worker serves. A supervisor and its
+    forkserver import in parallel, but on a loaded 2-core box that can pass 10 s."""
+    started: list[Proxy] = []
+
+    def _start(body: str) -> tuple[Proxy, int]:
+        port, admin = free_port(), free_port()
+        path = tmp_path / f"aiproxy-{len(started)}.toml"
+        path.write_text(f'[[listeners]]\nname = "test"\naddress = "127.0.0.1:{port}"\n'
+                        + WORKERS + body + admin_block(admin))
+        proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(path)])
+        proxy = Proxy(proc, port, path)
+        started.append(proxy)
+        wait_port("127.0.0.1", admin, timeout=60, proc=proc)
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{admin}/readyz").status_code == 200,
+                 timeout=60, what="all workers ready")
+        return proxy, admin
+
+    yield _start
+    logs = [stop_process(proxy.proc, timeout=15) for proxy in started]
+    crashed = [log for log in logs if any(marker in log for marker in CRASH_MARKERS)]
+    if crashed:
+        pytest.fail("proxy log shows an escaped exception:\n" + "\n----\n".join(crashed))
+
+
+def test_load_spreads_over_workers_and_metrics_sum(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream))
+    pids = {pid for _, pid in started(proxy.log())}
+    assert len(pids) == 2 and proxy.proc.pid not in pids
+    sent = 0
+    for _ in range(40):  # a new connection each time: SO_REUSEPORT hashes connections
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").status_code == 200
+            sent += 1
+    with httpx.Client(base_url=proxy.url) as client:
+        for _ in range(10):
+            assert client.post("/echo", content=b"y" * 100).status_code == 200
+            sent += 1
+        assert client.get("/status/503").status_code == 503
+        sent += 1
+    found = samples(admin)
+    assert total(found, "aiproxy_requests_total") == sent
+    key = ("aiproxy_requests_total", (("cluster", "up"), ("route", "all"), ("status", "200")))
+    assert found[key] == sent - 1
+    assert found[("aiproxy_request_bytes_total", ())] == 1000
+    assert found[("aiproxy_stage_total_seconds_count", ())] == sent
+    assert found[('aiproxy_stage_total_seconds_bucket', (("le", "+Inf"),))] == sent
+    by_worker = per_worker(found, "aiproxy_worker_requests_total")
+    assert sum(by_worker.values()) == sent
+    assert set(by_worker) == {"0", "1"} and min(by_worker.values()) > 0, by_worker
+    assert per_worker(found, "aiproxy_worker_up") == {"0": 1, "1": 1}
+    assert per_worker(found, "aiproxy_worker_restarts_total") == {"0": 0, "1": 0}
+    clusters = httpx.get(f"http://127.0.0.1:{admin}/clusters").json()
+    assert sorted((c["worker"], c["name"]) for c in clusters) == [(0, "up"), (1, "up")]
+    routes = httpx.get(f"http://127.0.0.1:{admin}/config/routes").json()
+    assert [r["name"] for r in routes] == ["all"]
+    assert httpx.get(f"http://127.0.0.1:{admin}/config").json()["server"]["workers"] == 2
+
+
+def _run_load(url: str, stop: asyncio.Event, results: list, clients: int = 8,
+              path: str = "/delay/5") -> list[asyncio.Task]:
+    async def one() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            while not stop.is_set():
+                try:
+                    r = await client.get(path)
+                    results.append((time.monotonic(), r.status_code, r.headers.get("x-upstream")))
+                except httpx.HTTPError as exc:
+                    results.append((time.monotonic(), repr(exc), None))
+
+    return [asyncio.create_task(one()) for _ in range(clients)]
+
+
+def test_killed_worker_loses_only_its_requests_and_comes_back(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET)
+    (_, victim), = [(w, p) for w, p in started(proxy.log()) if w == 0]
+    results: list = []
+
+    async def scenario() -> int:
+        stop = asyncio.Event()
+        tasks = _run_load(proxy.url, stop, results)
+        await asyncio.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        new = None
+        deadline = time.monotonic() + 15
+        while new is None or not serving(proxy.log(), new):
+            assert time.monotonic() < deadline, proxy.log()
+            pids = [p for w, p in started(proxy.log()) if w == 0 and p != victim]
+            new = pids[0] if pids else None
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.gather(*tasks)
+        return new
+
+    new = asyncio.run(scenario())
+    assert new != victim
+    log = proxy.log()
+    assert f"worker 0 (pid {victim}) killed by signal SIGKILL" in log
+    failed = [r for r in results if not isinstance(r[1], int)]
+    ok = [r for r in results if r[1] == 200]
+    assert len(results) == len(failed) + len(ok)
+    # each of the 8 clients had at most one request in flight on the killed worker
+    assert len(failed) <= 8, failed
+    assert len(ok) > 50
+    # after the worker is back everything succeeds, and it takes new connections again
+    before = per_worker(samples(admin), "aiproxy_worker_requests_total")["0"]
+    for _ in range(30):
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").status_code == 200
+    found = samples(admin)
+    assert per_worker(found, "aiproxy_worker_requests_total")["0"] > before
+    assert per_worker(found, "aiproxy_worker_restarts_total") == {"0": 1, "1": 0}
+    assert per_worker(found, "aiproxy_worker_up") == {"0": 1, "1": 1}
+    assert httpx.get(f"http://127.0.0.1:{admin}/readyz").json() == {"ready": True}
+    # counters stay monotonic over the restart: the dead worker's counts are kept
+    assert total(found, "aiproxy_requests_total") >= len(ok) + 30 - 8
+
+
+def test_crash_looping_worker_backs_off(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream))
+    killed = []
+    for _ in range(4):
+        wait_for(lambda: any(serving(proxy.log(), p) for w, p in started(proxy.log())
+                             if w == 1 and p not in killed), what="worker 1 serving")
+        pid = [p for w, p in started(proxy.log()) if w == 1 and p not in killed][0]
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    wait_for(lambda: len([1 for w, _ in started(proxy.log()) if w == 1]) == 5,
+             what="the fifth worker 1")
+    delays = [float(d) for d in re.findall(r"worker 1 \(pid \d+\) killed by signal SIGKILL "
+                                           r"after [\d.]+ s; restarting in ([\d.]+) s",
+                                           proxy.log())]
+    assert delays == [0.2, 0.4, 0.8, 1.6], proxy.log()
+    wait_for(lambda: per_worker(samples(admin), "aiproxy_worker_up") == {"0": 1, "1": 1},
+             what="worker 1 up again")
+    assert per_worker(samples(admin), "aiproxy_worker_restarts_total") == {"0": 0, "1": 4}
+
+
+def test_sigterm_lets_streams_finish_and_refuses_new_connections(workers_proxy, demo_upstream):
+    proxy, _ = workers_proxy(simple_config(demo_upstream))
+    events = []
+    with httpx.Client(base_url=proxy.url, timeout=10) as client, \
+            client.stream("GET", "/sse?n=20&delay_ms=100") as response:
+        lines = response.iter_lines()
+        events.append(next(line for line in lines if line))
+        proxy.proc.send_signal(signal.SIGTERM)
+        refused_at = None
+        deadline = time.monotonic() + 5
+        while refused_at is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
+                time.sleep(0.02)
+            except ConnectionResetError:
+                # handshake done in a closing worker's accept queue: reset, not served
+                pass
+            except ConnectionRefusedError:
+                refused_at = time.monotonic()
+        assert refused_at is not None, "new connections were still accepted"
+        events.extend(line for line in lines if line)
+    assert events == [f"data: event {i}" for i in range(20)]
+    assert proxy.proc.wait(10) == 0
+    assert "killed by signal" not in proxy.log()
+
+
+def test_sighup_reload_under_load_with_workers(workers_proxy, demo_upstream, demo_upstream_b):
+    def config(to_b: bool) -> str:
+        return f"""
+[[clusters]]
+name = "a"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+
+[[clusters]]
+name = "b"
+endpoints = ["127.0.0.1:{demo_upstream_b}"]
+
+[[routes]]
+name = "x"
+match = {{ path_prefix = "/echo/x" }}
+cluster = "{"b" if to_b else "a"}"
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "a"
+"""
+
+    proxy, admin = workers_proxy(config(False) + QUIET)
+    text = proxy.config_path.read_text()
+    results: list = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        tasks = _run_load(proxy.url, stop, results, path="/echo")
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as probe:
+            for i in range(6):
+                to_b = i % 2 == 0
+                proxy.config_path.write_text(text.replace(config(False), config(to_b)))
+                done = proxy.log().count("config reloaded in 2 workers")
+                proxy.proc.send_signal(signal.SIGHUP)
+                deadline = time.monotonic() + 10
+                while proxy.log().count("config reloaded in 2 workers") == done:
+                    assert time.monotonic() < deadline, proxy.log()
+                    await asyncio.sleep(0.02)
+                # both workers run the new config: new connections all see it
+                for _ in range(6):
+                    probe_conn = httpx.AsyncClient(base_url=proxy.url, timeout=10)
+                    async with probe_conn:
+                        r = await probe_conn.get("/echo/x")
+                    assert r.headers["x-upstream"] == ("demo-b" if to_b else "demo-a")
+                r = await probe.get("/echo/x")
+                assert r.headers["x-upstream"] == ("demo-b" if to_b else "demo-a")
+                await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    failed = [r for r in results if r[1] != 200]
+    assert not failed, failed[:3]
+    assert len(results) > 100
+    found = samples(admin)
+    assert found[("aiproxy_config_reloads_total", ())] == 6
+    assert per_worker(found, "aiproxy_worker_restarts_total") == {"0": 0, "1": 0}
+
+
+def test_broken_reload_is_rejected_in_the_parent(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream))
+    good = proxy.config_path.read_text()
+    proxy.config_path.write_text(good + '\n[[routes]]\nname = "bad"\ncluster = "nope"\n')
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "reload rejected" in proxy.log(), what="rejection")
+    bad_line = len(good.splitlines()) + 4
+    assert f"{proxy.config_path}:{bad_line}: routes[1].cluster: unknown cluster 'nope'" \
+        in proxy.log()
+    assert "[worker" not in proxy.log().split("reload rejected")[1]  # workers never saw it
+    assert httpx.get(proxy.url + "/echo").status_code == 200
+    found = samples(admin)
+    assert found[("aiproxy_config_reload_failures_total", ())] == 1
+    assert found[("aiproxy_config_last_reload_success", ())] == 0
+
+
+def test_sd_notify_only_from_the_parent(tmp_path: Path, demo_upstream):
+    notify_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    sock.settimeout(60)
+    port = free_port()
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(WORKERS + f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
+                   + simple_config(demo_upstream))
+    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(cfg)],
+                         env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000",
+                              "WATCHDOG_PID": ""})
+    try:
+        messages: list[tuple[str, int]] = []
+
+        def expect(prefix: str) -> None:
+            while True:
+                data, ancillary, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(12))
+                pid = next(struct.unpack("3i", payload)[0]
+                           for level, kind, payload in ancillary
+                           if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS)
+                messages.append((data.decode(), pid))
+                if data.decode().startswith(prefix):
+                    return
+
+        expect("READY=1")
+        log = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
+        pids = [pid for _, pid in started(log)]
+        assert len(pids) == 2 and all(serving(log, p) for p in pids), log
+        wait_port("127.0.0.1", port)
+        expect("WATCHDOG=1")
+        proc.send_signal(signal.SIGHUP)
+        expect("RELOADING=1")
+        expect("READY=1")
+        proc.send_signal(signal.SIGTERM)
+        expect("STOPPING=1")
+        assert proc.wait(15) == 0
+        order = [m.split("\n")[0] for m, _ in messages if not m.startswith("WATCHDOG")]
+        assert order == ["READY=1", "RELOADING=1", "READY=1", "STOPPING=1"]
+        assert {pid for _, pid in messages} == {proc.pid}
+    finally:
+        stop_process(proc)
+        sock.close()
+        os.unlink(notify_path)
+
+
+def test_port_taken_by_another_process_fails_startup(tmp_path: Path, demo_upstream):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "a.toml"
+        cfg.write_text(WORKERS + f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
+                       + simple_config(demo_upstream))
+        proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(cfg)])
+        try:
+            assert proc.wait(30) == 1
+        finally:
+            log = stop_process(proc)
+    assert "cannot bind listener: l 127.0.0.1" in log
+    assert "started (pid" not in log
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_workers_stop_when_the_supervisor_dies(workers_proxy, demo_upstream):
+    proxy, _ = workers_proxy(simple_config(demo_upstream))
+    pids = [pid for _, pid in started(proxy.log())]
+    proxy.proc.kill()
+    proxy.proc.wait()
+    # no unsupervised workers keep serving: each sees its control channel close and drains
+    wait_for(lambda: not any(_alive(p) for p in pids), what="workers to exit")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=1)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, len(os.sched_getaffinity(0))),
+    ('"auto"', len(os.sched_getaffinity(0))),
+    ("3", 3),
+    ('"many"', 'inline.toml:2: server.workers: expected integer or "auto", got \'many\''),
+    ("0", "inline.toml:2: server.workers: must be between 1 and 1024, got 0"),
+    ("1.5", 'inline.toml:2: server.workers: expected integer or "auto", got float'),
+])
+def test_workers_setting(value, expected):
+    from aiproxy.config import ConfigError, load_config_text
+
+    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:8080"\n'
+    if value is not None:
+        text = f"[server]\nworkers = {value}\n" + text
+    if isinstance(expected, int):
+        assert load_config_text(text, "inline.toml").server.workers == expected
+    else:
+        with pytest.raises(ConfigError) as err:
+            load_config_text(text, "inline.toml")
+        assert str(err.value) == expected
