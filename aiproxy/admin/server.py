@@ -19,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from aiproxy.config import Config
+from aiproxy.governance.tracing import build_graph, trace_spans
 from aiproxy.telemetry.metrics import registry_for
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ class AdminBackend(Protocol):
 
     async def reload(self) -> tuple[bool, str]: ...
 
+    async def spans(self, trace_id: str) -> list[dict[str, Any]] | None:
+        """The spans of a trace; None when [tracing] is off."""
+
 
 class LocalBackend:
     """The admin view of a ProxyServer in this process."""
@@ -112,6 +116,9 @@ class LocalBackend:
 
     async def reload(self) -> tuple[bool, str]:
         return await self.server.reload()
+
+    async def spans(self, trace_id: str) -> list[dict[str, Any]] | None:
+        return trace_spans(self.server.runtime, trace_id)
 
 
 class AdminServer:
@@ -174,17 +181,17 @@ class AdminServer:
         return web.json_response(await self.backend.clusters())
 
     async def lineage(self, request: web.Request) -> web.Response:
-        tracing = self.server.runtime.filter_states.get("tracing")
-        if tracing is None:
+        trace_id = request.match_info["trace_id"]
+        spans = await self.backend.spans(trace_id)
+        if spans is None:
             return web.json_response(
                 {"error": {"code": "tracing_off", "message": "no [tracing] section"}},
                 status=404)
-        graph = tracing.store.graph(request.match_info["trace_id"])
-        if graph is None:
+        if not spans:
             return web.json_response(
                 {"error": {"code": "unknown_trace", "message": "no spans for this trace"}},
                 status=404)
-        return web.json_response(graph)
+        return web.json_response(build_graph(trace_id, spans))
 
     async def reload(self, request: web.Request) -> web.Response:
         ok, message = await self.backend.reload()

@@ -81,14 +81,25 @@ class LineageStore:
 
     def graph(self, trace_id: str) -> dict[str, Any] | None:
         spans = self.traces.get(trace_id)
-        if spans is None:
-            return None
-        ids = {s["span_id"] for s in spans}
-        edges = [{"parent": s["parent_id"], "child": s["span_id"], "model": s["model_id"]}
-                 for s in spans if s["parent_id"] is not None]
-        roots = [s["span_id"] for s in spans if s["parent_id"] not in ids]
-        return {"trace_id": trace_id, "spans": sorted(spans, key=lambda s: s["start"]),
-                "edges": edges, "roots": roots}
+        return None if spans is None else build_graph(trace_id, list(spans))
+
+
+def build_graph(trace_id: str, spans: list[dict[str, Any]]) -> dict[str, Any]:
+    """The call graph of one trace from its spans (of one process or several workers)."""
+    ids = {s["span_id"] for s in spans}
+    edges = [{"parent": s["parent_id"], "child": s["span_id"], "model": s["model_id"]}
+             for s in spans if s["parent_id"] is not None]
+    roots = [s["span_id"] for s in spans if s["parent_id"] not in ids]
+    return {"trace_id": trace_id, "spans": sorted(spans, key=lambda s: s["start"]),
+            "edges": edges, "roots": roots}
+
+
+def trace_spans(runtime: Any, trace_id: str) -> list[dict[str, Any]] | None:
+    """This process's spans of a trace ([] if none); None when [tracing] is off."""
+    tracing = runtime.filter_states.get("tracing")
+    if tracing is None:
+        return None
+    return list(tracing.store.traces.get(trace_id) or ())
 
 
 def model_id(ex: Exchange) -> str | None:

@@ -384,6 +384,17 @@ class Supervisor:
         return out
 
 
+    async def spans(self, trace_id: str) -> list[dict[str, Any]] | None:
+        """A trace's spans from every worker (each keeps the hops it proxied)."""
+        if self.config.tracing is None:
+            return None
+        out: list[dict[str, Any]] = []
+        for slot in self._serving():
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                out += await slot.channel.call("spans", SCRAPE_TIMEOUT, trace_id=trace_id) or []
+        return out
+
+
 class WorkersCollector:
     """The workers' metrics summed, the supervisor's reload metrics, and per-worker
     series labelled worker="N"."""

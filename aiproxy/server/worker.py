@@ -19,6 +19,7 @@ import uvloop
 
 from aiproxy.admin.server import LocalBackend, describe_clusters, describe_routes
 from aiproxy.config import Config, load_config_text
+from aiproxy.governance.tracing import trace_spans
 from aiproxy.kernel.lifecycle import KernelStartError
 from aiproxy.semantic.classifier import ModelError
 from aiproxy.server.app import ProxyServer
@@ -86,8 +87,12 @@ async def serve_worker(config: Config, sock: socket.socket, slot: int) -> int:
     async def clusters() -> list:
         return describe_clusters(server)
 
+    async def spans(trace_id: str) -> list | None:
+        return trace_spans(server.runtime, trace_id)
+
     channel = await Channel.open(sock)
-    handlers = {"reload": reload, "metrics": metrics, "routes": routes, "clusters": clusters}
+    handlers = {"reload": reload, "metrics": metrics, "routes": routes, "clusters": clusters,
+                "spans": spans}
     serving = loop.create_task(channel.serve(handlers))
     # EOF on the channel means the supervisor is gone: stop rather than serve unsupervised.
     serving.add_done_callback(lambda _: stop.set())
