@@ -34,7 +34,8 @@ effect = "allow"
 
 def _config(upstream: int, tmp: Path, audit: str) -> str:
     (tmp / "policy.toml").write_text(POLICY)
-    return simple_config(upstream) + f"""
+    # One process, one writer: with workers each worker writes its own chained file.
+    return "[server]\nworkers = 1\n" + simple_config(upstream) + f"""
 [tracing]
 
 [auth]

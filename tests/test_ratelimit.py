@@ -18,6 +18,10 @@ from tests.conftest import simple_config
 from tests.grpc_support import grpc_modules  # noqa: F401 - fixture
 from tests.support import free_port, start_demo_upstream, stop_process
 
+# In-process buckets are per process: the budgets these tests check are one process's
+# (with workers, use backend = "redis" for one budget; tests/test_ratelimit_redis.py).
+ONE_PROCESS = "[server]\nworkers = 1\n"
+
 
 def test_watermark_factor():
     assert factor_for(None) == factor_for(10) == factor_for(49.9) == 1.0
@@ -109,7 +113,7 @@ async def _fire(url: str, bodies: list[dict], headers: dict | None = None) -> li
 
 
 def test_200_concurrent_requests_never_overrun_the_token_bucket(start_proxy, demo_upstream):
-    proxy = start_proxy(simple_config(demo_upstream) + """
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + """
 [[ratelimits]]
 name = "tpm"
 tokens_per_minute = 10000
@@ -133,7 +137,7 @@ tokens_per_minute = 10000
 
 
 def test_requests_bucket_per_tenant_header(start_proxy, demo_upstream):
-    proxy = start_proxy(simple_config(demo_upstream) + """
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + """
 [llm]
 tenant_header = "x-tenant"
 [[ratelimits]]
@@ -158,7 +162,7 @@ def slow_upstream():
 
 
 def test_stream_past_its_reservation_is_charged_as_it_streams(start_proxy, slow_upstream):
-    proxy = start_proxy(simple_config(slow_upstream) + """
+    proxy = start_proxy(ONE_PROCESS + simple_config(slow_upstream) + """
 [[ratelimits]]
 name = "tpm"
 tokens_per_minute = 60
@@ -193,7 +197,7 @@ default_max_tokens = 1
 def test_watermark_scales_the_admitted_rate(start_proxy, load, factor):
     proc, port = start_demo_upstream("loaded", extra=("--report-load", str(load)))
     try:
-        proxy = start_proxy(simple_config(port) + """
+        proxy = start_proxy(ONE_PROCESS + simple_config(port) + """
 [[ratelimits]]
 name = "rps"
 requests_per_second = 5
@@ -218,7 +222,7 @@ def test_watermark_band_queues_instead_of_refusing(start_proxy):
     proc, port = start_demo_upstream("band", extra=("--report-load", "60"))
     admin = free_port()
     try:
-        proxy = start_proxy(simple_config(port) + f"""
+        proxy = start_proxy(ONE_PROCESS + simple_config(port) + f"""
 [admin]
 address = "127.0.0.1:{admin}"
 [[ratelimits]]
@@ -246,7 +250,7 @@ def test_grpc_refusal_is_resource_exhausted(start_proxy, grpc_modules):  # noqa:
     pb2, pb2_grpc = grpc_modules
     server = InferenceServer(pb2, pb2_grpc)
     try:
-        proxy = start_proxy(grpc_config(("g", server.port)) + """
+        proxy = start_proxy(ONE_PROCESS + grpc_config(("g", server.port)) + """
 [[ratelimits]]
 name = "rps"
 requests_per_second = 1
@@ -277,7 +281,7 @@ name = "rps"
 requests_per_second = 0.01
 burst_requests = 2
 """
-    proxy = start_proxy(simple_config(demo_upstream)
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream)
                         + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n' + limit)
     url = f"{proxy.url}/v1/chat/completions"
     with httpx.Client() as c:

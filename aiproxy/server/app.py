@@ -31,6 +31,15 @@ from aiproxy.telemetry.recorder import Telemetry
 log = logging.getLogger("aiproxy.server")
 
 
+def worker_config(config: Config, slot: int | None) -> Config:
+    """What of a config is one worker's own: with workers, each appends to its own audit
+    file (`PATH.wN`), one hash chain per writer. Unchanged outside a worker."""
+    if slot is None or config.audit is None:
+        return config
+    audit = dataclasses.replace(config.audit, path=f"{config.audit.path}.w{slot}")
+    return dataclasses.replace(config, audit=audit)
+
+
 class ProxyServer:
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
                  model: Any = None) -> None:
@@ -51,6 +60,7 @@ class ProxyServer:
         # Whether this process attaches [kernel] interfaces' XDP/TC programs: host-wide,
         # so with workers only worker 0 does; every process splices its own tunnels.
         self.kernel_attach = True
+        self.worker_slot: int | None = None  # set in a worker process (see localize)
         self.policy_timer: asyncio.TimerHandle | None = None
 
     async def start(self, *, reuse_port: bool = False, serve_admin: bool = True) -> None:
@@ -91,6 +101,7 @@ class ProxyServer:
                 else:
                     config = await self.loop.run_in_executor(None, load_config_text, text,
                                                              self.config.source)
+                config = self.localize(config)
                 model = await self.loop.run_in_executor(None, load_intent_model, config,
                                                         self.runtime)
                 # Maps in place, no detach; the old state is kept on error.
@@ -123,6 +134,9 @@ class ProxyServer:
 
     def _policy_state(self) -> Any:
         return self.runtime.filter_states.get("policy")
+
+    def localize(self, config: Config) -> Config:
+        return worker_config(config, self.worker_slot)
 
     def _kernel_config(self, config: Config) -> KernelConfig:
         if self.kernel_attach or not config.kernel.interfaces:

@@ -22,7 +22,7 @@ from aiproxy.config import Config, load_config_text
 from aiproxy.governance.tracing import trace_spans
 from aiproxy.kernel.lifecycle import KernelStartError
 from aiproxy.semantic.classifier import ModelError
-from aiproxy.server.app import ProxyServer
+from aiproxy.server.app import ProxyServer, worker_config
 from aiproxy.server.channel import Channel
 from aiproxy.server.runtime import load_intent_model
 from aiproxy.telemetry.aggregate import snapshot
@@ -51,7 +51,9 @@ async def serve_worker(config: Config, sock: socket.socket, slot: int) -> int:
     except ModelError as exc:
         log.error("%s: semantic.model: %s", config.source, exc)
         return 2
+    config = worker_config(config, slot)
     server = ProxyServer(config, loop, model)
+    server.worker_slot = slot
     server.kernel_attach = slot == 0
     try:
         await server.start(reuse_port=True, serve_admin=False)

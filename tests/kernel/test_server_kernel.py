@@ -32,7 +32,12 @@ ADMIN = 9190
 def config(deny: list[str], interfaces: tuple[str, ...] = ("vsrv",)) -> str:
     names = ", ".join(f'"{i}"' for i in interfaces)
     cidrs = ", ".join(f'"{c}"' for c in deny)
+    # One process: this is the lifecycle of one ProxyKernel (with workers, worker 0
+    # attaches and the others only splice).
     return f"""
+[server]
+workers = 1
+
 [[listeners]]
 name = "edge"
 address = "0.0.0.0:{PORT}"

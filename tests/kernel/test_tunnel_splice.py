@@ -452,8 +452,9 @@ def test_tls_listener_tunnels_are_copied_and_logged_once(start_proxy, demo_upstr
         pytest.skip(f"socket splicing unavailable: {reason}")
     pki = make_pki(tmp_path / "pki")
     admin = free_port()
-    proxy = start_proxy(
-        simple_config(demo_upstream) + admin_block(admin) + "\n[kernel]\nsplice_tunnels = true\n",
+    proxy = start_proxy(  # one process: "logged once" is per process
+        "[server]\nworkers = 1\n" + simple_config(demo_upstream) + admin_block(admin)
+        + "\n[kernel]\nsplice_tunnels = true\n",
         listener_extra=f'tls = {{ cert = "{pki.cert}", key = "{pki.key}" }}')
     wait_port("127.0.0.1", admin)
     ctx = ssl.create_default_context(cafile=str(pki.ca))
