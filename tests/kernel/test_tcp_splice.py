@@ -144,7 +144,10 @@ def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
         assert client.got_n == BIG and client.got.hexdigest() == upstream.sent.hexdigest()
         assert upstream.got_n == BIG and upstream.got.hexdigest() == client.sent.hexdigest()
         if mode == "spliced":
-            assert tunnel_metrics(admin)["bytes"] >= 2 * BIG
+            # What the proxy read before the splice (the receive queues it emptied first,
+            # aiproxy/kernel/tunnel.py _drain) went through user space; the rest, spliced.
+            m = tunnel_metrics(admin)
+            assert m["spliced"] == 1 and m["bytes"] >= 1.8 * BIG, m
         record_property("proxy_cpu_s", cpu)
         print(f"\nraw TCP {BIG // MiB} MiB each way, {mode}: proxy CPU {cpu:.3f} s "
               f"({cpu * 1000 / (2 * BIG / MiB):.3f} ms/MiB), wall {wall:.2f} s "
