@@ -44,8 +44,9 @@ def test_memory_cache_is_byte_bounded_lru_with_ttl():
 
 def _cache_proxy(start_proxy, port: int, cache: str = "", admin: int | None = None):
     extra = f'\n[admin]\naddress = "127.0.0.1:{admin}"\n' if admin else ""
-    return start_proxy(simple_config(port) + extra + "\n[llm]\ntenant_header = \"x-tenant\"\n"
-                       + "\n[cache]\n" + cache)
+    # The memory backend is per worker; one worker so repeated requests meet the same cache.
+    return start_proxy("[server]\nworkers = 1\n" + simple_config(port) + extra
+                       + "\n[llm]\ntenant_header = \"x-tenant\"\n\n[cache]\n" + cache)
 
 
 def test_second_identical_request_is_a_hit_with_identical_bytes(start_proxy, demo_upstream):
