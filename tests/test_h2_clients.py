@@ -877,3 +877,69 @@ def test_grpc_timeout_forwarded_is_the_time_left(proxy: ProxyProc,
     value = fields["grpc-timeout"]
     assert value.endswith("m"), value
     assert 3000 < int(value[:-1]) <= 4450, value
+
+
+EARLY_KEY = "early-key-0123456789"
+
+
+@pytest.mark.parametrize("mode", ["h2c", "tls"])
+def test_curl_upload_refused_early_exits_cleanly(start_proxy: Any, demo_upstream: int,
+                                                pki: Pki, tmp_path: Path, mode: str) -> None:
+    """A local reply (401, 413) sent before the client has finished its upload: curl
+    (7.x with nghttp2 fails with exit 92 when RST_STREAM arrives with the response) gets
+    the whole response and exits 0, over h2c prior knowledge and TLS+ALPN; the proxy
+    takes in no more than about a stream window of the refused body."""
+    from aiproxy.governance.auth import hash_key
+
+    listener = ('protocols = ["h2c", "http1"]' if mode == "h2c" else
+                f'protocols = ["h2", "http1"]\ntls = {{ cert = "{pki.cert}", '
+                f'key = "{pki.key}" }}')
+    proxy = start_proxy(f"""
+[http]
+max_body_bytes = 100000
+
+[auth]
+api_keys = [{{ id = "k1", subject = "t", hash = "{hash_key(EARLY_KEY)}" }}]
+
+[[clusters]]
+name = "demo"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+
+[[routes]]
+name = "all"
+cluster = "demo"
+""", listener_extra=listener)
+    base = (f"http://127.0.0.1:{proxy.port}" if mode == "h2c"
+            else f"https://localhost:{proxy.port}")
+    flags = (["--http2-prior-knowledge"] if mode == "h2c" else
+             ["--http2", "--cacert", str(pki.ca), "--resolve",
+              f"localhost:{proxy.port}:127.0.0.1"])
+    big = tmp_path / "big"
+    big.write_bytes(BLOCK * 64)  # 4 MiB
+
+    def curl(*args: str, stdin: bytes | None = None) -> tuple[int, dict]:
+        proc = subprocess.run(["curl", "-sS", *flags, "-w", "\n@@%{http_code} %{http_version}",
+                               *args], input=stdin, capture_output=True, timeout=30,
+                              check=False)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr.decode())
+        body, _, tail = proc.stdout.rpartition(b"\n@@")
+        code, version = tail.decode().split()
+        assert version == "2", tail
+        return int(code), json.loads(body)
+
+    for _ in range(3):
+        # (A declared length over the limit is refused first, so no length here.)
+        code, doc = curl("-T", "-", f"{base}/echo", stdin=BLOCK * 64)
+        assert code == 401 and doc["error"]["code"] == "unauthorized", doc
+        code, doc = curl("-H", f"x-api-key: {EARLY_KEY}", "--data-binary", f"@{big}",
+                         f"{base}/echo")
+        assert code == 413 and doc["error"]["code"] == "payload_too_large", doc
+        # No content-length: refused once max_body_bytes have come, in mid-upload.
+        code, doc = curl("-H", f"x-api-key: {EARLY_KEY}", "-T", "-", f"{base}/echo",
+                         stdin=BLOCK * 64)
+        assert code == 413 and doc["error"]["code"] == "payload_too_large", doc
+    code, doc = curl("-H", f"x-api-key: {EARLY_KEY}", "--data-binary", "small", f"{base}/echo")
+    assert code == 200 and doc["body_bytes"] == 5
+    for line in proxy.log().splitlines():
+        if line.startswith("{") and '"status":413' in line:
+            assert json.loads(line)["bytes_in"] <= 100000 + 2 * 256 * 1024, line

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -52,6 +53,8 @@ RESET_REFILL = 100.0        # ... and per second after it
 CONTROL_BUDGET = 1000.0     # PING and SETTINGS frames (each owed an ACK) allowed in a burst ...
 CONTROL_REFILL = 100.0      # ... and per second after it (CVE-2019-9512, CVE-2019-9515)
 LINGER_SECONDS = 2.0        # how long a closing connection may take to flush its output
+EARLY_RESET_SECONDS = 5.0   # a stream answered early is reset this long after at the latest
+EARLY_PING = 0xA1 << 56     # PING opaque data: this tag | stream id (see end_early)
 # What h2 wraps in a plain ProtocolError when a field block cannot be decoded.
 HPACK_ERRORS = (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError)
 INFINITY = float("inf")
@@ -115,6 +118,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.reset_at = 0.0
         self.control_budget = CONTROL_BUDGET
         self.control_at = 0.0
+        self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
         # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
         # some clients (curl 7.x) cannot take more than a small buffer's worth of bytes
         # arriving right behind the 101 response.
@@ -195,6 +199,9 @@ class H2ServerConnection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        early, self.early = self.early, {}
+        for handle in early.values():
+            handle.cancel()
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream.lost()
@@ -240,13 +247,23 @@ class H2ServerConnection(asyncio.Protocol):
             self._arm_at(ex.deadline_at)
 
     def _on_data(self, ev: h2.events.DataReceived) -> None:
-        stream = self.streams.get(ev.stream_id)
+        sid = ev.stream_id
+        stream = self.streams.get(sid)
         if stream is None or stream.exchange is None or stream.exchange.finished:
-            self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            if sid in self.early:
+                # Dropped; only the connection's window reopens, so the client can send
+                # no more than what is left of the stream's window.
+                if ev.flow_controlled_length:
+                    self.h2.increment_flow_control_window(ev.flow_controlled_length)
+            else:
+                self.h2.acknowledge_received_data(ev.flow_controlled_length, sid)
             return
         stream.on_data(ev.data, ev.flow_controlled_length)
 
     def _on_stream_ended(self, ev: h2.events.StreamEnded) -> None:
+        handle = self.early.pop(ev.stream_id, None)
+        if handle is not None:
+            handle.cancel()  # the client finished its request after all: nothing to reset
         stream = self.streams.get(ev.stream_id)
         if stream is not None and stream.exchange is not None:
             stream.exchange.body_end()
@@ -257,6 +274,9 @@ class H2ServerConnection(asyncio.Protocol):
             stream.request_trailers = ev.headers
 
     def _on_reset(self, ev: h2.events.StreamReset) -> None:
+        handle = self.early.pop(ev.stream_id, None)
+        if handle is not None:
+            handle.cancel()
         stream = self.streams.pop(ev.stream_id, None)
         if stream is None:
             return
@@ -285,6 +305,41 @@ class H2ServerConnection(asyncio.Protocol):
         if self.control_budget < 0:
             log.warning("client %s floods PING/SETTINGS frames: GOAWAY", self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
+
+    def _on_ping_ack(self, ev: h2.events.PingAckReceived) -> None:
+        (tag,) = struct.unpack(">Q", ev.ping_data)
+        if tag & ~0x7FFFFFFF == EARLY_PING:
+            self._reset_early(tag & 0x7FFFFFFF)
+
+    def end_early(self, sid: int) -> None:
+        """A stream's response is complete while its request is not (RFC 9113 8.1): the
+        client is to stop sending with RST_STREAM(NO_ERROR). Not right behind the
+        response, though: a client handling the frames of one read together (curl 7.x
+        with nghttp2) sees its stream closed before it has taken the response and fails
+        (curl exit 92). So a PING goes after the response and the reset follows its ACK,
+        by when the client has processed the response; or after EARLY_RESET_SECONDS if
+        no ACK comes. Meanwhile request DATA is dropped without reopening the stream's
+        window, so at most one stream window of it arrives."""
+        if self.closed or sid in self.early:
+            return
+        try:
+            self.h2.ping(struct.pack(">Q", EARLY_PING | sid))
+        except h2.exceptions.ProtocolError:
+            self._reset_early(sid)
+            return
+        self.early[sid] = self.loop.call_later(EARLY_RESET_SECONDS, self._reset_early, sid)
+        self.want_flush()
+
+    def _reset_early(self, sid: int) -> None:
+        handle = self.early.pop(sid, None)
+        if handle is None or self.closed:
+            return
+        handle.cancel()
+        try:
+            self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
+        except (h2.exceptions.ProtocolError, KeyError):
+            return  # closed meanwhile
+        self.want_flush()
 
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
         if ev.stream_id == 0:
@@ -433,6 +488,7 @@ _HANDLERS = {
     h2.events.RemoteSettingsChanged: H2ServerConnection._on_settings,
     h2.events.ConnectionTerminated: H2ServerConnection._on_terminated,
     h2.events.PingReceived: H2ServerConnection._on_control,
+    h2.events.PingAckReceived: H2ServerConnection._on_ping_ack,
 }
 
 
@@ -649,7 +705,7 @@ class H2Stream(StreamOutput):
                 and not 0 <= ex.head.content_length <= ex.req_bytes):
             # RFC 9113 8.1: a complete response may end the request early (not worth it
             # when all the declared body is in and only END_STREAM is still to come).
-            self._reset(ErrorCodes.NO_ERROR)
+            self.conn.end_early(self.sid)
         self.done = True
         self.conn.stream_done(self)
 
