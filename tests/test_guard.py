@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import zlib
 from collections.abc import Iterator
 
 import httpx
@@ -142,7 +143,7 @@ def test_json_response_redacted_and_still_json(start_proxy, chat_upstream):
     assert 'escaped\\n"quote"' in text and "*.*@******e.com" in text
     assert doc["created"] == 1764460800123 and doc["usage"] == {"total_tokens": 12}
     assert int(r.headers["content-length"]) == len(r.content)
-    assert doc["accept_encoding"] is None  # asked uncompressed, so it can be read
+    assert doc["accept_encoding"] == "identity"  # asked uncompressed, so it can be read
 
 
 def test_card_split_across_three_sse_events(start_proxy, chat_upstream):
@@ -164,3 +165,110 @@ def test_card_split_across_three_sse_events(start_proxy, chat_upstream):
         assert "4111" not in text.replace("1111,", "")
         assert "Your card number is **** **** **** 1111, and mail me at " in text, text
         assert text.endswith("***.*****@******e.org"), text
+
+
+SEEN_ENCODINGS: list[str | None] = []
+SECRET = "Card 4111-1111-1111-1111 and mail bob.jones@example.org " + "filler " * 2000
+
+
+async def _compressed(request: web.Request) -> web.StreamResponse:
+    """Compresses whatever the request's Accept-Encoding says (a misbehaving upstream),
+    except /negotiated, which follows it (aiohttp's own negotiation)."""
+    coding = request.match_info["coding"]
+    SEEN_ENCODINGS.append(request.headers.get("accept-encoding"))
+    if coding == "sse":
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        resp.enable_compression(web.ContentCoding.gzip)
+        await resp.prepare(request)
+        for part in PARTS:
+            await resp.write(_chunk(part))
+            await asyncio.sleep(0.05)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    doc = json.dumps({"content": SECRET}).encode()
+    if coding == "raw-deflate":
+        z = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+        body = z.compress(doc) + z.flush()
+        return web.Response(body=body, headers={"content-type": "application/json",
+                                                "content-encoding": "deflate",
+                                                "etag": '"v1"'})
+    if coding == "br":  # not brotli really: the proxy must not pass it on either way
+        return web.Response(body=doc, headers={"content-type": "application/json",
+                                               "content-encoding": "br"})
+    resp = web.Response(body=doc, headers={"content-type": "application/json",
+                                           "etag": '"v1"', "accept-ranges": "bytes"})
+    if coding == "negotiated":
+        resp.enable_compression()
+    else:
+        resp.enable_compression(web.ContentCoding(coding))
+    return resp
+
+
+@pytest.fixture(scope="module")
+def gzip_upstream() -> Iterator[tuple[int, list]]:
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_get("/c/{coding}", _compressed)
+    runner = web.AppRunner(app)
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_port("127.0.0.1", port)
+    yield port, SEEN_ENCODINGS
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+
+
+def test_compressed_responses_are_decoded_and_redacted_or_refused(start_proxy, gzip_upstream):
+    """Redaction is never bypassed by a content coding: the upstream is asked for
+    identity; gzip and deflate (zlib-wrapped or raw) sent anyway are decompressed,
+    redacted and sent uncompressed; br (not decodable here) is a 502, never passed on."""
+    port, seen = gzip_upstream
+    admin = free_port()
+    proxy = start_proxy(simple_config(port) + "\n[redact]\n"
+                        + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n',
+                        'protocols = ["http1", "h2c"]')
+    card = b"4111-1111-1111-1111"
+    for http2 in (False, True):
+        with httpx.Client(timeout=10, http2=http2, http1=not http2) as c:
+            for coding in ("gzip", "deflate", "raw-deflate", "negotiated"):
+                # Raw bytes, as on the wire: no client-side decoding hides anything.
+                with c.stream("GET", f"{proxy.url}/c/{coding}",
+                              headers={"accept-encoding": "gzip, deflate, br"}) as r:
+                    raw = b"".join(r.iter_raw())
+                assert r.status_code == 200, (coding, raw[:200])
+                assert "content-encoding" not in r.headers, (coding, r.headers)
+                assert card not in raw and b"bob.jones" not in raw
+                doc = json.loads(raw)
+                assert doc["content"].startswith("Card ****-****-****-1111 and mail "
+                                                 "***.*****@******e.org filler "), coding
+                assert len(doc["content"]) == len(SECRET)
+                if coding != "negotiated":
+                    assert r.headers.get("etag") == 'W/"v1"', (coding, r.headers)
+                    assert "accept-ranges" not in r.headers
+            r = c.get(f"{proxy.url}/c/br")
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "redaction_failed"
+            assert b"4111" not in r.content
+            events = []
+            with c.stream("GET", f"{proxy.url}/c/sse") as r:
+                assert r.status_code == 200 and "content-encoding" not in r.headers
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+            text = "".join(e["choices"][0]["delta"]["content"] for e in events)
+            assert "Your card number is **** **** **** 1111, and mail me at " in text, text
+    assert seen and set(seen) == {"identity"}, seen
+    wait_port("127.0.0.1", admin)
+    metrics = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
+    assert 'aiproxy_redactions_total{type="decoded"} 8.0' in metrics, metrics
+    assert 'aiproxy_redactions_total{type="refused"} 2.0' in metrics, metrics

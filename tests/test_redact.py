@@ -115,3 +115,27 @@ def test_escapes_are_never_masked():
     out, counts = redact_text(body, mode="json")
     doc = json.loads(out)
     assert doc["t"] == "x\n************1111\tand\\u0041 a@b.cd" and counts["card"] == 1
+
+
+def test_decoder_codings_truncation_and_bombs():
+    import gzip
+    import zlib
+
+    from aiproxy.governance.decoding import MAX_EXPANSION, DecodeError, decoder_for
+
+    data = b"x" * 100_000 + b"end"
+    for coding, blob in ((b"gzip", gzip.compress(data)), (b"x-gzip, identity", gzip.compress(data)),
+                         (b"deflate", zlib.compress(data))):
+        d = decoder_for(coding)
+        out = b"".join(d.feed(blob[i:i + 7]) for i in range(0, len(blob), 7)) + d.end()
+        assert out == data, coding
+    for coding in (b"br", b"zstd", b"gzip, gzip", b"compress"):
+        assert decoder_for(coding) is None, coding
+    d = decoder_for(b"gzip")
+    d.feed(gzip.compress(data)[:-9])
+    with pytest.raises(DecodeError):
+        d.end()
+    assert decoder_for(b"gzip").end() == b""  # no body at all
+    d = decoder_for(b"gzip")
+    with pytest.raises(DecodeError):
+        d.feed(gzip.compress(b"\0" * (MAX_EXPANSION + 1)))

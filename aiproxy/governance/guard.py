@@ -7,8 +7,10 @@ A `block` rule answers 403 with its id; a `flag` rule lets the request through w
 x-aiproxy-guard-flags on the upstream request and the response, and in the audit record.
 
 Redaction (`[redact]`): see aiproxy/governance/redact.py. The upstream is asked for an
-uncompressed response (Accept-Encoding removed) so the text can be read; a response
-that comes compressed anyway passes unredacted and is counted as "skipped".
+uncompressed response (Accept-Encoding: identity) so the text can be read. A response
+that comes gzip/deflate-compressed anyway is decompressed, redacted and sent
+uncompressed (counted as "decoded"); one in a coding that cannot be decoded here (br,
+zstd, ...) never reaches the client: 502 `redaction_failed` (counted as "refused").
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ from typing import TYPE_CHECKING, Any
 import ahocorasick
 
 from aiproxy.config.governance import GuardConfig, RedactConfig
+from aiproxy.governance.decoding import Decoder, decoder_for
 from aiproxy.governance.redact import Redactor, compile_detector
-from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply, ResponseHead
+from aiproxy.pipeline.filters import (
+    Filter,
+    FilterFactory,
+    LocalReply,
+    ResponseHead,
+    ResponseRefused,
+)
+from aiproxy.protocols.fields import F_CONTENT_LENGTH
 from aiproxy.semantic.unified import extract
 
 if TYPE_CHECKING:
@@ -65,7 +75,7 @@ class PromptGuard:
 
 
 class GuardFilter(Filter):
-    __slots__ = ("guard", "flags", "redactor", "detector", "json_fields", "counts")
+    __slots__ = ("guard", "flags", "redactor", "decoder", "detector", "json_fields", "counts")
 
     def __init__(self, guard: PromptGuard | None, detector: Any, json_fields: tuple,
                  counts: dict[tuple[str, str], int]) -> None:
@@ -75,6 +85,7 @@ class GuardFilter(Filter):
         self.counts = counts
         self.flags: list[str] = []
         self.redactor: Redactor | None = None
+        self.decoder: Decoder | None = None
 
     def request(self, ex: Exchange) -> LocalReply | None:
         if self.guard is None:
@@ -106,43 +117,74 @@ class GuardFilter(Filter):
 
     def response_head(self, ex: Exchange, resp: Any) -> Any:
         if self.detector is not None:
-            self._start_redaction(ex, resp)
+            resp = self._start_redaction(ex, resp)
         if self.flags:
             resp = ResponseHead(resp.status, [
                 *resp.fields(0), (FLAGS_HEADER, ",".join(self.flags).encode("latin-1"))])
         return resp
 
-    def _start_redaction(self, ex: Exchange, resp: Any) -> None:
+    def _count(self, kind: str) -> None:
+        self.counts[("redact", kind)] = self.counts.get(("redact", kind), 0) + 1
+
+    def _start_redaction(self, ex: Exchange, resp: Any) -> Any:
         detector, ctypes = self.detector
         ctype = (resp.get(b"content-type") or b"").split(b";", 1)[0].strip().lower().decode(
             "latin-1")
         if ctype not in ctypes and not (ctype.endswith("+json") and "application/json" in
                                         ctypes):
-            return
-        encoding = resp.get(b"content-encoding")
-        if encoding is not None and encoding.strip().lower() != b"identity":
-            ex.gov["redactions"] = {"skipped": 1}
-            self.counts[("redact", "skipped")] = self.counts.get(("redact", "skipped"), 0) + 1
-            return
+            return resp
+        encoding = b",".join(resp.get_all(b"content-encoding")).strip().lower()
+        if encoding and encoding != b"identity":
+            decoder = decoder_for(encoding)
+            if decoder is None:
+                # Fail closed: what cannot be read cannot be redacted.
+                ex.gov["redactions"] = {"refused": 1}
+                self._count("refused")
+                raise ResponseRefused(LocalReply(
+                    502, "redaction_failed", "the upstream response is in a content coding "
+                    f"that cannot be redacted: {encoding.decode('latin-1')}"))
+            self.decoder = decoder
+            self._count("decoded")
+            resp = _decoded_head(resp)
         mode = ("sse" if ctype == "text/event-stream" else
                 "json" if "json" in ctype else "text")
         self.redactor = Redactor(detector, mode)
+        return resp
 
     def response_body(self, ex: Exchange, data: bytes) -> bytes:
         r = self.redactor
-        return data if r is None else r.feed(data)
+        if r is None:
+            return data
+        if self.decoder is not None:
+            data = self.decoder.feed(data)  # DecodeError ends the response
+        return r.feed(data)
 
     def response_end(self, ex: Exchange) -> bytes:
         r = self.redactor
         if r is None:
             return b""
-        tail = r.end()
+        tail = r.feed(self.decoder.end()) if self.decoder is not None else b""
+        tail += r.end()
         if r.counts:
             ex.gov["redactions"] = dict(r.counts)
             counts = self.counts
             for kind, n in r.counts.items():
                 counts[("redact", kind)] = counts.get(("redact", kind), 0) + n
         return tail
+
+
+def _decoded_head(resp: Any) -> ResponseHead:
+    """The head of a response sent decoded: no Content-Encoding, no Content-Length (the
+    length changes), no Accept-Ranges (ranges of the encoded form), ETag weakened (a
+    different representation), as nginx's gunzip does."""
+    fields = []
+    for name, value in resp.fields(F_CONTENT_LENGTH):
+        if name in (b"content-encoding", b"accept-ranges"):
+            continue
+        if name == b"etag" and not value.startswith(b"W/"):
+            value = b"W/" + value
+        fields.append((name, value))
+    return ResponseHead(resp.status, fields)
 
 
 class GuardFactory(FilterFactory):
@@ -160,7 +202,7 @@ class GuardFactory(FilterFactory):
 
     def start(self, ex: Exchange) -> Filter:
         if self.detector is not None:
-            ex.set_upstream_header(b"accept-encoding", None)
+            ex.set_upstream_header(b"accept-encoding", b"identity")
         return GuardFilter(self.guard, self.detector, self.json_fields, self.counts)
 
     def metric_families(self) -> Any:
@@ -169,8 +211,9 @@ class GuardFactory(FilterFactory):
         hits = CounterMetricFamily("aiproxy_guard_hits", "Prompt guard rule hits",
                                    labels=["rule", "action"])
         masked = CounterMetricFamily("aiproxy_redactions",
-                                     "Values masked in responses, by type (skipped: "
-                                     "compressed responses passed unredacted)",
+                                     "Values masked in responses, by type (decoded: "
+                                     "compressed responses decompressed to be redacted; "
+                                     "refused: 502 for a coding that cannot be)",
                                      labels=["type"])
         for (what, key), n in sorted(self.counts.items()):
             if what == "guard":

@@ -38,6 +38,7 @@ from aiproxy.pipeline.filters import (
     FilterFactory,
     Identity,
     LocalReply,
+    ResponseRefused,
     StoredResponse,
 )
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
@@ -470,6 +471,11 @@ class Exchange:
         try:
             for f in reversed(self.filters):
                 resp = f.response_head(self, resp)
+        except ResponseRefused as exc:
+            log.warning("response refused by filter %s: %s", type(f).__name__, exc)
+            self._drop_upstream()
+            reply = exc.reply
+            return self.local_reply(reply.status, reply.message, reply.code, reply.headers)
         except Exception:
             return self._filter_failed(f)
         return resp

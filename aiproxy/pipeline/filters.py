@@ -12,7 +12,9 @@ starts a small per-request Filter. The Exchange runs the chain at fixed points:
                          chain order; the first answer stops the chain.
   response_head(ex, r)   the response head about to go to the client; return it or a
                          replacement (e.g. ResponseHead.without_length(r) before a
-                         filter changes the body's length).
+                         filter changes the body's length), or raise ResponseRefused
+                         to answer with a local reply instead (the upstream's response
+                         is dropped unseen).
   response_body(ex, b)   body bytes on their way to the client; return what to send
                          (b"" holds them back).
   response_end(ex)       the upstream finished; return held-back bytes to send last.
@@ -93,6 +95,15 @@ class LocalReply:
         self.code = code
         self.message = message
         self.headers = headers or []
+
+
+class ResponseRefused(Exception):
+    """Raised by a response_head hook: this response must not reach the client (a filter
+    that cannot do its job on it fails closed); the client gets `reply` instead."""
+
+    def __init__(self, reply: LocalReply) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
 
 
 class ResponseHead(FieldsHead):
