@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from aiproxy.config import ConfigError, load_config_text
 from aiproxy.governance.auth import hash_key
 from tests.conftest import simple_config
 from tests.h2_support import make_pki
+from tests.support import free_port, wait_port
 
 KEY = "ak_test_key_0123456789abcdef"
 SECRET = "upstream-signing-secret-0123456789"
@@ -382,3 +384,60 @@ def test_jwt_cache_bounded_and_off(tmp_path, keys):
     with pytest.raises(ConfigError) as err:
         _authenticator(tmp_path, keys, "cache_size = -1")
     assert "cfg.toml:10: auth.jwt.cache_size: must be between 0 and 1000000" in str(err.value)
+
+
+def test_jwt_cache_survives_reloads_that_keep_the_jwt_settings(start_proxy, demo_upstream,
+                                                              tmp_path, keys):
+    """A reload (POST /config/reload or SIGHUP) that leaves [auth.jwt] and the JWKS as they
+    were keeps the verified tokens (the next request is a cache hit); one that changes
+    them (here the leeway) starts from an empty cache."""
+    from tests.test_operations import admin_block, scrape
+
+    jwks = tmp_path / "jwks.json"
+    _write_jwks(jwks, keys, ["rsa1"])
+    admin = free_port()
+    base = "[server]\nworkers = 1\n" + _auth_config(demo_upstream, jwks) + admin_block(admin)
+    proxy = start_proxy(base)
+    base = proxy.config_path.read_text()  # with the listener
+    wait_port("127.0.0.1", admin)
+    token = {"authorization": f"Bearer {_token(keys['rsa1'], 'rsa1')}"}
+
+    def jwt_cache() -> tuple[float, float, float]:
+        s = scrape(admin)
+        return (s[("aiproxy_jwt_cache_hits_total", ())],
+                s[("aiproxy_jwt_cache_misses_total", ())], s[("aiproxy_jwt_cache_entries", ())])
+
+    def reload(text: str, how: str) -> None:
+        before = scrape(admin)[("aiproxy_config_reloads_total", ())]
+        proxy.config_path.write_text(text)
+        if how == "http":
+            r = httpx.post(f"http://127.0.0.1:{admin}/config/reload", timeout=10)
+            assert r.status_code == 200, r.text
+        else:
+            proxy.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while scrape(admin)[("aiproxy_config_reloads_total", ())] == before:
+            assert time.monotonic() < deadline, "reload did not happen"
+            time.sleep(0.05)
+
+    assert _get(proxy, token).status_code == 200
+    assert _get(proxy, token).status_code == 200
+    assert jwt_cache() == (1, 1, 1)
+    # Other sections change, the JWT settings do not: the entry stays.
+    reload(base.replace('realm = "test"', 'realm = "test2"'), "http")
+    assert jwt_cache() == (1, 1, 1)
+    assert _get(proxy, token).status_code == 200
+    assert jwt_cache() == (2, 1, 1)
+    reload(base + '\n[[routes]]\nname = "extra"\nmatch = { path_prefix = "/x" }\n'
+                  'cluster = "up"\n', "sighup")
+    assert _get(proxy, token).status_code == 200
+    assert jwt_cache() == (3, 1, 1)
+    # The leeway changes: tokens are verified afresh.
+    reload(base.replace("leeway_s = 30", "leeway_s = 5"), "http")
+    assert jwt_cache()[2] == 0
+    assert _get(proxy, token).status_code == 200
+    assert jwt_cache() == (3, 2, 1)
+    # The JWKS file changes while the config is reloaded: dropped too.
+    _write_jwks(jwks, keys, ["rsa1", "ec1"])
+    reload(base.replace("leeway_s = 30", "leeway_s = 5") + "\n", "sighup")
+    assert jwt_cache()[2] == 0

@@ -6,7 +6,8 @@ JWT: the token's `alg` must be on the configured allow-list (so `none` never pas
 and the key is chosen by `kid` from a JWKS file and must be of the algorithm's family
 (an HS256 token is never checked against an RSA key's bytes: key confusion). The JWKS
 file is re-read when it changes; a broken file keeps the previous keys. Verified
-tokens are cached (aiproxy/governance/token_cache.py; cleared when the JWKS changes).
+tokens are cached (aiproxy/governance/token_cache.py; cleared when the JWKS changes,
+kept across a config reload that leaves the JWT settings and keys as they were).
 
 The credential is removed before the request goes upstream. With upstream_identity the
 upstream gets x-aiproxy-identity (subject, kind, roles, time) and its HMAC-SHA256 in
@@ -16,6 +17,7 @@ x-aiproxy-identity-signature; fields of those names from the client are always d
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -107,12 +109,14 @@ class Jwks:
         self.cfg = cfg
         self.watch = FileWatch([cfg.jwks_file])
         self.keys: dict[str | None, jwt.PyJWK] = {}
+        self.digest = b""  # of the JWKS file the keys came from
         self.load()
 
     def load(self) -> bool:
         try:
             with open(self.cfg.jwks_file, "rb") as fh:
-                data = json.loads(fh.read())
+                raw = fh.read()
+            data = json.loads(raw)
             keys = {}
             for item in data["keys"]:
                 try:
@@ -126,6 +130,7 @@ class Jwks:
             log.error("JWKS %s not loaded, the previous keys stay: %s", self.cfg.jwks_file, exc)
             return False
         self.keys = keys
+        self.digest = hashlib.sha256(raw).digest()
         return True
 
     def refresh(self) -> bool:
@@ -144,15 +149,30 @@ class Jwks:
 
 
 class Authenticator:
-    def __init__(self, cfg: AuthConfig) -> None:
+    def __init__(self, cfg: AuthConfig, previous: Authenticator | None = None) -> None:
+        """`previous`: the authenticator of the config this one replaces, whose verified
+        tokens carry over when they would verify the same way under this one."""
         self.cfg = cfg
         self.keys = KeyStore(cfg) if cfg.api_keys or cfg.key_file else None
         self.jwks = Jwks(cfg.jwt) if cfg.jwt is not None else None
         self.tokens = (TokenCache(cfg.jwt.cache_size, cfg.jwt.cache_ttl_s)
                        if cfg.jwt is not None and cfg.jwt.cache_size and cfg.jwt.cache_ttl_s
                        else None)
+        if self.tokens is not None and previous is not None and previous.tokens is not None:
+            self.tokens.adopt(previous.tokens, entries=self._same_jwt(previous))
         challenge = f'Bearer realm="{cfg.realm}"'
         self.challenge = challenge.encode()
+
+    def _same_jwt(self, old: Authenticator) -> bool:
+        """Would a token verified by `old` give the same answer here: same keys (the
+        JWKS as read now), algorithms, issuer, audiences, leeway, required and identity
+        claims, and a cache lifetime no longer than before?"""
+        new, was = self.cfg.jwt, old.cfg.jwt
+        if was is None or old.jwks.digest != self.jwks.digest:
+            return False
+        return (dataclasses.replace(was, cache_size=new.cache_size,
+                                    cache_ttl_s=new.cache_ttl_s) == new
+                and new.cache_ttl_s >= was.cache_ttl_s)
 
     def verify_jwt(self, token: str) -> Identity:
         """The token's identity (AuthError if refused), from the cache when it was
@@ -293,6 +313,20 @@ class AuthFactory(FilterFactory):
     def __init__(self, auth: Authenticator) -> None:
         self.auth = auth
 
+    def metric_families(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        cache = self.auth.tokens
+        if cache is None:
+            return
+        yield CounterMetricFamily("aiproxy_jwt_cache_hits", "JWTs answered from the cache",
+                                  value=cache.hits)
+        yield CounterMetricFamily("aiproxy_jwt_cache_misses",
+                                  "JWTs verified (not in the cache, or expired there)",
+                                  value=cache.misses)
+        yield GaugeMetricFamily("aiproxy_jwt_cache_entries", "JWTs in the cache",
+                                value=len(cache.entries))
+
     def start(self, ex: Exchange) -> Filter | None:
         auth = self.auth
         ex.set_upstream_header(IDENTITY_HEADER, None)
@@ -332,7 +366,10 @@ class _Refuse(Filter):
 
 
 def make_state(config: Config, previous: Any) -> Any:
-    return AuthFactory(Authenticator(config.auth)) if config.auth is not None else None
+    if config.auth is None:
+        return None
+    old = previous.auth if isinstance(previous, AuthFactory) else None
+    return AuthFactory(Authenticator(config.auth, old))
 
 
 def build(config: Config, route: RouteConfig, state: AuthFactory) -> FilterFactory:

@@ -6,7 +6,8 @@ min(its `exp`, verified + ttl): past `exp` the token goes through full verificat
 again (and the leeway) and is refused there. A refusal is kept only FAIL_TTL seconds
 (a token that is not yet valid, or whose key is about to be published, is not refused
 for long), so a client retrying a bad token costs one verify per FAIL_TTL. The owner
-clears the cache when the verification keys change (JWKS re-read)."""
+clears the cache when the verification keys change (JWKS re-read), and on a config
+reload hands the entries over (`adopt`) only when the verification settings are the same."""
 
 from __future__ import annotations
 
@@ -60,3 +61,15 @@ class TokenCache:
 
     def clear(self) -> None:
         self.entries.clear()
+
+    def adopt(self, old: TokenCache, entries: bool) -> None:
+        """On a config reload: carry on old's counters and, if `entries`, its entries
+        (the most recently used, up to this cache's size)."""
+        self.hits = old.hits
+        self.misses = old.misses
+        if entries:
+            kept = old.entries
+            while len(kept) > self.size:
+                kept.popitem(last=False)
+            self.entries = kept
+            old.entries = OrderedDict()
