@@ -3,6 +3,7 @@ redis-server on a loopback port; Redis down or stuck fails open or closed, never
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import simple_config
-from tests.support import start_redis_server, stop_process
+from tests.support import start_demo_upstream, start_redis_server, stop_process
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed")
@@ -121,3 +122,110 @@ def test_redis_down_fails_per_config(start_proxy, demo_upstream, redis_port, mod
         r = c.post(url, json=CHAT)  # connection refused now
         assert r.status_code == status
     assert "backend redis://127.0.0.1" in proxy.log()
+
+
+def _tokens_level(port: int) -> float:
+    """The (only) tokens bucket's level now, refilled as the scripts do."""
+    import redis
+
+    r = redis.Redis(port=port)
+    try:
+        keys = r.keys("rl:tpm:t:*")
+        assert len(keys) == 1, keys
+        level, stamp = (float(v) for v in r.hmget(keys[0], "l", "t"))
+        secs, micros = r.time()
+    finally:
+        r.close()
+    return min(BURST, level + (secs + micros / 1e6 - stamp) * TPM / 60)
+
+
+TPM, BURST = 6, 10_000
+
+
+def _settled(port: int, expect_low: float, expect_high: float) -> float:
+    deadline = time.monotonic() + 10
+    while True:
+        level = _tokens_level(port)
+        if expect_low <= level <= expect_high or time.monotonic() > deadline:
+            return level
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def slow_upstream() -> Iterator[int]:
+    """A demo upstream streaming a token every 20 ms."""
+    proc, port = start_demo_upstream("slow", token_delay_ms=20)
+    yield port
+    stop_process(proc)
+
+
+def test_reservations_settled_when_the_client_goes(start_proxy, demo_upstream, slow_upstream,
+                                                  redis_port):
+    """Whatever ends the exchange, the tokens reserved (prompt + max_tokens = ~505) are
+    settled to the use: a client gone mid-stream pays for what was streamed only; a
+    client gone (or a timeout) while the Redis take is in flight pays nothing, even when
+    the stuck Redis runs the take after the proxy gave up on it."""
+    # One worker, so the request after the first one uses its warm Redis connection: on a
+    # new one, redis-py waits for the handshake before sending the take.
+    limit = f"""
+[server]
+workers = 1
+
+[[ratelimits]]
+name = "tpm"
+tokens_per_minute = {TPM}
+burst_tokens = {BURST}
+backend = "redis"
+redis_url = "redis://127.0.0.1:{redis_port}/0"
+redis_timeout_ms = {{timeout}}
+"""
+    body = {"model": "m", "max_tokens": 500, "stream": True,
+            "messages": [{"role": "user", "content": " ".join(["word"] * 600)}]}
+    proxy = start_proxy(simple_config(slow_upstream) + limit.format(timeout=3000),
+                        'protocols = ["http1", "h2c"]')
+    url = f"{proxy.url}/v1/chat/completions"
+    # 1. Mid-stream: the upstream streams 500 words 20 ms apart; the client reads a few
+    #    and hangs up. Reserved: the prompt (~750 estimated) + 500.
+    with httpx.Client(timeout=10) as c, c.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    used = BURST - _settled(redis_port, BURST - 850, BURST - 700)
+    assert 700 <= used <= 850, used  # the prompt and the words streamed, not ~1250
+
+    # 2. The client goes while the take waits on a stuck Redis, which then runs it.
+    #    (HTTP/2, where a client that gives up is seen at once: its stream ends.)
+    before = _tokens_level(redis_port)
+    redis_proc = REDIS[redis_port]
+    os.kill(redis_proc.pid, signal.SIGSTOP)
+    try:
+        with (pytest.raises(httpx.ReadTimeout),
+              httpx.Client(timeout=0.5, http2=True, http1=False) as c):
+            c.post(f"{proxy.url}/v1/chat/completions", json=body)
+        time.sleep(0.3)
+    finally:
+        os.kill(redis_proc.pid, signal.SIGCONT)
+    time.sleep(1)
+    assert _settled(redis_port, before - 5, BURST) >= before - 5
+    gone = [json.loads(line) for line in proxy.log().splitlines()
+            if line.startswith("{") and '"HTTP/2"' in line]
+    assert gone and gone[-1].get("client_closed") and gone[-1]["bytes_out"] == 0, gone
+
+    # 3. The take times out (failing open: the request goes on unlimited) and the stuck
+    #    Redis runs it later: voided as well.
+    proxy2 = start_proxy(simple_config(demo_upstream) + limit.format(timeout=200))
+    small = {**body, "stream": False, "max_tokens": 5}
+    with httpx.Client(timeout=10) as c:
+        assert c.post(f"{proxy2.url}/v1/chat/completions", json=small).status_code == 200
+        time.sleep(0.2)
+        before = _tokens_level(redis_port)
+        os.kill(redis_proc.pid, signal.SIGSTOP)
+        try:
+            r = c.post(f"{proxy2.url}/v1/chat/completions", json=small)
+            assert r.status_code == 200, r.text
+            time.sleep(0.5)
+        finally:
+            os.kill(redis_proc.pid, signal.SIGCONT)
+    time.sleep(1)
+    assert _settled(redis_port, before - 5, BURST) >= before - 5

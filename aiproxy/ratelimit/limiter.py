@@ -4,7 +4,9 @@ Each request takes 1 from a requests bucket and reserves its estimated prompt pl
 completion limit (max_tokens, else default_max_tokens) from a tokens bucket before it
 goes upstream. A stream that runs past its reservation is charged as it streams; when
 the exchange ends the reservation is settled to the real usage (nothing for a cache
-hit or a request that got no response). Refusals are 429 with Retry-After and
+hit or a request that got no response), however it ends: answered, client gone mid-stream,
+upstream error or timeout. A Redis take still in flight when the client goes (or timed
+out) is voided (aiproxy/ratelimit/redis_store.py). Refusals are 429 with Retry-After and
 `x-aiproxy-backpressure: <reason>`; between 50% and 80% reported GPU memory load a
 request may wait (bounded) for its turn instead.
 """
@@ -131,11 +133,12 @@ def refusal(limiter: Limiter, reason: str, wait: float, message: str) -> LocalRe
 
 
 class RateLimitFilter(Filter):
-    __slots__ = ("factory", "grants")
+    __slots__ = ("factory", "grants", "ended")
 
     def __init__(self, factory: RateLimitFactory) -> None:
         self.factory = factory
         self.grants: list[Grant] = []
+        self.ended = False  # done() has run: a grant arriving now is given back at once
 
     def request(self, ex: Exchange) -> Any:
         factory = self.factory
@@ -244,6 +247,11 @@ class RateLimitFilter(Filter):
                 self._give_back(ex.loop.time())
                 return lim, _reason(kinds[worst], f), wait
             self._granted(lim, keys, specs, kinds)
+            if self.ended:
+                # The exchange ended while the take was answered (and nothing cancelled
+                # this coroutine in between): settle what it holds now, nothing used.
+                self._give_back(ex.loop.time())
+                return None
         return None
 
     async def _admit_async(self, ex: Exchange, load: float | None) -> LocalReply | None:
@@ -282,6 +290,7 @@ class RateLimitFilter(Filter):
         return data
 
     def done(self, ex: Exchange) -> None:
+        self.ended = True
         if not self.grants:
             return
         llm = ex.llm

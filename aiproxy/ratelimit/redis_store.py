@@ -2,27 +2,46 @@
 scripts so an admission across a request's buckets is atomic for every aiproxy
 process using the Redis server. Time is the Redis server's (TIME), so hosts with
 skewed clocks agree. Every call is bounded by `timeout`; the caller decides what a
-failure means (fail open or closed)."""
+failure means (fail open or closed).
+
+A take whose answer the proxy never sees (the client went away while it was in flight,
+or it timed out) may still have run, or may run later once a stuck server resumes. So
+each take names a reservation key, which it marks when it takes, and such a take is
+voided: a VOID (retried for a while) refunds it if it ran, and otherwise marks the key
+so that the take does nothing if it runs after all. Either order ends with nothing
+taken. Reservation keys live RESERVATION_TTL_MS (a server stuck for longer than that
+can still leak a take)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
+import uuid
+from typing import Any
 
 from aiproxy.ratelimit.bucket import Spec
 
 log = logging.getLogger("aiproxy.ratelimit")
 
-# KEYS: one per bucket. ARGV: per bucket rate, cap, need, factor. Returns
-# {0, "0"} when every need was taken, else {index (1-based) of the bucket that waits
-# longest, seconds as a string} and nothing is taken.
+RESERVATION_TTL_MS = 60_000
+VOID_ATTEMPTS = 8  # with VOID_BACKOFF doubling: retried for ~25 s (< RESERVATION_TTL_MS)
+VOID_BACKOFF = 0.1
+
+# KEYS: one per bucket, then the reservation key. ARGV: per bucket rate, cap, need,
+# factor; then the reservation key's TTL (ms). Returns {0, "0"} when every need was
+# taken (and marks the reservation "1"), else {index (1-based) of the bucket that waits
+# longest, seconds as a string} and nothing is taken; nothing either if the reservation
+# was voided before this ran.
 TAKE = """
+local res = KEYS[#KEYS]
+if redis.call('EXISTS', res) == 1 then return {-1, '0'} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local levels = {}
 local worst, wait = 0, 0
-for i = 1, #KEYS do
+local n = #KEYS - 1
+for i = 1, n do
   local b = (i - 1) * 4
   local rate, cap = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local need, factor = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
@@ -37,7 +56,7 @@ for i = 1, #KEYS do
     if w > wait then worst, wait = i, w end
   end
 end
-for i = 1, #KEYS do
+for i = 1, n do
   local b = (i - 1) * 4
   local level = levels[i]
   if worst == 0 then level = level - tonumber(ARGV[b + 3]) end
@@ -45,7 +64,33 @@ for i = 1, #KEYS do
   redis.call('HSET', KEYS[i], 'l', tostring(level), 't', tostring(now))
   redis.call('PEXPIRE', KEYS[i], ttl)
 end
+if worst == 0 then redis.call('SET', res, '1', 'PX', ARGV[n * 4 + 1]) end
 return {worst, tostring(wait)}
+"""
+
+# KEYS and ARGV as for TAKE: give back what the take took if it ran; in any case mark
+# the reservation voided ("0") so a take still to come does nothing. Idempotent.
+VOID = """
+local res = KEYS[#KEYS]
+local n = #KEYS - 1
+local state = redis.call('GET', res)
+redis.call('SET', res, '0', 'PX', ARGV[n * 4 + 1])
+if state ~= '1' then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+for i = 1, n do
+  local b = (i - 1) * 4
+  local rate, cap = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+  local need, factor = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+  local v = redis.call('HMGET', KEYS[i], 'l', 't')
+  local level = tonumber(v[1]) or cap
+  local stamp = tonumber(v[2]) or now
+  if now > stamp then level = math.min(cap, level + (now - stamp) * rate * factor) end
+  level = math.min(cap, level + need)
+  redis.call('HSET', KEYS[i], 'l', tostring(level), 't', tostring(now))
+  redis.call('PEXPIRE', KEYS[i], math.ceil(cap / rate * 1000) + 60000)
+end
+return 1
 """
 
 # KEYS[1]; ARGV rate, cap, factor, amount: refill, then take amount (negative: give back).
@@ -75,6 +120,7 @@ class RedisStore:
             url, socket_timeout=timeout, socket_connect_timeout=timeout,
             retry_on_timeout=False)
         self._take = self.client.register_script(TAKE)
+        self._void = self.client.register_script(VOID)
         self._charge = self.client.register_script(CHARGE)
         self.pending: set[asyncio.Task] = set()
 
@@ -82,17 +128,42 @@ class RedisStore:
         args: list[float] = []
         for spec in specs:
             args += spec
-        worst, wait = await asyncio.wait_for(self._take(keys=keys, args=args),
-                                             self.timeout)
+        keys = [*keys, f"rl:res:{uuid.uuid4().hex}"]
+        args.append(RESERVATION_TTL_MS)
+        try:
+            worst, wait = await asyncio.wait_for(self._take(keys=keys, args=args),
+                                                 self.timeout)
+        except BaseException:
+            # Cancelled (the client is gone) or failed: the take may have run, or may
+            # still run. Undo it either way.
+            self._spawn(self._void_now(keys, args))
+            raise
         return int(worst) - 1, float(wait)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _void_now(self, keys: list[str], args: list[float]) -> None:
+        delay = VOID_BACKOFF
+        for attempt in range(VOID_ATTEMPTS):
+            try:
+                await asyncio.wait_for(self._void(keys=keys, args=args), self.timeout)
+                return
+            except Exception as exc:
+                if attempt == VOID_ATTEMPTS - 1:
+                    log.warning("rate limit reservation %s not voided at %s: %s", keys[-1],
+                                self.url, exc)
+                    return
+            await asyncio.sleep(delay)
+            delay *= 2
 
     def charge(self, key: str, spec: Spec, amount: float) -> None:
         """Fire and forget: a failed settlement is logged, never waited for."""
         if not amount or math.isnan(amount):
             return
-        task = asyncio.get_running_loop().create_task(self._charge_now(key, spec, amount))
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
+        self._spawn(self._charge_now(key, spec, amount))
 
     async def _charge_now(self, key: str, spec: Spec, amount: float) -> None:
         try:
