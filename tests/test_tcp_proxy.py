@@ -8,6 +8,7 @@ graceful stop.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import textwrap
@@ -20,11 +21,11 @@ from tests.support import free_port, wait_port
 from tests.test_config import problems
 
 
-def tcp_config(*ports: int, extra: str = "", connect_timeout_ms: int = 2000
-               ) -> tuple[str, str]:
+def tcp_config(*ports: int, extra: str = "", connect_timeout_ms: int = 2000,
+               listener_extra: str = "") -> tuple[str, str]:
     """(listener_extra, body) for start_proxy: a tcp listener in front of cluster `up`."""
     endpoints = ", ".join(f'"127.0.0.1:{p}"' for p in ports)
-    listener = 'protocols = ["tcp"]\ncluster = "up"\n'
+    listener = 'protocols = ["tcp"]\ncluster = "up"\n' + listener_extra
     body = f"""
 {extra}
 
@@ -36,9 +37,17 @@ connect_timeout_ms = {connect_timeout_ms}
     return listener, body
 
 
-def start_tcp_proxy(start_proxy, *ports: int, extra: str = "", connect_timeout_ms: int = 2000):
-    listener, body = tcp_config(*ports, extra=extra, connect_timeout_ms=connect_timeout_ms)
+def start_tcp_proxy(start_proxy, *ports: int, extra: str = "", connect_timeout_ms: int = 2000,
+                    listener_extra: str = ""):
+    listener, body = tcp_config(*ports, extra=extra, connect_timeout_ms=connect_timeout_ms,
+                                listener_extra=listener_extra)
     return start_proxy(body, listener_extra=listener)
+
+
+def tunnel_lines(proxy) -> list[dict]:
+    """The proxy's access log lines for tcp tunnels (the log goes to stderr)."""
+    return [json.loads(line) for line in proxy.log().splitlines()
+            if line.startswith("{") and '"protocol":"tcp"' in line]
 
 
 class ThreadServer:
@@ -145,6 +154,16 @@ def test_tcp_listener_config_errors(tmp_path):
         protocols = ["tcp"]
         cluster = "secure"
         tls = { cert = "c.pem", key = "k.pem" }
+        [[listeners]]
+        name = "idle"
+        address = "127.0.0.1:8085"
+        idle_timeout_ms = 1000
+        [[listeners]]
+        name = "idle2"
+        address = "127.0.0.1:8086"
+        protocols = ["tcp"]
+        cluster = "db"
+        idle_timeout_ms = -1
         [[clusters]]
         name = "secure"
         endpoints = ["127.0.0.1:9001"]
@@ -159,6 +178,9 @@ def test_tcp_listener_config_errors(tmp_path):
         "22: listeners[3].cluster: only a tcp listener takes a cluster (HTTP listeners pick "
         "clusters through [[routes]])",
         "28: listeners[4].tls: a tcp listener forwards raw bytes: tls is not supported on it",
+        "32: listeners[5].idle_timeout_ms: only a tcp listener takes idle_timeout_ms (HTTP "
+        "connections: [http] keepalive_timeout_ms and the body/request timeouts)",
+        "38: listeners[6].idle_timeout_ms: must be >= 0, got -1",
     ]
 
 
@@ -244,4 +266,4 @@ def test_graceful_stop_drains_then_closes_tunnels(start_proxy, echo_server):
     assert "drain timeout: closing 1 connections" in proxy.log()
 
 
-__all__ = ["ThreadServer", "echo", "roundtrip", "start_tcp_proxy", "wait_port"]
+__all__ = ["ThreadServer", "echo", "roundtrip", "start_tcp_proxy", "tunnel_lines", "wait_port"]

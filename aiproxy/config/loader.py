@@ -57,7 +57,8 @@ XDP_MODES = ("auto", "native", "generic")
 PAYLOAD_SIGNATURES = ("h2_preface", "post_v1")
 MAX_TRAFFIC_CLASSES = 15  # class ids 1..15 (bpf/include/classify.h: CLASSIFY_MAX_CLASSES - 1)
 _IFNAME = re.compile(r"[^\s/:]{1,15}")
-_LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls", "cluster")
+_LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls", "cluster",
+                  "idle_timeout_ms")
 _TLS_KEYS = ("cert", "key", "ca")
 _ENDPOINT_KEYS = ("address", "weight", "capacity")
 _ROUTE_KEYS = ("name", "cluster", "match", "split", "sticky_header", "timeout_ms", "retries",
@@ -355,6 +356,10 @@ class _Checker:
             if "cluster" in data:
                 self.error(path + ("cluster",), "only a tcp listener takes a cluster "
                            "(HTTP listeners pick clusters through [[routes]])")
+            if "idle_timeout_ms" in data:
+                self.error(path + ("idle_timeout_ms",), "only a tcp listener takes "
+                           "idle_timeout_ms (HTTP connections: [http] keepalive_timeout_ms "
+                           "and the body/request timeouts)")
             return None
         if len(protocols) > 1:
             self.error(path + ("protocols",), "'tcp' cannot be combined with HTTP protocols")

@@ -81,6 +81,7 @@ class ListenerConfig:
     backlog: int = _bounded(1024, 1)
     tls: TlsConfig | None = None
     cluster: str | None = None  # protocols = ["tcp"]: raw bytes to this cluster
+    idle_timeout_ms: int = _bounded(600_000, 0)  # tcp: close a tunnel idle this long; 0 off
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,8 +103,9 @@ def _queued(sock: socket.socket) -> int:
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
 
 
-def _drain(sock: socket.socket, peer: asyncio.Transport) -> bool:
-    """Empty the socket's receive queue into the peer; False if it would not empty.
+def _drain(sock: socket.socket, peer: asyncio.Transport) -> int:
+    """Empty the socket's receive queue into the peer: the bytes moved, -1 if it would
+    not empty.
 
     The verdict program is handed every skb still in the receive queue when the socket
     joins the map, from the skb's start, even one user space has read part of (a read
@@ -112,15 +113,17 @@ def _drain(sock: socket.socket, peer: asyncio.Transport) -> bool:
     segments to the last queued skb): its read bytes would go out twice. Once the queue
     has been empty, what arrives later is in new, unread skbs, which the kernel may
     take whole; the paused transports read nothing more."""
+    moved = 0
     for _ in range(DRAIN_READS):
         n = _queued(sock)
         if not n:
-            return True
+            return moved
         data = sock.recv(n, socket.MSG_DONTWAIT)
         if not data:
-            return True  # EOF: the socket is no longer established; the caller copies
+            return moved  # EOF: the socket is no longer established; the caller copies
         peer.write(data)
-    return False
+        moved += len(data)
+    return -1
 
 
 def _established(sock: socket.socket) -> bool:
@@ -128,7 +131,8 @@ def _established(sock: socket.socket) -> bool:
 
 
 class TunnelSplice:
-    __slots__ = ("kernel", "loop", "down", "up", "pair", "socks", "task", "state", "waiters")
+    __slots__ = ("kernel", "loop", "down", "up", "pair", "socks", "task", "state", "waiters",
+                 "drained", "released", "was_spliced")
 
     def __init__(self, kernel: ProxyKernel, loop: asyncio.AbstractEventLoop,
                  down: asyncio.Transport, up: asyncio.Transport) -> None:
@@ -140,6 +144,9 @@ class TunnelSplice:
         self.socks: tuple[socket.socket, ...] = ()
         self.state = _DRAINING
         self.waiters: set[asyncio.Task] = set()
+        self.drained = (0, 0)  # bytes (down->up, up->down) read here before splicing
+        self.released = (0, 0)  # bytes the kernel moved, once released
+        self.was_spliced = False
         down.pause_reading()
         up.pause_reading()
         self.task: asyncio.Task | None = loop.create_task(self._splice())
@@ -147,6 +154,14 @@ class TunnelSplice:
     @property
     def spliced(self) -> bool:
         return self.state == _SPLICED
+
+    def moved(self) -> tuple[int, int]:
+        """Bytes (down->up, up->down) carried outside the transports: read while draining
+        plus what the kernel redirected (live while spliced, final once released)."""
+        counts = self.released
+        if self.pair is not None:
+            counts = self.kernel.splicer.redirected(self.pair)
+        return self.drained[0] + counts[0], self.drained[1] + counts[1]
 
     async def _splice(self) -> None:
         down, up = self.down, self.up
@@ -159,7 +174,10 @@ class TunnelSplice:
                 return
             try:
                 self.socks = (_dup_socket(down), _dup_socket(up))
-                if not (_drain(self.socks[0], up) and _drain(self.socks[1], down)):
+                to_up = _drain(self.socks[0], up)
+                to_down = _drain(self.socks[1], down) if to_up >= 0 else -1
+                self.drained = (max(to_up, 0), max(to_down, 0))
+                if to_down < 0:
                     self._close_socks()  # a sender faster than the drain: keep copying
                     return
                 while down.get_write_buffer_size() or up.get_write_buffer_size():
@@ -178,6 +196,7 @@ class TunnelSplice:
                 self.kernel.splice_failed(exc)
                 return
             self.state = _SPLICED
+            self.was_spliced = True
             self.kernel.tunnels_spliced += 1
             for sock, t in zip(self.socks, (down, up), strict=True):
                 # The transport reads the EOF or the error once there is one.
@@ -247,6 +266,7 @@ class TunnelSplice:
         if self.pair is not None:
             ab, ba = self.kernel.splicer.release(self.pair)
             self.kernel.spliced_bytes += ab + ba
+            self.released = (ab, ba)
             self.pair = None
         self._close_socks()
 

@@ -12,6 +12,13 @@ after both EOFs, or when either side is lost, both are closed.
 Endpoint choice: the cluster's balancer; a refused or failed connect tries one other
 endpoint, a connect timeout closes the client. Graceful stop leaves tunnels running
 until the server's drain timeout aborts them.
+
+Idle timeout (the listener's `idle_timeout_ms`, like nginx's proxy_timeout): a tunnel
+that carried no byte either way for that long is closed. Activity is sampled every
+quarter of the timeout from the byte counts, the kernel's for a spliced tunnel (the
+splice map counts what it redirects), so a spliced tunnel times out like a copied one,
+up to a quarter of the timeout late. Each tunnel writes one access log line when it
+closes (see `log_record`).
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
+from aiproxy.telemetry.access_log import iso_now
 
 if TYPE_CHECKING:
+    from aiproxy.config.schema import ListenerConfig
     from aiproxy.routing.cluster import Cluster
     from aiproxy.routing.pool import EndpointPool
 
@@ -34,12 +43,15 @@ CONNECT_ATTEMPTS = 2
 class TcpProxyConnection(asyncio.Protocol):
     """The client side of one raw TCP tunnel (owns the tunnel)."""
 
-    __slots__ = ("server", "cluster_name", "loop", "transport", "upstream", "splice",
-                 "eofs", "closed", "task", "early", "early_eofs")
+    __slots__ = ("server", "listener", "cluster_name", "loop", "transport", "upstream",
+                 "splice", "eofs", "closed", "task", "early", "early_eofs", "started",
+                 "copied_up", "copied_down", "moved", "endpoint", "ended", "idle_timer",
+                 "idle_seen", "idle_since", "spliced")
 
-    def __init__(self, server: Any, cluster_name: str) -> None:
+    def __init__(self, server: Any, listener: ListenerConfig) -> None:
         self.server = server
-        self.cluster_name = cluster_name
+        self.listener = listener
+        self.cluster_name = listener.cluster
         self.loop: asyncio.AbstractEventLoop = server.loop
         self.transport: asyncio.Transport | None = None
         self.upstream: TcpUpstream | None = None
@@ -49,6 +61,16 @@ class TcpProxyConnection(asyncio.Protocol):
         self.task: asyncio.Task | None = None
         self.early: list[bytes] = []  # read from the client before the upstream was linked
         self.early_eofs = 0
+        self.started = self.loop.time()
+        self.copied_up = 0  # bytes through the transports, client -> upstream
+        self.copied_down = 0
+        self.moved = (0, 0)  # bytes the splice carried (final, once released)
+        self.endpoint: str | None = None
+        self.ended = ""  # how the tunnel ended (the access log's "ended")
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_seen: tuple[int, ...] = ()
+        self.idle_since = 0.0
+        self.spliced = False  # the kernel carried the tunnel (after what was read first)
 
     # -- client transport callbacks ---------------------------------------------------
 
@@ -58,6 +80,7 @@ class TcpProxyConnection(asyncio.Protocol):
         self.task = self.loop.create_task(self._connect())
 
     def data_received(self, data: bytes) -> None:
+        self.copied_up += len(data)
         up = self.upstream
         if up is not None:
             up.transport.write(data)
@@ -87,7 +110,7 @@ class TcpProxyConnection(asyncio.Protocol):
         if self.task is not None:
             self.task.cancel()
             self.task = None
-        self._close()
+        self._close("client_lost")
 
     def drain(self) -> None:
         """Graceful stop: a tunnel runs on until the drain timeout aborts it."""
@@ -100,12 +123,13 @@ class TcpProxyConnection(asyncio.Protocol):
         finally:
             self.task = None
         if up is None:
-            self._close()
+            self._close("connect_failed")
             return
         if self.closed:
             up.transport.close()
             return
         self.upstream = up
+        self.endpoint = up.pool.endpoint.address
         # What was read before the link goes out first (the splice below waits until
         # both write buffers are empty before the kernel takes over).
         if self.early:
@@ -127,6 +151,31 @@ class TcpProxyConnection(asyncio.Protocol):
         for side in (DOWN_TO_UP, UP_TO_DOWN):
             if eofs & side and not self.closed:
                 self._on_eof(side)
+        timeout = self.listener.idle_timeout_ms / 1000
+        if timeout and not self.closed:
+            self.idle_since = self.loop.time()
+            self.idle_timer = self.loop.call_later(timeout / 4, self._check_idle)
+
+    def _activity(self) -> tuple[int, ...]:
+        splice = self.splice
+        moved = splice.moved() if splice is not None else (0, 0)
+        return self.copied_up, self.copied_down, *moved
+
+    def _check_idle(self) -> None:
+        self.idle_timer = None
+        if self.closed:
+            return
+        now = self.loop.time()
+        seen = self._activity()
+        if seen != self.idle_seen:
+            self.idle_seen = seen
+            self.idle_since = now
+        timeout = self.listener.idle_timeout_ms / 1000
+        if now - self.idle_since >= timeout:
+            log.info("tcp: tunnel from %s idle for %.0f s: closing", self._peer(), timeout)
+            self._close("idle_timeout")
+            return
+        self.idle_timer = self.loop.call_later(timeout / 4, self._check_idle)
 
     async def _open_upstream(self) -> TcpUpstream | None:
         cluster: Cluster | None = self.server.runtime.clusters.get(self.cluster_name)
@@ -176,35 +225,66 @@ class TcpProxyConnection(asyncio.Protocol):
     def _half_close(self, which: int) -> None:
         self.eofs |= which
         if self.eofs == BOTH:
-            self._close()
+            self._close("eof")
             return
         up = self.upstream
         peer = (up.transport if up is not None else None) if which == DOWN_TO_UP \
             else self.transport
         if peer is None or peer.is_closing():
-            self._close()
+            self._close("eof")
         elif peer.can_write_eof():
             peer.write_eof()
         else:
-            self._close()
+            self._close("eof")
 
     def upstream_lost(self) -> None:
-        self._close()
+        self._close("upstream_lost")
 
-    def _close(self) -> None:
+    def _close(self, why: str) -> None:
         """Both sides done (or one lost): out of the kernel, then close both (close()
-        still writes out what is buffered)."""
+        still writes out what is buffered), and log the tunnel."""
         if self.closed:
             return
         self.closed = True
+        self.ended = why
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
         splice, self.splice = self.splice, None
         if splice is not None:
             splice.release()
+            self.moved = splice.moved()
+            self.spliced = splice.was_spliced
         up, self.upstream = self.upstream, None
         if up is not None and up.transport is not None:
             up.transport.close()
         if self.transport is not None:
             self.transport.close()
+        access_log = self.server.telemetry.access_log
+        if access_log is not None:
+            access_log.write(self.log_record())
+
+    def _peer(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        return peer[0] if peer else ""
+
+    def log_record(self) -> dict[str, Any]:
+        """The tunnel's access log line: bytes_in is client -> upstream; path "spliced"
+        if the kernel carried it (after what was read before), else "copied"; ended:
+        eof (both sides done), client_lost, upstream_lost, idle_timeout, connect_failed."""
+        return {
+            "time": iso_now(),
+            "client": self._peer(),
+            "listener": self.listener.name,
+            "protocol": "tcp",
+            "cluster": self.cluster_name,
+            "endpoint": self.endpoint,
+            "bytes_in": self.copied_up + self.moved[0],
+            "bytes_out": self.copied_down + self.moved[1],
+            "duration_ms": round((self.loop.time() - self.started) * 1000, 3),
+            "ended": self.ended,
+            "path": "spliced" if self.spliced else "copied",
+        }
 
 
 class TcpUpstream(asyncio.Protocol):
@@ -226,6 +306,7 @@ class TcpUpstream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         owner = self.owner
+        owner.copied_down += len(data)
         if owner.upstream is self:
             owner.transport.write(data)
         else:

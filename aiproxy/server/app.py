@@ -209,8 +209,7 @@ class ProxyServer:
     def _factory(self, listener: ListenerConfig) -> tuple[Any, ssl.SSLContext | None]:
         protocols = listener.protocols
         if protocols == ("tcp",):
-            cluster = listener.cluster
-            return (lambda: TcpProxyConnection(self, cluster)), None
+            return (lambda: TcpProxyConnection(self, listener)), None
         if listener.tls is not None:
             ctx = tls_context(listener)
             return (lambda: AlpnDispatch(self, protocols)), ctx

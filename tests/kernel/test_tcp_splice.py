@@ -9,6 +9,7 @@ both sockets. The 100 MiB test prints the proxy's CPU time per path (not asserte
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import threading
@@ -25,7 +26,7 @@ from tests.kernel.test_tunnel_splice import (
 )
 from tests.support import free_port, wait_port
 from tests.test_operations import admin_block
-from tests.test_tcp_proxy import ThreadServer, echo, start_tcp_proxy
+from tests.test_tcp_proxy import ThreadServer, echo, start_tcp_proxy, tunnel_lines
 
 MiB = 1 << 20
 BIG = 100 * MiB
@@ -41,10 +42,11 @@ def mode(request) -> str:
     return request.param
 
 
-def start(start_proxy, mode: str, *ports: int):
+def start(start_proxy, mode: str, *ports: int, listener_extra: str = ""):
     admin = free_port()
     kernel = f"[kernel]\nsplice_tunnels = {'true' if mode == 'spliced' else 'false'}\n"
-    proxy = start_tcp_proxy(start_proxy, *ports, extra=admin_block(admin) + "\n" + kernel)
+    proxy = start_tcp_proxy(start_proxy, *ports, extra=admin_block(admin) + "\n" + kernel,
+                            listener_extra=listener_extra)
     wait_port("127.0.0.1", admin)
     return proxy, admin
 
@@ -220,5 +222,56 @@ def test_tcp_half_close_upstream_first(start_proxy, mode):
             assert s.recv(10) == b""  # both directions done: the proxy closes
         assert wait_for(lambda: "late" in seen)
         assert seen["late"] == b"late words after the upstream's EOF"
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_tcp_access_log_and_idle_timeout(start_proxy, mode):
+    """One access log line per tunnel at close (bytes each way, path, how it ended); a
+    tunnel idle for idle_timeout_ms is closed, spliced or copied, and one that keeps
+    carrying bytes is not."""
+    server = ThreadServer(echo)
+    try:
+        proxy, admin = start(start_proxy, mode, server.port,
+                             listener_extra="idle_timeout_ms = 800\n")
+        big = os.urandom(MiB)
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            s.sendall(b"hello")
+            assert recv_exact(s, 5) == b"hello"
+            if mode == "spliced":
+                assert wait_for(lambda: tunnel_metrics(admin)["active"] == 1, 5)
+            s.sendall(big)
+            assert recv_exact(s, len(big)) == big
+            for _ in range(8):  # 1.6 s of small talk: busy, never idle for 800 ms
+                time.sleep(0.2)
+                s.sendall(b"ping")
+                assert recv_exact(s, 4) == b"ping"
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(10) == b""
+        # (start_proxy's port probe made a tunnel too, that carried nothing)
+        def carried() -> list[dict]:
+            return [t for t in tunnel_lines(proxy) if t["bytes_in"]]
+
+        assert wait_for(lambda: len(carried()) == 1, 5)
+        line = carried()[0]
+        n = 5 + MiB + 8 * 4
+        assert line["bytes_in"] == n and line["bytes_out"] == n, json.dumps(line)
+        assert line["ended"] == "eof" and line["path"] == mode, line
+        assert line["listener"] == "test" and line["cluster"] == "up", line
+        assert line["endpoint"] == f"127.0.0.1:{server.port}", line
+        assert line["client"] == "127.0.0.1" and line["duration_ms"] >= 1600, line
+
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            s.sendall(b"then silence")
+            assert recv_exact(s, 12) == b"then silence"
+            t0 = time.monotonic()
+            assert s.recv(10) == b""  # the proxy closed it
+            waited = time.monotonic() - t0
+        assert 0.7 <= waited <= 3, waited
+        assert wait_for(lambda: len(carried()) == 2, 5)
+        line = carried()[1]
+        assert line["ended"] == "idle_timeout" and line["path"] == mode, line
+        assert line["bytes_in"] == line["bytes_out"] == 12, line
     finally:
         server.close()
