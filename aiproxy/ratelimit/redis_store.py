@@ -28,16 +28,32 @@ RESERVATION_TTL_MS = 60_000
 VOID_ATTEMPTS = 8  # with VOID_BACKOFF doubling: retried for ~25 s (< RESERVATION_TTL_MS)
 VOID_BACKOFF = 0.1
 
+# Shared by the scripts: Redis server time, a bucket's level refilled up to now, and
+# storing a level (kept until the bucket would be full again, plus a minute).
+BUCKET = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function level_of(key, rate, cap, factor)
+  local v = redis.call('HMGET', key, 'l', 't')
+  local level = tonumber(v[1]) or cap
+  local stamp = tonumber(v[2]) or now
+  if now > stamp then level = math.min(cap, level + (now - stamp) * rate * factor) end
+  return level
+end
+local function store(key, level, rate, cap)
+  redis.call('HSET', key, 'l', tostring(level), 't', tostring(now))
+  redis.call('PEXPIRE', key, math.ceil(cap / rate * 1000) + 60000)
+end
+"""
+
 # KEYS: one per bucket, then the reservation key. ARGV: per bucket rate, cap, need,
 # factor; then the reservation key's TTL (ms). Returns {0, "0"} when every need was
 # taken (and marks the reservation "1"), else {index (1-based) of the bucket that waits
 # longest, seconds as a string} and nothing is taken; nothing either if the reservation
 # was voided before this ran.
-TAKE = """
+TAKE = BUCKET + """
 local res = KEYS[#KEYS]
 if redis.call('EXISTS', res) == 1 then return {-1, '0'} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local levels = {}
 local worst, wait = 0, 0
 local n = #KEYS - 1
@@ -45,10 +61,7 @@ for i = 1, n do
   local b = (i - 1) * 4
   local rate, cap = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local need, factor = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
-  local v = redis.call('HMGET', KEYS[i], 'l', 't')
-  local level = tonumber(v[1]) or cap
-  local stamp = tonumber(v[2]) or now
-  if now > stamp then level = math.min(cap, level + (now - stamp) * rate * factor) end
+  local level = level_of(KEYS[i], rate, cap, factor)
   levels[i] = level
   local missing = math.min(need, cap * factor) - (level - cap * (1 - factor))
   if missing > 0 then
@@ -60,9 +73,7 @@ for i = 1, n do
   local b = (i - 1) * 4
   local level = levels[i]
   if worst == 0 then level = level - tonumber(ARGV[b + 3]) end
-  local ttl = math.ceil(tonumber(ARGV[b + 2]) / tonumber(ARGV[b + 1]) * 1000) + 60000
-  redis.call('HSET', KEYS[i], 'l', tostring(level), 't', tostring(now))
-  redis.call('PEXPIRE', KEYS[i], ttl)
+  store(KEYS[i], level, tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]))
 end
 if worst == 0 then redis.call('SET', res, '1', 'PX', ARGV[n * 4 + 1]) end
 return {worst, tostring(wait)}
@@ -70,42 +81,26 @@ return {worst, tostring(wait)}
 
 # KEYS and ARGV as for TAKE: give back what the take took if it ran; in any case mark
 # the reservation voided ("0") so a take still to come does nothing. Idempotent.
-VOID = """
+VOID = BUCKET + """
 local res = KEYS[#KEYS]
 local n = #KEYS - 1
 local state = redis.call('GET', res)
 redis.call('SET', res, '0', 'PX', ARGV[n * 4 + 1])
 if state ~= '1' then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 for i = 1, n do
   local b = (i - 1) * 4
   local rate, cap = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local need, factor = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
-  local v = redis.call('HMGET', KEYS[i], 'l', 't')
-  local level = tonumber(v[1]) or cap
-  local stamp = tonumber(v[2]) or now
-  if now > stamp then level = math.min(cap, level + (now - stamp) * rate * factor) end
-  level = math.min(cap, level + need)
-  redis.call('HSET', KEYS[i], 'l', tostring(level), 't', tostring(now))
-  redis.call('PEXPIRE', KEYS[i], math.ceil(cap / rate * 1000) + 60000)
+  store(KEYS[i], math.min(cap, level_of(KEYS[i], rate, cap, factor) + need), rate, cap)
 end
 return 1
 """
 
 # KEYS[1]; ARGV rate, cap, factor, amount: refill, then take amount (negative: give back).
-CHARGE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+CHARGE = BUCKET + """
 local rate, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
 local factor, amount = tonumber(ARGV[3]), tonumber(ARGV[4])
-local v = redis.call('HMGET', KEYS[1], 'l', 't')
-local level = tonumber(v[1]) or cap
-local stamp = tonumber(v[2]) or now
-if now > stamp then level = math.min(cap, level + (now - stamp) * rate * factor) end
-level = math.min(cap, level - amount)
-redis.call('HSET', KEYS[1], 'l', tostring(level), 't', tostring(now))
-redis.call('PEXPIRE', KEYS[1], math.ceil(cap / rate * 1000) + 60000)
+store(KEYS[1], math.min(cap, level_of(KEYS[1], rate, cap, factor) - amount), rate, cap)
 return 1
 """
 
