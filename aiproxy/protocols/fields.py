@@ -107,7 +107,9 @@ class FieldsHead:
 
 
 class H2RequestHead(FieldsHead):
-    """A request from HTTP/2 pseudo-fields and fields, checked per RFC 9113 8.3."""
+    """A request from HTTP/2 pseudo-fields and fields, checked per RFC 9113 8.3. Sent to
+    an HTTP/1.1 upstream, `host` (:authority, else the host field) becomes the Host field:
+    Exchange.h1_request_head writes it (RFC 9113 8.3.1)."""
 
     __slots__ = ("method", "target", "host", "scheme", "has_xff", "body_streamed")
 
@@ -155,12 +157,6 @@ class H2RequestHead(FieldsHead):
         self.host = authority if authority is not None else host
         self.has_xff = F_XFF in self.flags
         self.body_streamed = not end_stream
-
-    def serialize(self, start_line: bytes, extra: bytes, drop_mask: int) -> bytes:
-        # RFC 9113 8.3.1: an HTTP/1.1 request needs a Host field; :authority supplies it.
-        if self.host is not None and not drop_mask & F_HOST and self.get(b"host") is None:
-            extra = b"Host: " + self.host + b"\r\n" + extra
-        return super().serialize(start_line, extra, drop_mask)
 
 
 class H2ResponseHead(FieldsHead):

@@ -9,6 +9,7 @@ import signal
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvloop
@@ -268,33 +269,54 @@ def _sockname(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve(config: Config) -> int:
-    loop = asyncio.get_running_loop()
+async def start_server(config: Config, setup: Callable[[ProxyServer], None] | None = None,
+                       **start: Any) -> ProxyServer | int:
+    """Load the intent model, build the server (`setup` adjusts it first) and start it
+    (`start`: ProxyServer.start's options). Returns the running server, or the exit code
+    after logging why it could not start: 2 for the model or the kernel, 1 for a TLS
+    certificate or a listener that cannot bind."""
     try:
         model = load_intent_model(config)
     except ModelError as exc:
         log.error("%s: semantic.model: %s", config.source, exc)
         return 2
-    server = ProxyServer(config, loop, model)
+    server = ProxyServer(config, asyncio.get_running_loop(), model)
+    if setup is not None:
+        setup(server)
     try:
-        await server.start()
-    except ssl.SSLError as exc:
-        log.error("cannot load TLS certificate or key: %s", exc)
-        await server.stop(0)
-        return 1
-    except OSError as exc:
-        log.error("cannot bind listener: %s", exc)
-        await server.stop(0)
-        return 1
+        await server.start(**start)
     except KernelStartError as exc:
         log.error("%s", exc)
-        await server.stop(0)
-        return 2
+        code = 2
+    except ssl.SSLError as exc:
+        log.error("cannot load TLS certificate or key: %s", exc)
+        code = 1
+    except OSError as exc:
+        log.error("cannot bind listener: %s", exc)
+        code = 1
+    else:
+        return server
+    await server.stop(0)
+    return code
+
+
+def stop_event(server: ProxyServer) -> asyncio.Event:
+    """Set on SIGTERM/SIGINT; SIGHUP reloads the config, SIGUSR1 reopens the logs."""
+    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
     loop.add_signal_handler(signal.SIGUSR1, server.reopen_logs)
+    return stop
+
+
+async def serve(config: Config) -> int:
+    loop = asyncio.get_running_loop()
+    server = await start_server(config)
+    if isinstance(server, int):
+        return server
+    stop = stop_event(server)
     watchdog = sd_notify.watchdog_interval()
     if watchdog:
         def _ping() -> None:

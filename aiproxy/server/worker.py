@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
-import ssl
 import sys
 
 import uvloop
@@ -20,11 +18,8 @@ import uvloop
 from aiproxy.admin.server import LocalBackend, describe_clusters, describe_routes
 from aiproxy.config import Config, load_config_text
 from aiproxy.governance.tracing import trace_spans
-from aiproxy.kernel.lifecycle import KernelStartError
-from aiproxy.semantic.classifier import ModelError
-from aiproxy.server.app import ProxyServer, worker_config
+from aiproxy.server.app import ProxyServer, start_server, stop_event, worker_config
 from aiproxy.server.channel import Channel
-from aiproxy.server.runtime import load_intent_model
 from aiproxy.telemetry.aggregate import snapshot
 
 log = logging.getLogger("aiproxy.server")
@@ -46,35 +41,17 @@ def main(slot: int, sock: socket.socket, text: str, source: str, log_level: int)
 
 async def serve_worker(config: Config, sock: socket.socket, slot: int) -> int:
     loop = asyncio.get_running_loop()
-    try:
-        model = load_intent_model(config)
-    except ModelError as exc:
-        log.error("%s: semantic.model: %s", config.source, exc)
-        return 2
-    config = worker_config(config, slot)
-    server = ProxyServer(config, loop, model)
-    server.worker_slot = slot
-    server.kernel_attach = slot == 0
-    try:
-        await server.start(reuse_port=True, serve_admin=False)
-    except KernelStartError as exc:
-        log.error("%s", exc)
-        await server.stop(0)
-        return 2
-    except ssl.SSLError as exc:
-        log.error("cannot load TLS certificate or key: %s", exc)
-        await server.stop(0)
-        return 1
-    except OSError as exc:
-        log.error("cannot bind listener: %s", exc)
-        await server.stop(0)
-        return 1
+
+    def setup(server: ProxyServer) -> None:
+        server.worker_slot = slot
+        server.kernel_attach = slot == 0
+
+    server = await start_server(worker_config(config, slot), setup, reuse_port=True,
+                                serve_admin=False)
+    if isinstance(server, int):
+        return server
     backend = LocalBackend(server)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
-    loop.add_signal_handler(signal.SIGUSR1, server.reopen_logs)
+    stop = stop_event(server)
 
     async def reload(text: str) -> dict:
         ok, message = await server.reload(text)
