@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from types import ModuleType
@@ -214,20 +214,29 @@ def make_servicer(pb2: ModuleType, pb2_grpc: ModuleType, rec: Recorder, name: st
     return Predictor()
 
 
+def start_grpc_server(register: Callable[[grpc.Server], Any], port: int = 0,
+                      max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """A started grpcio server on 127.0.0.1:port (0: a free one) in this process, its
+    services added by `register(server)`; returns it and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         options=GRPC_OPTIONS)
+    register(server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    if not port:
+        raise RuntimeError("cannot bind the gRPC test server")
+    server.start()
+    return server, port
+
+
 class InferenceServer:
-    """A grpcio server on 127.0.0.1:<port> in this process."""
+    """The Predictor service on a grpcio server on 127.0.0.1:<port> in this process."""
 
     def __init__(self, pb2: ModuleType, pb2_grpc: ModuleType, name: str = "grpc-a",
                  port: int = 0) -> None:
         self.recorder = Recorder()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
-                                  options=GRPC_OPTIONS)
-        pb2_grpc.add_PredictorServicer_to_server(
-            make_servicer(pb2, pb2_grpc, self.recorder, name), self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
-        if not self.port:
-            raise RuntimeError("cannot bind the gRPC test server")
-        self.server.start()
+        servicer = make_servicer(pb2, pb2_grpc, self.recorder, name)
+        self.server, self.port = start_grpc_server(
+            lambda s: pb2_grpc.add_PredictorServicer_to_server(servicer, s), port)
 
     def stop(self) -> None:
         self.server.stop(grace=None).wait(5)

@@ -10,7 +10,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,3 +219,164 @@ class RssMonitor:
 
     def describe(self) -> str:
         return f"proxy RSS {self.base / 2**20:.1f} MiB -> peak {self.peak / 2**20:.1f} MiB"
+
+
+# -- raw sockets ---------------------------------------------------------------------------
+
+
+def raw_exchange(port: int, request: bytes, until: bytes | None = None,
+                 timeout: float = 10) -> bytes:
+    """Send `request` as is to 127.0.0.1:port and read until EOF, or until `until` has
+    been read (e.g. b"\\r\\n\\r\\n": a response head)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        out = bytearray()
+        while until is None or until not in out:
+            data = s.recv(1 << 20)
+            if not data:
+                break
+            out += data
+        return bytes(out)
+
+
+def recv_exact(sock: socket.socket, n: int, timeout: float | None = None) -> bytes:
+    """n bytes from sock, or fewer if it reaches EOF first (`timeout`: set on sock)."""
+    if timeout is not None:
+        sock.settimeout(timeout)
+    buf = bytearray()
+    while len(buf) < n:
+        data = sock.recv(n - len(buf))
+        if not data:
+            break
+        buf += data
+    return bytes(buf)
+
+
+# -- upstream servers ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve_aiohttp(app: Any, port: int | None = None) -> Iterator[int]:
+    """Run an aiohttp Application on 127.0.0.1 in a thread of its own (own event loop);
+    yields its port."""
+    import asyncio
+
+    from aiohttp import web
+
+    port = port or free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_port("127.0.0.1", port)
+        yield port
+    finally:
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+@contextlib.contextmanager
+def run_nginx(workdir: Path, server: str, connections: int = 256,
+              http_extra: str = "") -> Iterator[int]:
+    """nginx (Debian package) in the foreground on a free loopback port with one
+    `server { listen ...; <server> }` block; yields the port. Skips the test if nginx is
+    not installed."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("nginx") is None:
+        pytest.skip("nginx is not installed")
+    port = free_port()
+    root = workdir / "nginx"
+    (root / "logs").mkdir(parents=True)
+    conf = root / "nginx.conf"
+    temp = "\n".join(f"    {kind}_temp_path {root}/{kind.split('_')[-1]};" for kind in
+                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    conf.write_text(f"""
+daemon off;
+master_process off;
+worker_processes 1;
+pid {root}/nginx.pid;
+error_log stderr warn;
+events {{ worker_connections {connections}; }}
+http {{
+    access_log off;
+{temp}
+    keepalive_requests 10000;
+{http_extra}
+    server {{
+        listen 127.0.0.1:{port};
+{server}
+    }}
+}}
+""")
+    proc = start_process(["nginx", "-p", str(root), "-c", str(conf)])
+    try:
+        wait_port("127.0.0.1", port, proc=proc)
+        yield port
+    finally:
+        stop_process(proc)
+
+
+# -- the admin API -------------------------------------------------------------------------
+
+
+def admin_block(port: int, token: str | None = None) -> str:
+    """An [admin] section on 127.0.0.1:port (with a bearer token if given)."""
+    line = f'token = "{token}"\n' if token else ""
+    return f'\n[admin]\naddress = "127.0.0.1:{port}"\n{line}'
+
+
+def scrape(port: int, token: str | None = None) -> dict[tuple, float]:
+    """GET /metrics from the admin API: {(sample name, sorted labels): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+# -- configs -------------------------------------------------------------------------------
+
+
+def intent_routes_config(bank: int, general: int, semantic: str) -> str:
+    """Clusters `bank` and `general` with routes: /echo with intent_domain banking to bank,
+    the rest to general; `semantic`: the [semantic] section's lines."""
+    return f"""
+[semantic]
+{semantic}
+
+[[clusters]]
+name = "bank"
+endpoints = ["127.0.0.1:{bank}"]
+
+[[clusters]]
+name = "general"
+endpoints = ["127.0.0.1:{general}"]
+
+[[routes]]
+name = "banking"
+match = {{ path_prefix = "/echo", intent_domain = "banking" }}
+cluster = "bank"
+
+[[routes]]
+name = "rest"
+match = {{ path_prefix = "/" }}
+cluster = "general"
+"""

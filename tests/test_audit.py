@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pytest
 
 from aiproxy.governance.auth import hash_key
 from tests.conftest import simple_config
+from tests.support import raw_exchange
 
 KEY = "ak_audit_0123456789abcdef"
 POLICY = """
@@ -292,18 +292,6 @@ def test_reload_keeps_one_chain(start_proxy, demo_upstream, tmp_path):
     assert _cli("verify", str(tmp_path / "audit.log")).returncode == 0
 
 
-def _raw(port: int, request: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(request)
-        out = b""
-        while b"\r\n\r\n" not in out:
-            data = s.recv(65536)
-            if not data:
-                break
-            out += data
-        return out
-
-
 def test_unrouted_replies_recorded(start_proxy, demo_upstream, tmp_path):
     """Requests no route took (404, a 400 for a malformed target, a 417) still get one
     audit record each, with their status and a trace id, in the same hash chain."""
@@ -316,12 +304,12 @@ def test_unrouted_replies_recorded(start_proxy, demo_upstream, tmp_path):
                   headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "no_route", r.text
         assert c.get(f"{proxy.url}/v1/echo", headers={"x-api-key": KEY}).status_code == 404
-    assert _raw(proxy.port, b"GET /v1/%zz HTTP/1.1\r\nHost: a\r\n\r\n").startswith(
-        b"HTTP/1.1 400 ")
-    assert _raw(proxy.port, b"GET /v1/a#b HTTP/1.1\r\nHost: a\r\n\r\n").startswith(
-        b"HTTP/1.1 400 ")
-    assert _raw(proxy.port, b"POST /v1/echo HTTP/1.1\r\nHost: a\r\nExpect: fly\r\n"
-                b"Content-Length: 1\r\n\r\nx").startswith(b"HTTP/1.1 417 ")
+    for request, status in ((b"GET /v1/%zz HTTP/1.1\r\nHost: a\r\n\r\n", b"400"),
+                            (b"GET /v1/a#b HTTP/1.1\r\nHost: a\r\n\r\n", b"400"),
+                            (b"POST /v1/echo HTTP/1.1\r\nHost: a\r\nExpect: fly\r\n"
+                             b"Content-Length: 1\r\n\r\nx", b"417")):
+        head = raw_exchange(proxy.port, request, until=b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 " + status + b" "), head
     log = tmp_path / "audit.log"
     recs = _wait_records(log, 5)
     assert [r["status"] for r in recs] == [404, 404, 400, 400, 417], recs

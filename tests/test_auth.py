@@ -23,7 +23,7 @@ from aiproxy.config import ConfigError, load_config_text
 from aiproxy.governance.auth import hash_key
 from tests.conftest import simple_config
 from tests.h2_support import make_pki
-from tests.support import free_port, wait_port
+from tests.support import admin_block, free_port, scrape, wait_port
 
 KEY = "ak_test_key_0123456789abcdef"
 SECRET = "upstream-signing-secret-0123456789"
@@ -391,8 +391,6 @@ def test_jwt_cache_survives_reloads_that_keep_the_jwt_settings(start_proxy, demo
     """A reload (POST /config/reload or SIGHUP) that leaves [auth.jwt] and the JWKS as they
     were keeps the verified tokens (the next request is a cache hit); one that changes
     them (here the leeway) starts from an empty cache."""
-    from tests.test_operations import admin_block, scrape
-
     jwks = tmp_path / "jwks.json"
     _write_jwks(jwks, keys, ["rsa1"])
     admin = free_port()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import zlib
 from collections.abc import Iterator
 
@@ -15,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import simple_config
-from tests.support import free_port, wait_port
+from tests.support import free_port, serve_aiohttp, wait_port
 
 CARD = "4111 1111 1111 1111"
 PARTS = ["Your card number is 4111 11", "11 1111 1", "111, and mail me at bob.jones@example.org"]
@@ -51,30 +50,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture(scope="module")
 def chat_upstream() -> Iterator[int]:
-    port = free_port()
-    loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", _chat)
-    runner = web.AppRunner(app)
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    wait_port("127.0.0.1", port)
-    yield port
-
-    async def cleanup() -> None:
-        for r in [runner]:
-            await r.cleanup()
-
-    asyncio.run_coroutine_threadsafe(cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+    with serve_aiohttp(app) as port:
+        yield port
 
 
 GUARD = """
@@ -207,25 +186,10 @@ async def _compressed(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture(scope="module")
 def gzip_upstream() -> Iterator[tuple[int, list]]:
-    port = free_port()
-    loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_get("/c/{coding}", _compressed)
-    runner = web.AppRunner(app)
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    wait_port("127.0.0.1", port)
-    yield port, SEEN_ENCODINGS
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+    with serve_aiohttp(app) as port:
+        yield port, SEEN_ENCODINGS
 
 
 def test_compressed_responses_are_decoded_and_redacted_or_refused(start_proxy, gzip_upstream):

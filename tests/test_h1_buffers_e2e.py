@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import socket
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import free_port, start_process, stop_process, wait_port
+from tests.support import free_port, run_nginx, wait_port
 
 SIZES = {"a.bin": 3 * 1024 * 1024 + 17, "b.bin": 2 * 1024 * 1024 + 65537,
          "c.bin": 1024 * 1024 + 3, "d.bin": 700_001}
@@ -49,39 +48,8 @@ def files(tmp_path: Path) -> dict[str, bytes]:
 @pytest.fixture
 def nginx_files(tmp_path: Path, files: dict[str, bytes]) -> Iterator[int]:
     """nginx serving the random files from tmp_path/www."""
-    if shutil.which("nginx") is None:
-        pytest.skip("nginx is not installed")
-    port = free_port()
-    root = tmp_path / "nginx"
-    (root / "logs").mkdir(parents=True)
-    conf = root / "nginx.conf"
-    conf.write_text(f"""
-daemon off;
-master_process off;
-worker_processes 1;
-pid {root}/nginx.pid;
-error_log stderr warn;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {root}/body;
-    proxy_temp_path {root}/proxy;
-    fastcgi_temp_path {root}/fastcgi;
-    uwsgi_temp_path {root}/uwsgi;
-    scgi_temp_path {root}/scgi;
-    keepalive_requests 10000;
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{ root {tmp_path / "www"}; }}
-    }}
-}}
-""")
-    proc = start_process(["nginx", "-p", str(root), "-c", str(conf)])
-    try:
-        wait_port("127.0.0.1", port, proc=proc)
+    with run_nginx(tmp_path, f'        location / {{ root {tmp_path / "www"}; }}') as port:
         yield port
-    finally:
-        stop_process(proc)
 
 
 class SlowReadingUpstream:

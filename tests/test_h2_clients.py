@@ -9,7 +9,6 @@ import hashlib
 import json
 import re
 import shutil
-import socket
 import socketserver
 import ssl
 import subprocess
@@ -36,6 +35,7 @@ from tests.h2_support import (
     make_pki,
     wait_for,
 )
+from tests.support import raw_exchange
 
 pytestmark = [
     pytest.mark.timeout(90),
@@ -530,17 +530,6 @@ def test_h2_100mib_upload_bounded_memory(proxy: ProxyProc, tmp_path: Path) -> No
 # -- translation: HTTP/1.1 client -> HTTP/2 upstream ----------------------------------------------
 
 
-def h1_raw(port: int, request: bytes, timeout: float = 10) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(request)
-        out = bytearray()
-        while True:
-            data = s.recv(1 << 20)
-            if not data:
-                return bytes(out)
-            out += data
-
-
 def test_h1_client_h2_upstream_get(proxy: ProxyProc, h2up: H2Upstream) -> None:
     n = 300001
     for query, framing in (("", "transfer-encoding: chunked"),
@@ -579,11 +568,11 @@ def test_h1_client_h2_upstream_trailers(proxy: ProxyProc) -> None:
     section), and only then."""
     req = (f"GET /trailers HTTP/1.1\r\nHost: {H2UP_HOST}\r\nTE: trailers\r\n"
            f"Connection: close\r\n\r\n").encode()
-    raw = h1_raw(proxy.ports["h1"], req)
+    raw = raw_exchange(proxy.ports["h1"], req)
     assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
     assert b"body-before-trailers" in raw
     assert raw.endswith(b"0\r\nx-trailer: t1\r\nx-other: t2\r\n\r\n"), raw[-200:]
-    raw = h1_raw(proxy.ports["h1"], req.replace(b"TE: trailers\r\n", b""))
+    raw = raw_exchange(proxy.ports["h1"], req.replace(b"TE: trailers\r\n", b""))
     assert raw.endswith(b"\r\n0\r\n\r\n"), raw[-200:]
 
 
@@ -638,7 +627,7 @@ def test_upstream_reset_reaches_h2_client(proxy: ProxyProc) -> None:
 
 
 def test_upstream_reset_reaches_h1_client(proxy: ProxyProc) -> None:
-    raw = h1_raw(proxy.ports["h1"], f"GET /reset-after-head HTTP/1.1\r\nHost: {H2UP_HOST}\r\n"
+    raw = raw_exchange(proxy.ports["h1"], f"GET /reset-after-head HTTP/1.1\r\nHost: {H2UP_HOST}\r\n"
                  f"\r\n".encode())
     assert raw.startswith(b"HTTP/1.1 200") and b"partial body" in raw
     assert not raw.endswith(b"0\r\n\r\n"), "a reset response must not look complete"
@@ -771,7 +760,7 @@ def test_h2c_upgrade_never_forwarded(proxy: ProxyProc, upgrader: UpgradeUpstream
     req = (b"POST /x HTTP/1.1\r\nHost: upgrade.test\r\nConnection: Upgrade, HTTP2-Settings\r\n"
            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nContent-Length: %d\r\n"
            b"Connection: close\r\n\r\n%s" % (len(body), body))
-    raw = h1_raw(proxy.ports[listener], req)
+    raw = raw_exchange(proxy.ports[listener], req)
     assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
     assert b"SMUGGLED" not in raw
     seen = upgrader.heads[before:]
@@ -781,7 +770,7 @@ def test_h2c_upgrade_never_forwarded(proxy: ProxyProc, upgrader: UpgradeUpstream
 def test_unsolicited_101_for_h2c_is_not_tunnelled(proxy: ProxyProc) -> None:
     req = (b"GET /force101 HTTP/1.1\r\nHost: upgrade.test\r\nConnection: Upgrade, close\r\n"
            b"Upgrade: h2c\r\n\r\n")
-    raw = h1_raw(proxy.ports["h1"], req)
+    raw = raw_exchange(proxy.ports["h1"], req)
     assert raw.startswith(b"HTTP/1.1 502"), raw[:300]
     assert b"SMUGGLED" not in raw
 

@@ -4,8 +4,7 @@ listener returns the call graph with the model of every edge."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -15,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from aiproxy.governance.tracing import LineageStore, parse_traceparent
-from tests.support import free_port, wait_port
+from tests.support import free_port, serve_aiohttp, wait_port
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -42,27 +41,14 @@ def _service(name: str, next_url: str | None) -> web.Application:
 @pytest.fixture
 def services(start_proxy) -> Iterator[tuple]:
     proxy_port, admin_port = free_port(), free_port()
-    ports = {n: free_port() for n in "abc"}
-    loop = asyncio.new_event_loop()
-    runners = []
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
+    with contextlib.ExitStack() as stack:
+        ports = {}
         for n, nxt in (("a", "b"), ("b", "c"), ("c", None)):
             url = f"http://127.0.0.1:{proxy_port}/{nxt}/v1/chat" if nxt else None
-            runner = web.AppRunner(_service(f"svc-{n}", url))
-            loop.run_until_complete(runner.setup())
-            loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", ports[n]).start())
-            runners.append(runner)
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    for p in ports.values():
-        wait_port("127.0.0.1", p)
-    body = f'[admin]\naddress = "127.0.0.1:{admin_port}"\n\n[tracing]\n'
-    for n, p in ports.items():
-        body += f"""
+            ports[n] = stack.enter_context(serve_aiohttp(_service(f"svc-{n}", url)))
+        body = f'[admin]\naddress = "127.0.0.1:{admin_port}"\n\n[tracing]\n'
+        for n, p in ports.items():
+            body += f"""
 [[clusters]]
 name = "svc-{n}"
 endpoints = ["127.0.0.1:{p}"]
@@ -73,21 +59,13 @@ cluster = "svc-{n}"
 match = {{ path_prefix = "/{n}/" }}
 model = "model-{n}"
 """
-    # start_proxy picks its listener's port itself; the services need the proxy's port
-    # before it starts, so the proxy gets a second listener on a port chosen here.
-    hop = f'[[listeners]]\nname = "hop"\naddress = "127.0.0.1:{proxy_port}"\n\n'
-    start_proxy(hop + body)
-    wait_port("127.0.0.1", proxy_port)
-    wait_port("127.0.0.1", admin_port)
-    yield proxy_port, admin_port
-
-    async def cleanup() -> None:
-        for r in runners:
-            await r.cleanup()
-
-    asyncio.run_coroutine_threadsafe(cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+        # start_proxy picks its listener's port itself; the services need the proxy's port
+        # before it starts, so the proxy gets a second listener on a port chosen here.
+        hop = f'[[listeners]]\nname = "hop"\naddress = "127.0.0.1:{proxy_port}"\n\n'
+        start_proxy(hop + body)
+        wait_port("127.0.0.1", proxy_port)
+        wait_port("127.0.0.1", admin_port)
+        yield proxy_port, admin_port
 
 
 def test_lineage_across_three_hops(services):
@@ -135,13 +113,12 @@ def test_store_is_bounded():
 
 def test_spans_exported_over_otlp_grpc(start_proxy, demo_upstream):
     """A real OTLP/gRPC receiver (opentelemetry-proto's service on a grpcio server)."""
-    from concurrent import futures
-
-    import grpc
     from opentelemetry.proto.collector.trace.v1 import (
         trace_service_pb2,
         trace_service_pb2_grpc,
     )
+
+    from tests.grpc_support import start_grpc_server
 
     received = []
 
@@ -150,10 +127,9 @@ def test_spans_exported_over_otlp_grpc(start_proxy, demo_upstream):
             received.append(request)
             return trace_service_pb2.ExportTraceServiceResponse()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = start_grpc_server(
+        lambda s: trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), s),
+        max_workers=2)
     try:
         from tests.conftest import simple_config
 

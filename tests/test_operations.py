@@ -14,25 +14,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import simple_config
-from tests.support import free_port, start_process, stop_process, wait_port
-
-
-def admin_block(port: int, token: str | None = None) -> str:
-    line = f'token = "{token}"\n' if token else ""
-    return f'\n[admin]\naddress = "127.0.0.1:{port}"\n{line}'
-
-
-def scrape(port: int, token: str | None = None) -> dict[tuple, float]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
+from tests.support import (
+    admin_block,
+    free_port,
+    scrape,
+    start_process,
+    stop_process,
+    wait_port,
+)
 
 
 @pytest.mark.parametrize("workers", ["1", '"auto"'])

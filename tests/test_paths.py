@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
 
 from aiproxy.pipeline.paths import BadPath, normalize_path
-from tests.support import start_demo_upstream, stop_process
+from tests.support import raw_exchange, start_demo_upstream, stop_process
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -70,13 +69,8 @@ cluster = "public"
 
 
 def _raw(port: int, target: bytes, headers: bytes = b"") -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                  + headers + b"\r\n")
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
+    return raw_exchange(port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n"
+                        b"Connection: close\r\n" + headers + b"\r\n")
 
 
 def _echoed(port: int, target: bytes) -> dict:

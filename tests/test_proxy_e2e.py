@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import struct
@@ -27,18 +26,17 @@ from websockets.sync.client import connect as ws_connect
 
 from aiproxy.demo.upstream import pattern
 from tests.conftest import Proxy, simple_config
+from tests.h2_support import bytes_sha256
 from tests.support import (
     RssMonitor,
     free_port,
+    run_nginx,
     start_demo_upstream,
-    start_process,
     stop_process,
-    wait_port,
 )
 
 KiB = 1024
 MiB = 1024 * KiB
-BLOCK = bytes(range(256)) * 256  # 64 KiB: /bytes/N sends this repeated, cut to N bytes
 EMPTY_SHA = hashlib.sha256(b"").hexdigest()
 # RSS growth allowed while streaming. With flow control the proxy grows by < 1 MiB; with
 # either pause path disabled it grew 60-80 MiB in these tests (fast clients included), so
@@ -50,16 +48,6 @@ StartProxy = Callable[..., Proxy]
 
 
 # -- helpers: hashing, memory -------------------------------------------------------------
-
-
-def bytes_sha256(n: int) -> str:
-    """sha256 of the body /bytes/{n} sends, without building it in memory."""
-    digest = hashlib.sha256()
-    full, rest = divmod(n, len(BLOCK))
-    for _ in range(full):
-        digest.update(BLOCK)
-    digest.update(BLOCK[:rest])
-    return digest.hexdigest()
 
 
 def upload_blocks(total: int, block: bytes) -> Iterator[bytes]:
@@ -520,43 +508,12 @@ def slow_chat_upstream() -> Iterator[int]:
 @pytest.fixture
 def nginx_upstream(tmp_path: Path) -> Iterator[int]:
     """nginx on a free loopback port answering every request with its $connection."""
-    if shutil.which("nginx") is None:
-        pytest.skip("nginx is not installed")
-    port = free_port()
-    root = tmp_path / "nginx"
-    (root / "logs").mkdir(parents=True)
-    conf = root / "nginx.conf"
-    conf.write_text(f"""
-daemon off;
-master_process off;
-worker_processes 1;
-pid {root}/nginx.pid;
-error_log stderr warn;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path {root}/body;
-    proxy_temp_path {root}/proxy;
-    fastcgi_temp_path {root}/fastcgi;
-    uwsgi_temp_path {root}/uwsgi;
-    scgi_temp_path {root}/scgi;
-    keepalive_requests 10000;
-    keepalive_timeout 60s;
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
+    with run_nginx(tmp_path, """
+        location / {
             default_type text/plain;
             return 200 "conn=$connection req=$connection_requests uri=$request_uri\\n";
-        }}
-    }}
-}}
-""")
-    proc = start_process(["nginx", "-p", str(root), "-c", str(conf)])
-    try:
-        wait_port("127.0.0.1", port, proc=proc)
+        }""", connections=64, http_extra="    keepalive_timeout 60s;") as port:
         yield port
-    finally:
-        stop_process(proc)
 
 
 @pytest.fixture

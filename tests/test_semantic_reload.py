@@ -19,7 +19,14 @@ import pytest
 
 from aiproxy.semantic.classifier import BUILTINS
 from aiproxy.semantic.cli import main as router_main
-from tests.support import free_port, start_demo_upstream, stop_process, wait_port
+from tests.support import (
+    admin_block,
+    free_port,
+    intent_routes_config,
+    start_demo_upstream,
+    stop_process,
+    wait_port,
+)
 
 BANKING_TEXT = "how much money is in my checking account"
 
@@ -61,31 +68,7 @@ def second_model(tmp_path_factory) -> Path:
 
 
 def _config(model: Path, bank: int, general: int, admin: int) -> str:
-    return f"""
-[semantic]
-model = "{model}"
-
-[admin]
-address = "127.0.0.1:{admin}"
-
-[[clusters]]
-name = "bank"
-endpoints = ["127.0.0.1:{bank}"]
-
-[[clusters]]
-name = "general"
-endpoints = ["127.0.0.1:{general}"]
-
-[[routes]]
-name = "banking"
-match = {{ path_prefix = "/echo", intent_domain = "banking" }}
-cluster = "bank"
-
-[[routes]]
-name = "rest"
-match = {{ path_prefix = "/" }}
-cluster = "general"
-"""
+    return intent_routes_config(bank, general, f'model = "{model}"') + admin_block(admin)
 
 
 def _ask(proxy) -> tuple[str, str]:

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from tests.support import free_port, start_demo_upstream, stop_process
+from tests.support import free_port, intent_routes_config, start_demo_upstream, stop_process
 
 
 @pytest.fixture(scope="module")
@@ -23,30 +23,8 @@ def bank_and_general():
 
 
 def semantic_config(bank: int, general: int, extra: str = "") -> str:
-    return f"""
-[semantic]
-model = "builtin:clinc150"
-inspect_bytes = 4096
-{extra}
-
-[[clusters]]
-name = "bank"
-endpoints = ["127.0.0.1:{bank}"]
-
-[[clusters]]
-name = "general"
-endpoints = ["127.0.0.1:{general}"]
-
-[[routes]]
-name = "banking"
-match = {{ path_prefix = "/echo", intent_domain = "banking" }}
-cluster = "bank"
-
-[[routes]]
-name = "rest"
-match = {{ path_prefix = "/" }}
-cluster = "general"
-"""
+    return intent_routes_config(bank, general,
+                                f'model = "builtin:clinc150"\ninspect_bytes = 4096\n{extra}')
 
 
 def chat(text: str) -> bytes:

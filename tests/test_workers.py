@@ -16,11 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import CRASH_MARKERS, Proxy, simple_config
 from tests.support import (
+    admin_block,
     free_port,
+    scrape,
     start_process,
     stop_process,
     wait_port,
@@ -28,19 +29,6 @@ from tests.support import (
 
 WORKERS = "[server]\nworkers = 2\ndrain_timeout_ms = 5000\n"
 QUIET = '\n[access_log]\npath = "off"\n'  # keeps the log the tests poll small under load
-
-
-def admin_block(port: int) -> str:
-    return f'\n[admin]\naddress = "127.0.0.1:{port}"\n'
-
-
-def samples(admin: int) -> dict[tuple, float]:
-    text = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
 
 
 def total(found: dict[tuple, float], name: str) -> float:
@@ -109,7 +97,7 @@ def test_load_spreads_over_workers_and_metrics_sum(workers_proxy, demo_upstream)
             sent += 1
         assert client.get("/status/503").status_code == 503
         sent += 1
-    found = samples(admin)
+    found = scrape(admin)
     assert total(found, "aiproxy_requests_total") == sent
     key = ("aiproxy_requests_total", (("cluster", "up"), ("route", "all"), ("status", "200")))
     assert found[key] == sent - 1
@@ -175,12 +163,12 @@ def test_killed_worker_loses_only_its_requests_and_comes_back(workers_proxy, dem
     assert len(failed) <= 8, failed
     assert len(ok) > 50
     # after the worker is back everything succeeds, and it takes new connections again
-    snap = samples(admin)
+    snap = scrape(admin)
     before = per_worker(snap, "aiproxy_worker_requests_total")["0"]
     for _ in range(30):
         with httpx.Client(base_url=proxy.url) as client:
             assert client.get("/echo").status_code == 200
-    found = samples(admin)
+    found = scrape(admin)
     assert per_worker(found, "aiproxy_worker_requests_total")["0"] > before
     assert per_worker(found, "aiproxy_worker_restarts_total") == {"0": 1, "1": 0}
     assert per_worker(found, "aiproxy_worker_up") == {"0": 1, "1": 1}
@@ -206,9 +194,9 @@ def test_crash_looping_worker_backs_off(workers_proxy, demo_upstream):
                                            r"after [\d.]+ s; restarting in ([\d.]+) s",
                                            proxy.log())]
     assert delays == [0.2, 0.4, 0.8, 1.6], proxy.log()
-    wait_for(lambda: per_worker(samples(admin), "aiproxy_worker_up") == {"0": 1, "1": 1},
+    wait_for(lambda: per_worker(scrape(admin), "aiproxy_worker_up") == {"0": 1, "1": 1},
              what="worker 1 up again")
-    assert per_worker(samples(admin), "aiproxy_worker_restarts_total") == {"0": 0, "1": 4}
+    assert per_worker(scrape(admin), "aiproxy_worker_restarts_total") == {"0": 0, "1": 4}
 
 
 def test_sigterm_lets_streams_finish_and_refuses_new_connections(workers_proxy, demo_upstream):
@@ -292,7 +280,7 @@ cluster = "a"
     failed = [r for r in results if r[1] != 200]
     assert not failed, failed[:3]
     assert len(results) > 100
-    found = samples(admin)
+    found = scrape(admin)
     assert found[("aiproxy_config_reloads_total", ())] == 6
     assert per_worker(found, "aiproxy_worker_restarts_total") == {"0": 0, "1": 0}
 
@@ -308,7 +296,7 @@ def test_broken_reload_is_rejected_in_the_parent(workers_proxy, demo_upstream):
         in proxy.log()
     assert "[worker" not in proxy.log().split("reload rejected")[1]  # workers never saw it
     assert httpx.get(proxy.url + "/echo").status_code == 200
-    found = samples(admin)
+    found = scrape(admin)
     assert found[("aiproxy_config_reload_failures_total", ())] == 1
     assert found[("aiproxy_config_last_reload_success", ())] == 0
 

@@ -19,6 +19,7 @@ import pytest
 
 from aiproxy.kernel import BPFUnavailable
 from aiproxy.kernel.splice import Splicer, relay
+from tests.support import recv_exact
 
 SIZE = 16 << 20
 
@@ -98,13 +99,13 @@ def test_unsplice_returns_sockets_to_user_space(splicer):
     try:
         pair = splicer.splice(t.a, t.b)
         t.client.sendall(b"through the kernel")
-        assert _recv_exactly(t.server, 18) == b"through the kernel"
+        assert recv_exact(t.server, 18, 5) == b"through the kernel"
         splicer.unsplice(pair)
         t.client.sendall(b"to user space")
         t.a.settimeout(5)
-        assert _recv_exactly(t.a, 13) == b"to user space"
+        assert recv_exact(t.a, 13, 5) == b"to user space"
         t.b.sendall(b"and out")
-        assert _recv_exactly(t.server, 7) == b"and out"
+        assert recv_exact(t.server, 7, 5) == b"and out"
     finally:
         t.close()
 
@@ -122,24 +123,13 @@ def test_fallback_when_unavailable(monkeypatch, tmp_path):
         th = threading.Thread(target=lambda: result.update(relay(t.a, t.b, s)), daemon=True)
         th.start()
         t.client.sendall(b"ping")
-        assert _recv_exactly(t.server, 4) == b"ping"
+        assert recv_exact(t.server, 4, 5) == b"ping"
         t.client.shutdown(socket.SHUT_WR)
         t.server.shutdown(socket.SHUT_WR)
         th.join(5)
         assert result == {"spliced": False, "a_to_b": 4, "b_to_a": 0}
     finally:
         t.close()
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    sock.settimeout(5)
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            break
-        buf += chunk
-    return buf
 
 
 def relay_process_cpu(mode: str, size: int) -> dict:

@@ -24,8 +24,7 @@ from tests.kernel.test_tunnel_splice import (
     tunnel_metrics,
     wait_for,
 )
-from tests.support import free_port, wait_port
-from tests.test_operations import admin_block
+from tests.support import admin_block, free_port, recv_exact, wait_port
 from tests.test_tcp_proxy import ThreadServer, echo, start_tcp_proxy, tunnel_lines
 
 MiB = 1 << 20
@@ -49,16 +48,6 @@ def start(start_proxy, mode: str, *ports: int, listener_extra: str = ""):
                             listener_extra=listener_extra)
     wait_port("127.0.0.1", admin)
     return proxy, admin
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        data = s.recv(n - len(buf))
-        if not data:
-            break
-        buf += data
-    return buf
 
 
 @pytest.mark.timeout(60)

@@ -25,8 +25,7 @@ from aiproxy.kernel.splice import Splicer
 from tests.conftest import simple_config
 from tests.h2_support import make_pki
 from tests.kernel.conftest import bpf_skip_reason
-from tests.support import free_port, process_log, wait_port
-from tests.test_operations import admin_block, scrape
+from tests.support import admin_block, free_port, process_log, scrape, wait_port
 
 MiB = 1 << 20
 BIG = 100 * MiB
