@@ -7,12 +7,12 @@ the old and the new config would be for entries present in both.
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 from collections.abc import Iterable, Sequence
 
 from aiproxy.config.schema import KernelConfig, TrafficClass
 
+from . import deny
 from .libbpf import BpfObject, Map
 from .structs import (
     CLASS_SET_DSCP,
@@ -23,17 +23,12 @@ from .structs import (
     ClassInfo,
     ClassStats,
     GuardSettings,
-    GuardV4Key,
-    GuardV6Key,
 )
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-GUARD_MAPS = ("guard_deny_v4", "guard_deny_v6", "guard_v4_summary", "guard_v4_full",
-              "guard_ports",
-              "guard_settings", "guard_counters")
+GUARD_MAPS = (*deny.DENY_MAPS, "guard_ports", "guard_settings", "guard_counters")
 CLASSIFY_MAPS = ("class_ports", "class_sigs", "class_info", "class_stats")
-SUMMARY_BITS = 24  # bpf/include/guard.h: GUARD_V4_SUMMARY_BITS
 
 
 def _u32(value: int) -> bytes:
@@ -46,40 +41,6 @@ def _u16(value: int) -> bytes:
 
 def _u64(raw: bytes) -> int:
     return int.from_bytes(raw[:8], "little")
-
-
-def v4_key(net: ipaddress.IPv4Network) -> bytes:
-    return bytes(GuardV4Key(net.prefixlen, (ctypes.c_uint8 * 4)(*net.network_address.packed)))
-
-
-def v6_key(net: ipaddress.IPv6Network) -> bytes:
-    return bytes(GuardV6Key(net.prefixlen, (ctypes.c_uint8 * 16)(*net.network_address.packed)))
-
-
-def summary_words(nets: Iterable[ipaddress.IPv4Network]) -> dict[int, int]:
-    """guard_v4_summary contents: word index -> bits, one bit per /24 a prefix overlaps."""
-    words: dict[int, int] = {}
-    shift = 32 - SUMMARY_BITS
-    for net in nets:
-        first = int(net.network_address) >> shift
-        last = int(net.broadcast_address) >> shift
-        for word in range(first >> 6, (last >> 6) + 1):
-            lo = max(first, word << 6) & 63
-            hi = min(last, (word << 6) | 63) & 63
-            words[word] = words.get(word, 0) | (((1 << (hi - lo + 1)) - 1) << lo)
-    return words
-
-
-def _raise_bits(m: Map, old: dict[int, int], new: dict[int, int]) -> None:
-    for i, bits in new.items():
-        if old.get(i, 0) | bits != old.get(i, 0):
-            m.update(_u32(i), (old.get(i, 0) | bits).to_bytes(8, "little"))
-
-
-def _lower_bits(m: Map, old: dict[int, int], new: dict[int, int]) -> None:
-    for i in set(old) | set(new):
-        if new.get(i, 0) != old.get(i, 0) | new.get(i, 0):
-            m.update(_u32(i), new.get(i, 0).to_bytes(8, "little"))
 
 
 def _sync_set(m: Map, wanted: dict[bytes, bytes]) -> tuple[int, int]:
@@ -107,7 +68,7 @@ def _percpu_sum(values: Sequence[bytes] | None, offset: int = 0) -> int:
 
 
 class GuardMaps:
-    """xdp_guard's maps: deny tries (+ the /24 summary), SYN ports and rate, counters."""
+    """xdp_guard's maps: deny list (aiproxy.kernel.deny), SYN ports and rate, counters."""
 
     def __init__(self, maps: dict[str, Map]) -> None:
         missing = [name for name in GUARD_MAPS if name not in maps]
@@ -127,27 +88,7 @@ class GuardMaps:
         }
 
     def set_deny(self, nets: Iterable[Network]) -> dict[str, int]:
-        nets = list(nets)
-        v4 = [n for n in nets if n.version == 4]
-        v6 = [n for n in nets if n.version == 6]
-        trie4 = self.maps["guard_deny_v4"]
-        old_nets = [ipaddress.IPv4Network((bytes(key[4:8]), int.from_bytes(key[:4], "little")))
-                    for key in trie4.keys()]
-        old_any, new_any = summary_words(old_nets), summary_words(v4)
-        old_full = summary_words(n for n in old_nets if n.prefixlen <= SUMMARY_BITS)
-        new_full = summary_words(n for n in v4 if n.prefixlen <= SUMMARY_BITS)
-        # Order makes a change take effect "at once" without a moment of wrong answers:
-        # bits go up before the trie grows (a set "any" bit only costs a lookup, a set
-        # "full" bit denies what is being added anyway); "full" bits come down before the
-        # trie shrinks (the trie still denies until then), "any" bits after it.
-        _raise_bits(self.maps["guard_v4_summary"], old_any, new_any)
-        _raise_bits(self.maps["guard_v4_full"], old_full, new_full)
-        _lower_bits(self.maps["guard_v4_full"], old_full, new_full)
-        a4, r4 = _sync_set(trie4, {v4_key(n): _u32(1) for n in v4})
-        a6, r6 = _sync_set(self.maps["guard_deny_v6"], {v6_key(n): _u32(1) for n in v6})
-        _lower_bits(self.maps["guard_v4_summary"], old_any, new_any)
-        return {"deny_v4": len(v4), "deny_v6": len(v6), "deny_changed": a4 + a6,
-                "deny_removed": r4 + r6}
+        return deny.apply(self.maps, nets)
 
     def set_syn_limit(self, rate: int, burst: int, ports: Iterable[int]) -> dict[str, int]:
         ports = sorted(set(ports)) if rate else []

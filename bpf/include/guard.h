@@ -11,6 +11,10 @@
 
 #define GUARD_MAX_DENY_V4 65536    /* LPM trie capacity (IPv4 deny prefixes) */
 #define GUARD_MAX_DENY_V6 65536    /* LPM trie capacity (IPv6 deny prefixes) */
+#define GUARD_MAX_V4_HOSTS 65536   /* /24s holding a /25../32 deny prefix */
+#define GUARD_MAX_V6_TOPS 65536    /* /32s holding a /32../128 deny prefix */
+#define GUARD_MAX_V6_EXACT 65536   /* (length, masked address) of /33../128 prefixes */
+#define GUARD_V6_SHORT 32          /* prefixes shorter than this go to guard_deny_v6_short */
 #define GUARD_PORT_WORDS 1024      /* guard_ports: bitmap of 65536 ports */
 #define GUARD_MAX_BUCKETS 131072   /* LRU of per-source token buckets */
 
@@ -20,12 +24,51 @@
 #define GUARD_V4_SUMMARY_BITS 24
 #define GUARD_V4_SUMMARY_WORDS (1 << (GUARD_V4_SUMMARY_BITS - 6))
 
+/* guard_v4_hosts[/24 in host order, i.e. saddr >> 8]: one bit per address of that /24
+ * that a /25../32 deny prefix covers (bit b of word b / 64 for last octet b). */
+struct guard_v4_hosts {
+	__u64 bits[4];
+};
+
+/* guard_v6_top[first 4 bytes of the address, as read from the packet]: the deny
+ * prefixes of length >= 32 under that /32, in one of four forms (flags):
+ *  GUARD_V6_ALL     the whole /32 is denied (a /32 or a shorter prefix covers it);
+ *  GUARD_V6_INLINE  the `n` (<= GUARD_V6_INLINE_MAX) prefixes are here: len[i] and
+ *                   pfx[i] (the masked address as two host-order u64s);
+ *  0                `n` (<= GUARD_V6_MAX_LENS) distinct lengths in len[], each probed
+ *                   in guard_v6_exact with the source masked to it;
+ *  GUARD_V6_TRIE    more lengths than that: walk guard_deny_v6 (the full trie). */
+#define GUARD_V6_MAX_LENS 6
+#define GUARD_V6_INLINE_MAX 2
+#define GUARD_V6_ALL 0x1
+#define GUARD_V6_TRIE 0x2
+#define GUARD_V6_INLINE 0x4
+struct guard_v6_pfx {
+	__u64 hi;
+	__u64 lo;
+};
+
+struct guard_v6_top {
+	__u8 n;
+	__u8 flags;
+	__u8 len[GUARD_V6_MAX_LENS];
+	struct guard_v6_pfx pfx[GUARD_V6_INLINE_MAX];
+};
+
+/* guard_v6_summary: one bit per hash of a /32 that has a guard_v6_top entry (bit
+ * (top * GUARD_V6_HASH_MUL) >> 8, top as the u32 read from the packet), so most
+ * sources skip the hash lookup; the extra last word is nonzero when
+ * guard_deny_v6_short holds prefixes. */
+#define GUARD_V6_HASH_MUL 2654435761u
+#define GUARD_V6_SUMMARY_WORDS (GUARD_V4_SUMMARY_WORDS + 1)
+
 /* One token = GUARD_TOKEN_SCALE units; a bucket refills `syn_rate` units per ns. */
 #define GUARD_TOKEN_SCALE 1000000000ULL
 #define GUARD_MAX_RATE 1000000          /* syn_rate and syn_burst limit (config checks it) */
 #define GUARD_MAX_ELAPSED_NS 10000000000ULL /* refill window cap: 10 s */
 
-/* Key of guard_deny_v4: prefix length in bits, then the address in network order. */
+/* Key of guard_deny_v4 (and guard_v6_exact): prefix length in bits, then the address
+ * in network order (masked to the length). */
 struct guard_v4_key {
 	__u32 prefixlen;
 	__u8 addr[4];

@@ -111,6 +111,135 @@ def test_deny_changes_between_short_and_long_prefixes(guard):
                for v in _words(obj.map(name)))
 
 
+# -- the deny structures (aiproxy/kernel/deny.py) against a reference ----------------
+
+net = ipaddress.ip_network
+
+
+def _verdicts(obj, sources):
+    out = {}
+    for src in sources:
+        pkt = (v4(src=src) if ":" not in src else v6(src=src)) / UDP(dport=9)
+        out[src] = run(obj, pkt) == XDP_DROP
+    return out
+
+
+def _expected(nets, sources):
+    return {src: any(ipaddress.ip_address(src) in n for n in nets) for src in sources}
+
+
+def _probe_sources(nets, rnd):
+    """Per prefix: its first and last address and the ones just outside it."""
+    out = set()
+    for n in nets:
+        first, last = int(n.network_address), int(n.broadcast_address)
+        top = (1 << n.max_prefixlen) - 1
+        for a in (first, last, first - 1, last + 1,
+                  first + rnd.randrange(n.num_addresses)):
+            if 0 <= a <= top:
+                out.add(str(ipaddress.ip_address(a) if n.version == 4
+                            else ipaddress.IPv6Address(a)))
+    return sorted(out)
+
+
+def _held(obj, name):
+    return set(obj.map(name).keys())
+
+
+def _assert_exact(obj, maps, nets):
+    """Program verdicts match CIDR membership, and the hash maps hold exactly what a
+    fresh layout of `nets` would (a removal leaves nothing behind)."""
+    from aiproxy.kernel import deny
+
+    rnd = __import__("random").Random(len(nets))
+    sources = _probe_sources(nets, rnd) + ["203.0.113.254", "2001:db8:ffff::1", "fd00::7"]
+    assert _verdicts(obj, sources) == _expected(nets, sources)
+    lay = deny.layout(nets)
+    assert {int.from_bytes(k, "little") for k in _held(obj, "guard_v4_hosts")} == set(lay.hosts)
+    assert _held(obj, "guard_v6_top") == set(lay.v6_top)
+    assert _held(obj, "guard_v6_exact") == lay.v6_exact
+    assert _held(obj, "guard_deny_v6_short") == lay.v6_short
+    assert _held(obj, "guard_deny_v4") | _held(obj, "guard_deny_v6") == lay.trie4 | lay.trie6
+
+
+V4_OVERLAP = [net("10.1.0.0/16"), net("10.1.2.0/24"), net("10.1.2.128/25"), net("10.1.2.7/32"),
+              net("10.2.3.64/26"), net("10.2.3.70/31"), net("10.2.3.200/32"),
+              net("10.2.3.0/24")]
+V6_FORMS = [net(text, strict=False) for text in (
+    "2001:a01:1::/48",                                 # one prefix: inline
+    "2001:a02::/64", "2001:a02:0:1:8000::/65",         # two: inline
+    "2001:a03:1::/48", "2001:a03:2::/64", "2001:a03:3::/56", "2001:a03:4::/56",
+    "2001:a03::1/128",                                 # five, four lengths: probed
+    *(f"2001:a04:{i:x}00::/{40 + 8 * i}" for i in range(10)),  # ten lengths: trie
+    "2001:a05::/32", "2001:a05:5::/48",                # the /32 itself: all
+    "2400::/12", "2400:cafe::/48",                     # shorter than /32, one inside
+    "2a00::/20",                                       # shorter than /32 alone
+)]
+
+
+def test_deny_overlapping_v4(guard):
+    obj, maps = guard
+    maps.set_deny(V4_OVERLAP)
+    _assert_exact(obj, maps, V4_OVERLAP)
+    # Remove the covering /24 and /16: the longer ones inside them still hold.
+    rest = [n for n in V4_OVERLAP if n.prefixlen > 24]
+    maps.set_deny(rest)
+    _assert_exact(obj, maps, rest)
+    assert _verdicts(obj, ["10.2.3.1", "10.2.3.70", "10.1.9.9"]) == {
+        "10.2.3.1": False, "10.2.3.70": True, "10.1.9.9": False}
+
+
+def test_deny_v6_every_form(guard):
+    obj, maps = guard
+    from aiproxy.kernel import deny
+    from aiproxy.kernel.structs import GUARD_V6_ALL, GUARD_V6_INLINE, GUARD_V6_TRIE
+
+    flags = {key.hex(): value[1] for key, value in deny.layout(V6_FORMS).v6_top.items()}
+    assert flags == {"20010a01": GUARD_V6_INLINE, "20010a02": GUARD_V6_INLINE,
+                     "20010a03": 0, "20010a04": GUARD_V6_TRIE, "20010a05": GUARD_V6_ALL,
+                     "2400cafe": GUARD_V6_ALL}
+    maps.set_deny(V6_FORMS)
+    _assert_exact(obj, maps, V6_FORMS)
+    # The same prefixes crowded into one /32 (the trie form), then back, then none.
+    low = (1 << 80) - 1
+    crowded = [net(((0x20010DB8 << 96) | ((int(n.network_address) >> 96) & 0xFFFF) << 80
+                    | int(n.network_address) & low, n.prefixlen), strict=False)
+               for n in V6_FORMS if n.prefixlen >= 48 and str(n).startswith("2001:a0")]
+    assert len({n.prefixlen for n in crowded}) > 6
+    maps.set_deny(crowded)
+    _assert_exact(obj, maps, crowded)
+    maps.set_deny(V6_FORMS)
+    _assert_exact(obj, maps, V6_FORMS)
+    maps.set_deny([])
+    _assert_exact(obj, maps, [])
+
+
+def test_deny_random_mix_and_changes(guard):
+    """Random v4 /8../32 and v6 /20../128 prefixes, then a change that keeps half, drops
+    half and adds new ones: the program agrees with CIDR membership after each."""
+    import random
+
+    obj, maps = guard
+    rnd = random.Random(11)
+
+    def some(n):
+        out = set()
+        while len(out) < n:
+            if rnd.random() < 0.5:
+                out.add(net((rnd.getrandbits(32), rnd.randint(8, 32)), strict=False))
+            else:  # a few shared /32s so every IPv6 form shows up
+                base = (0x2001 << 112) | (rnd.randrange(8) << 96) | rnd.getrandbits(96)
+                out.add(net((base, rnd.randint(20, 128)), strict=False))
+        return sorted(out, key=str)
+
+    first = some(120)
+    maps.set_deny(first)
+    _assert_exact(obj, maps, first)
+    second = first[::2] + some(60)
+    maps.set_deny(second)
+    _assert_exact(obj, maps, second)
+
+
 def _words(m):
     return [m.lookup(i.to_bytes(4, "little")) for i in range(0, m.max_entries, 997)]
 

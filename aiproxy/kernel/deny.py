@@ -1,0 +1,274 @@
+"""xdp_guard's deny list: CIDRs -> the maps bpf/xdp_guard.c looks a source up in.
+
+The program never walks an LPM trie for IPv4 and only for crowded IPv6 /32s:
+
+- IPv4: ``guard_v4_summary`` (a bit per /24 some prefix overlaps), ``guard_v4_full`` (a
+  bit per /24 a prefix of /24 or shorter covers whole) and ``guard_v4_hosts`` (per /24
+  that /25../32 prefixes touch: the 256 bits of the addresses they cover).
+- IPv6: ``guard_v6_top`` per /32 that prefixes of /32 or longer sit in: "all denied",
+  or its one or two prefixes inline, or the distinct lengths (33..128) to probe in
+  ``guard_v6_exact`` (length + masked address), or "walk the trie" when there are more
+  than GUARD_V6_MAX_LENS lengths. ``guard_v6_summary`` has a bit per hash of such a
+  /32 (a clear bit skips the hash lookup) and, in its last word, whether
+  ``guard_deny_v6_short`` (the LPM trie of prefixes shorter than /32, consulted for
+  sources whose /32 has no entry) holds anything.
+- ``guard_deny_v4`` / ``guard_deny_v6``: LPM tries holding every configured prefix,
+  the record the other maps are derived from on the next sync (so a separate process,
+  `aiproxy bpf attach`, can update pinned maps) and the IPv6 crowded-/32 fallback.
+
+Every IPv4 and IPv6 prefix keeps exact CIDR semantics: a source is denied iff some
+configured prefix contains it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .libbpf import Map
+from .structs import (
+    GUARD_V6_ALL,
+    GUARD_V6_HASH_MUL,
+    GUARD_V6_INLINE,
+    GUARD_V6_INLINE_MAX,
+    GUARD_V6_MAX_LENS,
+    GUARD_V6_TRIE,
+    GuardV6Pfx,
+    GuardV6Top,
+)
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+V4_SUMMARY_BITS = 24  # bpf/include/guard.h: GUARD_V4_SUMMARY_BITS
+V6_SHORT = 32  # GUARD_V6_SHORT: the IPv6 /32 level
+
+DENY_MAPS = ("guard_deny_v4", "guard_deny_v6", "guard_v4_summary", "guard_v4_full",
+             "guard_v4_hosts", "guard_v6_summary", "guard_v6_top", "guard_v6_exact",
+             "guard_deny_v6_short")
+V6_SHORT_WORD = 1 << (V4_SUMMARY_BITS - 6)  # guard_v6_summary's last word
+
+ONE = (1).to_bytes(4, "little")
+
+
+def _u32(value: int) -> bytes:
+    return value.to_bytes(4, "little")
+
+
+def prefix_key(prefixlen: int, packed: bytes) -> bytes:
+    """Key of the LPM tries and of guard_v6_exact: u32 length, address bytes."""
+    return _u32(prefixlen) + packed
+
+
+def key_network(key: bytes) -> Network:
+    plen = int.from_bytes(key[:4], "little")
+    return ipaddress.ip_network((bytes(key[4:]), plen))
+
+
+def summary_words(nets: Iterable[ipaddress.IPv4Network]) -> dict[int, int]:
+    """Word index -> bits, one bit per /24 a prefix overlaps."""
+    words: dict[int, int] = {}
+    shift = 32 - V4_SUMMARY_BITS
+    for net in nets:
+        first = int(net.network_address) >> shift
+        last = int(net.broadcast_address) >> shift
+        for word in range(first >> 6, (last >> 6) + 1):
+            lo = max(first, word << 6) & 63
+            hi = min(last, (word << 6) | 63) & 63
+            words[word] = words.get(word, 0) | (((1 << (hi - lo + 1)) - 1) << lo)
+    return words
+
+
+def _bit(words: dict[int, int], index: int) -> bool:
+    return bool(words.get(index >> 6, 0) >> (index & 63) & 1)
+
+
+@dataclass
+class DenyLayout:
+    """What the deny maps hold for one set of prefixes."""
+
+    trie4: set[bytes] = field(default_factory=set)
+    trie6: set[bytes] = field(default_factory=set)
+    summary: dict[int, int] = field(default_factory=dict)
+    full: dict[int, int] = field(default_factory=dict)
+    hosts: dict[int, int] = field(default_factory=dict)  # /24 -> 256-bit int
+    v6_short: set[bytes] = field(default_factory=set)
+    v6_top: dict[bytes, bytes] = field(default_factory=dict)  # /32 -> guard_v6_top
+    v6_exact: set[bytes] = field(default_factory=set)
+    v6_summary: dict[int, int] = field(default_factory=dict)
+
+
+def v6_summary_bit(top: bytes) -> int:
+    """guard_v6_summary bit of a /32 (its first 4 address bytes), as the program hashes it."""
+    return ((int.from_bytes(top, "little") * GUARD_V6_HASH_MUL) & 0xFFFFFFFF) >> 8
+
+
+def top_value(flags: int, prefixes: Iterable[tuple[int, int]] = ()) -> bytes:
+    """A guard_v6_top value; ``prefixes`` are (length, address as int) for INLINE,
+    (length, 0) for the probed lengths."""
+    prefixes = sorted(prefixes)
+    lens = (ctypes.c_uint8 * GUARD_V6_MAX_LENS)(*(plen for plen, _ in prefixes))
+    pfx = (GuardV6Pfx * GUARD_V6_INLINE_MAX)()
+    if flags & GUARD_V6_INLINE:
+        for i, (_, addr) in enumerate(prefixes):
+            pfx[i] = GuardV6Pfx(addr >> 64, addr & 0xFFFFFFFFFFFFFFFF)
+    return bytes(GuardV6Top(len(prefixes), flags, lens, pfx))
+
+
+TOP_ALL = top_value(GUARD_V6_ALL)
+TOP_TRIE = top_value(GUARD_V6_TRIE)
+
+
+def layout(nets: Iterable[Network]) -> DenyLayout:
+    out = DenyLayout()
+    v4 = [n for n in nets if n.version == 4]
+    v6 = [n for n in nets if n.version == 6]
+    for n in v4:
+        out.trie4.add(prefix_key(n.prefixlen, n.network_address.packed))
+    out.summary = summary_words(v4)
+    out.full = summary_words(n for n in v4 if n.prefixlen <= V4_SUMMARY_BITS)
+    for n in v4:
+        if n.prefixlen <= V4_SUMMARY_BITS:
+            continue
+        addr = int(n.network_address)
+        top = addr >> 8
+        if _bit(out.full, top):
+            continue  # the whole /24 is denied already
+        first = addr & 255
+        out.hosts[top] = out.hosts.get(top, 0) | (((1 << (1 << (32 - n.prefixlen))) - 1)
+                                                  << first)
+
+    short_by_len: dict[int, set[int]] = {}
+    by_top: dict[int, list[Network]] = {}
+    for n in v6:
+        out.trie6.add(prefix_key(n.prefixlen, n.network_address.packed))
+        if n.prefixlen < V6_SHORT:
+            out.v6_short.add(prefix_key(n.prefixlen, n.network_address.packed))
+            short_by_len.setdefault(n.prefixlen, set()).add(int(n.network_address) >> 96)
+        else:
+            by_top.setdefault(int(n.network_address) >> 96, []).append(n)
+    for top, group in by_top.items():
+        lens = {n.prefixlen for n in group}
+        covered = V6_SHORT in lens or any(
+            (top >> (32 - plen) << (32 - plen)) in tops for plen, tops in short_by_len.items())
+        key = top.to_bytes(4, "big")
+        if covered:
+            out.v6_top[key] = TOP_ALL
+        elif len(group) <= GUARD_V6_INLINE_MAX:
+            out.v6_top[key] = top_value(GUARD_V6_INLINE, ((n.prefixlen, int(n.network_address))
+                                                          for n in group))
+        elif len(lens) > GUARD_V6_MAX_LENS:
+            out.v6_top[key] = TOP_TRIE
+        else:
+            out.v6_top[key] = top_value(0, ((plen, 0) for plen in lens))
+            out.v6_exact.update(prefix_key(n.prefixlen, n.network_address.packed)
+                                for n in group)
+    for key in out.v6_top:
+        bit = v6_summary_bit(key)
+        out.v6_summary[bit >> 6] = out.v6_summary.get(bit >> 6, 0) | (1 << (bit & 63))
+    if out.v6_short:
+        out.v6_summary[V6_SHORT_WORD] = 1
+    return out
+
+
+def _top_union(a: bytes | None, b: bytes) -> bytes:
+    """An entry at least as strict as both (while both sets of maps are in place)."""
+    if a is None or a == b:
+        return b
+    if TOP_ALL in (a, b):
+        return TOP_ALL
+    return TOP_TRIE  # the record trie holds the union during an update
+
+
+def _hosts_value(bits: int) -> bytes:
+    return bits.to_bytes(32, "little")  # word w = bits w*64..w*64+63, little-endian u64s
+
+
+def _write_words(m: Map, words: dict[int, int], old: dict[int, int]) -> None:
+    for i, bits in words.items():
+        if old.get(i, 0) != bits:
+            m.update(_u32(i), bits.to_bytes(8, "little"))
+
+
+def _or_words(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    return {i: a.get(i, 0) | b.get(i, 0) for i in set(a) | set(b)}
+
+
+def _lower_words(m: Map, old: dict[int, int], new: dict[int, int]) -> None:
+    for i in set(old) | set(new):
+        union = old.get(i, 0) | new.get(i, 0)
+        if new.get(i, 0) != union:
+            m.update(_u32(i), new.get(i, 0).to_bytes(8, "little"))
+
+
+def _add_keys(m: Map, keys: set[bytes], have: set[bytes]) -> int:
+    for key in keys - have:
+        m.update(key, ONE)
+    return len(keys - have)
+
+
+def _drop_keys(m: Map, keys: set[bytes], have: set[bytes]) -> int:
+    for key in have - keys:
+        m.delete(key)
+    return len(have - keys)
+
+
+def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
+    """Make the deny maps hold exactly ``nets``.
+
+    Every map first moves to the union of the old and the new state, then down to the
+    new one, each in an order where the program's answer is never less strict than the
+    new set (and, for prefixes in both, the old one): a change takes effect at once,
+    without a moment where a kept prefix lets a packet through.
+    """
+    nets = list(nets)
+    new = layout(nets)
+    trie4, trie6 = maps["guard_deny_v4"], maps["guard_deny_v6"]
+    have4, have6 = set(trie4.keys()), set(trie6.keys())
+    old = layout([key_network(k) for k in have4 | have6])
+    # The hash maps and the short trie diff against what they hold; the bitmaps (2 x
+    # 256k words) against what the record says they hold.
+    hosts_m, top_m = maps["guard_v4_hosts"], maps["guard_v6_top"]
+    exact_m, short_m = maps["guard_v6_exact"], maps["guard_deny_v6_short"]
+    have_hosts = {int.from_bytes(k, "little"): int.from_bytes(hosts_m.lookup(k) or b"",
+                                                              "little")
+                  for k in list(hosts_m.keys())}
+    have_top = set(top_m.keys())
+    have_exact, have_short = set(exact_m.keys()), set(short_m.keys())
+
+    # Up: records, probe targets, bits, then the entries that point at them.
+    added = _add_keys(trie4, new.trie4, have4) + _add_keys(trie6, new.trie6, have6)
+    _add_keys(short_m, new.v6_short, have_short)
+    _add_keys(exact_m, new.v6_exact, have_exact)
+    for top, bits in new.hosts.items():
+        union = have_hosts.get(top, 0) | bits
+        if union != have_hosts.get(top, 0):
+            hosts_m.update(_u32(top), _hosts_value(union))
+    _write_words(maps["guard_v4_summary"], _or_words(old.summary, new.summary), old.summary)
+    _write_words(maps["guard_v4_full"], _or_words(old.full, new.full), old.full)
+    _write_words(maps["guard_v6_summary"], _or_words(old.v6_summary, new.v6_summary),
+                 old.v6_summary)
+    for key, entry in new.v6_top.items():
+        union = _top_union(old.v6_top.get(key) if key in have_top else None, entry)
+        top_m.update(key, union)
+
+    # Down: entries first, then what they pointed at, records last.
+    for key, entry in new.v6_top.items():
+        if key in have_top and _top_union(old.v6_top.get(key), entry) != entry:
+            top_m.update(key, entry)
+    for key in have_top - set(new.v6_top):
+        top_m.delete(key)
+    _lower_words(maps["guard_v4_full"], old.full, new.full)
+    for top, bits in new.hosts.items():
+        if have_hosts.get(top, 0) | bits != bits:
+            hosts_m.update(_u32(top), _hosts_value(bits))
+    for top in set(have_hosts) - set(new.hosts):
+        hosts_m.delete(_u32(top))
+    _drop_keys(exact_m, new.v6_exact, have_exact)
+    _drop_keys(short_m, new.v6_short, have_short)
+    _lower_words(maps["guard_v4_summary"], old.summary, new.summary)
+    _lower_words(maps["guard_v6_summary"], old.v6_summary, new.v6_summary)
+    removed = _drop_keys(trie4, new.trie4, have4) + _drop_keys(trie6, new.trie6, have6)
+    return {"deny_v4": len(new.trie4), "deny_v6": len(new.trie6), "deny_changed": added,
+            "deny_removed": removed}
