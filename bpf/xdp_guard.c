@@ -285,9 +285,8 @@ static __always_inline int take_token(struct pkt *p)
 			__builtin_memset(&src.addr[8], 0, 8);
 	}
 
-	/* Coarse time (jiffies resolution) is enough for a bucket refilled by elapsed
-	 * time, and several times cheaper than bpf_ktime_get_ns() in a VM. */
-	now = bpf_ktime_get_coarse_ns();
+	/* Jiffies resolution is enough for a bucket refilled by elapsed time. */
+	now = s->jiffy_ns ? bpf_jiffies64() * s->jiffy_ns : bpf_ktime_get_coarse_ns();
 	b = bpf_map_lookup_elem(&guard_buckets, &src);
 	if (!b) {
 		struct guard_bucket fresh = { .tokens = cap - GUARD_TOKEN_SCALE, .stamp_ns = now };

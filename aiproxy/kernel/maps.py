@@ -7,7 +7,11 @@ the old and the new config would be for entries present in both.
 
 from __future__ import annotations
 
+import functools
+import gzip
 import ipaddress
+import os
+import time
 from collections.abc import Iterable, Sequence
 
 from aiproxy.config.schema import KernelConfig, TrafficClass
@@ -29,6 +33,55 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 GUARD_MAPS = (*deny.DENY_MAPS, "guard_ports", "guard_settings", "guard_counters")
 CLASSIFY_MAPS = ("class_ports", "class_sigs", "class_info", "class_stats")
+
+
+KNOWN_HZ = (100, 250, 300, 1000)
+
+
+@functools.cache
+def jiffy_ns() -> int:
+    """Nanoseconds per jiffy of the running kernel (1e9 / CONFIG_HZ), 0 if unknown.
+
+    From the kernel config when it is published, else measured from two readings of
+    /proc/timer_list (jiffies and the clock) 50 ms apart, rounded to a known HZ."""
+    hz = _config_hz()
+    if hz is None:
+        try:
+            (j0, t0), _, (j1, t1) = _timer_list(), time.sleep(0.05), _timer_list()
+            rate = (j1 - j0) * 1e9 / (t1 - t0)
+            hz = min(KNOWN_HZ, key=lambda h: abs(h - rate))
+            if abs(hz - rate) > hz * 0.1:
+                hz = None
+        except (OSError, ValueError, ZeroDivisionError):
+            hz = None
+    return 1_000_000_000 // hz if hz else 0
+
+
+def _config_hz() -> int | None:
+    for path in ("/proc/config.gz", f"/boot/config-{os.uname().release}"):
+        try:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt") as fh:
+                for line in fh:
+                    if line.startswith("CONFIG_HZ="):
+                        return int(line.split("=", 1)[1])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _timer_list() -> tuple[int, int]:
+    now = jiffies = None
+    with open("/proc/timer_list") as fh:
+        for line in fh:
+            if now is None and line.startswith("now at "):
+                now = int(line.split()[2])
+            elif line.startswith("jiffies: "):
+                jiffies = int(line.split()[1])
+                break
+    if now is None or jiffies is None:
+        raise ValueError("no clock in /proc/timer_list")
+    return jiffies, now
 
 
 def _u32(value: int) -> bytes:
@@ -101,7 +154,7 @@ class GuardMaps:
             want = words.get(i, 0).to_bytes(8, "little")
             if raw != want:
                 bitmap.update(_u32(i), want)
-        settings = GuardSettings(rate, max(burst or rate, 1) if rate else 0)
+        settings = GuardSettings(rate, max(burst or rate, 1) if rate else 0, jiffy_ns())
         self.maps["guard_settings"].update(_u32(0), bytes(settings))
         return {"syn_ports": len(ports), "syn_rate": rate}
 

@@ -59,7 +59,8 @@ class GuardBucket(ctypes.Structure):
 
 
 class GuardSettings(ctypes.Structure):
-    _fields_ = [("syn_rate", ctypes.c_uint32), ("syn_burst", ctypes.c_uint32)]
+    _fields_ = [("syn_rate", ctypes.c_uint32), ("syn_burst", ctypes.c_uint32),
+                ("jiffy_ns", ctypes.c_uint32), ("_pad", ctypes.c_uint32)]
 
 
 # -- bpf/include/classify.h -------------------------------------------------------------

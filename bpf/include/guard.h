@@ -87,13 +87,19 @@ struct guard_src {
 
 struct guard_bucket {
 	__u64 tokens;   /* in 1/GUARD_TOKEN_SCALE tokens */
-	__u64 stamp_ns; /* bpf_ktime_get_ns() of the last refill */
+	__u64 stamp_ns; /* clock of the last refill (see guard_settings.jiffy_ns) */
 };
 
 /* guard_settings[0]: run-time settings, updated in place on reload. */
 struct guard_settings {
 	__u32 syn_rate;  /* new connections per second per source; 0 = no rate limit */
 	__u32 syn_burst; /* bucket capacity in connections (>= 1 when syn_rate > 0) */
+	/* ns per jiffy (1e9 / CONFIG_HZ): the buckets' clock is jiffies * jiffy_ns, from
+	 * bpf_jiffies64(), which the verifier inlines; 0 = bpf_ktime_get_coarse_ns(), a
+	 * helper call that costs more than the rest of the SYN path in a VM. Both tick
+	 * once per jiffy. */
+	__u32 jiffy_ns;
+	__u32 _pad;
 };
 
 /* Indexes of the per-CPU guard_counters array. passed, dropped_deny,

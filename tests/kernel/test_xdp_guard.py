@@ -261,6 +261,26 @@ def test_syn_rate_limit_per_source(guard):
     assert maps.counters()["dropped_ratelimit"] == 3
 
 
+@pytest.mark.parametrize("clock", ["jiffies", "ktime"])
+def test_syn_rate_limit_refills_with_time(guard, clock):
+    """The bucket refills from the kernel clock: jiffies * jiffy_ns (what sync sets) or,
+    with jiffy_ns = 0, bpf_ktime_get_coarse_ns()."""
+    import time
+
+    from aiproxy.kernel.maps import jiffy_ns
+    from aiproxy.kernel.structs import GuardSettings
+
+    obj, maps = guard
+    step = jiffy_ns() if clock == "jiffies" else 0
+    if clock == "jiffies" and not step:
+        pytest.skip("this kernel's HZ is unknown: the program uses ktime")
+    maps.maps["guard_settings"].update((0).to_bytes(4, "little"), bytes(GuardSettings(10, 1, step)))
+    syn = v4(src="203.0.113.90") / TCP(dport=443, flags="S")
+    assert [run(obj, syn) for _ in range(3)] == [XDP_PASS, XDP_DROP, XDP_DROP]
+    time.sleep(0.25)  # 10/s: 2.5 tokens, capped at the burst of 1
+    assert [run(obj, syn) for _ in range(2)] == [XDP_PASS, XDP_DROP]
+
+
 def test_syn_rate_limit_v6_and_off(guard):
     obj, maps = guard
     syn = v6(src="2001:db8:1::77") / TCP(dport=8080, flags="S")
