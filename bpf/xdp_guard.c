@@ -5,8 +5,9 @@
  *     IPv4: guard_v4_summary has one bit per /24 that some prefix overlaps (clear:
  *     pass), guard_v4_full one bit per /24 a prefix of /24 or shorter covers whole
  *     (set: deny), and guard_v4_hosts, for a /24 that /25../32 prefixes touch, the
- *     256 bits of its addresses they cover. At most two array lookups and one hash.
- *     IPv6: guard_v6_summary (a bit per hash of a /32 with prefixes) lets most
+ *     256 bits of its addresses they cover, found through guard_v4_slots (an array
+ *     in front of the hash). Three array lookups, a hash one only on slot clashes.
+ *     IPv6: guard_v6_slots (an array in front of the guard_v6_top hash) lets most
  *     sources pass after one array lookup; guard_v6_top[first /32] says "all
  *     denied", or holds the one or two prefixes there, or which lengths (33..128)
  *     to probe in the guard_v6_exact hash with the source masked to each; a /32
@@ -73,6 +74,13 @@ struct {
 } guard_v4_hosts SEC(".maps");
 
 struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct guard_v4_slot);
+	__uint(max_entries, GUARD_SLOTS);
+} guard_v4_slots SEC(".maps");
+
+struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__type(key, struct guard_v6_key);
 	__type(value, __u32);
@@ -91,9 +99,17 @@ struct {
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__type(key, __u32);
+	__type(value, struct guard_v6_slot);
+	__uint(max_entries, GUARD_SLOTS);
+} guard_v6_slots SEC(".maps");
+
+/* [0] nonzero when guard_deny_v6_short holds prefixes. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
 	__type(value, __u64);
-	__uint(max_entries, GUARD_V6_SUMMARY_WORDS);
-} guard_v6_summary SEC(".maps");
+	__uint(max_entries, 1);
+} guard_v6_short_on SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -158,16 +174,24 @@ static __always_inline int denied_v4(struct iphdr *ip)
 	__u32 saddr = bpf_ntohl(ip->saddr);
 	__u32 top = saddr >> (32 - GUARD_V4_SUMMARY_BITS);
 	__u32 word = top >> 6;
-	struct guard_v4_hosts *h;
+	struct guard_v4_hosts *h = NULL;
+	struct guard_v4_slot *slot;
 	__u64 *bits = bpf_map_lookup_elem(&guard_v4_summary, &word);
-	__u32 b;
+	__u32 b, idx;
 
 	if (!bits || !(*bits & (1ULL << (top & 63))))
 		return 0;
 	bits = bpf_map_lookup_elem(&guard_v4_full, &word);
 	if (bits && (*bits & (1ULL << (top & 63))))
 		return 1;
-	h = bpf_map_lookup_elem(&guard_v4_hosts, &top);
+	idx = (top * GUARD_SLOT_HASH_MUL) >> (32 - GUARD_SLOT_BITS);
+	slot = bpf_map_lookup_elem(&guard_v4_slots, &idx);
+	if (!slot)
+		return 0;
+	if (slot->state == GUARD_SLOT_ONE && slot->key == top)
+		h = &slot->hosts;
+	else if (slot->state == GUARD_SLOT_MULTI)
+		h = bpf_map_lookup_elem(&guard_v4_hosts, &top);
 	if (!h)
 		return 0;
 	b = saddr & 255;
@@ -184,27 +208,31 @@ static __always_inline __u64 mask_lo(__u64 lo, __u32 len)
 	return len >= 128 ? lo : len <= 64 ? 0 : lo & (~0ULL << (128 - len));
 }
 
-static __always_inline int denied_v6(struct ipv6hdr *ip6)
+/* A global function: the verifier checks it once, on its own, instead of once per
+ * parse path of every caller (which took seconds to load). Source address as two
+ * host-order halves. */
+__attribute__((noinline)) int guard_denied_v6(__u64 hi, __u64 lo)
 {
 	struct guard_v6_key k = { .prefixlen = 128 };
 	struct guard_v6_top *t;
-	__u32 top, idx, word;
-	__u64 hi, lo, *bits;
+	struct guard_v6_slot *slot;
+	__u64 be_hi = bpf_cpu_to_be64(hi), be_lo = bpf_cpu_to_be64(lo), *on;
+	__u32 top, idx, zero = 0;
 	int i;
 
-	__builtin_memcpy(&top, &ip6->saddr, 4);
-	__builtin_memcpy(k.addr, &ip6->saddr, 16);
-	idx = (top * GUARD_V6_HASH_MUL) >> 8;
-	word = idx >> 6;
-	bits = bpf_map_lookup_elem(&guard_v6_summary, &word);
-	if (bits && (*bits & (1ULL << (idx & 63))))
+	__builtin_memcpy(&k.addr[0], &be_hi, 8);
+	__builtin_memcpy(&k.addr[8], &be_lo, 8);
+	__builtin_memcpy(&top, &k.addr[0], 4);
+	idx = (top * GUARD_SLOT_HASH_MUL) >> (32 - GUARD_SLOT_BITS);
+	slot = bpf_map_lookup_elem(&guard_v6_slots, &idx);
+	t = NULL;
+	if (slot && slot->state == GUARD_SLOT_ONE && slot->key == top)
+		t = &slot->top;
+	else if (slot && slot->state == GUARD_SLOT_MULTI)
 		t = bpf_map_lookup_elem(&guard_v6_top, &top);
-	else
-		t = NULL;
 	if (!t) {
-		word = GUARD_V6_SUMMARY_WORDS - 1;
-		bits = bpf_map_lookup_elem(&guard_v6_summary, &word);
-		if (!bits || !*bits)
+		on = bpf_map_lookup_elem(&guard_v6_short_on, &zero);
+		if (!on || !*on)
 			return 0;
 		return bpf_map_lookup_elem(&guard_deny_v6_short, &k) != NULL;
 	}
@@ -212,10 +240,6 @@ static __always_inline int denied_v6(struct ipv6hdr *ip6)
 		return 1;
 	if (t->flags & GUARD_V6_TRIE)
 		return bpf_map_lookup_elem(&guard_deny_v6, &k) != NULL;
-	__builtin_memcpy(&hi, &k.addr[0], 8);
-	__builtin_memcpy(&lo, &k.addr[8], 8);
-	hi = bpf_be64_to_cpu(hi);
-	lo = bpf_be64_to_cpu(lo);
 	if (t->flags & GUARD_V6_INLINE) {
 #pragma unroll
 		for (i = 0; i < GUARD_V6_INLINE_MAX; i++) {
@@ -254,8 +278,13 @@ static __always_inline int denied(struct pkt *p)
 {
 	if (p->ip4)
 		return denied_v4(p->ip4);
-	if (p->ip6)
-		return denied_v6(p->ip6);
+	if (p->ip6) {
+		__u64 hi, lo;
+
+		__builtin_memcpy(&hi, &p->ip6->saddr.in6_u.u6_addr8[0], 8);
+		__builtin_memcpy(&lo, &p->ip6->saddr.in6_u.u6_addr8[8], 8);
+		return guard_denied_v6(bpf_be64_to_cpu(hi), bpf_be64_to_cpu(lo));
+	}
 	return 0;
 }
 

@@ -8,10 +8,11 @@ The program never walks an LPM trie for IPv4 and only for crowded IPv6 /32s:
 - IPv6: ``guard_v6_top`` per /32 that prefixes of /32 or longer sit in: "all denied",
   or its one or two prefixes inline, or the distinct lengths (33..128) to probe in
   ``guard_v6_exact`` (length + masked address), or "walk the trie" when there are more
-  than GUARD_V6_MAX_LENS lengths. ``guard_v6_summary`` has a bit per hash of such a
-  /32 (a clear bit skips the hash lookup) and, in its last word, whether
-  ``guard_deny_v6_short`` (the LPM trie of prefixes shorter than /32, consulted for
-  sources whose /32 has no entry) holds anything.
+  than GUARD_V6_MAX_LENS lengths. ``guard_deny_v6_short`` is the LPM trie of prefixes
+  shorter than /32, consulted (when ``guard_v6_short_on``) for sources whose /32 has no
+  entry.
+- ``guard_v4_slots`` / ``guard_v6_slots``: direct-mapped arrays in front of the two hash
+  maps (see guard.h): a key alone in its slot is answered from the array.
 - ``guard_deny_v4`` / ``guard_deny_v6``: LPM tries holding every configured prefix,
   the record the other maps are derived from on the next sync (so a separate process,
   `aiproxy bpf attach`, can update pinned maps) and the IPv6 crowded-/32 fallback.
@@ -29,8 +30,11 @@ from dataclasses import dataclass, field
 
 from .libbpf import Map
 from .structs import (
+    GUARD_SLOT_BITS,
+    GUARD_SLOT_HASH_MUL,
+    GUARD_SLOT_MULTI,
+    GUARD_SLOT_ONE,
     GUARD_V6_ALL,
-    GUARD_V6_HASH_MUL,
     GUARD_V6_INLINE,
     GUARD_V6_INLINE_MAX,
     GUARD_V6_MAX_LENS,
@@ -45,9 +49,8 @@ V4_SUMMARY_BITS = 24  # bpf/include/guard.h: GUARD_V4_SUMMARY_BITS
 V6_SHORT = 32  # GUARD_V6_SHORT: the IPv6 /32 level
 
 DENY_MAPS = ("guard_deny_v4", "guard_deny_v6", "guard_v4_summary", "guard_v4_full",
-             "guard_v4_hosts", "guard_v6_summary", "guard_v6_top", "guard_v6_exact",
-             "guard_deny_v6_short")
-V6_SHORT_WORD = 1 << (V4_SUMMARY_BITS - 6)  # guard_v6_summary's last word
+             "guard_v4_hosts", "guard_v4_slots", "guard_v6_top", "guard_v6_slots",
+             "guard_v6_exact", "guard_deny_v6_short", "guard_v6_short_on")
 
 ONE = (1).to_bytes(4, "little")
 
@@ -96,12 +99,23 @@ class DenyLayout:
     v6_short: set[bytes] = field(default_factory=set)
     v6_top: dict[bytes, bytes] = field(default_factory=dict)  # /32 -> guard_v6_top
     v6_exact: set[bytes] = field(default_factory=set)
-    v6_summary: dict[int, int] = field(default_factory=dict)
+    v4_slots: dict[int, bytes] = field(default_factory=dict)  # non-empty slots only
+    v6_slots: dict[int, bytes] = field(default_factory=dict)
 
 
-def v6_summary_bit(top: bytes) -> int:
-    """guard_v6_summary bit of a /32 (its first 4 address bytes), as the program hashes it."""
-    return ((int.from_bytes(top, "little") * GUARD_V6_HASH_MUL) & 0xFFFFFFFF) >> 8
+def slot_of(key: int) -> int:
+    """The slot of a u32 key (guard.h: GUARD_SLOT_HASH_MUL, GUARD_SLOT_BITS)."""
+    return ((key * GUARD_SLOT_HASH_MUL) & 0xFFFFFFFF) >> (32 - GUARD_SLOT_BITS)
+
+
+def slots(entries: dict[int, bytes]) -> dict[int, bytes]:
+    """u32 key -> value  =>  slot -> slot value (key, state, value) of the busy slots."""
+    by_slot: dict[int, list[int]] = {}
+    for key in entries:
+        by_slot.setdefault(slot_of(key), []).append(key)
+    return {i: (_u32(keys[0]) + _u32(GUARD_SLOT_ONE) + entries[keys[0]] if len(keys) == 1
+                else _u32(0) + _u32(GUARD_SLOT_MULTI) + bytes(len(entries[keys[0]])))
+            for i, keys in by_slot.items()}
 
 
 def top_value(flags: int, prefixes: Iterable[tuple[int, int]] = ()) -> bytes:
@@ -164,11 +178,9 @@ def layout(nets: Iterable[Network]) -> DenyLayout:
             out.v6_top[key] = top_value(0, ((plen, 0) for plen in lens))
             out.v6_exact.update(prefix_key(n.prefixlen, n.network_address.packed)
                                 for n in group)
-    for key in out.v6_top:
-        bit = v6_summary_bit(key)
-        out.v6_summary[bit >> 6] = out.v6_summary.get(bit >> 6, 0) | (1 << (bit & 63))
-    if out.v6_short:
-        out.v6_summary[V6_SHORT_WORD] = 1
+    out.v4_slots = slots({top: _hosts_value(bits) for top, bits in out.hosts.items()})
+    out.v6_slots = slots({int.from_bytes(key, "little"): value
+                          for key, value in out.v6_top.items()})
     return out
 
 
@@ -183,6 +195,13 @@ def _top_union(a: bytes | None, b: bytes) -> bytes:
 
 def _hosts_value(bits: int) -> bytes:
     return bits.to_bytes(32, "little")  # word w = bits w*64..w*64+63, little-endian u64s
+
+
+def _write_slots(m: Map, want: dict[int, bytes], have: dict[int, bytes]) -> None:
+    for i in set(want) | set(have):
+        value = want.get(i)
+        if value != have.get(i):
+            m.update(_u32(i), value if value is not None else bytes(m.value_size))
 
 
 def _write_words(m: Map, words: dict[int, int], old: dict[int, int]) -> None:
@@ -237,7 +256,8 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
     have_top = set(top_m.keys())
     have_exact, have_short = set(exact_m.keys()), set(short_m.keys())
 
-    # Up: records, probe targets, bits, then the entries that point at them.
+    # Up: records, probe targets, bits, then the entries that point at them, then the
+    # slots in front of them.
     added = _add_keys(trie4, new.trie4, have4) + _add_keys(trie6, new.trie6, have6)
     _add_keys(short_m, new.v6_short, have_short)
     _add_keys(exact_m, new.v6_exact, have_exact)
@@ -247,11 +267,16 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
             hosts_m.update(_u32(top), _hosts_value(union))
     _write_words(maps["guard_v4_summary"], _or_words(old.summary, new.summary), old.summary)
     _write_words(maps["guard_v4_full"], _or_words(old.full, new.full), old.full)
-    _write_words(maps["guard_v6_summary"], _or_words(old.v6_summary, new.v6_summary),
-                 old.v6_summary)
+    if new.v6_short:
+        maps["guard_v6_short_on"].update(_u32(0), (1).to_bytes(8, "little"))
     for key, entry in new.v6_top.items():
         union = _top_union(old.v6_top.get(key) if key in have_top else None, entry)
         top_m.update(key, union)
+    for name, o, n in (("guard_v4_slots", old.v4_slots, new.v4_slots),
+                       ("guard_v6_slots", old.v6_slots, new.v6_slots)):
+        # Straight to the new slots: what a slot answers from is either its own new
+        # value or a hash map holding old and new by now.
+        _write_slots(maps[name], n, o)
 
     # Down: entries first, then what they pointed at, records last.
     for key, entry in new.v6_top.items():
@@ -268,7 +293,8 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
     _drop_keys(exact_m, new.v6_exact, have_exact)
     _drop_keys(short_m, new.v6_short, have_short)
     _lower_words(maps["guard_v4_summary"], old.summary, new.summary)
-    _lower_words(maps["guard_v6_summary"], old.v6_summary, new.v6_summary)
+    if not new.v6_short:
+        maps["guard_v6_short_on"].update(_u32(0), bytes(8))
     removed = _drop_keys(trie4, new.trie4, have4) + _drop_keys(trie6, new.trie6, have6)
     return {"deny_v4": len(new.trie4), "deny_v6": len(new.trie6), "deny_changed": added,
             "deny_removed": removed}

@@ -33,7 +33,11 @@ GUARD_V6_INLINE_MAX = 2
 GUARD_V6_ALL = 0x1
 GUARD_V6_TRIE = 0x2
 GUARD_V6_INLINE = 0x4
-GUARD_V6_HASH_MUL = 2654435761
+GUARD_SLOT_BITS = 16
+GUARD_SLOT_HASH_MUL = 2654435761
+GUARD_SLOT_EMPTY = 0
+GUARD_SLOT_ONE = 1
+GUARD_SLOT_MULTI = 2
 
 
 class GuardV4Hosts(ctypes.Structure):
@@ -48,6 +52,15 @@ class GuardV6Top(ctypes.Structure):
     _fields_ = [("n", ctypes.c_uint8), ("flags", ctypes.c_uint8),
                 ("len", ctypes.c_uint8 * GUARD_V6_MAX_LENS),
                 ("pfx", GuardV6Pfx * GUARD_V6_INLINE_MAX)]
+
+
+class GuardV4Slot(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_uint32), ("state", ctypes.c_uint32),
+                ("hosts", GuardV4Hosts)]
+
+
+class GuardV6Slot(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_uint32), ("state", ctypes.c_uint32), ("top", GuardV6Top)]
 
 
 class GuardSrc(ctypes.Structure):
@@ -97,6 +110,8 @@ MIRRORS: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "guard_v4_hosts": ("guard.h", GuardV4Hosts),
     "guard_v6_pfx": ("guard.h", GuardV6Pfx),
     "guard_v6_top": ("guard.h", GuardV6Top),
+    "guard_v4_slot": ("guard.h", GuardV4Slot),
+    "guard_v6_slot": ("guard.h", GuardV6Slot),
     "guard_src": ("guard.h", GuardSrc),
     "guard_bucket": ("guard.h", GuardBucket),
     "guard_settings": ("guard.h", GuardSettings),
@@ -118,7 +133,10 @@ CONSTANTS: dict[str, tuple[str, int]] = {
     "GUARD_V6_TRIE": ("guard.h", GUARD_V6_TRIE),
     "GUARD_V6_INLINE": ("guard.h", GUARD_V6_INLINE),
     "GUARD_V6_INLINE_MAX": ("guard.h", GUARD_V6_INLINE_MAX),
-    "GUARD_V6_HASH_MUL": ("guard.h", GUARD_V6_HASH_MUL),
+    "GUARD_SLOT_BITS": ("guard.h", GUARD_SLOT_BITS),
+    "GUARD_SLOT_HASH_MUL": ("guard.h", GUARD_SLOT_HASH_MUL),
+    "GUARD_SLOT_ONE": ("guard.h", GUARD_SLOT_ONE),
+    "GUARD_SLOT_MULTI": ("guard.h", GUARD_SLOT_MULTI),
     "CLASSIFY_MAX_CLASSES": ("classify.h", CLASSIFY_MAX_CLASSES),
     "CLASS_SET_PRIORITY": ("classify.h", CLASS_SET_PRIORITY),
     "CLASS_SET_DSCP": ("classify.h", CLASS_SET_DSCP),

@@ -160,6 +160,26 @@ def _assert_exact(obj, maps, nets):
     assert _held(obj, "guard_v6_exact") == lay.v6_exact
     assert _held(obj, "guard_deny_v6_short") == lay.v6_short
     assert _held(obj, "guard_deny_v4") | _held(obj, "guard_deny_v6") == lay.trie4 | lay.trie6
+    # Slots: every slot this object was ever asked to fill holds its value or nothing.
+    for name, want in (("guard_v4_slots", lay.v4_slots), ("guard_v6_slots", lay.v6_slots)):
+        m = obj.map(name)
+        seen = _slots_seen.setdefault((id(obj), name), set())
+        seen.update(want)
+        busy = {i: raw for i in seen if any(raw := m.lookup(i.to_bytes(4, "little")))}
+        assert busy == want, name
+
+
+_slots_seen: dict[tuple[int, str], set[int]] = {}
+
+
+def _clash(key: int, step: int = 1) -> int:
+    """Another u32 key in the same slot as `key`."""
+    from aiproxy.kernel.deny import slot_of
+
+    other = key + step
+    while slot_of(other) != slot_of(key):
+        other += step
+    return other
 
 
 V4_OVERLAP = [net("10.1.0.0/16"), net("10.1.2.0/24"), net("10.1.2.128/25"), net("10.1.2.7/32"),
@@ -212,6 +232,33 @@ def test_deny_v6_every_form(guard):
     _assert_exact(obj, maps, V6_FORMS)
     maps.set_deny([])
     _assert_exact(obj, maps, [])
+
+
+def test_deny_slot_clashes(guard):
+    """Keys sharing a slot go through the hash maps (MULTI); when one goes, the other is
+    answered from the slot again."""
+    obj, maps = guard
+    a4 = int(ipaddress.IPv4Address("10.9.8.0")) >> 8
+    b4 = _clash(a4)
+    a6 = 0x20010B01
+    b6 = _clash(a6)
+    v4a, v4b = (net((k << 8 | 5, 32)) for k in (a4, b4))
+    # guard_v6_top keys are the first 4 address bytes read as a little-endian u32
+    v6a, v6b = (net((int.from_bytes(k.to_bytes(4, "little"), "big") << 96 | 1 << 80, 48))
+                for k in (a6, b6))
+    both = [v4a, v4b, v6a, v6b]
+    maps.set_deny(both)
+    _assert_exact(obj, maps, both)
+    from aiproxy.kernel.deny import layout
+    from aiproxy.kernel.structs import GUARD_SLOT_MULTI
+
+    lay = layout(both)
+    assert [v[4] for v in lay.v4_slots.values()] == [GUARD_SLOT_MULTI]
+    assert [v[4] for v in lay.v6_slots.values()] == [GUARD_SLOT_MULTI]
+    maps.set_deny([v4a, v6b])
+    _assert_exact(obj, maps, [v4a, v6b])
+    maps.set_deny([v4b, v6a])
+    _assert_exact(obj, maps, [v4b, v6a])
 
 
 def test_deny_random_mix_and_changes(guard):
