@@ -204,6 +204,24 @@ def _write_slots(m: Map, want: dict[int, bytes], have: dict[int, bytes]) -> None
             m.update(_u32(i), value if value is not None else bytes(m.value_size))
 
 
+def _read_words(m: Map, indexes: Iterable[int]) -> dict[int, int]:
+    out = {}
+    for i in indexes:
+        value = int.from_bytes(m.lookup(_u32(i)) or b"", "little")
+        if value:
+            out[i] = value
+    return out
+
+
+def _read_slots(m: Map, indexes: Iterable[int]) -> dict[int, bytes]:
+    out = {}
+    for i in indexes:
+        raw = m.lookup(_u32(i))
+        if raw and any(raw):
+            out[i] = raw
+    return out
+
+
 def _write_words(m: Map, words: dict[int, int], old: dict[int, int]) -> None:
     for i, bits in words.items():
         if old.get(i, 0) != bits:
@@ -236,18 +254,26 @@ def _drop_keys(m: Map, keys: set[bytes], have: set[bytes]) -> int:
 def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
     """Make the deny maps hold exactly ``nets``.
 
-    Every map first moves to the union of the old and the new state, then down to the
-    new one, each in an order where the program's answer is never less strict than the
-    new set (and, for prefixes in both, the old one): a change takes effect at once,
-    without a moment where a kept prefix lets a packet through.
+    The maps first move to the union of the old and the new state (the slots straight
+    to the new one, once what they defer to holds both), then down to the new one, in
+    an order where the program's answer is never less strict than the new set (and,
+    for prefixes in both, the old one): a change takes effect at once, without a moment
+    where a kept prefix lets a packet through.
     """
     nets = list(nets)
     new = layout(nets)
     trie4, trie6 = maps["guard_deny_v4"], maps["guard_deny_v6"]
     have4, have6 = set(trie4.keys()), set(trie6.keys())
     old = layout([key_network(k) for k in have4 | have6])
-    # The hash maps and the short trie diff against what they hold; the bitmaps (2 x
-    # 256k words) against what the record says they hold.
+    # Every map diffs against what it holds (maps pinned by another version, or fresh
+    # next to a reused record, get filled too); the arrays only at the indexes the old
+    # or the new prefixes touch (2 x 256k words, 2 x 64k slots in all).
+    have_words = {name: _read_words(maps[name], set(o) | set(n)) for name, o, n in (
+        ("guard_v4_summary", old.summary, new.summary),
+        ("guard_v4_full", old.full, new.full))}
+    have_slots = {name: _read_slots(maps[name], set(o) | set(n)) for name, o, n in (
+        ("guard_v4_slots", old.v4_slots, new.v4_slots),
+        ("guard_v6_slots", old.v6_slots, new.v6_slots))}
     hosts_m, top_m = maps["guard_v4_hosts"], maps["guard_v6_top"]
     exact_m, short_m = maps["guard_v6_exact"], maps["guard_deny_v6_short"]
     have_hosts = {int.from_bytes(k, "little"): int.from_bytes(hosts_m.lookup(k) or b"",
@@ -265,18 +291,17 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
         union = have_hosts.get(top, 0) | bits
         if union != have_hosts.get(top, 0):
             hosts_m.update(_u32(top), _hosts_value(union))
-    _write_words(maps["guard_v4_summary"], _or_words(old.summary, new.summary), old.summary)
-    _write_words(maps["guard_v4_full"], _or_words(old.full, new.full), old.full)
+    for name, words in (("guard_v4_summary", new.summary), ("guard_v4_full", new.full)):
+        _write_words(maps[name], _or_words(have_words[name], words), have_words[name])
     if new.v6_short:
         maps["guard_v6_short_on"].update(_u32(0), (1).to_bytes(8, "little"))
     for key, entry in new.v6_top.items():
         union = _top_union(old.v6_top.get(key) if key in have_top else None, entry)
         top_m.update(key, union)
-    for name, o, n in (("guard_v4_slots", old.v4_slots, new.v4_slots),
-                       ("guard_v6_slots", old.v6_slots, new.v6_slots)):
+    for name, n in (("guard_v4_slots", new.v4_slots), ("guard_v6_slots", new.v6_slots)):
         # Straight to the new slots: what a slot answers from is either its own new
         # value or a hash map holding old and new by now.
-        _write_slots(maps[name], n, o)
+        _write_slots(maps[name], n, have_slots[name])
 
     # Down: entries first, then what they pointed at, records last.
     for key, entry in new.v6_top.items():
@@ -284,7 +309,7 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
             top_m.update(key, entry)
     for key in have_top - set(new.v6_top):
         top_m.delete(key)
-    _lower_words(maps["guard_v4_full"], old.full, new.full)
+    _lower_words(maps["guard_v4_full"], have_words["guard_v4_full"], new.full)
     for top, bits in new.hosts.items():
         if have_hosts.get(top, 0) | bits != bits:
             hosts_m.update(_u32(top), _hosts_value(bits))
@@ -292,7 +317,7 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
         hosts_m.delete(_u32(top))
     _drop_keys(exact_m, new.v6_exact, have_exact)
     _drop_keys(short_m, new.v6_short, have_short)
-    _lower_words(maps["guard_v4_summary"], old.summary, new.summary)
+    _lower_words(maps["guard_v4_summary"], have_words["guard_v4_summary"], new.summary)
     if not new.v6_short:
         maps["guard_v6_short_on"].update(_u32(0), bytes(8))
     removed = _drop_keys(trie4, new.trie4, have4) + _drop_keys(trie6, new.trie6, have6)

@@ -261,6 +261,25 @@ def test_deny_slot_clashes(guard):
     _assert_exact(obj, maps, [v4b, v6a])
 
 
+def test_deny_sync_fills_maps_the_record_does_not_know(guard):
+    """Pinned record tries next to fresh maps (pins from another version): a sync with
+    the same prefixes fills what the program looks at, not just the difference."""
+    obj, maps = guard
+    nets = V4_OVERLAP + V6_FORMS
+    maps.set_deny(nets)
+    lay = __import__("aiproxy.kernel.deny", fromlist=["layout"]).layout(nets)
+    for name, idx in (("guard_v4_summary", lay.summary), ("guard_v4_full", lay.full),
+                      ("guard_v4_slots", lay.v4_slots), ("guard_v6_slots", lay.v6_slots)):
+        m = obj.map(name)
+        for i in idx:
+            m.update(i.to_bytes(4, "little"), bytes(m.value_size))
+    for name in ("guard_v4_hosts", "guard_v6_top", "guard_v6_exact"):
+        obj.map(name).clear()
+    assert run(obj, v4(src="10.1.2.7") / UDP()) == XDP_PASS  # the program lost them
+    maps.set_deny(nets)
+    _assert_exact(obj, maps, nets)
+
+
 def test_deny_random_mix_and_changes(guard):
     """Random v4 /8../32 and v6 /20../128 prefixes, then a change that keeps half, drops
     half and adds new ones: the program agrees with CIDR membership after each."""
