@@ -5,7 +5,9 @@
 
 xdp_guard: BPF_PROG_TEST_RUN with `repeat`, the kernel's own per-run average (ns), with
 10,000 random IPv4 deny prefixes (/16../32) and 10,000 IPv6 ones loaded. Target: <= 100
-ns/packet. "floor" is an ARP frame (no lookups): the harness's own cost per run.
+ns/packet. "floor" is an ARP frame (no lookups): the harness's own cost per run. The
+deny packets are ACKs (the deny path alone); v4-syn-limited is the SYN rate-limit path.
+bench/xdp_deny.py measures the deny path over whole prefix mixes (and A/B).
 
 splice: one TCP connection through a relay process (`python -m aiproxy.kernel.splice`)
 carrying N MiB each way at once, spliced in the kernel vs copied in user space. Reports
@@ -65,7 +67,7 @@ def guard_with_prefixes(n4: int = 10_000, n6: int = 10_000, seed: int = 7):
     maps.sync(KernelConfig(syn_rate_per_source=1_000_000, syn_burst=1_000_000,
                            syn_ports=(443,)))
     maps.set_deny(sorted(nets4, key=str) + sorted(nets6, key=str))
-    # A source in a /24 that holds a deny prefix, but outside the prefix: LPM walk, no hit.
+    # A source in a /24 that holds a deny prefix, but outside the prefix: no hit.
     host = next(n for n in sorted(nets4, key=str) if n.prefixlen == 32)
     near_src = str(host.network_address + (1 if int(host.network_address) & 1 == 0 else -1))
     return obj, maps, len(nets4), len(nets6), (near_src, str(host.network_address))
@@ -84,11 +86,14 @@ def guard_packets(sources: tuple[str, str]) -> dict[str, bytes]:
         "v4-ack-miss": bytes(eth / IP(src=ok4, dst="10.0.0.1") / TCP(dport=443, flags="A")
                              / (b"x" * 64)),
         "v4-syn-limited": bytes(eth / IP(src=ok4, dst="10.0.0.1") / TCP(dport=443, flags="S")),
-        "v4-deny-hit": bytes(eth / IP(src="192.0.2.77", dst="10.0.0.1") / TCP(dport=443)),
-        "v4-deny-hit-32": bytes(eth / IP(src=host_src, dst="10.0.0.1") / TCP(dport=443)),
-        "v4-near-hit": bytes(eth / IP(src=near_src, dst="10.0.0.1") / TCP(dport=443)),
+        "v4-deny-hit": bytes(eth / IP(src="192.0.2.77", dst="10.0.0.1")
+                             / TCP(dport=443, flags="A")),
+        "v4-deny-hit-32": bytes(eth / IP(src=host_src, dst="10.0.0.1")
+                                / TCP(dport=443, flags="A")),
+        "v4-near-hit": bytes(eth / IP(src=near_src, dst="10.0.0.1") / TCP(dport=443, flags="A")),
         "v6-ack-miss": bytes(eth / IPv6(src=ok6, dst="fd00::2") / TCP(dport=443, flags="A")),
-        "v6-deny-hit": bytes(eth / IPv6(src="2001:db8:bad::1", dst="fd00::2") / TCP(dport=443)),
+        "v6-deny-hit": bytes(eth / IPv6(src="2001:db8:bad::1", dst="fd00::2")
+                             / TCP(dport=443, flags="A")),
     }
 
 

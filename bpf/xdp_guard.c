@@ -1,12 +1,23 @@
 // SPDX-License-Identifier: GPL-2.0
 /* xdp_guard: the cheapest decisions, taken before the kernel builds an skb.
  *
- *  1. Source deny list: IPv4 and IPv6 LPM tries (guard_deny_v4 / guard_deny_v6).
- *     Applies to every IP packet of a denied source, fragments included. IPv4
- *     lookups are pre-filtered by guard_v4_summary (one bit per /24 that some prefix
- *     overlaps) and short-cut by guard_v4_full (one bit per /24 a prefix covers
- *     whole); user space keeps both in step with the trie. Only sources in a /24
- *     that a longer prefix (/25../32) touches walk the trie.
+ *  1. Source deny list, exact CIDR semantics, without an LPM walk on the hot path:
+ *     IPv4: guard_v4_summary has one bit per /24 that some prefix overlaps (clear:
+ *     pass), guard_v4_full one bit per /24 a prefix of /24 or shorter covers whole
+ *     (set: deny), and guard_v4_hosts, for a /24 that /25../32 prefixes touch, the
+ *     256 bits of its addresses they cover, found through guard_v4_slots (an array
+ *     in front of the hash). Three array lookups, a hash one only on slot clashes.
+ *     IPv6: guard_v6_slots (an array in front of the guard_v6_top hash) lets most
+ *     sources pass after one array lookup; guard_v6_top[first /32] says "all
+ *     denied", or holds the one or two prefixes there, or which lengths (33..128)
+ *     to probe in the guard_v6_exact hash with the source masked to each; a /32
+ *     with too many distinct lengths walks the guard_deny_v6 trie instead. A source
+ *     whose /32 has no entry is looked up in guard_deny_v6_short (prefixes shorter
+ *     than /32) when that holds any.
+ *     guard_deny_v4 / guard_deny_v6 are the LPM tries of every configured prefix:
+ *     the record user space keeps the other maps in step with (and the fallback
+ *     for crowded IPv6 /32s). Applies to every IP packet of a denied source,
+ *     fragments included.
  *  2. New-connection rate limit: a TCP SYN without ACK to a port in guard_ports
  *     takes a token from the source's bucket (guard_buckets, LRU); no token, drop.
  *     Rate and burst live in guard_settings[0] and can change at run time.
@@ -47,7 +58,7 @@ struct {
 } guard_v4_summary SEC(".maps");
 
 /* One bit per /24 that a deny prefix of /24 or shorter covers entirely: a source
- * there is denied without walking the trie. */
+ * there is denied without looking further. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__type(key, __u32);
@@ -56,12 +67,63 @@ struct {
 } guard_v4_full SEC(".maps");
 
 struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct guard_v4_hosts);
+	__uint(max_entries, GUARD_MAX_V4_HOSTS);
+} guard_v4_hosts SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct guard_v4_slot);
+	__uint(max_entries, GUARD_SLOTS);
+} guard_v4_slots SEC(".maps");
+
+struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__type(key, struct guard_v6_key);
 	__type(value, __u32);
 	__uint(max_entries, GUARD_MAX_DENY_V6);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } guard_deny_v6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct guard_v6_key);
+	__type(value, __u32);
+	__uint(max_entries, GUARD_MAX_DENY_V6);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} guard_deny_v6_short SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct guard_v6_slot);
+	__uint(max_entries, GUARD_SLOTS);
+} guard_v6_slots SEC(".maps");
+
+/* [0] nonzero when guard_deny_v6_short holds prefixes. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} guard_v6_short_on SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct guard_v6_top);
+	__uint(max_entries, GUARD_MAX_V6_TOPS);
+} guard_v6_top SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct guard_v6_key);
+	__type(value, __u32);
+	__uint(max_entries, GUARD_MAX_V6_EXACT);
+} guard_v6_exact SEC(".maps");
 
 /* Rate-limited destination ports: a 65536-bit bitmap (port p is bit p % 64 of word
  * p / 64). An array lookup is inlined by the verifier; a hash lookup is not free. */
@@ -107,27 +169,121 @@ static __always_inline int verdict(__u32 idx, int action)
 	return action;
 }
 
+static __always_inline int denied_v4(struct iphdr *ip)
+{
+	__u32 saddr = bpf_ntohl(ip->saddr);
+	__u32 top = saddr >> (32 - GUARD_V4_SUMMARY_BITS);
+	__u32 word = top >> 6;
+	struct guard_v4_hosts *h = NULL;
+	struct guard_v4_slot *slot;
+	__u64 *bits = bpf_map_lookup_elem(&guard_v4_summary, &word);
+	__u32 b, idx;
+
+	if (!bits || !(*bits & (1ULL << (top & 63))))
+		return 0;
+	bits = bpf_map_lookup_elem(&guard_v4_full, &word);
+	if (bits && (*bits & (1ULL << (top & 63))))
+		return 1;
+	idx = (top * GUARD_SLOT_HASH_MUL) >> (32 - GUARD_SLOT_BITS);
+	slot = bpf_map_lookup_elem(&guard_v4_slots, &idx);
+	if (!slot)
+		return 0;
+	if (slot->state == GUARD_SLOT_ONE && slot->key == top)
+		h = &slot->hosts;
+	else if (slot->state == GUARD_SLOT_MULTI)
+		h = bpf_map_lookup_elem(&guard_v4_hosts, &top);
+	if (!h)
+		return 0;
+	b = saddr & 255;
+	return (h->bits[b >> 6] >> (b & 63)) & 1;
+}
+
+static __always_inline __u64 mask_hi(__u64 hi, __u32 len)
+{
+	return len >= 64 ? hi : hi & (~0ULL << (64 - len));
+}
+
+static __always_inline __u64 mask_lo(__u64 lo, __u32 len)
+{
+	return len >= 128 ? lo : len <= 64 ? 0 : lo & (~0ULL << (128 - len));
+}
+
+/* A global function: the verifier checks it once, on its own, instead of once per
+ * parse path of every caller (which took seconds to load). Source address as two
+ * host-order halves. */
+__attribute__((noinline)) int guard_denied_v6(__u64 hi, __u64 lo)
+{
+	struct guard_v6_key k = { .prefixlen = 128 };
+	struct guard_v6_top *t;
+	struct guard_v6_slot *slot;
+	__u64 be_hi = bpf_cpu_to_be64(hi), be_lo = bpf_cpu_to_be64(lo), *on;
+	__u32 top, idx, zero = 0;
+	int i;
+
+	__builtin_memcpy(&k.addr[0], &be_hi, 8);
+	__builtin_memcpy(&k.addr[8], &be_lo, 8);
+	__builtin_memcpy(&top, &k.addr[0], 4);
+	idx = (top * GUARD_SLOT_HASH_MUL) >> (32 - GUARD_SLOT_BITS);
+	slot = bpf_map_lookup_elem(&guard_v6_slots, &idx);
+	t = NULL;
+	if (slot && slot->state == GUARD_SLOT_ONE && slot->key == top)
+		t = &slot->top;
+	else if (slot && slot->state == GUARD_SLOT_MULTI)
+		t = bpf_map_lookup_elem(&guard_v6_top, &top);
+	if (!t) {
+		on = bpf_map_lookup_elem(&guard_v6_short_on, &zero);
+		if (!on || !*on)
+			return 0;
+		return bpf_map_lookup_elem(&guard_deny_v6_short, &k) != NULL;
+	}
+	if (t->flags & GUARD_V6_ALL)
+		return 1;
+	if (t->flags & GUARD_V6_TRIE)
+		return bpf_map_lookup_elem(&guard_deny_v6, &k) != NULL;
+	if (t->flags & GUARD_V6_INLINE) {
+#pragma unroll
+		for (i = 0; i < GUARD_V6_INLINE_MAX; i++) {
+			__u32 len;
+
+			if (i >= t->n)
+				break;
+			len = t->len[i];
+			if (mask_hi(hi, len) == t->pfx[i].hi && mask_lo(lo, len) == t->pfx[i].lo)
+				return 1;
+		}
+		return 0;
+	}
+#pragma unroll
+	for (i = 0; i < GUARD_V6_MAX_LENS; i++) {
+		__u32 len;
+		__u64 mh, ml;
+
+		if (i >= t->n)
+			break;
+		len = t->len[i];
+		if (len <= GUARD_V6_SHORT || len > 128)
+			continue;
+		k.prefixlen = len;
+		mh = bpf_cpu_to_be64(mask_hi(hi, len));
+		ml = bpf_cpu_to_be64(mask_lo(lo, len));
+		__builtin_memcpy(&k.addr[0], &mh, 8);
+		__builtin_memcpy(&k.addr[8], &ml, 8);
+		if (bpf_map_lookup_elem(&guard_v6_exact, &k))
+			return 1;
+	}
+	return 0;
+}
+
 static __always_inline int denied(struct pkt *p)
 {
-	if (p->ip4) {
-		struct guard_v4_key k = { .prefixlen = 32 };
-		__u32 top = bpf_ntohl(p->ip4->saddr) >> (32 - GUARD_V4_SUMMARY_BITS);
-		__u32 word = top >> 6;
-		__u64 *bits = bpf_map_lookup_elem(&guard_v4_summary, &word);
-
-		if (!bits || !(*bits & (1ULL << (top & 63))))
-			return 0;
-		bits = bpf_map_lookup_elem(&guard_v4_full, &word);
-		if (bits && (*bits & (1ULL << (top & 63))))
-			return 1;
-		__builtin_memcpy(k.addr, &p->ip4->saddr, 4);
-		return bpf_map_lookup_elem(&guard_deny_v4, &k) != NULL;
-	}
+	if (p->ip4)
+		return denied_v4(p->ip4);
 	if (p->ip6) {
-		struct guard_v6_key k = { .prefixlen = 128 };
+		__u64 hi, lo;
 
-		__builtin_memcpy(k.addr, &p->ip6->saddr, 16);
-		return bpf_map_lookup_elem(&guard_deny_v6, &k) != NULL;
+		__builtin_memcpy(&hi, &p->ip6->saddr.in6_u.u6_addr8[0], 8);
+		__builtin_memcpy(&lo, &p->ip6->saddr.in6_u.u6_addr8[8], 8);
+		return guard_denied_v6(bpf_be64_to_cpu(hi), bpf_be64_to_cpu(lo));
 	}
 	return 0;
 }
@@ -158,9 +314,8 @@ static __always_inline int take_token(struct pkt *p)
 			__builtin_memset(&src.addr[8], 0, 8);
 	}
 
-	/* Coarse time (jiffies resolution) is enough for a bucket refilled by elapsed
-	 * time, and several times cheaper than bpf_ktime_get_ns() in a VM. */
-	now = bpf_ktime_get_coarse_ns();
+	/* Jiffies resolution is enough for a bucket refilled by elapsed time. */
+	now = s->jiffy_ns ? bpf_jiffies64() * s->jiffy_ns : bpf_ktime_get_coarse_ns();
 	b = bpf_map_lookup_elem(&guard_buckets, &src);
 	if (!b) {
 		struct guard_bucket fresh = { .tokens = cap - GUARD_TOKEN_SCALE, .stamp_ns = now };

@@ -9,6 +9,12 @@
     kernel.apply_policy_cidrs()      # then this in a thread
     kernel.stop()                    # detach everything, unload
 
+With ``pin_dir`` (worker 0 under a supervisor: proxy_pin_dir(supervisor pid)) the XDP/TC
+maps are pinned in bpffs, so a restarted worker 0 takes over the deny list, counters
+and rate buckets of the one that died, and replaces its still-attached programs in
+place. stop() removes the pins; release_orphaned() is the supervisor's clean-up when
+worker 0 could not stop itself.
+
 XDP/TC (``interfaces``) are an explicit request: failing to load or attach them is an
 error at start. ``splice_tunnels`` is an optimisation: when the kernel path is not
 available (not root, bpf() refused, objects not built) or cannot apply (a TLS
@@ -24,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from aiproxy.config.schema import KernelConfig
@@ -39,14 +47,60 @@ if TYPE_CHECKING:
 log = logging.getLogger("aiproxy.kernel")
 
 
+PIN_ROOT = "/sys/fs/bpf/aiproxy"  # manager.PIN_ROOT (not imported: the supervisor stays light)
+
+
+def proxy_pin_dir(owner_pid: int) -> str:
+    """Where worker 0 of the proxy supervised by ``owner_pid`` pins its maps."""
+    return os.path.join(PIN_ROOT, f"proxy-{owner_pid}")
+
+
+def release_orphaned(interfaces: Iterable[str], pin_dir: str) -> bool:
+    """After every worker has exited: if ``pin_dir`` is still there, worker 0 died
+    without detaching (SIGKILL), so detach XDP/TC from ``interfaces`` and drop the
+    pins. True when there was something to clean up."""
+    if not os.path.isdir(pin_dir):
+        return False
+    from . import attach
+    from .manager import remove_pins
+
+    interfaces = sorted(interfaces)
+    for ifname in interfaces:
+        try:
+            attach.detach_xdp(ifname)
+            for direction in attach.TC_PARENTS:
+                attach.detach_tc(ifname, direction)
+        except BPFError as exc:
+            log.warning("kernel: detaching what worker 0 left on %s: %s", ifname, exc)
+    remove_pins(pin_dir)
+    log.info("kernel: detached what worker 0 left attached on %s",
+             ", ".join(interfaces) or "no interface")
+    return True
+
+
+def remove_stale_pins() -> None:
+    """Drop pin directories of supervisors that are gone (killed without a stop)."""
+    try:
+        names = os.listdir(PIN_ROOT)
+    except OSError:
+        return
+    from .manager import remove_pins
+
+    for name in names:
+        pid = name.removeprefix("proxy-")
+        if name.startswith("proxy-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            remove_pins(os.path.join(PIN_ROOT, name))
+
+
 class KernelStartError(Exception):
     """The configured kernel fast paths cannot be loaded or attached (message says why:
     the program, the interface, the verifier log)."""
 
 
 class ProxyKernel:
-    def __init__(self, source: str = "") -> None:
+    def __init__(self, source: str = "", pin_dir: str | None = None) -> None:
         self.source = source
+        self.pin_dir = pin_dir  # maps pinned here (worker 0 under a supervisor)
         self.cfg = KernelConfig()
         self.fast: KernelFastPaths | None = None
         self.splicer: Splicer | None = None
@@ -80,6 +134,7 @@ class ProxyKernel:
             elif fast is not None and not cfg.interfaces:
                 fast.stop()
                 self.fast = None
+                self._unpin()
             elif fast is not None:
                 try:
                     fast.reload(self._with_policy(cfg))
@@ -131,6 +186,7 @@ class ProxyKernel:
             if self.fast is not None:
                 self.fast.stop()
                 self.fast = None
+            self._unpin()
         if self.splicer is not None:
             self.splicer.close()
             self.splicer = None
@@ -142,10 +198,16 @@ class ProxyKernel:
             else:
                 watch.close()
 
+    def _unpin(self) -> None:
+        if self.pin_dir is not None:
+            from .manager import remove_pins
+
+            remove_pins(self.pin_dir)
+
     def _start_fast(self, cfg: KernelConfig) -> KernelFastPaths:
         from .manager import KernelFastPaths
 
-        fast = KernelFastPaths(cfg)
+        fast = KernelFastPaths(cfg, pin_dir=self.pin_dir)
         try:
             attached = fast.start()
         except (BPFError, ValueError) as exc:
@@ -220,4 +282,5 @@ class ProxyKernel:
                 "bytes": self.spliced_bytes + live, "active": active}
 
 
-__all__ = ["ProxyKernel", "KernelStartError"]
+__all__ = ["ProxyKernel", "KernelStartError", "proxy_pin_dir", "release_orphaned",
+           "remove_stale_pins"]

@@ -7,12 +7,16 @@ the old and the new config would be for entries present in both.
 
 from __future__ import annotations
 
-import ctypes
+import functools
+import gzip
 import ipaddress
+import os
+import time
 from collections.abc import Iterable, Sequence
 
 from aiproxy.config.schema import KernelConfig, TrafficClass
 
+from . import deny
 from .libbpf import BpfObject, Map
 from .structs import (
     CLASS_SET_DSCP,
@@ -23,17 +27,61 @@ from .structs import (
     ClassInfo,
     ClassStats,
     GuardSettings,
-    GuardV4Key,
-    GuardV6Key,
 )
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-GUARD_MAPS = ("guard_deny_v4", "guard_deny_v6", "guard_v4_summary", "guard_v4_full",
-              "guard_ports",
-              "guard_settings", "guard_counters")
+GUARD_MAPS = (*deny.DENY_MAPS, "guard_ports", "guard_settings", "guard_counters")
 CLASSIFY_MAPS = ("class_ports", "class_sigs", "class_info", "class_stats")
-SUMMARY_BITS = 24  # bpf/include/guard.h: GUARD_V4_SUMMARY_BITS
+
+
+KNOWN_HZ = (100, 250, 300, 1000)
+
+
+@functools.cache
+def jiffy_ns() -> int:
+    """Nanoseconds per jiffy of the running kernel (1e9 / CONFIG_HZ), 0 if unknown.
+
+    From the kernel config when it is published, else measured from two readings of
+    /proc/timer_list (jiffies and the clock) 50 ms apart, rounded to a known HZ."""
+    hz = _config_hz()
+    if hz is None:
+        try:
+            (j0, t0), _, (j1, t1) = _timer_list(), time.sleep(0.05), _timer_list()
+            rate = (j1 - j0) * 1e9 / (t1 - t0)
+            hz = min(KNOWN_HZ, key=lambda h: abs(h - rate))
+            if abs(hz - rate) > hz * 0.1:
+                hz = None
+        except (OSError, ValueError, ZeroDivisionError):
+            hz = None
+    return 1_000_000_000 // hz if hz else 0
+
+
+def _config_hz() -> int | None:
+    for path in ("/proc/config.gz", f"/boot/config-{os.uname().release}"):
+        try:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt") as fh:
+                for line in fh:
+                    if line.startswith("CONFIG_HZ="):
+                        return int(line.split("=", 1)[1])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _timer_list() -> tuple[int, int]:
+    now = jiffies = None
+    with open("/proc/timer_list") as fh:
+        for line in fh:
+            if now is None and line.startswith("now at "):
+                now = int(line.split()[2])
+            elif line.startswith("jiffies: "):
+                jiffies = int(line.split()[1])
+                break
+    if now is None or jiffies is None:
+        raise ValueError("no clock in /proc/timer_list")
+    return jiffies, now
 
 
 def _u32(value: int) -> bytes:
@@ -46,40 +94,6 @@ def _u16(value: int) -> bytes:
 
 def _u64(raw: bytes) -> int:
     return int.from_bytes(raw[:8], "little")
-
-
-def v4_key(net: ipaddress.IPv4Network) -> bytes:
-    return bytes(GuardV4Key(net.prefixlen, (ctypes.c_uint8 * 4)(*net.network_address.packed)))
-
-
-def v6_key(net: ipaddress.IPv6Network) -> bytes:
-    return bytes(GuardV6Key(net.prefixlen, (ctypes.c_uint8 * 16)(*net.network_address.packed)))
-
-
-def summary_words(nets: Iterable[ipaddress.IPv4Network]) -> dict[int, int]:
-    """guard_v4_summary contents: word index -> bits, one bit per /24 a prefix overlaps."""
-    words: dict[int, int] = {}
-    shift = 32 - SUMMARY_BITS
-    for net in nets:
-        first = int(net.network_address) >> shift
-        last = int(net.broadcast_address) >> shift
-        for word in range(first >> 6, (last >> 6) + 1):
-            lo = max(first, word << 6) & 63
-            hi = min(last, (word << 6) | 63) & 63
-            words[word] = words.get(word, 0) | (((1 << (hi - lo + 1)) - 1) << lo)
-    return words
-
-
-def _raise_bits(m: Map, old: dict[int, int], new: dict[int, int]) -> None:
-    for i, bits in new.items():
-        if old.get(i, 0) | bits != old.get(i, 0):
-            m.update(_u32(i), (old.get(i, 0) | bits).to_bytes(8, "little"))
-
-
-def _lower_bits(m: Map, old: dict[int, int], new: dict[int, int]) -> None:
-    for i in set(old) | set(new):
-        if new.get(i, 0) != old.get(i, 0) | new.get(i, 0):
-            m.update(_u32(i), new.get(i, 0).to_bytes(8, "little"))
 
 
 def _sync_set(m: Map, wanted: dict[bytes, bytes]) -> tuple[int, int]:
@@ -107,7 +121,7 @@ def _percpu_sum(values: Sequence[bytes] | None, offset: int = 0) -> int:
 
 
 class GuardMaps:
-    """xdp_guard's maps: deny tries (+ the /24 summary), SYN ports and rate, counters."""
+    """xdp_guard's maps: deny list (aiproxy.kernel.deny), SYN ports and rate, counters."""
 
     def __init__(self, maps: dict[str, Map]) -> None:
         missing = [name for name in GUARD_MAPS if name not in maps]
@@ -127,27 +141,7 @@ class GuardMaps:
         }
 
     def set_deny(self, nets: Iterable[Network]) -> dict[str, int]:
-        nets = list(nets)
-        v4 = [n for n in nets if n.version == 4]
-        v6 = [n for n in nets if n.version == 6]
-        trie4 = self.maps["guard_deny_v4"]
-        old_nets = [ipaddress.IPv4Network((bytes(key[4:8]), int.from_bytes(key[:4], "little")))
-                    for key in trie4.keys()]
-        old_any, new_any = summary_words(old_nets), summary_words(v4)
-        old_full = summary_words(n for n in old_nets if n.prefixlen <= SUMMARY_BITS)
-        new_full = summary_words(n for n in v4 if n.prefixlen <= SUMMARY_BITS)
-        # Order makes a change take effect "at once" without a moment of wrong answers:
-        # bits go up before the trie grows (a set "any" bit only costs a lookup, a set
-        # "full" bit denies what is being added anyway); "full" bits come down before the
-        # trie shrinks (the trie still denies until then), "any" bits after it.
-        _raise_bits(self.maps["guard_v4_summary"], old_any, new_any)
-        _raise_bits(self.maps["guard_v4_full"], old_full, new_full)
-        _lower_bits(self.maps["guard_v4_full"], old_full, new_full)
-        a4, r4 = _sync_set(trie4, {v4_key(n): _u32(1) for n in v4})
-        a6, r6 = _sync_set(self.maps["guard_deny_v6"], {v6_key(n): _u32(1) for n in v6})
-        _lower_bits(self.maps["guard_v4_summary"], old_any, new_any)
-        return {"deny_v4": len(v4), "deny_v6": len(v6), "deny_changed": a4 + a6,
-                "deny_removed": r4 + r6}
+        return deny.apply(self.maps, nets)
 
     def set_syn_limit(self, rate: int, burst: int, ports: Iterable[int]) -> dict[str, int]:
         ports = sorted(set(ports)) if rate else []
@@ -160,7 +154,7 @@ class GuardMaps:
             want = words.get(i, 0).to_bytes(8, "little")
             if raw != want:
                 bitmap.update(_u32(i), want)
-        settings = GuardSettings(rate, max(burst or rate, 1) if rate else 0)
+        settings = GuardSettings(rate, max(burst or rate, 1) if rate else 0, jiffy_ns())
         self.maps["guard_settings"].update(_u32(0), bytes(settings))
         return {"syn_ports": len(ports), "syn_rate": rate}
 

@@ -28,6 +28,41 @@ class GuardV6Key(ctypes.Structure):
     _fields_ = [("prefixlen", ctypes.c_uint32), ("addr", ctypes.c_uint8 * 16)]
 
 
+GUARD_V6_MAX_LENS = 6
+GUARD_V6_INLINE_MAX = 2
+GUARD_V6_ALL = 0x1
+GUARD_V6_TRIE = 0x2
+GUARD_V6_INLINE = 0x4
+GUARD_SLOT_BITS = 16
+GUARD_SLOT_HASH_MUL = 2654435761
+GUARD_SLOT_EMPTY = 0
+GUARD_SLOT_ONE = 1
+GUARD_SLOT_MULTI = 2
+
+
+class GuardV4Hosts(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_uint64 * 4)]
+
+
+class GuardV6Pfx(ctypes.Structure):
+    _fields_ = [("hi", ctypes.c_uint64), ("lo", ctypes.c_uint64)]
+
+
+class GuardV6Top(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_uint8), ("flags", ctypes.c_uint8),
+                ("len", ctypes.c_uint8 * GUARD_V6_MAX_LENS),
+                ("pfx", GuardV6Pfx * GUARD_V6_INLINE_MAX)]
+
+
+class GuardV4Slot(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_uint32), ("state", ctypes.c_uint32),
+                ("hosts", GuardV4Hosts)]
+
+
+class GuardV6Slot(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_uint32), ("state", ctypes.c_uint32), ("top", GuardV6Top)]
+
+
 class GuardSrc(ctypes.Structure):
     _fields_ = [("addr", ctypes.c_uint8 * 16)]
 
@@ -37,7 +72,8 @@ class GuardBucket(ctypes.Structure):
 
 
 class GuardSettings(ctypes.Structure):
-    _fields_ = [("syn_rate", ctypes.c_uint32), ("syn_burst", ctypes.c_uint32)]
+    _fields_ = [("syn_rate", ctypes.c_uint32), ("syn_burst", ctypes.c_uint32),
+                ("jiffy_ns", ctypes.c_uint32), ("_pad", ctypes.c_uint32)]
 
 
 # -- bpf/include/classify.h -------------------------------------------------------------
@@ -71,6 +107,11 @@ class SplicePeer(ctypes.Structure):
 MIRRORS: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "guard_v4_key": ("guard.h", GuardV4Key),
     "guard_v6_key": ("guard.h", GuardV6Key),
+    "guard_v4_hosts": ("guard.h", GuardV4Hosts),
+    "guard_v6_pfx": ("guard.h", GuardV6Pfx),
+    "guard_v6_top": ("guard.h", GuardV6Top),
+    "guard_v4_slot": ("guard.h", GuardV4Slot),
+    "guard_v6_slot": ("guard.h", GuardV6Slot),
     "guard_src": ("guard.h", GuardSrc),
     "guard_bucket": ("guard.h", GuardBucket),
     "guard_settings": ("guard.h", GuardSettings),
@@ -87,6 +128,15 @@ CONSTANTS: dict[str, tuple[str, int]] = {
     "GUARD_DROPPED_RATELIMIT": ("guard.h", GUARD_DROPPED_RATELIMIT),
     "GUARD_DROPPED_MALFORMED": ("guard.h", GUARD_DROPPED_MALFORMED),
     "GUARD_MALFORMED": ("guard.h", GUARD_MALFORMED),
+    "GUARD_V6_MAX_LENS": ("guard.h", GUARD_V6_MAX_LENS),
+    "GUARD_V6_ALL": ("guard.h", GUARD_V6_ALL),
+    "GUARD_V6_TRIE": ("guard.h", GUARD_V6_TRIE),
+    "GUARD_V6_INLINE": ("guard.h", GUARD_V6_INLINE),
+    "GUARD_V6_INLINE_MAX": ("guard.h", GUARD_V6_INLINE_MAX),
+    "GUARD_SLOT_BITS": ("guard.h", GUARD_SLOT_BITS),
+    "GUARD_SLOT_HASH_MUL": ("guard.h", GUARD_SLOT_HASH_MUL),
+    "GUARD_SLOT_ONE": ("guard.h", GUARD_SLOT_ONE),
+    "GUARD_SLOT_MULTI": ("guard.h", GUARD_SLOT_MULTI),
     "CLASSIFY_MAX_CLASSES": ("classify.h", CLASSIFY_MAX_CLASSES),
     "CLASS_SET_PRIORITY": ("classify.h", CLASS_SET_PRIORITY),
     "CLASS_SET_DSCP": ("classify.h", CLASS_SET_DSCP),

@@ -85,6 +85,8 @@ class Supervisor:
         self.text = text
         self.log_level = log_level
         self.slots = [WorkerSlot(i) for i in range(config.server.workers)]
+        # every [kernel] interface worker 0 may have attached to (union over reloads)
+        self.kernel_interfaces: set[str] = set(config.kernel.interfaces)
         self.mp = forkserver.context()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping = False
@@ -125,6 +127,10 @@ class Supervisor:
                 await self.admin.stop()
                 return 1
             log.info("admin API on %s", admin.address)
+        if self.kernel_interfaces:
+            from aiproxy.kernel.lifecycle import remove_stale_pins
+
+            remove_stale_pins()
         self.startup = loop.create_future()
         for slot in self.slots:
             self.spawn(slot)
@@ -136,6 +142,7 @@ class Supervisor:
         elif code != 0:
             log.error("a worker failed to start; stopping")
             await self.stop_workers(0)
+            await self._release_kernel()
             await self._stop_admin()
             return code
         else:
@@ -153,9 +160,24 @@ class Supervisor:
         drain = self.config.server.drain_timeout_ms / 1000
         log.info("stopping: workers drain for up to %.0f ms", drain * 1000)
         await self.stop_workers(drain + STOP_MARGIN)
+        await self._release_kernel()
         await self._stop_admin()
         log.info("stopped")
         return 0
+
+    async def _release_kernel(self) -> None:
+        """Worker 0 detaches [kernel] XDP/TC when it stops; if it was SIGKILLed instead,
+        its programs are still attached: detach them here, once every worker is gone."""
+        if not self.kernel_interfaces:
+            return
+        from aiproxy.kernel.lifecycle import proxy_pin_dir, release_orphaned
+
+        assert self.loop is not None
+        try:
+            await self.loop.run_in_executor(None, release_orphaned, self.kernel_interfaces,
+                                            proxy_pin_dir(os.getpid()))
+        except Exception as exc:  # never fail the stop over this
+            log.warning("kernel: clean-up after worker 0: %s", exc)
 
     async def _stop_admin(self) -> None:
         if self.admin is not None:
@@ -168,7 +190,8 @@ class Supervisor:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         process = self.mp.Process(
             target=_worker_main, name=f"aiproxy-worker-{slot.index}", daemon=False,
-            args=(slot.index, theirs, self.text, self.config.source, self.log_level))
+            args=(slot.index, theirs, self.text, self.config.source, self.log_level,
+                  os.getpid()))
         try:
             process.start()
         except OSError as exc:
@@ -309,6 +332,7 @@ class Supervisor:
                 notes.append("listener, admin and workers changes take effect on restart")
                 log.warning("reload: %s", notes[-1])
             self.config = config
+            self.kernel_interfaces |= set(config.kernel.interfaces)
             self.text = text
             self.reloads += 1
             self.last_reload_ok = 1

@@ -18,6 +18,7 @@ import uvloop
 from aiproxy.admin.server import LocalBackend, describe_clusters, describe_routes
 from aiproxy.config import Config, load_config_text
 from aiproxy.governance.tracing import trace_spans
+from aiproxy.kernel.lifecycle import proxy_pin_dir
 from aiproxy.server.app import ProxyServer, start_server, stop_event, worker_config
 from aiproxy.server.channel import Channel
 from aiproxy.telemetry.aggregate import snapshot
@@ -28,23 +29,28 @@ log = logging.getLogger("aiproxy.server")
 SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
-def main(slot: int, sock: socket.socket, text: str, source: str, log_level: int) -> None:
+def main(slot: int, sock: socket.socket, text: str, source: str, log_level: int,
+         owner_pid: int | None = None) -> None:
     """multiprocessing target; the exit code tells the supervisor how it went
-    (0 stopped, 1 cannot bind, 2 bad model)."""
+    (0 stopped, 1 cannot bind, 2 bad model). ``owner_pid``: the supervisor's pid, which
+    names worker 0's bpffs pins (so its restart finds them)."""
     for name in SYSTEMD_VARS:
         os.environ.pop(name, None)
     logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {slot}]: %(message)s")
     config = load_config_text(text, source)  # the supervisor validated this text
-    sys.exit(uvloop.run(serve_worker(config, sock, slot)))
+    sys.exit(uvloop.run(serve_worker(config, sock, slot, owner_pid)))
 
 
-async def serve_worker(config: Config, sock: socket.socket, slot: int) -> int:
+async def serve_worker(config: Config, sock: socket.socket, slot: int,
+                       owner_pid: int | None = None) -> int:
     loop = asyncio.get_running_loop()
 
     def setup(server: ProxyServer) -> None:
         server.worker_slot = slot
         server.kernel_attach = slot == 0
+        if slot == 0 and owner_pid is not None:
+            server.kernel.pin_dir = proxy_pin_dir(owner_pid)
 
     server = await start_server(worker_config(config, slot), setup, reuse_port=True,
                                 serve_admin=False)

@@ -11,6 +11,10 @@
 
 #define GUARD_MAX_DENY_V4 65536    /* LPM trie capacity (IPv4 deny prefixes) */
 #define GUARD_MAX_DENY_V6 65536    /* LPM trie capacity (IPv6 deny prefixes) */
+#define GUARD_MAX_V4_HOSTS 65536   /* /24s holding a /25../32 deny prefix */
+#define GUARD_MAX_V6_TOPS 65536    /* /32s holding a /32../128 deny prefix */
+#define GUARD_MAX_V6_EXACT 65536   /* (length, masked address) of /33../128 prefixes */
+#define GUARD_V6_SHORT 32          /* prefixes shorter than this go to guard_deny_v6_short */
 #define GUARD_PORT_WORDS 1024      /* guard_ports: bitmap of 65536 ports */
 #define GUARD_MAX_BUCKETS 131072   /* LRU of per-source token buckets */
 
@@ -20,12 +24,69 @@
 #define GUARD_V4_SUMMARY_BITS 24
 #define GUARD_V4_SUMMARY_WORDS (1 << (GUARD_V4_SUMMARY_BITS - 6))
 
+/* guard_v4_hosts[/24 in host order, i.e. saddr >> 8]: one bit per address of that /24
+ * that a /25../32 deny prefix covers (bit b of word b / 64 for last octet b). */
+struct guard_v4_hosts {
+	__u64 bits[4];
+};
+
+/* guard_v6_top[first 4 bytes of the address, as read from the packet]: the deny
+ * prefixes of length >= 32 under that /32, in one of four forms (flags):
+ *  GUARD_V6_ALL     the whole /32 is denied (a /32 or a shorter prefix covers it);
+ *  GUARD_V6_INLINE  the `n` (<= GUARD_V6_INLINE_MAX) prefixes are here: len[i] and
+ *                   pfx[i] (the masked address as two host-order u64s);
+ *  0                `n` (<= GUARD_V6_MAX_LENS) distinct lengths in len[], each probed
+ *                   in guard_v6_exact with the source masked to it;
+ *  GUARD_V6_TRIE    more lengths than that: walk guard_deny_v6 (the full trie). */
+#define GUARD_V6_MAX_LENS 6
+#define GUARD_V6_INLINE_MAX 2
+#define GUARD_V6_ALL 0x1
+#define GUARD_V6_TRIE 0x2
+#define GUARD_V6_INLINE 0x4
+struct guard_v6_pfx {
+	__u64 hi;
+	__u64 lo;
+};
+
+struct guard_v6_top {
+	__u8 n;
+	__u8 flags;
+	__u8 len[GUARD_V6_MAX_LENS];
+	struct guard_v6_pfx pfx[GUARD_V6_INLINE_MAX];
+};
+
+/* Direct-mapped slots in front of guard_v4_hosts and guard_v6_top: an array lookup is
+ * inlined by the verifier, a hash lookup costs ~30 ns. A key (the /24 as in
+ * guard_v4_hosts, the /32 as in guard_v6_top) has slot
+ * (key * GUARD_SLOT_HASH_MUL) >> (32 - GUARD_SLOT_BITS). A slot is EMPTY when no key
+ * of the map has it, ONE (with that key and its value) when exactly one has, MULTI
+ * when several have: then the hash map decides. */
+#define GUARD_SLOT_BITS 16
+#define GUARD_SLOTS (1 << GUARD_SLOT_BITS)
+#define GUARD_SLOT_HASH_MUL 2654435761u
+#define GUARD_SLOT_EMPTY 0
+#define GUARD_SLOT_ONE 1
+#define GUARD_SLOT_MULTI 2
+
+struct guard_v4_slot {
+	__u32 key;
+	__u32 state;
+	struct guard_v4_hosts hosts;
+};
+
+struct guard_v6_slot {
+	__u32 key;
+	__u32 state;
+	struct guard_v6_top top;
+};
+
 /* One token = GUARD_TOKEN_SCALE units; a bucket refills `syn_rate` units per ns. */
 #define GUARD_TOKEN_SCALE 1000000000ULL
 #define GUARD_MAX_RATE 1000000          /* syn_rate and syn_burst limit (config checks it) */
 #define GUARD_MAX_ELAPSED_NS 10000000000ULL /* refill window cap: 10 s */
 
-/* Key of guard_deny_v4: prefix length in bits, then the address in network order. */
+/* Key of guard_deny_v4 (and guard_v6_exact): prefix length in bits, then the address
+ * in network order (masked to the length). */
 struct guard_v4_key {
 	__u32 prefixlen;
 	__u8 addr[4];
@@ -44,13 +105,19 @@ struct guard_src {
 
 struct guard_bucket {
 	__u64 tokens;   /* in 1/GUARD_TOKEN_SCALE tokens */
-	__u64 stamp_ns; /* bpf_ktime_get_ns() of the last refill */
+	__u64 stamp_ns; /* clock of the last refill (see guard_settings.jiffy_ns) */
 };
 
 /* guard_settings[0]: run-time settings, updated in place on reload. */
 struct guard_settings {
 	__u32 syn_rate;  /* new connections per second per source; 0 = no rate limit */
 	__u32 syn_burst; /* bucket capacity in connections (>= 1 when syn_rate > 0) */
+	/* ns per jiffy (1e9 / CONFIG_HZ): the buckets' clock is jiffies * jiffy_ns, from
+	 * bpf_jiffies64(), which the verifier inlines; 0 = bpf_ktime_get_coarse_ns(), a
+	 * helper call that costs more than the rest of the SYN path in a VM. Both tick
+	 * once per jiffy. */
+	__u32 jiffy_ns;
+	__u32 _pad;
 };
 
 /* Indexes of the per-CPU guard_counters array. passed, dropped_deny,

@@ -111,6 +111,201 @@ def test_deny_changes_between_short_and_long_prefixes(guard):
                for v in _words(obj.map(name)))
 
 
+# -- the deny structures (aiproxy/kernel/deny.py) against a reference ----------------
+
+net = ipaddress.ip_network
+
+
+def _verdicts(obj, sources):
+    out = {}
+    for src in sources:
+        pkt = (v4(src=src) if ":" not in src else v6(src=src)) / UDP(dport=9)
+        out[src] = run(obj, pkt) == XDP_DROP
+    return out
+
+
+def _expected(nets, sources):
+    return {src: any(ipaddress.ip_address(src) in n for n in nets) for src in sources}
+
+
+def _probe_sources(nets, rnd):
+    """Per prefix: its first and last address and the ones just outside it."""
+    out = set()
+    for n in nets:
+        first, last = int(n.network_address), int(n.broadcast_address)
+        top = (1 << n.max_prefixlen) - 1
+        for a in (first, last, first - 1, last + 1,
+                  first + rnd.randrange(n.num_addresses)):
+            if 0 <= a <= top:
+                out.add(str(ipaddress.ip_address(a) if n.version == 4
+                            else ipaddress.IPv6Address(a)))
+    return sorted(out)
+
+
+def _held(obj, name):
+    return set(obj.map(name).keys())
+
+
+def _assert_exact(obj, maps, nets):
+    """Program verdicts match CIDR membership, and the hash maps hold exactly what a
+    fresh layout of `nets` would (a removal leaves nothing behind)."""
+    from aiproxy.kernel import deny
+
+    rnd = __import__("random").Random(len(nets))
+    sources = _probe_sources(nets, rnd) + ["203.0.113.254", "2001:db8:ffff::1", "fd00::7"]
+    assert _verdicts(obj, sources) == _expected(nets, sources)
+    lay = deny.layout(nets)
+    assert {int.from_bytes(k, "little") for k in _held(obj, "guard_v4_hosts")} == set(lay.hosts)
+    assert _held(obj, "guard_v6_top") == set(lay.v6_top)
+    assert _held(obj, "guard_v6_exact") == lay.v6_exact
+    assert _held(obj, "guard_deny_v6_short") == lay.v6_short
+    assert _held(obj, "guard_deny_v4") | _held(obj, "guard_deny_v6") == lay.trie4 | lay.trie6
+    # Slots: every slot this object was ever asked to fill holds its value or nothing.
+    for name, want in (("guard_v4_slots", lay.v4_slots), ("guard_v6_slots", lay.v6_slots)):
+        m = obj.map(name)
+        seen = _slots_seen.setdefault((id(obj), name), set())
+        seen.update(want)
+        busy = {i: raw for i in seen if any(raw := m.lookup(i.to_bytes(4, "little")))}
+        assert busy == want, name
+
+
+_slots_seen: dict[tuple[int, str], set[int]] = {}
+
+
+def _clash(key: int, step: int = 1) -> int:
+    """Another u32 key in the same slot as `key`."""
+    from aiproxy.kernel.deny import slot_of
+
+    other = key + step
+    while slot_of(other) != slot_of(key):
+        other += step
+    return other
+
+
+V4_OVERLAP = [net("10.1.0.0/16"), net("10.1.2.0/24"), net("10.1.2.128/25"), net("10.1.2.7/32"),
+              net("10.2.3.64/26"), net("10.2.3.70/31"), net("10.2.3.200/32"),
+              net("10.2.3.0/24")]
+V6_FORMS = [net(text, strict=False) for text in (
+    "2001:a01:1::/48",                                 # one prefix: inline
+    "2001:a02::/64", "2001:a02:0:1:8000::/65",         # two: inline
+    "2001:a03:1::/48", "2001:a03:2::/64", "2001:a03:3::/56", "2001:a03:4::/56",
+    "2001:a03::1/128",                                 # five, four lengths: probed
+    *(f"2001:a04:{i:x}00::/{40 + 8 * i}" for i in range(10)),  # ten lengths: trie
+    "2001:a05::/32", "2001:a05:5::/48",                # the /32 itself: all
+    "2400::/12", "2400:cafe::/48",                     # shorter than /32, one inside
+    "2a00::/20",                                       # shorter than /32 alone
+)]
+
+
+def test_deny_overlapping_v4(guard):
+    obj, maps = guard
+    maps.set_deny(V4_OVERLAP)
+    _assert_exact(obj, maps, V4_OVERLAP)
+    # Remove the covering /24 and /16: the longer ones inside them still hold.
+    rest = [n for n in V4_OVERLAP if n.prefixlen > 24]
+    maps.set_deny(rest)
+    _assert_exact(obj, maps, rest)
+    assert _verdicts(obj, ["10.2.3.1", "10.2.3.70", "10.1.9.9"]) == {
+        "10.2.3.1": False, "10.2.3.70": True, "10.1.9.9": False}
+
+
+def test_deny_v6_every_form(guard):
+    obj, maps = guard
+    from aiproxy.kernel import deny
+    from aiproxy.kernel.structs import GUARD_V6_ALL, GUARD_V6_INLINE, GUARD_V6_TRIE
+
+    flags = {key.hex(): value[1] for key, value in deny.layout(V6_FORMS).v6_top.items()}
+    assert flags == {"20010a01": GUARD_V6_INLINE, "20010a02": GUARD_V6_INLINE,
+                     "20010a03": 0, "20010a04": GUARD_V6_TRIE, "20010a05": GUARD_V6_ALL,
+                     "2400cafe": GUARD_V6_ALL}
+    maps.set_deny(V6_FORMS)
+    _assert_exact(obj, maps, V6_FORMS)
+    # The same prefixes crowded into one /32 (the trie form), then back, then none.
+    low = (1 << 80) - 1
+    crowded = [net(((0x20010DB8 << 96) | ((int(n.network_address) >> 96) & 0xFFFF) << 80
+                    | int(n.network_address) & low, n.prefixlen), strict=False)
+               for n in V6_FORMS if n.prefixlen >= 48 and str(n).startswith("2001:a0")]
+    assert len({n.prefixlen for n in crowded}) > 6
+    maps.set_deny(crowded)
+    _assert_exact(obj, maps, crowded)
+    maps.set_deny(V6_FORMS)
+    _assert_exact(obj, maps, V6_FORMS)
+    maps.set_deny([])
+    _assert_exact(obj, maps, [])
+
+
+def test_deny_slot_clashes(guard):
+    """Keys sharing a slot go through the hash maps (MULTI); when one goes, the other is
+    answered from the slot again."""
+    obj, maps = guard
+    a4 = int(ipaddress.IPv4Address("10.9.8.0")) >> 8
+    b4 = _clash(a4)
+    a6 = 0x20010B01
+    b6 = _clash(a6)
+    v4a, v4b = (net((k << 8 | 5, 32)) for k in (a4, b4))
+    # guard_v6_top keys are the first 4 address bytes read as a little-endian u32
+    v6a, v6b = (net((int.from_bytes(k.to_bytes(4, "little"), "big") << 96 | 1 << 80, 48))
+                for k in (a6, b6))
+    both = [v4a, v4b, v6a, v6b]
+    maps.set_deny(both)
+    _assert_exact(obj, maps, both)
+    from aiproxy.kernel.deny import layout
+    from aiproxy.kernel.structs import GUARD_SLOT_MULTI
+
+    lay = layout(both)
+    assert [v[4] for v in lay.v4_slots.values()] == [GUARD_SLOT_MULTI]
+    assert [v[4] for v in lay.v6_slots.values()] == [GUARD_SLOT_MULTI]
+    maps.set_deny([v4a, v6b])
+    _assert_exact(obj, maps, [v4a, v6b])
+    maps.set_deny([v4b, v6a])
+    _assert_exact(obj, maps, [v4b, v6a])
+
+
+def test_deny_sync_fills_maps_the_record_does_not_know(guard):
+    """Pinned record tries next to fresh maps (pins from another version): a sync with
+    the same prefixes fills what the program looks at, not just the difference."""
+    obj, maps = guard
+    nets = V4_OVERLAP + V6_FORMS
+    maps.set_deny(nets)
+    lay = __import__("aiproxy.kernel.deny", fromlist=["layout"]).layout(nets)
+    for name, idx in (("guard_v4_summary", lay.summary), ("guard_v4_full", lay.full),
+                      ("guard_v4_slots", lay.v4_slots), ("guard_v6_slots", lay.v6_slots)):
+        m = obj.map(name)
+        for i in idx:
+            m.update(i.to_bytes(4, "little"), bytes(m.value_size))
+    for name in ("guard_v4_hosts", "guard_v6_top", "guard_v6_exact"):
+        obj.map(name).clear()
+    assert run(obj, v4(src="10.1.2.7") / UDP()) == XDP_PASS  # the program lost them
+    maps.set_deny(nets)
+    _assert_exact(obj, maps, nets)
+
+
+def test_deny_random_mix_and_changes(guard):
+    """Random v4 /8../32 and v6 /20../128 prefixes, then a change that keeps half, drops
+    half and adds new ones: the program agrees with CIDR membership after each."""
+    import random
+
+    obj, maps = guard
+    rnd = random.Random(11)
+
+    def some(n):
+        out = set()
+        while len(out) < n:
+            if rnd.random() < 0.5:
+                out.add(net((rnd.getrandbits(32), rnd.randint(8, 32)), strict=False))
+            else:  # a few shared /32s so every IPv6 form shows up
+                base = (0x2001 << 112) | (rnd.randrange(8) << 96) | rnd.getrandbits(96)
+                out.add(net((base, rnd.randint(20, 128)), strict=False))
+        return sorted(out, key=str)
+
+    first = some(120)
+    maps.set_deny(first)
+    _assert_exact(obj, maps, first)
+    second = first[::2] + some(60)
+    maps.set_deny(second)
+    _assert_exact(obj, maps, second)
+
+
 def _words(m):
     return [m.lookup(i.to_bytes(4, "little")) for i in range(0, m.max_entries, 997)]
 
@@ -130,6 +325,26 @@ def test_syn_rate_limit_per_source(guard):
     assert run(obj, v4(src="203.0.113.77") / TCP(dport=443, flags="A")) == XDP_PASS
     assert run(obj, v4(src="203.0.113.77") / TCP(dport=22, flags="S")) == XDP_PASS
     assert maps.counters()["dropped_ratelimit"] == 3
+
+
+@pytest.mark.parametrize("clock", ["jiffies", "ktime"])
+def test_syn_rate_limit_refills_with_time(guard, clock):
+    """The bucket refills from the kernel clock: jiffies * jiffy_ns (what sync sets) or,
+    with jiffy_ns = 0, bpf_ktime_get_coarse_ns()."""
+    import time
+
+    from aiproxy.kernel.maps import jiffy_ns
+    from aiproxy.kernel.structs import GuardSettings
+
+    obj, maps = guard
+    step = jiffy_ns() if clock == "jiffies" else 0
+    if clock == "jiffies" and not step:
+        pytest.skip("this kernel's HZ is unknown: the program uses ktime")
+    maps.maps["guard_settings"].update((0).to_bytes(4, "little"), bytes(GuardSettings(10, 1, step)))
+    syn = v4(src="203.0.113.90") / TCP(dport=443, flags="S")
+    assert [run(obj, syn) for _ in range(3)] == [XDP_PASS, XDP_DROP, XDP_DROP]
+    time.sleep(0.25)  # 10/s: 2.5 tokens, capped at the burst of 1
+    assert [run(obj, syn) for _ in range(2)] == [XDP_PASS, XDP_DROP]
 
 
 def test_syn_rate_limit_v6_and_off(guard):
