@@ -64,7 +64,7 @@ model:
 	  --data $(CLINC150)/train.jsonl --data $(CLINC150)/oos_train.jsonl \
 	  --val $(CLINC150)/val.jsonl --val $(CLINC150)/oos_val.jsonl \
 	  --domains $(CLINC150)/domains.json \
-	  --buckets 32768 --dim 128 --hidden 0 --word-ngrams 3 --char-ngrams 3,5 \
+	  --buckets 16384 --dim 128 --hidden 0 --word-ngrams 3 --char-ngrams 3,5 \
 	  --pooling mean --epochs 10 --batch 32 --lr 0.01 --lr-embed 0.03 --lr-decay 0.1 \
 	  --dropout 0.3 --average-from 4 --no-output-bias --label-smoothing 0.2 --ensemble 3 \
 	  --fold --threshold-target 0.55 --dtype int8 --jobs 2 \
