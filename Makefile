@@ -54,8 +54,9 @@ bpf:
 # The shipped intent model (builtin:clinc150), trained with numpy on the CLINC150 train
 # split plus its out-of-scope rows; the validation split only picks the oos threshold and
 # is recorded in the model's metadata. Same seed, same weights. The settings were compared
-# on a held-out fifth of the train split (README, "Semantic routing"): three members with
-# logits averaged (one folded table at run time, so no slower) and label smoothing 0.2.
+# on a held-out fifth of the train split and on val (README, "Semantic routing"): three
+# members with logits averaged (one folded table at run time, so no slower), label
+# smoothing 0.2, and 16,384 buckets (half the table of 32,768, no less accurate on val).
 CLINC150 ?= ../shared/data/clinc150
 .PHONY: model
 model:
