@@ -212,3 +212,26 @@ def test_ensemble_members_in_processes_give_the_same_weights():
     assert np.array_equal(serial.E, parallel.E) and np.array_equal(serial.W2, parallel.W2)
     a, b = serial.E[:, :16], serial.E[:, 16:32]
     assert not np.allclose(a, b)
+
+
+@pytest.mark.parametrize("feature_dropout", [0.0, 0.5])
+def test_training_batch_matrix_pools_like_forward(feature_dropout):
+    """Training pools a batch as A @ E[u] (A: pooling weights over the batch's distinct
+    ids); without feature dropout that is the forward pass's per-occurrence pooling, and
+    with it each text keeps at least one feature and its weights still sum to one."""
+    from aiproxy.semantic.train import TrainConfig, _batch_matrix, _pool, featurize
+
+    cfg = TrainConfig(buckets=2048, feature_dropout=feature_dropout)
+    texts = [r["text"] for r in _rows(5, 11)] + ["", "a"]
+    ids, w, offsets = featurize(cfg.vectorizer(), texts)
+    E = np.random.default_rng(0).standard_normal((cfg.buckets, 8)).astype(np.float32)
+    rows = np.array([3, 0, len(texts) - 1, len(texts) - 2, 7])
+    u, A = _batch_matrix(ids, w, offsets, rows, cfg, np.random.default_rng(1))
+    assert np.all(np.diff(u) > 0) and A.shape == (len(rows), len(u))
+    assert np.allclose(A.sum(axis=1), 1.0, atol=1e-5)
+    if not feature_dropout:
+        want, _, _, _ = _pool(E, ids, w, offsets, rows)
+        assert np.allclose(A @ E[u], want, atol=1e-5)
+    else:
+        assert ((A > 0).sum(axis=1) >= 1).all()
+        assert (A > 0).sum() < sum(offsets[r + 1] - offsets[r] for r in rows)
