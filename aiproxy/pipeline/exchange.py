@@ -619,8 +619,10 @@ class Exchange:
             extra.append(b"Host: " + pool.endpoint.address.encode() + CRLF)
         if rt.http.x_forwarded:
             drop |= F_XFF | F_XFP
-            extra.append(b"X-Forwarded-For: " + self._xff() + b"\r\nX-Forwarded-Proto: "
-                         + self.down.scheme + CRLF)
+            down = self.down
+            extra.append(b"X-Forwarded-For: "
+                         + (self._xff() if head.has_xff else down.peer)
+                         + b"\r\nX-Forwarded-Proto: " + down.scheme + CRLF)
         if rt.via_line:
             extra.append(rt.via_line)
         if self.intent is not None:
@@ -634,9 +636,10 @@ class Exchange:
             extra.append(b"Content-Length: %d\r\n" % self.body_len)
         elif head.content_length >= 0:
             extra.append(b"Content-Length: %d\r\n" % head.content_length)
-        upgrade = forwarded_upgrade(head.upgrade)
-        if upgrade is not None:
-            extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
+        if head.upgrade is not None:
+            upgrade = forwarded_upgrade(head.upgrade)
+            if upgrade is not None:
+                extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
         start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
         route = self.route
         remove = None

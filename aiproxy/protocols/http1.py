@@ -42,6 +42,7 @@ CRLF = b"\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 P_PIPELINE = 4
 LINGER_SECONDS = 2.0
+SMALL_BODY = 2048  # bodies up to this size are copied behind the head (one write)
 
 
 def valid_h2_settings(value: bytes) -> bool:
@@ -403,7 +404,11 @@ class H1Connection(asyncio.BufferedProtocol):
                 self.transport.writelines((b"%x\r\n" % len(data), data, CRLF))
         elif head:
             self.head_out = b""
-            self.transport.writelines((head, data))
+            if len(data) <= SMALL_BODY:
+                # One buffer: write() is cheaper than writelines() for a small body.
+                self.transport.write(head + data)
+            else:
+                self.transport.writelines((head, data))
         else:
             self.transport.write(data)
 
