@@ -230,7 +230,7 @@ class Exchange:
             self._framing()
             return self.local_reply(501, "CONNECT is not supported by this listener")
         if target[:1] == b"/":
-            if b"#" in target:
+            if target.find(b"#") >= 0:  # not `in`: see needs_normalizing()
                 return self.local_reply(400, "fragment in request target")
             q = target.find(b"?")
             self.path = target if q < 0 else target[:q]
