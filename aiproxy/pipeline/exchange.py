@@ -177,7 +177,8 @@ class Exchange:
         self.up_chunked = False
         # Stage stamps use perf_counter: the loop clock has millisecond resolution.
         self.t_parsed = perf_counter()
-        self.t_start_pc = self.t_parsed - max(0.0, self.loop.time() - now)
+        waited = self.loop.time() - now
+        self.t_start_pc = self.t_parsed - waited if waited > 0.0 else self.t_parsed
         self.t_routed = 0.0
         self.t_connect = 0.0
         self.t_connected = 0.0
@@ -521,7 +522,8 @@ class Exchange:
         if route.prefix_rewrite is not None:
             self.up_target = route.prefix_rewrite + self.up_target[len(route.path_prefix):]
         self.t_routed = perf_counter()
-        self._send_continue()
+        if self.reading_body:
+            self._send_continue()
         if route.model is not None and self._model_body(head):
             if not self.req_done:
                 self.hold = pool  # connect once the whole (small JSON) body is here

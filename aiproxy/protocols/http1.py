@@ -444,7 +444,7 @@ class H1Connection(asyncio.BufferedProtocol):
                 end = b"0\r\n" + b"".join(b"%s: %s\r\n" % t for t in trailers) + CRLF
             self.transport.write(self.head_out + end)
             self.head_out = b""
-        else:
+        elif self.head_out:
             self.flush()
 
     def send_error(self, ex: Exchange, status: int, message: str, code: str | None,
