@@ -230,7 +230,12 @@ class Exchange:
         if method == b"CONNECT":
             self._framing()
             return self.local_reply(501, "CONNECT is not supported by this listener")
-        if target[:1] == b"/":
+        if head.target_plain:
+            # The parser found an origin-form target with nothing to check or normalize.
+            q = head.query_at
+            self.path = target if q < 0 else target[:q]
+            self.up_target = target
+        elif target[:1] == b"/":
             if target.find(b"#") >= 0:  # not `in`: see needs_normalizing()
                 return self.local_reply(400, "fragment in request target")
             q = target.find(b"?")
@@ -240,7 +245,7 @@ class Exchange:
             self.path = self.up_target = b"*"
         elif not self._absolute_form(target):
             return self.local_reply(400, "invalid request target")
-        if needs_normalizing(self.path):
+        if not head.target_plain and needs_normalizing(self.path):
             try:
                 path = normalize_path(self.path)
             except BadPath as exc:
@@ -592,7 +597,7 @@ class Exchange:
             self.decoder = ChunkedDecoder(self.rt.http.max_header_bytes)
             self.reading_body = True
             self.up_chunked = True
-        elif getattr(head, "body_streamed", False):
+        elif head.version == 20 and head.body_streamed:  # HTTP/2 DATA frames follow
             self.req_mode = REQ_STREAM
             self.reading_body = True
             self.up_chunked = head.content_length < 0
