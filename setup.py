@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - build requirement
 DEBUG = os.environ.get("AIPROXY_DEBUG") == "1"
 extra_compile_args = ["-O0", "-g"] if DEBUG else ["-O3"]
 
-FAST_MODULES = ["h1", "intent", "bufpool"]
+FAST_MODULES = ["h1", "intent", "bufpool", "histogram"]
 
 extensions = [
     Extension(

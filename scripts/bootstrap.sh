@@ -4,7 +4,7 @@
 #
 #   scripts/bootstrap.sh          build tools + `pip install -e .`
 #   scripts/bootstrap.sh --lint   the same, with the [test] extras (ruff)
-#   scripts/bootstrap.sh --test   the same, plus nginx, wrk, h2load, haproxy, redis-server
+#   scripts/bootstrap.sh --test   the same, plus nginx, wrk, h2load, haproxy, redis-server, valgrind
 #
 # Debian packages are installed only when their command is missing (apt-get, as root or
 # through sudo). The package is reinstalled into .venv only when pyproject.toml, setup.py or
@@ -72,6 +72,7 @@ if [ "$system_test" -eq 1 ]; then
     need redis-server have redis-server
     need bpftool have bpftool
     need iproute2 have ip
+    need valgrind have callgrind_control  # bench/instr_per_request.py
 fi
 
 if [ "${#missing[@]}" -gt 0 ]; then

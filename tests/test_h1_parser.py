@@ -11,6 +11,8 @@ message must be rejected with the status an origin server would send
 import pytest
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_request, parse_response
 
+from aiproxy.pipeline.paths import needs_normalizing
+
 # Flag values, mirrored from aiproxy/_fast/h1.pxd.
 F_HOP = 1
 F_CONTENT_LENGTH = 2
@@ -1323,3 +1325,20 @@ def test_chunked_invalid(body, status):
     else:  # pragma: no cover - failure path
         pytest.fail("never rejected")
     assert not d.done
+
+
+@pytest.mark.parametrize("target", [
+    b"/", b"/a", b"/a?x=%41", b"/a%41", b"/a/./b", b"/a/../b", b"/a?#", b"/a#b", b"/.x",
+    b"/a?/.", b"/a./b", b"/a?b?c", b"/%", b"//x", b"/a/.", b"/?", b"*",
+    b"http://h/p", b"https://h/p?q", b"/v1/chat/completions?stream=true",
+])
+def test_target_scan_matches_the_exchange_rules(target: bytes) -> None:
+    # target_plain lets the exchange skip its own checks: it must be exactly "origin-form,
+    # no '#', and a path part that needs_normalizing() would leave alone".
+    head = parse_request(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n", 8192, 8192, 100)
+    q = target.find(b"?")
+    assert head.query_at == q
+    path = target if q < 0 else target[:q]
+    expected = (target[:1] == b"/" and target.find(b"#") < 0
+                and not needs_normalizing(path))
+    assert head.target_plain == expected

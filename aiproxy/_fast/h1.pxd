@@ -41,6 +41,8 @@ cdef class RequestHead(Head):
     cdef readonly bint expect_continue
     cdef readonly bint expect_unknown
     cdef readonly bint has_xff
+    cdef readonly bint target_plain
+    cdef readonly Py_ssize_t query_at
 
 
 cdef class ResponseHead(Head):

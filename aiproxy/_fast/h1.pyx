@@ -577,6 +577,7 @@ cdef object _parse_request(const unsigned char *p, Py_ssize_t n, Py_ssize_t max_
     h.version = version
     h.method = PyBytes_FromStringAndSize(<const char *>p + start, i - start)
     h.target = PyBytes_FromStringAndSize(<const char *>p + i + 1, j - i - 1)
+    _scan_target(h, p + i + 1, j - i - 1)
     _finish_framing(h, &st, 1)
     if st.host_count > 1:
         raise ParseError(400, "multiple Host fields")
@@ -595,6 +596,24 @@ cdef object _parse_request(const unsigned char *p, Py_ssize_t n, Py_ssize_t max_
     h.expect_unknown = st.expect_unknown
     h.has_xff = st.has_xff
     return h
+
+
+cdef void _scan_target(RequestHead h, const unsigned char *t, Py_ssize_t n) noexcept:
+    # query_at: offset of the first '?' (-1: none). target_plain: origin-form with no '#'
+    # and a path (the part before '?') that needs no normalizing (no '%', no "/."), so
+    # the exchange can take it as is (aiproxy/pipeline/paths.py needs_normalizing).
+    cdef Py_ssize_t k, q = -1
+    cdef bint plain = n > 0 and t[0] == 47
+    for k in range(n):
+        if t[k] == 35:  # '#'
+            plain = 0
+        elif q < 0:
+            if t[k] == 63:  # '?'
+                q = k
+            elif t[k] == 37 or (t[k] == 47 and k + 1 < n and t[k + 1] == 46):  # '%', "/."
+                plain = 0
+    h.query_at = q
+    h.target_plain = plain
 
 
 cdef _finish_framing(Head h, FieldState *st, bint is_request):

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
+from aiproxy._fast.histogram import Histogram
 from aiproxy.llm.estimate import tokens_of_bytes
 from aiproxy.llm.facts import LlmFacts
 from aiproxy.llm.openai import JsonReader, SseReader, endpoint_of, read_request
 from aiproxy.pipeline.filters import Filter, FilterFactory
-from aiproxy.telemetry.metrics import Histogram
+from aiproxy.telemetry.metrics import BUCKETS
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
@@ -58,29 +59,6 @@ class Labels:
         return OTHER
 
 
-class TpsHistogram(Histogram):
-    __slots__ = ()
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(TPS_BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        i = 0
-        while i < len(TPS_BUCKETS) and value > TPS_BUCKETS[i]:
-            i += 1
-        self.counts[i] += 1
-        self.sum += value
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        out, total = [], 0
-        for bound, count in zip(TPS_BUCKETS, self.counts, strict=False):
-            total += count
-            out.append((repr(bound), total))
-        out.append(("+Inf", total + self.counts[-1]))
-        return out
-
-
 class LlmState:
     """Counters kept across reloads. Keys: (tenant, route, model, pattern)."""
 
@@ -91,7 +69,7 @@ class LlmState:
         # [requests, prompt tokens, completion tokens, estimated requests]
         self.counts: dict[tuple[str, str, str, str], list[int]] = {}
         self.ttft: dict[tuple[str, str], Histogram] = {}
-        self.tps: dict[tuple[str, str], TpsHistogram] = {}
+        self.tps: dict[tuple[str, str], Histogram] = {}
         self.factory = LlmFactory(self)
 
     def configure(self, cfg: LlmConfig) -> None:
@@ -114,12 +92,12 @@ class LlmState:
         if f.ttft is not None:
             h = self.ttft.get((route, model))
             if h is None:
-                h = self.ttft[(route, model)] = Histogram()
+                h = self.ttft[(route, model)] = Histogram(BUCKETS)
             h.observe(f.ttft)
         if f.tokens_per_s:
             t = self.tps.get((route, model))
             if t is None:
-                t = self.tps[(route, model)] = TpsHistogram()
+                t = self.tps[(route, model)] = Histogram(TPS_BUCKETS)
             t.observe(f.tokens_per_s)
 
     def collect(self) -> Iterator[Any]:

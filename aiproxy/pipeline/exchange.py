@@ -178,7 +178,8 @@ class Exchange:
         self.up_chunked = False
         # Stage stamps use perf_counter: the loop clock has millisecond resolution.
         self.t_parsed = perf_counter()
-        self.t_start_pc = self.t_parsed - max(0.0, self.loop.time() - now)
+        waited = self.loop.time() - now
+        self.t_start_pc = self.t_parsed - waited if waited > 0.0 else self.t_parsed
         self.t_routed = 0.0
         self.t_connect = 0.0
         self.t_connected = 0.0
@@ -230,8 +231,13 @@ class Exchange:
         if method == b"CONNECT":
             self._framing()
             return self.local_reply(501, "CONNECT is not supported by this listener")
-        if target[:1] == b"/":
-            if b"#" in target:
+        if head.target_plain:
+            # The parser found an origin-form target with nothing to check or normalize.
+            q = head.query_at
+            self.path = target if q < 0 else target[:q]
+            self.up_target = target
+        elif target[:1] == b"/":
+            if target.find(b"#") >= 0:  # not `in`: see needs_normalizing()
                 return self.local_reply(400, "fragment in request target")
             q = target.find(b"?")
             self.path = target if q < 0 else target[:q]
@@ -240,7 +246,7 @@ class Exchange:
             self.path = self.up_target = b"*"
         elif not self._absolute_form(target):
             return self.local_reply(400, "invalid request target")
-        if needs_normalizing(self.path):
+        if not head.target_plain and needs_normalizing(self.path):
             try:
                 path = normalize_path(self.path)
             except BadPath as exc:
@@ -527,7 +533,8 @@ class Exchange:
         if route.prefix_rewrite is not None:
             self.up_target = route.prefix_rewrite + self.up_target[len(route.path_prefix):]
         self.t_routed = perf_counter()
-        self._send_continue()
+        if self.reading_body:
+            self._send_continue()
         if route.model is not None and self._model_body(head):
             if not self.req_done:
                 self.hold = pool  # connect once the whole (small JSON) body is here
@@ -596,7 +603,7 @@ class Exchange:
             self.decoder = ChunkedDecoder(self.rt.http.max_header_bytes)
             self.reading_body = True
             self.up_chunked = True
-        elif getattr(head, "body_streamed", False):
+        elif head.version == 20 and head.body_streamed:  # HTTP/2 DATA frames follow
             self.req_mode = REQ_STREAM
             self.reading_body = True
             self.up_chunked = head.content_length < 0
@@ -625,8 +632,10 @@ class Exchange:
             extra.append(b"Host: " + pool.endpoint.address.encode() + CRLF)
         if rt.http.x_forwarded:
             drop |= F_XFF | F_XFP
-            extra.append(b"X-Forwarded-For: " + self._xff() + b"\r\nX-Forwarded-Proto: "
-                         + self.down.scheme + CRLF)
+            down = self.down
+            extra.append(b"X-Forwarded-For: "
+                         + (self._xff() if head.has_xff else down.peer)
+                         + b"\r\nX-Forwarded-Proto: " + down.scheme + CRLF)
         if rt.via_line:
             extra.append(rt.via_line)
         if self.intent is not None:
@@ -640,9 +649,10 @@ class Exchange:
             extra.append(b"Content-Length: %d\r\n" % self.body_len)
         elif head.content_length >= 0:
             extra.append(b"Content-Length: %d\r\n" % head.content_length)
-        upgrade = forwarded_upgrade(head.upgrade)
-        if upgrade is not None:
-            extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
+        if head.upgrade is not None:
+            upgrade = forwarded_upgrade(head.upgrade)
+            if upgrade is not None:
+                extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
         start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
         route = self.route
         remove = None

@@ -26,7 +26,9 @@ class BadPath(ValueError):
 
 
 def needs_normalizing(path: bytes) -> bool:
-    return b"%" in path or b"/." in path
+    # find(), not `in`: CPython's bytes.__contains__ first tries the operand as an int
+    # and builds (then drops) a TypeError for a bytes operand, ~10x the cost per request.
+    return path.find(b"%") >= 0 or path.find(b"/.") >= 0
 
 
 def _decode_unreserved(path: bytes) -> bytes:

@@ -114,6 +114,8 @@ class H2RequestHead(FieldsHead):
     __slots__ = ("method", "target", "host", "scheme", "has_xff", "body_streamed")
 
     version = 20
+    target_plain = False  # the exchange checks the target itself (_scan_target in h1.pyx)
+    query_at = -1
     expect_continue = False
     expect_unknown = False
 

@@ -42,6 +42,19 @@ CRLF = b"\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 P_PIPELINE = 4
 LINGER_SECONDS = 2.0
+SMALL_BODY = 2048  # bodies up to this size are copied behind the head (one write)
+STATUS_200 = b"HTTP/1.1 200 OK\r\n"
+# Content-Length lines of the sizes seen (bounded): bytes %-formatting costs more per
+# response than the lookup.
+CONTENT_LENGTH_LINES: dict[int, bytes] = {}
+CONTENT_LENGTH_CACHE = 4096
+
+
+def content_length_line(n: int) -> bytes:
+    line = b"Content-Length: %d\r\n" % n
+    if len(CONTENT_LENGTH_LINES) < CONTENT_LENGTH_CACHE:
+        CONTENT_LENGTH_LINES[n] = line
+    return line
 
 
 def valid_h2_settings(value: bytes) -> bool:
@@ -370,7 +383,9 @@ class H1Connection(asyncio.BufferedProtocol):
         else:
             drop = F_HOP | F_CONTENT_LENGTH
             if resp.content_length >= 0 and not resp.chunked:
-                extra.append(b"Content-Length: %d\r\n" % resp.content_length)
+                n = resp.content_length
+                line = CONTENT_LENGTH_LINES.get(n)
+                extra.append(line if line is not None else content_length_line(n))
             elif head.version >= 11:
                 self.chunked_out = True
                 extra.append(b"Transfer-Encoding: chunked\r\n")
@@ -382,7 +397,10 @@ class H1Connection(asyncio.BufferedProtocol):
             extra.append(b"Connection: close\r\n")
         elif head.version < 11:
             extra.append(b"Connection: keep-alive\r\n")
-        status_line = b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason)
+        if resp.status == 200 and resp.reason == b"OK":
+            status_line = STATUS_200
+        else:
+            status_line = b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason)
         route = ex.route
         if route is not None and route.resp_edit:
             extra.append(route.resp_add_lines)
@@ -403,7 +421,11 @@ class H1Connection(asyncio.BufferedProtocol):
                 self.transport.writelines((b"%x\r\n" % len(data), data, CRLF))
         elif head:
             self.head_out = b""
-            self.transport.writelines((head, data))
+            if len(data) <= SMALL_BODY:
+                # One buffer: write() is cheaper than writelines() for a small body.
+                self.transport.write(head + data)
+            else:
+                self.transport.writelines((head, data))
         else:
             self.transport.write(data)
 
@@ -422,7 +444,7 @@ class H1Connection(asyncio.BufferedProtocol):
                 end = b"0\r\n" + b"".join(b"%s: %s\r\n" % t for t in trailers) + CRLF
             self.transport.write(self.head_out + end)
             self.head_out = b""
-        else:
+        elif self.head_out:
             self.flush()
 
     def send_error(self, ex: Exchange, status: int, message: str, code: str | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from aiproxy.telemetry.access_log import AccessLog, iso_now
@@ -29,16 +30,18 @@ class Telemetry:
         self.access_log = access_log
 
     def exchange_done(self, ex: Exchange) -> None:
-        timings = ex.timings()
         route = ex.route
         route_name = route.name if route is not None else ""
         cluster = ex.cluster.name if ex.cluster is not None else ""
         status = ex.status if not (ex.client_lost and not ex.head_sent) else CLIENT_CLOSED
-        self.metrics.exchange_done(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
-                                   timings)
         log = self.access_log
         if log is None:
+            self.metrics.exchange_stamps(route_name, cluster, status, ex.req_bytes,
+                                         ex.resp_bytes, ex, perf_counter())
             return
+        timings = ex.timings()
+        self.metrics.exchange_done(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
+                                   timings)
         head = ex.head
         record: dict[str, Any] = {
             "time": iso_now(),

@@ -1,0 +1,145 @@
+"""User-space instructions per proxied request, counted by valgrind (callgrind).
+
+On a shared 2-core machine wall-clock and CPU-time A/B runs swing by 10-20% with what
+else is running; an instruction count does not. This starts the e2e backend (nginx,
+bench/e2e.py), runs aiproxy from each given tree under callgrind with the same config
+as bench/e2e.py, drives it with wrk (keep-alive), and divides the instructions counted
+during the measured run by the requests wrk completed. Kernel time (the syscalls) is not
+counted: this measures the proxy's own per-request work, which is what Python costs.
+
+    python bench/instr_per_request.py --trees /work/main,. --cases small,16k
+
+Runs under valgrind are ~50x slower: the request counts are small, and the figures are
+for comparing trees on one machine, not absolute speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e import CASES, Proc, Servers, ensure_tools, free_port, log  # noqa: E402
+
+CONFIG = """\
+[server]
+workers = 1
+
+[http]
+keepalive_timeout_ms = 300000
+max_keepalive_requests = 0
+
+[[listeners]]
+name = "bench"
+address = "127.0.0.1:{port}"
+
+[access_log]
+path = "off"
+
+[[clusters]]
+name = "backend"
+endpoints = ["127.0.0.1:{backend}"]
+max_idle_connections = 128
+max_requests_per_connection = 0
+idle_timeout_ms = 300000
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "backend"
+"""
+
+
+def get(port: int, path: str) -> int:
+    out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                          f"http://127.0.0.1:{port}{path}"], capture_output=True, text=True)
+    return int(out.stdout or 0)
+
+
+def measure(tree: Path, backend: int, path: str, tmp: Path, wrk: str, connections: int,
+            duration: int) -> tuple[int, float]:
+    port = free_port()
+    conf = tmp / f"aiproxy-{port}.toml"
+    conf.write_text(CONFIG.format(port=port, backend=backend))
+    out = tmp / f"callgrind-{port}.out"
+    proc = Proc("aiproxy-callgrind", [
+        "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+        sys.executable, "-m", "aiproxy", "-c", str(conf)], tmp,
+        {"PYTHONPATH": str(tree)}, cwd=tree)
+    try:
+        deadline = time.monotonic() + 300
+        while get(port, path) != 200:
+            if not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"aiproxy from {tree} did not start:\n{proc.log_tail()}")
+            time.sleep(0.5)
+        url = f"http://127.0.0.1:{port}{path}"
+        control = ["callgrind_control"]
+        subprocess.run([*control, "-i", "on", str(proc.pid)], capture_output=True, check=True)
+        # Warm up (specialized bytecode, pooled connections), then count from zero.
+        subprocess.run([wrk, "-t1", f"-c{connections}", "-d3s", url], capture_output=True)
+        subprocess.run([*control, "-z", str(proc.pid)], capture_output=True, check=True)
+        text = subprocess.run([wrk, "-t1", f"-c{connections}", f"-d{duration}s", url],
+                              capture_output=True, text=True).stdout
+        subprocess.run([*control, "-d", str(proc.pid)], capture_output=True, check=True)
+        requests = int(re.search(r"(\d+) requests in", text).group(1))
+    finally:
+        proc.stop()
+    for dump in tmp.glob(f"callgrind-{port}.out*"):
+        body = dump.read_text(errors="replace")
+        if "Trigger: dump" in body:
+            return requests, int(re.search(r"^summary: (\d+)", body, re.M).group(1)) / requests
+    raise RuntimeError("no callgrind dump found")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trees", default=".",
+                        help="comma-separated aiproxy source trees, extensions built in place")
+    parser.add_argument("--cases", default="small", help="comma-separated of small,16k")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (1)")
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--duration", type=int, default=10, help="seconds per run (10)")
+    args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        log("valgrind is needed (apt-get install valgrind)")
+        return 1
+    tools = ensure_tools(install=False)
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="aiproxy-instr-"))
+    try:
+        servers = Servers(tmp, tools, 0, 4096, trees[0])
+        servers.start_backend()
+        results: dict[tuple[str, Path], list[float]] = {}
+        for r in range(args.rounds):
+            for case in args.cases.split(","):
+                for tree in trees:
+                    requests, per = measure(tree, servers.backend_port, CASES[case][0], tmp,
+                                            tools["wrk"], args.connections, args.duration)
+                    results.setdefault((case, tree), []).append(per)
+                    log(f"round {r + 1} {case:5s} {tree}: {per / 1000:.1f} K instructions "
+                        f"per request ({requests} requests)")
+        print(textwrap.dedent("""
+            | case | tree | K instructions/request (median) | vs first tree |
+            |------|------|---:|---:|"""))
+        for case in args.cases.split(","):
+            base = sorted(results[(case, trees[0])])[len(results[(case, trees[0])]) // 2]
+            for tree in trees:
+                vals = sorted(results[(case, tree)])
+                med = vals[len(vals) // 2]
+                print(f"| {case} | {tree} | {med / 1000:.1f} | {med / base:.3f}x |")
+        return 0
+    finally:
+        Proc.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

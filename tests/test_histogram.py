@@ -1,0 +1,43 @@
+"""aiproxy/_fast/histogram.pyx against the reference it replaced (bisect_left over the
+bucket bounds)."""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_left
+
+import pytest
+from aiproxy._fast.histogram import Histogram
+
+from aiproxy.telemetry.metrics import BUCKETS
+
+
+def test_same_buckets_as_bisect() -> None:
+    rng = random.Random(7)
+    values = [rng.expovariate(50) for _ in range(20000)]
+    values += list(BUCKETS) + [b * (1 + 1e-12) for b in BUCKETS] + [0.0, -1.0, 1e9, math.inf]
+    hist = Histogram(BUCKETS)
+    ref = [0] * (len(BUCKETS) + 1)
+    for v in values:
+        hist.observe(v)
+        ref[bisect_left(BUCKETS, v)] += 1
+    assert hist.counts == ref
+    assert hist.sum == pytest.approx(math.fsum(values[:-1]) + math.inf)
+
+
+def test_cumulative() -> None:
+    hist = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 2.0, 3.0):
+        hist.observe(v)
+    assert hist.cumulative() == [("0.1", 2), ("1.0", 3), ("+Inf", 5)]
+    assert hist.sum == pytest.approx(5.65)
+
+
+def test_rejects_bad_bounds() -> None:
+    with pytest.raises(ValueError):
+        Histogram(())
+    with pytest.raises(ValueError):
+        Histogram((1.0, 0.5))
+    with pytest.raises(ValueError):
+        Histogram(tuple(float(i) for i in range(65)))
