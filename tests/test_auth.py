@@ -219,8 +219,12 @@ def test_jwks_rotation(jwt_proxy, keys):
     while _get(jwt_proxy, {"authorization": f"Bearer {new_token}"}).status_code != 200:
         assert time.monotonic() < deadline, "rotated key never accepted"
         time.sleep(0.05)
-    _assert_401(_get(jwt_proxy, {"authorization": f"Bearer {old_token}"}),
-                "unknown signing key")
+    # Each worker re-reads the JWKS on its own (at most every 0.25 s): allow them all to.
+    deadline = time.monotonic() + 5
+    while (r := _get(jwt_proxy, {"authorization": f"Bearer {old_token}"})).status_code != 401:
+        assert time.monotonic() < deadline, "withdrawn key still accepted"
+        time.sleep(0.05)
+    _assert_401(r, "unknown signing key")
     # A broken JWKS file keeps the keys that work.
     jwt_proxy.jwks.write_text("{not json")
     time.sleep(0.6)
