@@ -93,8 +93,9 @@ def test_builtin_eval_on_val(model, val_metrics):
                    "linear model (16,384 buckets, 3 members, label smoothing 0.2) reaches "
                    "93.33% in-scope accuracy on val at oos recall 0.55 (93.53% with no oos "
                    "threshold); 93.5% asked. Ensembles of 2-5 members, 8k-32k buckets, char "
-                   "2-5-grams, dropout 0.5 and IDF pooling weights all stay at 93.0-93.5% "
-                   "(README, Semantic routing)")
+                   "2-5-grams, dropout 0.5 and IDF pooling weights all stay at 93.0-93.5%; "
+                   "frozen GloVe 50d word features reach 93.67% argmax but 93.20-93.30% at "
+                   "the threshold (README, Semantic routing)")
 def test_builtin_reaches_accuracy_target(val_metrics):
     assert val_metrics["accuracy"] >= ACCURACY_TARGET, val_metrics
 
