@@ -217,6 +217,18 @@ def search_entries(group: Iterable[Network]) -> dict[bytes, bytes]:
     return out
 
 
+def outermost(nets: Iterable[Network]) -> list[Network]:
+    """The prefixes no other one contains (the same addresses are denied): fewer entries
+    and lengths to probe, and a search that stops at the first covering prefix."""
+    out: list[Network] = []
+    end = -1
+    for n in sorted(nets, key=lambda n: (n.network_address, n.prefixlen)):
+        if int(n.broadcast_address) > end:  # CIDR blocks nest or are disjoint
+            out.append(n)
+            end = int(n.broadcast_address)
+    return out
+
+
 def layout(nets: Iterable[Network]) -> DenyLayout:
     out = DenyLayout()
     v4 = [n for n in nets if n.version == 4]
@@ -246,6 +258,7 @@ def layout(nets: Iterable[Network]) -> DenyLayout:
         else:
             by_top.setdefault(int(n.network_address) >> 96, []).append(n)
     for top, group in by_top.items():
+        group = outermost(group)
         lens = {n.prefixlen for n in group}
         covered = V6_SHORT in lens or any(
             (top >> (32 - plen) << (32 - plen)) in tops for plen, tops in short_by_len.items())
@@ -391,8 +404,12 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
     added = _add_keys(trie4, new.trie4, have4) + _add_keys(trie6, new.trie6, have6)
     _add_keys(short_m, new.v6_short, have_short)
     for key in transit:
-        if key in have_top or key in new.v6_top:
-            top_m.update(key, TOP_TRIE)
+        top_m.update(key, TOP_TRIE)
+    # The slots copy entries: the transit ones must say TRIE before any probe target
+    # changes; the others keep what they hold until their entries are written below.
+    pre_slots = slots({int.from_bytes(key, "little"): TOP_TRIE if key in transit
+                       else old.v6_top.get(key, TOP_TRIE) for key in have_top | transit})
+    _write_slots(maps["guard_v6_slots"], pre_slots, have_slots["guard_v6_slots"])
     for key, value in new.v6_exact.items():
         if have_exact.get(key) != value:
             exact_m.update(key, value)
@@ -413,7 +430,7 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
     # of this step (they, too, answer from the trie in transit).
     _write_slots(maps["guard_v4_slots"], new.v4_slots, have_slots["guard_v4_slots"])
     up_slots = slots({int.from_bytes(key, "little"): value for key, value in up_top.items()})
-    _write_slots(maps["guard_v6_slots"], up_slots, have_slots["guard_v6_slots"])
+    _write_slots(maps["guard_v6_slots"], up_slots, pre_slots)
 
     # Down: entries first, then what they pointed at, records last.
     for key in set(have_exact) - set(new.v6_exact):
