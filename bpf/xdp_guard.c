@@ -218,8 +218,8 @@ static __always_inline __u64 mask_lo(__u64 lo, __u32 len)
 	return len >= 128 ? lo : len <= 64 ? 0 : lo & (~0ULL << (128 - len));
 }
 
-/* guard_v6_exact's value for the source masked to len (-1: no entry), from its slot
- * when the key is alone there. */
+/* guard_v6_exact's value for the source masked to len (-1: no entry), from its bucket
+ * in guard_v6_eslots unless that overflowed. */
 static __always_inline int probe_v6(struct guard_v6_key *k, __u64 hi, __u64 lo, __u32 len)
 {
 	__u64 mh = mask_hi(hi, len), ml = mask_lo(lo, len);
@@ -227,10 +227,17 @@ static __always_inline int probe_v6(struct guard_v6_key *k, __u64 hi, __u64 lo, 
 	struct guard_v6_eslot *slot = bpf_map_lookup_elem(&guard_v6_eslots, &idx);
 	__u32 *v;
 
-	if (!slot || slot->state == GUARD_SLOT_EMPTY)
+	if (!slot)
 		return -1;
-	if (slot->state == GUARD_SLOT_ONE)
-		return slot->len == len && slot->hi == mh && slot->lo == ml ? slot->value : -1;
+	if (slot->e[0].state != GUARD_SLOT_MULTI) {
+		if (slot->e[0].state == GUARD_SLOT_ONE && slot->e[0].len == len &&
+		    slot->e[0].hi == mh && slot->e[0].lo == ml)
+			return slot->e[0].value;
+		if (slot->e[1].state == GUARD_SLOT_ONE && slot->e[1].len == len &&
+		    slot->e[1].hi == mh && slot->e[1].lo == ml)
+			return slot->e[1].value;
+		return -1;
+	}
 	k->prefixlen = len;
 	mh = bpf_cpu_to_be64(mh);
 	ml = bpf_cpu_to_be64(ml);

@@ -34,6 +34,7 @@ from .structs import (
     GUARD_ESLOT_BITS,
     GUARD_ESLOT_MUL1,
     GUARD_ESLOT_MUL2,
+    GUARD_ESLOT_WAYS,
     GUARD_SLOT_BITS,
     GUARD_SLOT_HASH_MUL,
     GUARD_SLOT_MULTI,
@@ -47,6 +48,7 @@ from .structs import (
     GUARD_V6_SEARCH_HI,
     GUARD_V6_SEARCH_LO,
     GUARD_V6_TRIE,
+    GuardV6Eent,
     GuardV6Eslot,
     GuardV6Pfx,
     GuardV6Top,
@@ -134,7 +136,7 @@ M64 = (1 << 64) - 1
 
 
 def eslots(entries: dict[bytes, bytes]) -> dict[int, bytes]:
-    """guard_v6_exact entries => the busy guard_v6_eslots (guard.h)."""
+    """guard_v6_exact entries => the busy guard_v6_eslots buckets (guard.h)."""
     by_slot: dict[int, list[tuple[int, int, int, int]]] = {}
     for key, value in entries.items():
         plen = int.from_bytes(key[:4], "little")
@@ -142,9 +144,18 @@ def eslots(entries: dict[bytes, bytes]) -> dict[int, bytes]:
         idx = (((hi ^ (lo * GUARD_ESLOT_MUL2 & M64) ^ plen) * GUARD_ESLOT_MUL1 & M64)
                >> (64 - GUARD_ESLOT_BITS))
         by_slot.setdefault(idx, []).append((hi, lo, plen, int.from_bytes(value, "little")))
-    return {i: bytes(GuardV6Eslot(*keys[0][:3], GUARD_SLOT_ONE, keys[0][3]) if len(keys) == 1
-                     else GuardV6Eslot(state=GUARD_SLOT_MULTI))
-            for i, keys in by_slot.items()}
+    out = {}
+    for i, keys in by_slot.items():
+        if len(keys) > GUARD_ESLOT_WAYS:
+            keys = [(0, 0, 0, 0)]
+            state = GUARD_SLOT_MULTI
+        else:
+            state = GUARD_SLOT_ONE
+        slot = GuardV6Eslot()
+        for way, (hi, lo, plen, value) in enumerate(sorted(keys)):
+            slot.e[way] = GuardV6Eent(hi, lo, plen, state, value)
+        out[i] = bytes(slot)
+    return out
 
 
 def top_value(flags: int, prefixes: Iterable[tuple[int, int]] = ()) -> bytes:

@@ -39,7 +39,8 @@ GUARD_V6_SEARCH_HI = 128
 GUARD_V6_SEARCH_STEPS = 7
 GUARD_V6_DENY = 0x1
 GUARD_SLOT_BITS = 16
-GUARD_ESLOT_BITS = 17
+GUARD_ESLOT_BITS = 16
+GUARD_ESLOT_WAYS = 2
 GUARD_ESLOT_MUL1 = 0x9E3779B97F4A7C15
 GUARD_ESLOT_MUL2 = 0xC2B2AE3D27D4EB4F
 GUARD_SLOT_HASH_MUL = 2654435761
@@ -71,9 +72,13 @@ class GuardV6Slot(ctypes.Structure):
     _fields_ = [("key", ctypes.c_uint32), ("state", ctypes.c_uint32), ("top", GuardV6Top)]
 
 
-class GuardV6Eslot(ctypes.Structure):
+class GuardV6Eent(ctypes.Structure):
     _fields_ = [("hi", ctypes.c_uint64), ("lo", ctypes.c_uint64), ("len", ctypes.c_uint32),
                 ("state", ctypes.c_uint16), ("value", ctypes.c_uint16)]
+
+
+class GuardV6Eslot(ctypes.Structure):
+    _fields_ = [("e", GuardV6Eent * GUARD_ESLOT_WAYS)]
 
 
 class GuardSrc(ctypes.Structure):
@@ -125,6 +130,7 @@ MIRRORS: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "guard_v6_top": ("guard.h", GuardV6Top),
     "guard_v4_slot": ("guard.h", GuardV4Slot),
     "guard_v6_slot": ("guard.h", GuardV6Slot),
+    "guard_v6_eent": ("guard.h", GuardV6Eent),
     "guard_v6_eslot": ("guard.h", GuardV6Eslot),
     "guard_src": ("guard.h", GuardSrc),
     "guard_bucket": ("guard.h", GuardBucket),
@@ -156,6 +162,7 @@ CONSTANTS: dict[str, tuple[str, int]] = {
     "GUARD_SLOT_HASH_MUL": ("guard.h", GUARD_SLOT_HASH_MUL),
     "GUARD_SLOT_ONE": ("guard.h", GUARD_SLOT_ONE),
     "GUARD_ESLOT_BITS": ("guard.h", GUARD_ESLOT_BITS),
+    "GUARD_ESLOT_WAYS": ("guard.h", GUARD_ESLOT_WAYS),
     "GUARD_ESLOT_MUL1": ("guard.h", GUARD_ESLOT_MUL1),
     "GUARD_ESLOT_MUL2": ("guard.h", GUARD_ESLOT_MUL2),
     "GUARD_SLOT_MULTI": ("guard.h", GUARD_SLOT_MULTI),

@@ -96,21 +96,27 @@ struct guard_v6_slot {
 	struct guard_v6_top top;
 };
 
-/* guard_v6_eslots: direct-mapped slots in front of guard_v6_exact (a length search
- * probes up to 7 times: each hash lookup costs ~35 ns, an inlined array lookup a few).
- * Key (len, hi, lo: the masked address as host-order halves) has slot
- * ((hi ^ lo * GUARD_ESLOT_MUL2 ^ len) * GUARD_ESLOT_MUL1) >> (64 - GUARD_ESLOT_BITS);
- * state as for the other slots (GUARD_SLOT_*), value the guard_v6_exact value. */
-#define GUARD_ESLOT_BITS 17
+/* guard_v6_eslots: direct-mapped buckets of two in front of guard_v6_exact (a length
+ * search probes up to 7 times: a hash lookup costs ~35 ns, an inlined array lookup a
+ * few). Key (len, hi, lo: the masked address as host-order halves) has bucket
+ * ((hi ^ lo * GUARD_ESLOT_MUL2 ^ len) * GUARD_ESLOT_MUL1) >> (64 - GUARD_ESLOT_BITS).
+ * A bucket holds the one or two keys that have it (state GUARD_SLOT_ONE, value the
+ * guard_v6_exact value); with more, e[0].state is GUARD_SLOT_MULTI and the hash decides. */
+#define GUARD_ESLOT_BITS 16
 #define GUARD_ESLOTS (1 << GUARD_ESLOT_BITS)
+#define GUARD_ESLOT_WAYS 2
 #define GUARD_ESLOT_MUL1 0x9E3779B97F4A7C15ULL
 #define GUARD_ESLOT_MUL2 0xC2B2AE3D27D4EB4FULL
-struct guard_v6_eslot {
+struct guard_v6_eent {
 	__u64 hi;
 	__u64 lo;
 	__u32 len;
 	__u16 state;
 	__u16 value;
+};
+
+struct guard_v6_eslot {
+	struct guard_v6_eent e[GUARD_ESLOT_WAYS];
 };
 
 /* One token = GUARD_TOKEN_SCALE units; a bucket refills `syn_rate` units per ns. */
