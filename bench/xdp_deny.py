@@ -12,7 +12,9 @@ Mixes (10,000 prefixes each unless said):
   v4-uniform   IPv4 /8../32, lengths uniform (most of the space ends up denied)
   v4-real      IPv4 mostly /32 and /24, some /16../31, a few /8../15
   v6-spread    IPv6 /32../128 uniform lengths, spread over 2001::/16
-  v6-one32     IPv6 /33../128 all inside 2001:db8::/32 (the worst case: one crowded /32)
+  v6-one32     IPv6 /33../128 all inside 2001:db8::/32 (one crowded /32)
+  v6-crowd     the same, none inside another (the worst case: nothing shorter covers
+               the longer ones, every source is searched through all the lengths)
 Sources per mix: `hit` (inside a random prefix), `miss` (random, inside no prefix),
 `near` (in the same /24 or /32 as a prefix, inside none).
 """
@@ -37,6 +39,8 @@ def mix(name: str, rnd: random.Random) -> list:
     nets: set = set()
     if name == "empty":
         return []
+    if name == "v6-crowd":
+        return crowd(rnd)
     while len(nets) < N:
         if name == "v4-uniform":
             plen = rnd.randint(8, 32)
@@ -56,6 +60,26 @@ def mix(name: str, rnd: random.Random) -> list:
             addr = (0x20010db8 << 96) | rnd.getrandbits(96)
         nets.add(ipaddress.ip_network((addr, plen), strict=False))
     return sorted(nets, key=lambda n: (n.version, n.network_address, n.prefixlen))
+
+
+def crowd(rnd: random.Random) -> list:
+    """N disjoint prefixes /33../128 in 2001:db8::/32, lengths uniform until the
+    short ones no longer fit."""
+    import bisect
+
+    starts: list[int] = []
+    ends: list[int] = []
+    while len(starts) < N:
+        plen = rnd.randint(33, 128)
+        n = ipaddress.ip_network(((0x20010db8 << 96) | rnd.getrandbits(96), plen), strict=False)
+        first, last = int(n.network_address), int(n.broadcast_address)
+        i = bisect.bisect_left(starts, first)
+        if (i < len(starts) and starts[i] <= last) or (i and ends[i - 1] >= first):
+            continue
+        starts.insert(i, first)
+        ends.insert(i, last)
+    return [ipaddress.ip_network((a, 128 - (e - a + 1).bit_length() + 1))
+            for a, e in zip(starts, ends, strict=True)]
 
 
 def sources(nets: list, version: int, rnd: random.Random) -> dict[str, list[str]]:
@@ -121,7 +145,7 @@ def main() -> int:
     ap.add_argument("--baseline", help="dir with xdp_guard.bpf.o and maps.py")
     ap.add_argument("--repeat", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--mixes", default="empty,v4-uniform,v4-real,v6-spread,v6-one32")
+    ap.add_argument("--mixes", default="empty,v4-uniform,v4-real,v6-spread,v6-one32,v6-crowd")
     args = ap.parse_args()
     variants = {"new": (None, None)}
     if args.baseline:

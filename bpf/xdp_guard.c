@@ -11,12 +11,14 @@
  *     sources pass after one array lookup; guard_v6_top[first /32] says "all
  *     denied", or holds the one or two prefixes there, or which lengths (33..128)
  *     to probe in the guard_v6_exact hash with the source masked to each; a /32
- *     with too many distinct lengths walks the guard_deny_v6 trie instead. A source
+ *     with too many distinct lengths is searched there by a binary search on the
+ *     length (at most 7 probes), the guard_deny_v6 trie walked only while user
+ *     space rewrites that /32. A source
  *     whose /32 has no entry is looked up in guard_deny_v6_short (prefixes shorter
  *     than /32) when that holds any.
  *     guard_deny_v4 / guard_deny_v6 are the LPM tries of every configured prefix:
- *     the record user space keeps the other maps in step with (and the fallback
- *     for crowded IPv6 /32s). Applies to every IP packet of a denied source,
+ *     the record user space keeps the other maps in step with (and the answer for
+ *     an IPv6 /32 while it is rewritten). Applies to every IP packet of a denied source,
  *     fragments included.
  *  2. New-connection rate limit: a TCP SYN without ACK to a port in guard_ports
  *     takes a token from the source's bucket (guard_buckets, LRU); no token, drop.
@@ -123,7 +125,15 @@ struct {
 	__type(key, struct guard_v6_key);
 	__type(value, __u32);
 	__uint(max_entries, GUARD_MAX_V6_EXACT);
+	__uint(map_flags, BPF_F_NO_PREALLOC); /* sized for markers; memory only as used */
 } guard_v6_exact SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct guard_v6_eslot);
+	__uint(max_entries, GUARD_ESLOTS);
+} guard_v6_eslots SEC(".maps");
 
 /* Rate-limited destination ports: a 65536-bit bitmap (port p is bit p % 64 of word
  * p / 64). An array lookup is inlined by the verifier; a hash lookup is not free. */
@@ -208,6 +218,57 @@ static __always_inline __u64 mask_lo(__u64 lo, __u32 len)
 	return len >= 128 ? lo : len <= 64 ? 0 : lo & (~0ULL << (128 - len));
 }
 
+/* guard_v6_exact's value for the source masked to len (-1: no entry), from its bucket
+ * in guard_v6_eslots unless that overflowed. */
+static __always_inline int probe_v6(struct guard_v6_key *k, __u64 hi, __u64 lo, __u32 len)
+{
+	__u64 mh = mask_hi(hi, len), ml = mask_lo(lo, len);
+	__u32 idx = ((mh ^ ml * GUARD_ESLOT_MUL2 ^ len) * GUARD_ESLOT_MUL1) >> (64 - GUARD_ESLOT_BITS);
+	struct guard_v6_eslot *slot = bpf_map_lookup_elem(&guard_v6_eslots, &idx);
+	__u32 *v;
+
+	if (!slot)
+		return -1;
+	if (slot->e[0].state != GUARD_SLOT_MULTI) {
+		if (slot->e[0].state == GUARD_SLOT_ONE && slot->e[0].len == len &&
+		    slot->e[0].hi == mh && slot->e[0].lo == ml)
+			return slot->e[0].value;
+		if (slot->e[1].state == GUARD_SLOT_ONE && slot->e[1].len == len &&
+		    slot->e[1].hi == mh && slot->e[1].lo == ml)
+			return slot->e[1].value;
+		return -1;
+	}
+	k->prefixlen = len;
+	mh = bpf_cpu_to_be64(mh);
+	ml = bpf_cpu_to_be64(ml);
+	__builtin_memcpy(&k->addr[0], &mh, 8);
+	__builtin_memcpy(&k->addr[8], &ml, 8);
+	v = bpf_map_lookup_elem(&guard_v6_exact, k);
+	return v ? *v : -1;
+}
+
+/* Binary search on the length for a crowded /32 (guard.h: GUARD_V6_SEARCH). */
+static __always_inline int search_v6(struct guard_v6_key *k, __u64 hi, __u64 lo)
+{
+	__u32 lo_len = GUARD_V6_SEARCH_LO, hi_len = GUARD_V6_SEARCH_HI;
+	int i, v;
+
+	/* A bounded loop, not unrolled: the verifier walks its 7 rounds. */
+	for (i = 0; i < GUARD_V6_SEARCH_STEPS && lo_len <= hi_len; i++) {
+		__u32 mid = (lo_len + hi_len) >> 1;
+
+		v = probe_v6(k, hi, lo, mid);
+		if (v < 0) {
+			hi_len = mid - 1;
+		} else if (v & GUARD_V6_DENY) {
+			return 1;
+		} else {
+			lo_len = mid + 1;
+		}
+	}
+	return 0;
+}
+
 /* A global function: the verifier checks it once, on its own, instead of once per
  * parse path of every caller (which took seconds to load). Source address as two
  * host-order halves. */
@@ -240,6 +301,8 @@ __attribute__((noinline)) int guard_denied_v6(__u64 hi, __u64 lo)
 		return 1;
 	if (t->flags & GUARD_V6_TRIE)
 		return bpf_map_lookup_elem(&guard_deny_v6, &k) != NULL;
+	if (t->flags & GUARD_V6_SEARCH)
+		return search_v6(&k, hi, lo);
 	if (t->flags & GUARD_V6_INLINE) {
 #pragma unroll
 		for (i = 0; i < GUARD_V6_INLINE_MAX; i++) {
@@ -256,19 +319,15 @@ __attribute__((noinline)) int guard_denied_v6(__u64 hi, __u64 lo)
 #pragma unroll
 	for (i = 0; i < GUARD_V6_MAX_LENS; i++) {
 		__u32 len;
-		__u64 mh, ml;
+		int v;
 
 		if (i >= t->n)
 			break;
 		len = t->len[i];
 		if (len <= GUARD_V6_SHORT || len > 128)
 			continue;
-		k.prefixlen = len;
-		mh = bpf_cpu_to_be64(mask_hi(hi, len));
-		ml = bpf_cpu_to_be64(mask_lo(lo, len));
-		__builtin_memcpy(&k.addr[0], &mh, 8);
-		__builtin_memcpy(&k.addr[8], &ml, 8);
-		if (bpf_map_lookup_elem(&guard_v6_exact, &k))
+		v = probe_v6(&k, hi, lo, len);
+		if (v > 0 && (v & GUARD_V6_DENY))
 			return 1;
 	}
 	return 0;

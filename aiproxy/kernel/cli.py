@@ -3,7 +3,10 @@
 attach loads the programs, pins their maps under /sys/fs/bpf/aiproxy/<netns|_host>/,
 fills the maps from the config's [kernel] section and attaches to its interfaces; run it
 again after editing the config to update the maps in place. detach removes the programs
-from the interfaces and the pins. status shows what is attached and the counters.
+from the interfaces and the pins. status shows what is attached and the counters: of
+these pins and of every running proxy whose worker 0 pinned its maps (`workers` > 1,
+/sys/fs/bpf/aiproxy/proxy-<supervisor pid>, found through /proc/<pid>/root also when the
+proxy runs under `ip netns exec`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("-c", "--config", required=True, metavar="FILE", help="TOML config file")
         p.add_argument("--netns", metavar="NAME", help="network namespace (ip netns) to act in")
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "status":
+            p.add_argument("--pid", type=int, metavar="PID",
+                           help="only the proxy with this supervisor pid (default: every "
+                                "running proxy with pinned maps, in --netns if given)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +77,23 @@ def _emit(args, data: dict, lines: list[str]) -> None:
         print("\n".join(lines))
 
 
+def _counter_lines(indent: str, counters: dict) -> list[str]:
+    lines = []
+    for family, values in counters.items():
+        if family == "xdp":
+            lines.append(indent + "xdp_guard: " + " ".join(f"{k}={v}" for k, v in values.items()))
+        elif family == "deny":
+            lines.append(f"{indent}deny list: {values['v4']} IPv4, {values['v6']} IPv6 prefixes")
+        else:
+            for name, st in values.items():
+                lines.append(f"{indent}tc class {name}: packets={st['packets']} "
+                             f"bytes={st['bytes']}")
+    return lines
+
+
 def _status(kernel, args) -> int:
     from . import attach
+    from .lifecycle import proxy_pin_dir, running_proxies
     from .manager import pin_dir_for, pinned_counters
 
     interfaces = {}
@@ -88,14 +110,22 @@ def _status(kernel, args) -> int:
         xdp = f"xdp {st.xdp_mode} (prog id {st.xdp_prog_id})" if st.xdp_mode else "xdp -"
         tc = ",".join(d for d, on in (("ingress", st.tc_ingress), ("egress", st.tc_egress)) if on)
         lines.append(f"{ifname}: {xdp}; tc {tc or '-'}")
-    counters = pinned_counters(pin_dir_for(args.netns), kernel)
-    for family, values in counters.items():
-        if family == "xdp":
-            lines.append("xdp_guard: " + " ".join(f"{k}={v}" for k, v in values.items()))
-        else:
-            for name, st in values.items():
-                lines.append(f"tc class {name}: packets={st['packets']} bytes={st['bytes']}")
-    _emit(args, {"netns": args.netns, "interfaces": interfaces, "counters": counters}, lines)
+    counters = {} if args.pid else pinned_counters(pin_dir_for(args.netns), kernel)
+    lines += _counter_lines("", counters)
+    proxies = {}
+    for pid, pin_dir in running_proxies(args.netns).items():
+        if args.pid and pid != args.pid:
+            continue
+        proxies[str(pid)] = {"pin_dir": proxy_pin_dir(pid),
+                             "counters": pinned_counters(pin_dir, kernel)}
+        lines.append(f"proxy pid {pid} ({proxy_pin_dir(pid)}):")
+        lines += _counter_lines("  ", proxies[str(pid)]["counters"])
+    if args.pid and not proxies:
+        print(f"aiproxy bpf status: no running proxy with pid {args.pid} has pinned maps",
+              file=sys.stderr)
+        return EXIT_FAIL
+    _emit(args, {"netns": args.netns, "interfaces": interfaces, "counters": counters,
+                 "proxies": proxies}, lines)
     return EXIT_FAIL if any("error" in st for st in interfaces.values()) else EXIT_OK
 
 

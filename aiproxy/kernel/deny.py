@@ -7,12 +7,13 @@ The program never walks an LPM trie for IPv4 and only for crowded IPv6 /32s:
   that /25../32 prefixes touch: the 256 bits of the addresses they cover).
 - IPv6: ``guard_v6_top`` per /32 that prefixes of /32 or longer sit in: "all denied",
   or its one or two prefixes inline, or the distinct lengths (33..128) to probe in
-  ``guard_v6_exact`` (length + masked address), or "walk the trie" when there are more
-  than GUARD_V6_MAX_LENS lengths. ``guard_deny_v6_short`` is the LPM trie of prefixes
+  ``guard_v6_exact`` (length + masked address), or, with more than GUARD_V6_MAX_LENS
+  lengths, "binary search on the length": ``guard_v6_exact`` then also holds the
+  markers that search needs (see guard.h), each saying whether a prefix covers it. ``guard_deny_v6_short`` is the LPM trie of prefixes
   shorter than /32, consulted (when ``guard_v6_short_on``) for sources whose /32 has no
   entry.
-- ``guard_v4_slots`` / ``guard_v6_slots``: direct-mapped arrays in front of the two hash
-  maps (see guard.h): a key alone in its slot is answered from the array.
+- ``guard_v4_slots`` / ``guard_v6_slots`` / ``guard_v6_eslots``: direct-mapped arrays in
+  front of the hash maps (see guard.h): a key alone in its slot is answered from the array.
 - ``guard_deny_v4`` / ``guard_deny_v6``: LPM tries holding every configured prefix,
   the record the other maps are derived from on the next sync (so a separate process,
   `aiproxy bpf attach`, can update pinned maps) and the IPv6 crowded-/32 fallback.
@@ -30,15 +31,25 @@ from dataclasses import dataclass, field
 
 from .libbpf import Map
 from .structs import (
+    GUARD_ESLOT_BITS,
+    GUARD_ESLOT_MUL1,
+    GUARD_ESLOT_MUL2,
+    GUARD_ESLOT_WAYS,
     GUARD_SLOT_BITS,
     GUARD_SLOT_HASH_MUL,
     GUARD_SLOT_MULTI,
     GUARD_SLOT_ONE,
     GUARD_V6_ALL,
+    GUARD_V6_DENY,
     GUARD_V6_INLINE,
     GUARD_V6_INLINE_MAX,
     GUARD_V6_MAX_LENS,
+    GUARD_V6_SEARCH,
+    GUARD_V6_SEARCH_HI,
+    GUARD_V6_SEARCH_LO,
     GUARD_V6_TRIE,
+    GuardV6Eent,
+    GuardV6Eslot,
     GuardV6Pfx,
     GuardV6Top,
 )
@@ -50,9 +61,11 @@ V6_SHORT = 32  # GUARD_V6_SHORT: the IPv6 /32 level
 
 DENY_MAPS = ("guard_deny_v4", "guard_deny_v6", "guard_v4_summary", "guard_v4_full",
              "guard_v4_hosts", "guard_v4_slots", "guard_v6_top", "guard_v6_slots",
-             "guard_v6_exact", "guard_deny_v6_short", "guard_v6_short_on")
+             "guard_v6_exact", "guard_v6_eslots", "guard_deny_v6_short", "guard_v6_short_on")
 
 ONE = (1).to_bytes(4, "little")
+DENY = GUARD_V6_DENY.to_bytes(4, "little")
+MARKER = bytes(4)
 
 
 def _u32(value: int) -> bytes:
@@ -98,9 +111,10 @@ class DenyLayout:
     hosts: dict[int, int] = field(default_factory=dict)  # /24 -> 256-bit int
     v6_short: set[bytes] = field(default_factory=set)
     v6_top: dict[bytes, bytes] = field(default_factory=dict)  # /32 -> guard_v6_top
-    v6_exact: set[bytes] = field(default_factory=set)
+    v6_exact: dict[bytes, bytes] = field(default_factory=dict)  # key -> DENY or MARKER
     v4_slots: dict[int, bytes] = field(default_factory=dict)  # non-empty slots only
     v6_slots: dict[int, bytes] = field(default_factory=dict)
+    v6_eslots: dict[int, bytes] = field(default_factory=dict)
 
 
 def slot_of(key: int) -> int:
@@ -118,6 +132,32 @@ def slots(entries: dict[int, bytes]) -> dict[int, bytes]:
             for i, keys in by_slot.items()}
 
 
+M64 = (1 << 64) - 1
+
+
+def eslots(entries: dict[bytes, bytes]) -> dict[int, bytes]:
+    """guard_v6_exact entries => the busy guard_v6_eslots buckets (guard.h)."""
+    by_slot: dict[int, list[tuple[int, int, int, int]]] = {}
+    for key, value in entries.items():
+        plen = int.from_bytes(key[:4], "little")
+        hi, lo = int.from_bytes(key[4:12], "big"), int.from_bytes(key[12:20], "big")
+        idx = (((hi ^ (lo * GUARD_ESLOT_MUL2 & M64) ^ plen) * GUARD_ESLOT_MUL1 & M64)
+               >> (64 - GUARD_ESLOT_BITS))
+        by_slot.setdefault(idx, []).append((hi, lo, plen, int.from_bytes(value, "little")))
+    out = {}
+    for i, keys in by_slot.items():
+        if len(keys) > GUARD_ESLOT_WAYS:
+            keys = [(0, 0, 0, 0)]
+            state = GUARD_SLOT_MULTI
+        else:
+            state = GUARD_SLOT_ONE
+        slot = GuardV6Eslot()
+        for way, (hi, lo, plen, value) in enumerate(sorted(keys)):
+            slot.e[way] = GuardV6Eent(hi, lo, plen, state, value)
+        out[i] = bytes(slot)
+    return out
+
+
 def top_value(flags: int, prefixes: Iterable[tuple[int, int]] = ()) -> bytes:
     """A guard_v6_top value; ``prefixes`` are (length, address as int) for INLINE,
     (length, 0) for the probed lengths."""
@@ -132,6 +172,72 @@ def top_value(flags: int, prefixes: Iterable[tuple[int, int]] = ()) -> bytes:
 
 TOP_ALL = top_value(GUARD_V6_ALL)
 TOP_TRIE = top_value(GUARD_V6_TRIE)
+TOP_SEARCH = top_value(GUARD_V6_SEARCH)
+
+
+def search_markers(plen: int) -> list[int]:
+    """The lengths where the binary search for ``plen`` goes longer (guard.h): a prefix
+    of that length needs a marker at each."""
+    lo, hi, out = GUARD_V6_SEARCH_LO, GUARD_V6_SEARCH_HI, []
+    while lo <= hi:
+        mid = (lo + hi) >> 1
+        if mid == plen:
+            return out
+        if mid < plen:
+            out.append(mid)
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    raise ValueError(f"/{plen} is outside {GUARD_V6_SEARCH_LO}..{GUARD_V6_SEARCH_HI}")
+
+
+def _mask(addr: int, plen: int) -> int:
+    return addr >> (128 - plen) << (128 - plen)
+
+
+def search_entries(group: Iterable[Network]) -> dict[bytes, bytes]:
+    """guard_v6_exact entries of a /32 searched by length: its prefixes (DENY) and their
+    markers, DENY when some prefix of the group contains the marker's whole range."""
+    prefixes = {(n.prefixlen, int(n.network_address)) for n in group}
+    lens = sorted({plen for plen, _ in prefixes})
+    covered: dict[tuple[int, int], bool] = {}
+
+    def is_covered(plen: int, addr: int) -> bool:
+        # Walk the present lengths <= plen downwards; remember every answer on the way.
+        chain, answer = [], False
+        for shorter in reversed([x for x in lens if x <= plen]):
+            key = (shorter, _mask(addr, shorter))
+            if key in covered:
+                answer = covered[key]
+                break
+            chain.append(key)
+            if key in prefixes:
+                answer = True
+                break
+        for key in chain:
+            covered[key] = answer
+        return answer
+
+    out: dict[bytes, bytes] = {}
+    for plen, addr in prefixes:
+        out[prefix_key(plen, addr.to_bytes(16, "big"))] = DENY
+        for m in search_markers(plen):
+            key = prefix_key(m, _mask(addr, m).to_bytes(16, "big"))
+            if key not in out:
+                out[key] = DENY if is_covered(m, _mask(addr, m)) else MARKER
+    return out
+
+
+def outermost(nets: Iterable[Network]) -> list[Network]:
+    """The prefixes no other one contains (the same addresses are denied): fewer entries
+    and lengths to probe, and a search that stops at the first covering prefix."""
+    out: list[Network] = []
+    end = -1
+    for n in sorted(nets, key=lambda n: (n.network_address, n.prefixlen)):
+        if int(n.broadcast_address) > end:  # CIDR blocks nest or are disjoint
+            out.append(n)
+            end = int(n.broadcast_address)
+    return out
 
 
 def layout(nets: Iterable[Network]) -> DenyLayout:
@@ -163,6 +269,7 @@ def layout(nets: Iterable[Network]) -> DenyLayout:
         else:
             by_top.setdefault(int(n.network_address) >> 96, []).append(n)
     for top, group in by_top.items():
+        group = outermost(group)
         lens = {n.prefixlen for n in group}
         covered = V6_SHORT in lens or any(
             (top >> (32 - plen) << (32 - plen)) in tops for plen, tops in short_by_len.items())
@@ -173,14 +280,16 @@ def layout(nets: Iterable[Network]) -> DenyLayout:
             out.v6_top[key] = top_value(GUARD_V6_INLINE, ((n.prefixlen, int(n.network_address))
                                                           for n in group))
         elif len(lens) > GUARD_V6_MAX_LENS:
-            out.v6_top[key] = TOP_TRIE
+            out.v6_top[key] = TOP_SEARCH
+            out.v6_exact.update(search_entries(group))
         else:
             out.v6_top[key] = top_value(0, ((plen, 0) for plen in lens))
-            out.v6_exact.update(prefix_key(n.prefixlen, n.network_address.packed)
+            out.v6_exact.update((prefix_key(n.prefixlen, n.network_address.packed), DENY)
                                 for n in group)
     out.v4_slots = slots({top: _hosts_value(bits) for top, bits in out.hosts.items()})
     out.v6_slots = slots({int.from_bytes(key, "little"): value
                           for key, value in out.v6_top.items()})
+    out.v6_eslots = eslots(out.v6_exact)
     return out
 
 
@@ -280,13 +389,42 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
                                                               "little")
                   for k in list(hosts_m.keys())}
     have_top = set(top_m.keys())
-    have_exact, have_short = set(exact_m.keys()), set(short_m.keys())
+    have_exact = {key: exact_m.lookup(key) for key in list(exact_m.keys())}
+    eslots_m = maps["guard_v6_eslots"]
+    union_exact = {**have_exact, **new.v6_exact}
+    up_eslots = eslots(union_exact)
+    have_eslots = _read_slots(eslots_m, set(eslots(have_exact)) | set(up_eslots))
+    have_short = set(short_m.keys())
+    # /32s answered from the trie (which holds old and new) while their entries change:
+    # a length search over half-rewritten markers could miss, and an old entry kept for
+    # a /32 that leaves could hide a new prefix shorter than /32.
+    changed = {key[4:8] for key in set(have_exact) ^ set(new.v6_exact)}
+    changed |= {key[4:8] for key, value in new.v6_exact.items()
+                if have_exact.get(key, value) != value}
+    transit = {key for key in have_top | set(new.v6_top)
+               if key not in new.v6_top
+               or (TOP_SEARCH in (old.v6_top.get(key), new.v6_top[key])
+                   and (key in changed or old.v6_top.get(key) != new.v6_top[key]))}
+    up_top = {key: TOP_TRIE for key in transit}
+    for key, entry in new.v6_top.items():
+        if key not in transit:
+            up_top[key] = _top_union(old.v6_top.get(key) if key in have_top else None, entry)
 
     # Up: records, probe targets, bits, then the entries that point at them, then the
     # slots in front of them.
     added = _add_keys(trie4, new.trie4, have4) + _add_keys(trie6, new.trie6, have6)
     _add_keys(short_m, new.v6_short, have_short)
-    _add_keys(exact_m, new.v6_exact, have_exact)
+    for key in transit:
+        top_m.update(key, TOP_TRIE)
+    # The slots copy entries: the transit ones must say TRIE before any probe target
+    # changes; the others keep what they hold until their entries are written below.
+    pre_slots = slots({int.from_bytes(key, "little"): TOP_TRIE if key in transit
+                       else old.v6_top.get(key, TOP_TRIE) for key in have_top | transit})
+    _write_slots(maps["guard_v6_slots"], pre_slots, have_slots["guard_v6_slots"])
+    for key, value in new.v6_exact.items():
+        if have_exact.get(key) != value:
+            exact_m.update(key, value)
+    _write_slots(eslots_m, up_eslots, have_eslots)
     for top, bits in new.hosts.items():
         union = have_hosts.get(top, 0) | bits
         if union != have_hosts.get(top, 0):
@@ -295,18 +433,27 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
         _write_words(maps[name], _or_words(have_words[name], words), have_words[name])
     if new.v6_short:
         maps["guard_v6_short_on"].update(_u32(0), (1).to_bytes(8, "little"))
-    for key, entry in new.v6_top.items():
-        union = _top_union(old.v6_top.get(key) if key in have_top else None, entry)
-        top_m.update(key, union)
-    for name, n in (("guard_v4_slots", new.v4_slots), ("guard_v6_slots", new.v6_slots)):
-        # Straight to the new slots: what a slot answers from is either its own new
-        # value or a hash map holding old and new by now.
-        _write_slots(maps[name], n, have_slots[name])
+    for key, entry in up_top.items():
+        if key not in transit:
+            top_m.update(key, entry)
+    # Straight to the new v4 slots: what a slot answers from is either its own new
+    # value or a hash map holding old and new by now. The v6 slots copy the entries
+    # of this step (they, too, answer from the trie in transit).
+    _write_slots(maps["guard_v4_slots"], new.v4_slots, have_slots["guard_v4_slots"])
+    up_slots = slots({int.from_bytes(key, "little"): value for key, value in up_top.items()})
+    _write_slots(maps["guard_v6_slots"], up_slots, pre_slots)
 
     # Down: entries first, then what they pointed at, records last.
+    for key in set(have_exact) - set(new.v6_exact):
+        if key[4:8] in transit:
+            exact_m.delete(key)
+            del union_exact[key]
+    mid_eslots = eslots(union_exact)
+    _write_slots(eslots_m, mid_eslots, up_eslots)
     for key, entry in new.v6_top.items():
-        if key in have_top and _top_union(old.v6_top.get(key), entry) != entry:
+        if up_top[key] != entry:
             top_m.update(key, entry)
+    _write_slots(maps["guard_v6_slots"], new.v6_slots, up_slots)
     for key in have_top - set(new.v6_top):
         top_m.delete(key)
     _lower_words(maps["guard_v4_full"], have_words["guard_v4_full"], new.full)
@@ -315,7 +462,10 @@ def apply(maps: dict[str, Map], nets: Iterable[Network]) -> dict[str, int]:
             hosts_m.update(_u32(top), _hosts_value(bits))
     for top in set(have_hosts) - set(new.hosts):
         hosts_m.delete(_u32(top))
-    _drop_keys(exact_m, new.v6_exact, have_exact)
+    for key in set(have_exact) - set(new.v6_exact):
+        if key[4:8] not in transit:
+            exact_m.delete(key)
+    _write_slots(eslots_m, new.v6_eslots, mid_eslots)
     _drop_keys(short_m, new.v6_short, have_short)
     _lower_words(maps["guard_v4_summary"], have_words["guard_v4_summary"], new.summary)
     if not new.v6_short:

@@ -55,6 +55,36 @@ def proxy_pin_dir(owner_pid: int) -> str:
     return os.path.join(PIN_ROOT, f"proxy-{owner_pid}")
 
 
+def running_proxies(netns: str | None = None) -> dict[int, str]:
+    """Supervisor pid -> its pin directory, as this process can open it, for every live
+    proxy whose worker 0 pinned its maps (only those in network namespace ``netns``, an
+    ``ip netns`` name, when given). The path goes through /proc/<pid>/root: a proxy
+    started by ``ip netns exec`` has a private /sys, its bpffs is only visible there."""
+    want = None
+    if netns is not None:
+        try:
+            st = os.stat(os.path.join("/run/netns", netns))
+        except OSError:
+            return {}
+        want = (st.st_dev, st.st_ino)
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        path = f"/proc/{name}/root{proxy_pin_dir(int(name))}"
+        try:
+            if not os.path.isdir(path):
+                continue
+            if want is not None:
+                st = os.stat(f"/proc/{name}/ns/net")
+                if (st.st_dev, st.st_ino) != want:
+                    continue
+        except OSError:  # gone meanwhile, or not ours to look into
+            continue
+        out[int(name)] = path
+    return dict(sorted(out.items()))
+
+
 def release_orphaned(interfaces: Iterable[str], pin_dir: str) -> bool:
     """After every worker has exited: if ``pin_dir`` is still there, worker 0 died
     without detaching (SIGKILL), so detach XDP/TC from ``interfaces`` and drop the

@@ -159,7 +159,8 @@ class KernelFastPaths:
 
 
 def pinned_counters(pin_dir: str, cfg: KernelConfig) -> dict[str, dict]:
-    """Counters from maps a previous `aiproxy bpf attach` pinned (empty if none)."""
+    """Counters (and the deny list's size) from maps pinned in ``pin_dir`` by `aiproxy
+    bpf attach` or a multi-worker proxy's worker 0 (empty if none)."""
     out: dict[str, dict] = {}
     for family, names, wrap in (("xdp_guard", GUARD_MAPS, GuardMaps),
                                 ("tc_classify", CLASSIFY_MAPS, ClassifyMaps)):
@@ -170,6 +171,8 @@ def pinned_counters(pin_dir: str, cfg: KernelConfig) -> dict[str, dict]:
         try:
             if wrap is GuardMaps:
                 out["xdp"] = GuardMaps(maps).counters()
+                out["deny"] = {"v4": sum(1 for _ in maps["guard_deny_v4"].keys()),
+                               "v6": sum(1 for _ in maps["guard_deny_v6"].keys())}
             else:
                 cm = ClassifyMaps(maps)
                 cm.names = {0: "unclassified", **{c.id: c.name for c in cfg.classes}}

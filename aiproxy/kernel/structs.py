@@ -33,7 +33,16 @@ GUARD_V6_INLINE_MAX = 2
 GUARD_V6_ALL = 0x1
 GUARD_V6_TRIE = 0x2
 GUARD_V6_INLINE = 0x4
+GUARD_V6_SEARCH = 0x8
+GUARD_V6_SEARCH_LO = 33
+GUARD_V6_SEARCH_HI = 128
+GUARD_V6_SEARCH_STEPS = 7
+GUARD_V6_DENY = 0x1
 GUARD_SLOT_BITS = 16
+GUARD_ESLOT_BITS = 16
+GUARD_ESLOT_WAYS = 2
+GUARD_ESLOT_MUL1 = 0x9E3779B97F4A7C15
+GUARD_ESLOT_MUL2 = 0xC2B2AE3D27D4EB4F
 GUARD_SLOT_HASH_MUL = 2654435761
 GUARD_SLOT_EMPTY = 0
 GUARD_SLOT_ONE = 1
@@ -61,6 +70,15 @@ class GuardV4Slot(ctypes.Structure):
 
 class GuardV6Slot(ctypes.Structure):
     _fields_ = [("key", ctypes.c_uint32), ("state", ctypes.c_uint32), ("top", GuardV6Top)]
+
+
+class GuardV6Eent(ctypes.Structure):
+    _fields_ = [("hi", ctypes.c_uint64), ("lo", ctypes.c_uint64), ("len", ctypes.c_uint32),
+                ("state", ctypes.c_uint16), ("value", ctypes.c_uint16)]
+
+
+class GuardV6Eslot(ctypes.Structure):
+    _fields_ = [("e", GuardV6Eent * GUARD_ESLOT_WAYS)]
 
 
 class GuardSrc(ctypes.Structure):
@@ -112,6 +130,8 @@ MIRRORS: dict[str, tuple[str, type[ctypes.Structure]]] = {
     "guard_v6_top": ("guard.h", GuardV6Top),
     "guard_v4_slot": ("guard.h", GuardV4Slot),
     "guard_v6_slot": ("guard.h", GuardV6Slot),
+    "guard_v6_eent": ("guard.h", GuardV6Eent),
+    "guard_v6_eslot": ("guard.h", GuardV6Eslot),
     "guard_src": ("guard.h", GuardSrc),
     "guard_bucket": ("guard.h", GuardBucket),
     "guard_settings": ("guard.h", GuardSettings),
@@ -133,9 +153,18 @@ CONSTANTS: dict[str, tuple[str, int]] = {
     "GUARD_V6_TRIE": ("guard.h", GUARD_V6_TRIE),
     "GUARD_V6_INLINE": ("guard.h", GUARD_V6_INLINE),
     "GUARD_V6_INLINE_MAX": ("guard.h", GUARD_V6_INLINE_MAX),
+    "GUARD_V6_SEARCH": ("guard.h", GUARD_V6_SEARCH),
+    "GUARD_V6_SEARCH_LO": ("guard.h", GUARD_V6_SEARCH_LO),
+    "GUARD_V6_SEARCH_HI": ("guard.h", GUARD_V6_SEARCH_HI),
+    "GUARD_V6_SEARCH_STEPS": ("guard.h", GUARD_V6_SEARCH_STEPS),
+    "GUARD_V6_DENY": ("guard.h", GUARD_V6_DENY),
     "GUARD_SLOT_BITS": ("guard.h", GUARD_SLOT_BITS),
     "GUARD_SLOT_HASH_MUL": ("guard.h", GUARD_SLOT_HASH_MUL),
     "GUARD_SLOT_ONE": ("guard.h", GUARD_SLOT_ONE),
+    "GUARD_ESLOT_BITS": ("guard.h", GUARD_ESLOT_BITS),
+    "GUARD_ESLOT_WAYS": ("guard.h", GUARD_ESLOT_WAYS),
+    "GUARD_ESLOT_MUL1": ("guard.h", GUARD_ESLOT_MUL1),
+    "GUARD_ESLOT_MUL2": ("guard.h", GUARD_ESLOT_MUL2),
     "GUARD_SLOT_MULTI": ("guard.h", GUARD_SLOT_MULTI),
     "CLASSIFY_MAX_CLASSES": ("classify.h", CLASSIFY_MAX_CLASSES),
     "CLASS_SET_PRIORITY": ("classify.h", CLASS_SET_PRIORITY),

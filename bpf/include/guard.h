@@ -13,7 +13,7 @@
 #define GUARD_MAX_DENY_V6 65536    /* LPM trie capacity (IPv6 deny prefixes) */
 #define GUARD_MAX_V4_HOSTS 65536   /* /24s holding a /25../32 deny prefix */
 #define GUARD_MAX_V6_TOPS 65536    /* /32s holding a /32../128 deny prefix */
-#define GUARD_MAX_V6_EXACT 65536   /* (length, masked address) of /33../128 prefixes */
+#define GUARD_MAX_V6_EXACT 262144  /* (length, masked address): /33../128 prefixes, markers */
 #define GUARD_V6_SHORT 32          /* prefixes shorter than this go to guard_deny_v6_short */
 #define GUARD_PORT_WORDS 1024      /* guard_ports: bitmap of 65536 ports */
 #define GUARD_MAX_BUCKETS 131072   /* LRU of per-source token buckets */
@@ -37,12 +37,28 @@ struct guard_v4_hosts {
  *                   pfx[i] (the masked address as two host-order u64s);
  *  0                `n` (<= GUARD_V6_MAX_LENS) distinct lengths in len[], each probed
  *                   in guard_v6_exact with the source masked to it;
- *  GUARD_V6_TRIE    more lengths than that: walk guard_deny_v6 (the full trie). */
+ *  GUARD_V6_SEARCH  more lengths than that: a binary search on the length (33..128,
+ *                   GUARD_V6_SEARCH_STEPS probes at most) in guard_v6_exact, whose
+ *                   entries under such a /32 are the prefixes and markers (below);
+ *  GUARD_V6_TRIE    walk guard_deny_v6 (the full trie): only while user space
+ *                   rewrites the /32's entries (the trie holds old and new then).
+ *
+ * Binary search on prefix lengths (Waldvogel et al., SIGCOMM '97): the probe at length
+ * m = (lo + hi) / 2 of the range [lo, hi] (first [33, 128]) looks up the source masked
+ * to m. A hit whose value is GUARD_V6_DENY means a prefix of length <= m contains the
+ * source: denied. A hit without it is a marker (longer prefixes lie under it): search
+ * [m + 1, hi]; a miss: search [lo, m - 1]. Every prefix of length L has a marker at
+ * each m < L on the search path to L. */
 #define GUARD_V6_MAX_LENS 6
 #define GUARD_V6_INLINE_MAX 2
 #define GUARD_V6_ALL 0x1
 #define GUARD_V6_TRIE 0x2
 #define GUARD_V6_INLINE 0x4
+#define GUARD_V6_SEARCH 0x8
+#define GUARD_V6_SEARCH_LO 33
+#define GUARD_V6_SEARCH_HI 128
+#define GUARD_V6_SEARCH_STEPS 7 /* ceil(log2(96 + 1)) */
+#define GUARD_V6_DENY 0x1 /* guard_v6_exact value: some prefix covers this key */
 struct guard_v6_pfx {
 	__u64 hi;
 	__u64 lo;
@@ -78,6 +94,29 @@ struct guard_v6_slot {
 	__u32 key;
 	__u32 state;
 	struct guard_v6_top top;
+};
+
+/* guard_v6_eslots: direct-mapped buckets of two in front of guard_v6_exact (a length
+ * search probes up to 7 times: a hash lookup costs ~35 ns, an inlined array lookup a
+ * few). Key (len, hi, lo: the masked address as host-order halves) has bucket
+ * ((hi ^ lo * GUARD_ESLOT_MUL2 ^ len) * GUARD_ESLOT_MUL1) >> (64 - GUARD_ESLOT_BITS).
+ * A bucket holds the one or two keys that have it (state GUARD_SLOT_ONE, value the
+ * guard_v6_exact value); with more, e[0].state is GUARD_SLOT_MULTI and the hash decides. */
+#define GUARD_ESLOT_BITS 16
+#define GUARD_ESLOTS (1 << GUARD_ESLOT_BITS)
+#define GUARD_ESLOT_WAYS 2
+#define GUARD_ESLOT_MUL1 0x9E3779B97F4A7C15ULL
+#define GUARD_ESLOT_MUL2 0xC2B2AE3D27D4EB4FULL
+struct guard_v6_eent {
+	__u64 hi;
+	__u64 lo;
+	__u32 len;
+	__u16 state;
+	__u16 value;
+};
+
+struct guard_v6_eslot {
+	struct guard_v6_eent e[GUARD_ESLOT_WAYS];
 };
 
 /* One token = GUARD_TOKEN_SCALE units; a bucket refills `syn_rate` units per ns. */

@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -210,3 +211,61 @@ def test_workers_stop_while_worker0_is_dead(veth, tmp_path: Path, mount_ns):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def bpf_status(path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aiproxy", "bpf", "status", "-c", str(path),
+                           "--json", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_bpf_status_reads_a_running_proxys_pins(veth, tmp_path: Path):
+    """`aiproxy bpf status` finds the maps worker 0 pinned for its supervisor (inside the
+    private /sys `ip netns exec` gives the proxy) and shows their counters and deny list."""
+    from .test_server_kernel import start_in_netns
+
+    path = tmp_path / "aiproxy.toml"
+    path.write_text(config([f"{veth.CLI4_DENIED}/32", "2001:db8:bad::/48", "198.51.100.0/24"]))
+    proc = start_in_netns(veth, path)
+    try:
+        wait_serving(proc, 0, worker_pid(proc, 0))
+        for _ in range(3):
+            assert not connects(veth, veth.CLI4_DENIED, 0.3)
+        assert connects(veth, veth.CLI4_ALLOWED)
+
+        res = bpf_status(path, "--netns", veth.srv)
+        assert res.returncode == 0, res.stderr
+        status = json.loads(res.stdout)
+        assert status["counters"] == {}  # no `aiproxy bpf attach` pins of its own
+        assert status["interfaces"]["vsrv"]["xdp_prog_id"]
+        mine = status["proxies"][str(proc.pid)]
+        assert mine["pin_dir"] == proxy_pin_dir(proc.pid)
+        assert mine["counters"]["deny"] == {"v4": 2, "v6": 1}
+        xdp = mine["counters"]["xdp"]
+        assert xdp["dropped_deny"] >= 3 and xdp["passed"] >= 1
+        assert xdp["dropped_deny"] <= scrape(veth)[("aiproxy_kernel_xdp_packets_total",
+                                                    (("result", "dropped_deny"),))]
+        assert mine["counters"]["tc"]["edge"]["packets"] >= 1
+
+        # --pid picks it; a pid that is no proxy is an error.
+        res = bpf_status(path, "--netns", veth.srv, "--pid", str(proc.pid))
+        assert res.returncode == 0, res.stderr
+        assert list(json.loads(res.stdout)["proxies"]) == [str(proc.pid)]
+        res = bpf_status(path, "--netns", veth.srv, "--pid", str(os.getpid()))
+        assert res.returncode == 1 and "no running proxy" in res.stderr
+        # Text output names the proxy and its deny list.
+        res = subprocess.run([sys.executable, "-m", "aiproxy", "bpf", "status", "-c",
+                              str(path), "--netns", veth.srv], capture_output=True, text=True,
+                             timeout=60)
+        assert f"proxy pid {proc.pid}" in res.stdout
+        assert "deny list: 2 IPv4, 1 IPv6 prefixes" in res.stdout
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, process_log(proc)
+        res = bpf_status(path, "--netns", veth.srv)
+        assert res.returncode == 0 and json.loads(res.stdout)["proxies"] == {}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+

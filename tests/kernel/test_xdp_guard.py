@@ -157,11 +157,13 @@ def _assert_exact(obj, maps, nets):
     lay = deny.layout(nets)
     assert {int.from_bytes(k, "little") for k in _held(obj, "guard_v4_hosts")} == set(lay.hosts)
     assert _held(obj, "guard_v6_top") == set(lay.v6_top)
-    assert _held(obj, "guard_v6_exact") == lay.v6_exact
+    exact = obj.map("guard_v6_exact")
+    assert {k: exact.lookup(k) for k in exact.keys()} == lay.v6_exact
     assert _held(obj, "guard_deny_v6_short") == lay.v6_short
     assert _held(obj, "guard_deny_v4") | _held(obj, "guard_deny_v6") == lay.trie4 | lay.trie6
     # Slots: every slot this object was ever asked to fill holds its value or nothing.
-    for name, want in (("guard_v4_slots", lay.v4_slots), ("guard_v6_slots", lay.v6_slots)):
+    for name, want in (("guard_v4_slots", lay.v4_slots), ("guard_v6_slots", lay.v6_slots),
+                       ("guard_v6_eslots", lay.v6_eslots)):
         m = obj.map(name)
         seen = _slots_seen.setdefault((id(obj), name), set())
         seen.update(want)
@@ -190,7 +192,7 @@ V6_FORMS = [net(text, strict=False) for text in (
     "2001:a02::/64", "2001:a02:0:1:8000::/65",         # two: inline
     "2001:a03:1::/48", "2001:a03:2::/64", "2001:a03:3::/56", "2001:a03:4::/56",
     "2001:a03::1/128",                                 # five, four lengths: probed
-    *(f"2001:a04:{i:x}00::/{40 + 8 * i}" for i in range(10)),  # ten lengths: trie
+    *(f"2001:a04:{i:x}00::/{40 + 8 * i}" for i in range(10)),  # ten lengths: search
     "2001:a05::/32", "2001:a05:5::/48",                # the /32 itself: all
     "2400::/12", "2400:cafe::/48",                     # shorter than /32, one inside
     "2a00::/20",                                       # shorter than /32 alone
@@ -212,15 +214,15 @@ def test_deny_overlapping_v4(guard):
 def test_deny_v6_every_form(guard):
     obj, maps = guard
     from aiproxy.kernel import deny
-    from aiproxy.kernel.structs import GUARD_V6_ALL, GUARD_V6_INLINE, GUARD_V6_TRIE
+    from aiproxy.kernel.structs import GUARD_V6_ALL, GUARD_V6_INLINE, GUARD_V6_SEARCH
 
     flags = {key.hex(): value[1] for key, value in deny.layout(V6_FORMS).v6_top.items()}
     assert flags == {"20010a01": GUARD_V6_INLINE, "20010a02": GUARD_V6_INLINE,
-                     "20010a03": 0, "20010a04": GUARD_V6_TRIE, "20010a05": GUARD_V6_ALL,
+                     "20010a03": 0, "20010a04": GUARD_V6_SEARCH, "20010a05": GUARD_V6_ALL,
                      "2400cafe": GUARD_V6_ALL}
     maps.set_deny(V6_FORMS)
     _assert_exact(obj, maps, V6_FORMS)
-    # The same prefixes crowded into one /32 (the trie form), then back, then none.
+    # The same prefixes crowded into one /32 (the search form), then back, then none.
     low = (1 << 80) - 1
     crowded = [net(((0x20010DB8 << 96) | ((int(n.network_address) >> 96) & 0xFFFF) << 80
                     | int(n.network_address) & low, n.prefixlen), strict=False)
@@ -269,7 +271,8 @@ def test_deny_sync_fills_maps_the_record_does_not_know(guard):
     maps.set_deny(nets)
     lay = __import__("aiproxy.kernel.deny", fromlist=["layout"]).layout(nets)
     for name, idx in (("guard_v4_summary", lay.summary), ("guard_v4_full", lay.full),
-                      ("guard_v4_slots", lay.v4_slots), ("guard_v6_slots", lay.v6_slots)):
+                      ("guard_v4_slots", lay.v4_slots), ("guard_v6_slots", lay.v6_slots),
+                      ("guard_v6_eslots", lay.v6_eslots)):
         m = obj.map(name)
         for i in idx:
             m.update(i.to_bytes(4, "little"), bytes(m.value_size))
@@ -477,3 +480,109 @@ def test_v6_bucket_per_prefix(bpf_ok):
         assert [run(obj, a), run(obj, b), run(obj, a)] == [XDP_PASS, XDP_PASS, XDP_DROP]
     finally:
         obj.close()
+
+
+def _crowded(rnd, tops, per_top, lens=range(33, 129)):
+    """Prefixes of many lengths crowded into a few /32s, some nested in others."""
+    out = set()
+    lens = list(lens)
+    while len(out) < tops * per_top:
+        top = 0x20010C00 + rnd.randrange(tops)
+        plen = rnd.choice(lens)
+        if out and rnd.random() < 0.3:  # inside (or around) one already there
+            addr = int(rnd.choice(sorted(out, key=str)).network_address)
+            addr |= rnd.getrandbits(96) & ((1 << (128 - plen)) - 1)
+        else:
+            addr = top << 96 | rnd.getrandbits(96)
+        out.add(net((addr, plen), strict=False))
+    return sorted(out, key=str)
+
+
+def test_deny_crowded_v6_length_search(guard):
+    """/32s holding dozens of lengths (the binary search on the length with markers) agree
+    with CIDR membership, through changes that keep, drop and add prefixes, move a /32
+    between the search and the probed forms and cover one with a shorter prefix."""
+    import random
+
+    from aiproxy.kernel import deny
+    from aiproxy.kernel.structs import GUARD_V6_SEARCH
+
+    obj, maps = guard
+    rnd = random.Random(23)
+    first = _crowded(rnd, 3, 60)
+    lay = deny.layout(first)
+    assert {v[1] for v in lay.v6_top.values()} == {GUARD_V6_SEARCH}
+    assert any(v == deny.MARKER for v in lay.v6_exact.values())  # markers, not only prefixes
+    maps.set_deny(first)
+    _assert_exact(obj, maps, first)
+    second = first[::2] + _crowded(rnd, 4, 40)
+    maps.set_deny(second)
+    _assert_exact(obj, maps, second)
+    # One /32 down to three lengths (probed), another covered by a /30.
+    few = [n for n in second if int(n.network_address) >> 96 != 0x20010C01]
+    few += [net("2001:c01::/40"), net("2001:c01:1::/48"), net("2001:c01:1:2::/64")]
+    third = few + [net("2001:c00::/30")]
+    maps.set_deny(third)
+    _assert_exact(obj, maps, third)
+    maps.set_deny(second)
+    _assert_exact(obj, maps, second)
+    every = [net((0x20010C05 << 96 | rnd.getrandbits(96), plen), strict=False)
+             for plen in range(33, 129)]  # all 96 lengths in one /32
+    maps.set_deny(every)
+    _assert_exact(obj, maps, every)
+
+
+def test_search_markers_reach_every_length():
+    from aiproxy.kernel.deny import search_markers
+    from aiproxy.kernel.structs import GUARD_V6_SEARCH_STEPS
+
+    for plen in range(33, 129):
+        path = search_markers(plen)
+        assert len(path) < GUARD_V6_SEARCH_STEPS and all(m < plen for m in path)
+
+
+class _Watched:
+    """A map whose every write is followed by a check of the program's verdicts."""
+
+    def __init__(self, m, check):
+        self._m, self._check = m, check
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def update(self, *args, **kw):
+        self._m.update(*args, **kw)
+        self._check()
+
+    def delete(self, *args, **kw):
+        out = self._m.delete(*args, **kw)
+        self._check()
+        return out
+
+
+def test_deny_update_never_lets_a_kept_prefix_through(guard):
+    """After every map write of an update, each source inside a prefix both the
+    old and the new list hold is still dropped (union first, then shrink), also for
+    crowded /32s whose markers are rewritten."""
+    import random
+
+    from aiproxy.kernel import deny
+
+    obj, maps = guard
+    rnd = random.Random(5)
+    old = _crowded(rnd, 2, 25)
+    maps.set_deny(old)
+    for new in (old[::2] + _crowded(rnd, 3, 12),
+                [n for n in old if n.prefixlen > 80] + [net("2001:c00::/30")],
+                old[1::3] + [net("2001:c01:1::/48"), net("2001:c01:2::/56")]):
+        kept = [n for n in set(old) & set(new)]
+        probes = [s for s in _probe_sources(kept, rnd)
+                  if any(ipaddress.ip_address(s) in n for n in kept)]
+        probes = rnd.sample(probes, min(len(probes), 24))
+
+        def check(probes=probes):
+            assert all(_verdicts(obj, probes).values())
+
+        deny.apply({name: _Watched(m, check) for name, m in maps.maps.items()}, new)
+        _assert_exact(obj, maps, new)
+        old = new
