@@ -103,6 +103,40 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def aiproxy_config(port: int, backend: int) -> str:
+    """aiproxy's side of the comparison: one worker, keep-alive both ways, no access log."""
+    return f"""\
+[server]
+workers = 1
+drain_timeout_ms = 1000
+
+[http]
+keepalive_timeout_ms = 300000
+max_keepalive_requests = 0
+
+[[listeners]]
+name = "bench"
+address = "127.0.0.1:{port}"
+backlog = 4096
+
+# nginx's side runs with access_log off too.
+[access_log]
+path = "off"
+
+[[clusters]]
+name = "backend"
+endpoints = ["127.0.0.1:{backend}"]
+max_idle_connections = 128
+max_requests_per_connection = 0
+idle_timeout_ms = 300000
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "backend"
+"""
+
+
 class Proc:
     """A started server process, in its own session (a Ctrl-C in the terminal reaches
     only this script, which then stops the servers in order)."""
@@ -405,36 +439,7 @@ server {{
     def _start_aiproxy(self, name: str = "aiproxy", tree: Path | None = None) -> None:
         port = free_port()
         conf = self.tmp / f"{name}.toml"
-        conf.write_text(textwrap.dedent(f"""\
-            [server]
-            workers = 1
-            drain_timeout_ms = 1000
-
-            [http]
-            keepalive_timeout_ms = 300000
-            max_keepalive_requests = 0
-
-            [[listeners]]
-            name = "bench"
-            address = "127.0.0.1:{port}"
-            backlog = 4096
-
-            # nginx's side runs with access_log off too.
-            [access_log]
-            path = "off"
-
-            [[clusters]]
-            name = "backend"
-            endpoints = ["127.0.0.1:{self.backend_port}"]
-            max_idle_connections = 128
-            max_requests_per_connection = 0
-            idle_timeout_ms = 300000
-
-            [[routes]]
-            name = "all"
-            match = {{ path_prefix = "/" }}
-            cluster = "backend"
-            """))
+        conf.write_text(aiproxy_config(port, self.backend_port))
         tree = tree or self.aiproxy_tree
         env = {"PYTHONPATH": os.pathsep.join(
             p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}

@@ -27,35 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import CASES, Proc, Servers, ensure_tools, free_port, log  # noqa: E402
-
-CONFIG = """\
-[server]
-workers = 1
-
-[http]
-keepalive_timeout_ms = 300000
-max_keepalive_requests = 0
-
-[[listeners]]
-name = "bench"
-address = "127.0.0.1:{port}"
-
-[access_log]
-path = "off"
-
-[[clusters]]
-name = "backend"
-endpoints = ["127.0.0.1:{backend}"]
-max_idle_connections = 128
-max_requests_per_connection = 0
-idle_timeout_ms = 300000
-
-[[routes]]
-name = "all"
-match = {{ path_prefix = "/" }}
-cluster = "backend"
-"""
+from e2e import CASES, Proc, Servers, aiproxy_config, ensure_tools, free_port, log  # noqa: E402
 
 
 def get(port: int, path: str) -> int:
@@ -68,7 +40,7 @@ def measure(tree: Path, backend: int, path: str, tmp: Path, wrk: str, connection
             duration: int) -> tuple[int, float]:
     port = free_port()
     conf = tmp / f"aiproxy-{port}.toml"
-    conf.write_text(CONFIG.format(port=port, backend=backend))
+    conf.write_text(aiproxy_config(port, backend))
     out = tmp / f"callgrind-{port}.out"
     proc = Proc("aiproxy-callgrind", [
         "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
