@@ -95,7 +95,10 @@ def test_builtin_eval_on_val(model, val_metrics):
                    "threshold); 93.5% asked. Ensembles of 2-5 members, 8k-32k buckets, char "
                    "2-5-grams, dropout 0.5 and IDF pooling weights all stay at 93.0-93.5%; "
                    "frozen GloVe 50d word features reach 93.67% argmax but 93.20-93.30% at "
-                   "the threshold (README, Semantic routing)")
+                   "the threshold; GloVe-neighbour augmentation, dim 256, sqrt pooling, "
+                   "oos rows x3 and other oos scores (temperature, energy, max logit, margin) "
+                   "do no better, and seed 2 of the shipped recipe gives 92.77% "
+                   "(README, Semantic routing)")
 def test_builtin_reaches_accuracy_target(val_metrics):
     assert val_metrics["accuracy"] >= ACCURACY_TARGET, val_metrics
 
