@@ -66,7 +66,10 @@ def valid_h2_settings(value: bytes) -> bool:
     return len(raw) % 6 == 0
 
 
-class H1Connection(asyncio.BufferedProtocol):
+class H1ConnectionCore:
+    """The protocol's state and code (compiled as a C class: http1.pxd); uvloop and
+    asyncio's TLS layer see H1Connection, the BufferedProtocol below."""
+
     __slots__ = ("server", "loop", "transport", "buf", "exchange", "peer", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
@@ -441,7 +444,7 @@ class H1Connection(asyncio.BufferedProtocol):
             end = LAST_CHUNK
             ex = self.exchange
             if trailers and ex is not None and b"trailers" in (ex.head.get(b"te") or b""):
-                end = b"0\r\n" + b"".join(b"%s: %s\r\n" % t for t in trailers) + CRLF
+                end = b"0\r\n" + b"".join([b"%s: %s\r\n" % t for t in trailers]) + CRLF
             self.transport.write(self.head_out + end)
             self.head_out = b""
         elif self.head_out:
@@ -563,3 +566,7 @@ class H1Connection(asyncio.BufferedProtocol):
         if left is None or left > rt.min_timeout:
             left = rt.min_timeout
         self.timer = self.loop.call_later(left, self._on_timer)
+
+
+class H1Connection(H1ConnectionCore, asyncio.BufferedProtocol):
+    __slots__ = ()

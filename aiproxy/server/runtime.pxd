@@ -1,0 +1,8 @@
+# Compiled by Cython in pure-Python mode (setup.py): runtime.py is the source.
+from aiproxy.routing.table cimport RouteTable
+
+
+cdef class Runtime:
+    cdef public object config, http, clusters, via_line, max_body, min_timeout, semantic
+    cdef public object filter_states, decision_cache, unrouted_filters
+    cdef public RouteTable table
