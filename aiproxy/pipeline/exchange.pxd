@@ -5,10 +5,12 @@ cimport cython
 from aiproxy.routing.cluster cimport Cluster
 from aiproxy.routing.pool cimport EndpointPool
 from aiproxy.routing.table cimport Route
+from aiproxy.server.runtime cimport Runtime
 
 @cython.final
 cdef class Exchange:
-    cdef public object down, loop, rt, head, method, upstream, connect_task
+    cdef public object down, loop, head, method, upstream, connect_task
+    cdef public Runtime rt
     cdef public Route route
     cdef public EndpointPool pool
     cdef public Cluster cluster
@@ -50,5 +52,7 @@ cdef class Exchange:
     cpdef _drop_upstream(self)
     cpdef _finish(self, keep_alive)
     cpdef timings(self)
+    @cython.locals(rt=Runtime)
+    cpdef h1_request_head(self, pool)
     cpdef _report(self)
     cpdef _release_cluster(self)

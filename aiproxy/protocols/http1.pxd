@@ -3,6 +3,7 @@ cimport cython
 
 from aiproxy._fast.h1 cimport RequestHead
 from aiproxy.pipeline.exchange cimport Exchange
+from aiproxy.server.runtime cimport Runtime
 
 
 cdef class H1ConnectionCore:
@@ -17,13 +18,15 @@ cdef class H1ConnectionCore:
     cdef public double head_started, idle_since
 
     cpdef _process(self)
-    @cython.locals(head=RequestHead, ex=Exchange)
+    @cython.locals(head=RequestHead, ex=Exchange, rt=Runtime)
     cpdef _start_exchange(self, bytearray slab=*, Py_ssize_t nbytes=*)
+    @cython.locals(rt=Runtime)
     cpdef exchange_done(self, Exchange ex, bint keep_alive)
+    @cython.locals(rt=Runtime, limit=cython.longlong)
     cpdef may_keep_alive(self)
     cpdef pause(self, int reason)
     cpdef resume(self, int reason)
-    @cython.locals(head=RequestHead)
+    @cython.locals(head=RequestHead, rt=Runtime)
     cpdef send_response(self, Exchange ex, resp, int mode)
     cpdef send_body(self, data)
     cpdef flush(self)
