@@ -74,6 +74,6 @@ model:
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .benchmarks
 	rm -f aiproxy/kernel/objects/*.bpf.o
-	rm -f aiproxy/_fast/*.c aiproxy/_fast/*.so aiproxy/_fast/*.html
+	rm -f aiproxy/*/*.c aiproxy/*/*.so aiproxy/*/*.html
 	rm -f $(VENV)/.aiproxy-install-stamp
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

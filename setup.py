@@ -6,6 +6,7 @@ Knobs from the environment:
   CFLAGS               passed through by setuptools as usual
 """
 
+import glob
 import os
 import subprocess
 import sys
@@ -31,6 +32,20 @@ extensions = [
         extra_compile_args=extra_compile_args,
     )
     for name in FAST_MODULES
+]
+# Hot-path modules written in Python and compiled in Cython's pure-Python mode: a .py
+# with a .pxd beside it is the source of an extension module, the .pxd declares its
+# classes' fields (and hot methods) as C. They keep Python's semantics (negative indices,
+# bounds checks, Python division). scripts/bootstrap.sh and tests/conftest.py use the
+# same rule.
+COMPILED_PY = sorted(
+    pxd[:-4].replace("/", ".")
+    for pxd in glob.glob("aiproxy/**/*.pxd", recursive=True)
+    if os.path.exists(pxd[:-4] + ".py")
+)
+compiled_py = [
+    Extension(name, [name.replace(".", "/") + ".py"], extra_compile_args=extra_compile_args)
+    for name in COMPILED_PY
 ]
 
 
@@ -83,5 +98,11 @@ setup(
             "initializedcheck": False,
             "embedsignature": True,
         },
+    ) + cythonize(
+        compiled_py,
+        language_level=3,
+        annotate=os.environ.get("AIPROXY_ANNOTATE") == "1",
+        # Type hints there are for readers and ruff: `data: bytes` may be a memoryview.
+        compiler_directives={"annotation_typing": False},
     ),
 )

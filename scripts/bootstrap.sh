@@ -111,9 +111,18 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 # The inputs of `pip install -e`: a change in any of them means a rebuild.
+# Python modules with a .pxd beside them are compiled too (setup.py: COMPILED_PY).
+compiled_py() {
+    local pxd
+    for pxd in $(find aiproxy -name '*.pxd' | LC_ALL=C sort); do
+        [ -f "${pxd%.pxd}.py" ] && printf '%s\n' "${pxd%.pxd}.py"
+    done
+    return 0
+}
 build_inputs() {
     printf '%s\n' pyproject.toml setup.py
     find aiproxy -name '*.pyx' -o -name '*.pxd' | LC_ALL=C sort
+    compiled_py
     find bpf -name '*.c' -o -name '*.h' -o -name Makefile | LC_ALL=C sort
 }
 fingerprint=$(build_inputs | xargs sha256sum | sha256sum | cut -d' ' -f1)
@@ -126,10 +135,10 @@ up_to_date() {
     # An install with the [test] extras also serves a plain one.
     [ -z "$extras" ] || [ "${stamp_extras:-}" = "$extras" ] || return 1
     # `make clean` or `git clean` can remove the in-tree extensions while .venv stays.
-    local pyx
-    for pyx in aiproxy/_fast/*.pyx; do
-        [ -e "$pyx" ] || continue
-        compgen -G "${pyx%.pyx}.*.so" >/dev/null || return 1
+    local src
+    for src in aiproxy/_fast/*.pyx $(compiled_py); do
+        [ -e "$src" ] || continue
+        compgen -G "${src%.*}.*.so" >/dev/null || return 1
     done
     # BPF objects are built when the toolchain is there; a missing one means rebuild.
     if have clang && [ -f /usr/include/bpf/bpf_helpers.h ]; then

@@ -20,6 +20,28 @@ from tests.support import (
     wait_port,
 )
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def compiled_sources() -> list[Path]:
+    """The Python modules compiled by Cython (setup.py: a .py with a .pxd beside it)."""
+    return sorted(pxd.with_suffix(".py") for pxd in (REPO / "aiproxy").rglob("*.pxd")
+                  if pxd.with_suffix(".py").exists())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # An extension module shadows its .py: after an edit the tests would run the old code.
+    stale = []
+    for py in compiled_sources():
+        built = list(py.parent.glob(py.stem + ".*.so"))
+        newest = max(py.stat().st_mtime, py.with_suffix(".pxd").stat().st_mtime)
+        if not built or max(so.stat().st_mtime for so in built) < newest:
+            stale.append(str(py.relative_to(REPO)))
+    if stale:
+        pytest.exit("compiled modules older than their source (run `python setup.py "
+                    "build_ext --inplace` or `make test`): " + ", ".join(stale), returncode=4)
+
+
 # Lines that mean the proxy let an exception escape on a request path.
 CRASH_MARKERS = ("Traceback (most recent call last)", "Exception in callback", "exception was never retrieved")
 

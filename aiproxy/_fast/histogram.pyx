@@ -1,19 +1,9 @@
 # Fixed-bucket latency histogram: observe() runs several times per proxied request,
 # and bisect over a tuple of Python floats costs ~10x this C loop.
 
-cdef enum:
-    MAX_BUCKETS = 64
-
-
 cdef class Histogram:
     """Counts per upper bound (bucket i holds bounds[i-1] < v <= bounds[i], the last one
     everything above the largest bound) and the sum of the observed values."""
-
-    cdef double bounds[MAX_BUCKETS]
-    cdef long long counts_[MAX_BUCKETS + 1]
-    cdef int n
-    cdef readonly tuple buckets
-    cdef public double sum
 
     def __init__(self, buckets: tuple) -> None:
         cdef int i

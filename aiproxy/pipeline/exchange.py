@@ -44,6 +44,7 @@ from aiproxy.pipeline.filters import (
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_TUNNEL
 from aiproxy.routing.pool import UpstreamConnectError
+from aiproxy.routing.stats import LOAD_HEADERS
 
 if TYPE_CHECKING:
     from aiproxy.config import RetryPolicy
@@ -87,7 +88,6 @@ TOKEN_TAIL = 4096  # bytes of the response end searched for usage
 # The semantic decision the proxy passes upstream; a client's own copies are dropped.
 DECISION_HEADERS = (b"x-aiproxy-intent", b"x-aiproxy-intent-confidence",
                     b"x-aiproxy-intent-domain")
-LOAD_HEADERS = (b"x-backend-load", b"x-gpu-mem-used-pct")
 GRPC_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
@@ -600,7 +600,7 @@ class Exchange:
             return False
         if head.chunked:
             self.req_mode = REQ_CHUNKED
-            self.decoder = ChunkedDecoder(self.rt.http.max_header_bytes)
+            self.decoder = ChunkedDecoder(self.rt.max_header_bytes)
             self.reading_body = True
             self.up_chunked = True
         elif head.version == 20 and head.body_streamed:  # HTTP/2 DATA frames follow
@@ -630,7 +630,7 @@ class Exchange:
             extra.append(b"Host: " + head.host + CRLF)
         elif head.host is None:
             extra.append(b"Host: " + pool.endpoint.address.encode() + CRLF)
-        if rt.http.x_forwarded:
+        if rt.x_forwarded:
             drop |= F_XFF | F_XFP
             down = self.down
             extra.append(b"X-Forwarded-For: "
@@ -662,8 +662,8 @@ class Exchange:
             remove = route.req_remove
         up_headers = self.up_headers
         if up_headers:
-            extra.extend(b"%s: %s\r\n" % h for h in up_headers if h[1] is not None)
-            names = frozenset(n for n, _ in up_headers)
+            extra.extend([b"%s: %s\r\n" % h for h in up_headers if h[1] is not None])
+            names = frozenset([n for n, _ in up_headers])
             remove = remove | names if remove else names
         if remove:
             return serialize_without(head, start_line, b"".join(extra), drop, remove)
@@ -682,7 +682,7 @@ class Exchange:
             drop |= F_CONTENT_LENGTH
             fields.append((b"content-length", b"%d" % self.body_len))
         rt = self.rt
-        if rt.http.x_forwarded:
+        if rt.x_forwarded:
             drop |= F_XFF | F_XFP
         route = self.route
         remove = route.req_remove
@@ -698,7 +698,7 @@ class Exchange:
             fields += route.req_add
         if up_headers:
             fields += [h for h in up_headers if h[1] is not None]
-        if rt.http.x_forwarded:
+        if rt.x_forwarded:
             fields.append((b"x-forwarded-for", self._xff()))
             fields.append((b"x-forwarded-proto", self.down.scheme))
         if rt.via_line:

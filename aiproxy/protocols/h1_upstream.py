@@ -41,7 +41,10 @@ _TUNNEL = 3
 _CLOSED = 4
 
 
-class H1UpstreamConnection(asyncio.BufferedProtocol):
+class H1UpstreamCore:
+    """The protocol's state and code (compiled as a C class: h1_upstream.pxd); the
+    transport sees H1UpstreamConnection, the BufferedProtocol below."""
+
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
                  "received", "reading_paused", "chunked", "slab", "views_to")
@@ -361,3 +364,7 @@ class H1UpstreamConnection(asyncio.BufferedProtocol):
         self.decoder = None
         if ex is not None:
             ex.on_upstream_end()
+
+
+class H1UpstreamConnection(H1UpstreamCore, asyncio.BufferedProtocol):
+    __slots__ = ()

@@ -66,7 +66,10 @@ def valid_h2_settings(value: bytes) -> bool:
     return len(raw) % 6 == 0
 
 
-class H1Connection(asyncio.BufferedProtocol):
+class H1ConnectionCore:
+    """The protocol's state and code (compiled as a C class: http1.pxd); uvloop and
+    asyncio's TLS layer see H1Connection, the BufferedProtocol below."""
+
     __slots__ = ("server", "loop", "transport", "buf", "exchange", "peer", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
@@ -235,7 +238,7 @@ class H1Connection(asyncio.BufferedProtocol):
                         break
                 else:
                     # The rest is pipelined: it waits for the current response.
-                    if len(self.buf) > self.server.runtime.http.max_header_bytes:
+                    if len(self.buf) > self.server.runtime.max_header_bytes:
                         self.pause(P_PIPELINE)
                     break
         finally:
@@ -243,7 +246,7 @@ class H1Connection(asyncio.BufferedProtocol):
 
     def _start_exchange(self, slab: bytearray | None = None, nbytes: int = 0) -> bool:
         """Parse a request head from self.buf, or (self.buf empty) from slab[:nbytes]."""
-        http = self.server.runtime.http
+        rt = self.server.runtime
         if slab is None and self.h2c and not self.served and self.buf[:1] == b"P":
             if h2_server.preface_pending(self.buf):
                 return False
@@ -252,11 +255,11 @@ class H1Connection(asyncio.BufferedProtocol):
                 return False
         try:
             if slab is None:
-                head = parse_request(self.buf, http.max_header_bytes,
-                                     http.max_request_line_bytes, http.max_headers)
+                head = parse_request(self.buf, rt.max_header_bytes, rt.max_request_line_bytes,
+                                     rt.max_headers)
             else:
-                head = parse_request(slab, http.max_header_bytes, http.max_request_line_bytes,
-                                     http.max_headers, nbytes)
+                head = parse_request(slab, rt.max_header_bytes, rt.max_request_line_bytes,
+                                     rt.max_headers, nbytes)
         except ParseError as exc:
             self.reject(exc.status, exc.message)
             return False
@@ -321,9 +324,9 @@ class H1Connection(asyncio.BufferedProtocol):
         self.served += 1
         if self.closed:
             return
-        http = self.server.runtime.http
+        rt = self.server.runtime
         if (not keep_alive or self.server.draining or self.client_eof
-                or (http.max_keepalive_requests and self.served >= http.max_keepalive_requests)):
+                or (rt.max_keepalive_requests and self.served >= rt.max_keepalive_requests)):
             if ex.req_done:
                 self.close()
             else:
@@ -335,15 +338,15 @@ class H1Connection(asyncio.BufferedProtocol):
         self.idle_since = self.head_started = self.loop.time()
         if self.buf:
             self._process()
-        elif not http.keepalive_timeout_ms:
+        elif not rt.keepalive_timeout_ms:
             self.close()
 
     def may_keep_alive(self) -> bool:
         """False when the connection closes after the current response regardless of the
         request: draining, or the response is the last max_keepalive_requests allows."""
-        http = self.server.runtime.http
-        limit = http.max_keepalive_requests
-        return (not self.server.draining and http.keepalive_timeout_ms > 0
+        rt = self.server.runtime
+        limit = rt.max_keepalive_requests
+        return (not self.server.draining and rt.keepalive_timeout_ms > 0
                 and not (limit and self.served + 1 >= limit))
 
     def pause(self, reason: int) -> None:
@@ -391,7 +394,7 @@ class H1Connection(asyncio.BufferedProtocol):
                 extra.append(b"Transfer-Encoding: chunked\r\n")
             else:
                 keep = False  # HTTP/1.0 client: the end of the body is the close
-        if rt.http.server_timing:
+        if rt.server_timing:
             extra.append(b"Server-Timing: " + server_timing(ex) + CRLF)
         if not keep:
             extra.append(b"Connection: close\r\n")
@@ -441,7 +444,7 @@ class H1Connection(asyncio.BufferedProtocol):
             end = LAST_CHUNK
             ex = self.exchange
             if trailers and ex is not None and b"trailers" in (ex.head.get(b"te") or b""):
-                end = b"0\r\n" + b"".join(b"%s: %s\r\n" % t for t in trailers) + CRLF
+                end = b"0\r\n" + b"".join([b"%s: %s\r\n" % t for t in trailers]) + CRLF
             self.transport.write(self.head_out + end)
             self.head_out = b""
         elif self.head_out:
@@ -563,3 +566,7 @@ class H1Connection(asyncio.BufferedProtocol):
         if left is None or left > rt.min_timeout:
             left = rt.min_timeout
         self.timer = self.loop.call_later(left, self._on_timer)
+
+
+class H1Connection(H1ConnectionCore, asyncio.BufferedProtocol):
+    __slots__ = ()

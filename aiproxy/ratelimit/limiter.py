@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from aiproxy.llm.accounting import llm_config, tenant_of
-from aiproxy.pipeline.exchange import LOAD_HEADERS
 from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply
 from aiproxy.ratelimit.bucket import MemoryStore, Spec
 from aiproxy.ratelimit.watermark import HIGH, LOW, cluster_load, factor_for
+from aiproxy.routing.stats import LOAD_HEADERS
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig

@@ -6,6 +6,8 @@ import asyncio
 from typing import Any
 
 REPORTED_LOAD_TTL = 10.0  # seconds a backend-reported load stays valid
+# Response fields in which a backend reports its load (percent).
+LOAD_HEADERS = (b"x-backend-load", b"x-gpu-mem-used-pct")
 TOKEN_WINDOW = 60.0
 
 

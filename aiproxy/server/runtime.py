@@ -6,21 +6,27 @@ import asyncio
 from typing import Any
 
 from aiproxy.config import Config
-from aiproxy.pipeline.chain import BUILDERS, UNROUTED
-from aiproxy.pipeline.filters import prepare_states, route_filters
 from aiproxy.routing.cluster import Cluster, pool_key
 from aiproxy.routing.table import Route, RouteTable
-from aiproxy.semantic.router import SemanticRouter
 
 
 class Runtime:
     __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout",
-                 "semantic", "filter_states", "decision_cache", "unrouted_filters")
+                 "semantic", "filter_states", "decision_cache", "unrouted_filters",
+                 "max_header_bytes", "max_request_line_bytes", "max_headers",
+                 "keepalive_timeout_ms", "max_keepalive_requests", "x_forwarded",
+                 "server_timing")
 
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
                  previous: Runtime | None = None, model: Any = None) -> None:
         """`model` is the loaded intent model when config.semantic is set (loading it
         blocks, so the caller does that off the event loop: see load_intent_model)."""
+        # Imported here, not at the top: the compiled exchange cimports this module, and
+        # the filter chain imports modules that import the exchange's users.
+        from aiproxy.pipeline.chain import BUILDERS, UNROUTED
+        from aiproxy.pipeline.filters import prepare_states, route_filters
+        from aiproxy.semantic.router import SemanticRouter
+
         self.config = config
         self.semantic = (SemanticRouter(config.semantic, model)
                          if config.semantic is not None and model is not None else None)
@@ -45,6 +51,14 @@ class Runtime:
         self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
         self.max_body = config.http.max_body_bytes
         http = config.http
+        # [http] settings read on every request, as C fields (runtime.pxd).
+        self.max_header_bytes = http.max_header_bytes
+        self.max_request_line_bytes = http.max_request_line_bytes
+        self.max_headers = http.max_headers
+        self.keepalive_timeout_ms = http.keepalive_timeout_ms
+        self.max_keepalive_requests = http.max_keepalive_requests
+        self.x_forwarded = http.x_forwarded
+        self.server_timing = http.server_timing
         timeouts = [http.header_timeout_ms, http.body_timeout_ms]
         if http.keepalive_timeout_ms:
             timeouts.append(http.keepalive_timeout_ms)

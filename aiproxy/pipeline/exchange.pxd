@@ -1,0 +1,58 @@
+# Compiled by Cython in pure-Python mode (setup.py): exchange.py is the source and this
+# file gives the class C-level fields, so `self.x` inside its methods is a struct access.
+cimport cython
+
+from aiproxy.routing.cluster cimport Cluster
+from aiproxy.routing.pool cimport EndpointPool
+from aiproxy.routing.table cimport Route
+from aiproxy.server.runtime cimport Runtime
+
+@cython.final
+cdef class Exchange:
+    cdef public object down, loop, head, method, upstream, connect_task
+    cdef public Runtime rt
+    cdef public Route route
+    cdef public EndpointPool pool
+    cdef public Cluster cluster
+    cdef public bint reading_body, req_done
+    cdef public int req_mode
+    cdef public long long req_remaining, req_bytes, pending_size, replay_size, resp_bytes
+    cdef public long long inspect_limit, body_len
+    cdef public object decoder, pending, replay, tried, reused
+    cdef public bint pending_end
+    cdef public object path, up_target, host_line
+    cdef public bint head_sent, finished, keep_alive, tunnel, tunnel_up_eof, grpc, up_chunked
+    cdef public int status, inspecting, attempts
+    cdef public double activity, body_activity, req_done_at, t_start, deadline_at
+    cdef public double t_parsed, t_routed, t_connect, t_connected, t_sent, t_first
+    cdef public double t_start_pc, t_classify, intent_conf, req_timeout
+    cdef public bint reported, client_lost, counted, pending_conn, is_retry, replayed
+    cdef public bint continued
+    cdef public object intent, intent_domain, retry_handle, tok_tail, hold
+    cdef public object filters, up_headers, gate_task, trace_id, identity, llm
+    cdef public object done_filters, splice, intent_decision, gov
+
+    # The per-request path: C calls between them (no attribute lookup per call).
+    cpdef start(self)
+    cpdef _send_continue(self)
+    cpdef _route(self)
+    cpdef _dispatch(self)
+    cpdef _framing(self)
+    cpdef feed_body(self, data)
+    cpdef _forward(self, parts)
+    cpdef _request_complete(self)
+    cpdef _use(self, pool)
+    cpdef _new_connection(self, pool)
+    cpdef _unpend(self)
+    cpdef _attach(self, up, reused)
+    cpdef check_deadline(self, now, body_timeout)
+    cpdef on_upstream_head(self, resp, mode)
+    cpdef on_upstream_body(self, data)
+    cpdef flush(self)
+    cpdef _drop_upstream(self)
+    cpdef _finish(self, keep_alive)
+    cpdef timings(self)
+    @cython.locals(rt=Runtime)
+    cpdef h1_request_head(self, pool)
+    cpdef _report(self)
+    cpdef _release_cluster(self)

@@ -1,0 +1,28 @@
+# Compiled by Cython in pure-Python mode (setup.py): h1_upstream.py is the source.
+# No cimport of the exchange or the pool: routing/pool.py imports this module, and a
+# cimport imports its module first.
+cimport cython
+
+from aiproxy._fast.h1 cimport ResponseHead
+
+
+cdef class H1UpstreamCore:
+    cdef public object pool, transport, exchange, decoder, views_to
+    cdef public bytearray buf, slab
+    cdef public int state, mode
+    cdef public long long remaining, requests
+    cdef public bint no_body, keep_alive, broken, received, reading_paused, chunked
+    cdef public double idle_since
+
+    cpdef start(self, exchange)
+    cpdef send_body(self, pieces)
+    cpdef end_body(self)
+    cpdef usable(self)
+    cpdef park(self, double now)
+    cpdef pause(self)
+    cpdef resume(self)
+    cpdef close(self)
+    @cython.locals(resp=ResponseHead)
+    cpdef _head(self, bytearray slab, Py_ssize_t nbytes)
+    cpdef _body(self, data)
+    cpdef _finish(self)

@@ -1,0 +1,36 @@
+# Compiled by Cython in pure-Python mode (setup.py): http1.py is the source.
+cimport cython
+
+from aiproxy._fast.h1 cimport RequestHead
+from aiproxy.pipeline.exchange cimport Exchange
+from aiproxy.server.runtime cimport Runtime
+
+
+cdef class H1ConnectionCore:
+    cdef public object server, loop, transport, timer
+    cdef public bytearray buf, slab
+    cdef public Exchange exchange
+    cdef public bytes peer, scheme, head_out
+    cdef public long long served
+    cdef public int pause_mask
+    cdef public bint writing_paused, closed, lingering, tunnel, in_process, client_eof
+    cdef public bint chunked_out, h2c, switched
+    cdef public double head_started, idle_since
+
+    cpdef _process(self)
+    @cython.locals(head=RequestHead, ex=Exchange, rt=Runtime)
+    cpdef _start_exchange(self, bytearray slab=*, Py_ssize_t nbytes=*)
+    @cython.locals(rt=Runtime)
+    cpdef exchange_done(self, Exchange ex, bint keep_alive)
+    @cython.locals(rt=Runtime, limit=cython.longlong)
+    cpdef may_keep_alive(self)
+    cpdef pause(self, int reason)
+    cpdef resume(self, int reason)
+    @cython.locals(head=RequestHead, rt=Runtime)
+    cpdef send_response(self, Exchange ex, resp, int mode)
+    cpdef send_body(self, data)
+    cpdef flush(self)
+    cpdef send_end(self, trailers)
+    cpdef close(self)
+    cpdef _arm(self, double delay)
+    cpdef _cancel_timer(self)

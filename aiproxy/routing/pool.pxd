@@ -1,0 +1,22 @@
+# Compiled by Cython in pure-Python mode (setup.py): pool.py is the source.
+from aiproxy.routing.stats cimport EndpointStats
+
+
+cdef class EndpointPool:
+    cdef public object loop, endpoint, host, port, cluster_cfg
+    cdef public long long max_head, opened, reused, open_count
+    cdef public bint closed
+    cdef public EndpointStats stats
+
+
+cdef class Pool(EndpointPool):
+    cdef public object max_headers, _sweep
+    cdef public list idle
+
+    cpdef take(self)
+    cpdef release(self, conn)
+
+
+cdef class H2Pool(EndpointPool):
+    cdef public list conns
+    cdef public object connecting
