@@ -28,7 +28,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
-from aiproxy.telemetry.access_log import iso_now
+from aiproxy.telemetry.access_log import iso_now, ms
 
 if TYPE_CHECKING:
     from aiproxy.config.schema import ListenerConfig
@@ -281,7 +281,7 @@ class TcpProxyConnection(asyncio.Protocol):
             "endpoint": self.endpoint,
             "bytes_in": self.copied_up + self.moved[0],
             "bytes_out": self.copied_down + self.moved[1],
-            "duration_ms": round((self.loop.time() - self.started) * 1000, 3),
+            "duration_ms": ms(self.loop.time() - self.started),
             "ended": self.ended,
             "path": "spliced" if self.spliced else "copied",
         }

@@ -15,8 +15,21 @@ import threading
 import time
 from typing import IO, Any
 
+import orjson
+
 _REOPEN = object()
 _STOP = object()
+# For what orjson refuses (an integer past 64 bits from a client's JSON, say).
+_json_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=repr).encode
+
+
+def encode_line(record: dict[str, Any]) -> str:
+    """One compact JSON line (non-ASCII text as UTF-8). orjson takes about a tenth of the
+    time json.dumps does, which builds its encoder and calls back into Python per float."""
+    try:
+        return orjson.dumps(record, default=repr).decode()
+    except TypeError:
+        return _json_encode(record)
 
 
 class AccessLog:
@@ -33,7 +46,7 @@ class AccessLog:
         self.thread.start()
 
     def write(self, record: dict[str, Any]) -> None:
-        self.pending.append(json.dumps(record, separators=(",", ":")))
+        self.pending.append(encode_line(record))
         if self.timer is None:
             self.timer = self.loop.call_later(self.flush_interval, self.flush)
 
@@ -78,9 +91,25 @@ class AccessLog:
             out.close()
 
 
+_second = -1
+_second_text = ""
+
+
 def iso_now() -> str:
+    """UTC now as 2026-11-30T08:00:00.123Z; the text up to the second is made once a second."""
+    global _second, _second_text
     now = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+    second = int(now)
+    if second != _second:
+        _second_text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
+        _second = second
+    return f"{_second_text}{int((now - second) * 1000):03d}Z"
+
+
+def ms(seconds: float) -> float:
+    """Seconds as milliseconds with three decimals (what round(seconds * 1000, 3) gives,
+    at a fraction of its cost: round() with digits goes through a decimal string)."""
+    return round(seconds * 1e6) / 1000
 
 
 def resolve(path: str, config_source: str) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from aiproxy.telemetry.access_log import AccessLog, iso_now
+from aiproxy.telemetry.access_log import AccessLog, iso_now, ms
 from aiproxy.telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ class Telemetry:
             "cluster": cluster or None,
             "endpoint": ex.pool.endpoint.address if ex.pool is not None else None,
             "intent": ex.intent,
-            "duration_ms": round(timings["total"] * 1000, 3),
-            "timings_ms": {k: round(v * 1000, 3) for k, v in timings.items() if k != "total"},
+            "duration_ms": ms(timings["total"]),
+            "timings_ms": {k: ms(v) for k, v in timings.items() if k != "total"},
             "trace_id": ex.trace_id or trace_id(head.get(b"traceparent")),
         }
         if ex.client_lost:
