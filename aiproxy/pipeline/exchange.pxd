@@ -2,14 +2,17 @@
 # file gives the class C-level fields, so `self.x` inside its methods is a struct access.
 cimport cython
 
+from aiproxy.pipeline.ends cimport Downstream, ExchangeBase, Upstream
 from aiproxy.routing.cluster cimport Cluster
 from aiproxy.routing.pool cimport EndpointPool
 from aiproxy.routing.table cimport Route
 from aiproxy.server.runtime cimport Runtime
 
-@cython.final
-cdef class Exchange:
-    cdef public object down, loop, head, method, upstream, connect_task
+# Not final: Cython refuses a final class overriding its base's cpdef methods.
+cdef class Exchange(ExchangeBase):
+    # down, method and up_chunked are ExchangeBase's (ends.pxd).
+    cdef public object loop, head, connect_task
+    cdef public Upstream upstream
     cdef public Runtime rt
     cdef public Route route
     cdef public EndpointPool pool
@@ -21,7 +24,7 @@ cdef class Exchange:
     cdef public object decoder, pending, replay, tried, reused
     cdef public bint pending_end
     cdef public object path, up_target, host_line
-    cdef public bint head_sent, finished, keep_alive, tunnel, tunnel_up_eof, grpc, up_chunked
+    cdef public bint head_sent, finished, keep_alive, tunnel, tunnel_up_eof, grpc
     cdef public int status, inspecting, attempts
     cdef public double activity, body_activity, req_done_at, t_start, deadline_at
     cdef public double t_parsed, t_routed, t_connect, t_connected, t_sent, t_first
@@ -39,16 +42,23 @@ cdef class Exchange:
     cpdef _dispatch(self)
     cpdef _framing(self)
     cpdef feed_body(self, data)
+    @cython.locals(up=Upstream)
     cpdef _forward(self, parts)
+    @cython.locals(up=Upstream)
     cpdef _request_complete(self)
+    @cython.locals(up=Upstream)
     cpdef _use(self, pool)
     cpdef _new_connection(self, pool)
     cpdef _unpend(self)
-    cpdef _attach(self, up, reused)
+    cpdef _attach(self, Upstream up, reused)
     cpdef check_deadline(self, now, body_timeout)
+    @cython.locals(up=Upstream)
     cpdef on_upstream_head(self, resp, mode)
     cpdef on_upstream_body(self, data)
+    @cython.locals(up=Upstream)
+    cpdef on_upstream_end(self, trailers=*)
     cpdef flush(self)
+    @cython.locals(up=Upstream)
     cpdef _drop_upstream(self)
     cpdef _finish(self, keep_alive)
     cpdef timings(self)

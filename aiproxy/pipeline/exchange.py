@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
+from aiproxy.pipeline.ends import ExchangeBase
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
@@ -119,14 +120,14 @@ def grpc_timeout(value: bytes | None) -> float | None:
     return int(value[:-1]) * unit if unit is not None else None
 
 
-class Exchange:
+class Exchange(ExchangeBase):
     __slots__ = (
-        "down", "loop", "rt", "head", "method", "route", "pool", "upstream", "connect_task",
+        "loop", "rt", "head", "route", "pool", "upstream", "connect_task",
         "reading_body", "req_done", "req_mode", "req_remaining", "decoder", "req_bytes",
         "pending", "pending_size", "pending_end", "replay", "replay_size", "tried", "reused",
         "path", "up_target", "host_line", "head_sent", "finished", "keep_alive",
         "status", "resp_bytes", "activity", "body_activity", "req_done_at", "tunnel",
-        "tunnel_up_eof", "t_start", "grpc", "deadline_at", "up_chunked",
+        "tunnel_up_eof", "t_start", "grpc", "deadline_at",
         "t_parsed", "t_routed", "t_connect", "t_connected", "t_sent", "t_first", "reported",
         "client_lost", "t_start_pc", "inspecting", "intent", "intent_domain", "intent_conf",
         "t_classify", "cluster", "counted", "pending_conn", "attempts",
@@ -1076,16 +1077,22 @@ class Exchange:
             else:
                 up.close()
         if self.filters:
-            tail = self._filter_end()
-            if tail is None:
-                return
-            self.resp_bytes += len(tail)
-            gate = self._finishing()
-            if gate is not None:
-                gate.add_done_callback(lambda g: self._release_end(g, tail, trailers))
-                return
-            if tail:
-                self.down.send_body(tail)
+            self._end_filtered(trailers)
+            return
+        self.down.send_end(trailers)
+        self._finish(self.keep_alive and self.req_done)
+
+    def _end_filtered(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
+        tail = self._filter_end()
+        if tail is None:
+            return
+        self.resp_bytes += len(tail)
+        gate = self._finishing()
+        if gate is not None:
+            gate.add_done_callback(lambda g: self._release_end(g, tail, trailers))
+            return
+        if tail:
+            self.down.send_body(tail)
         self.down.send_end(trailers)
         self._finish(self.keep_alive and self.req_done)
 

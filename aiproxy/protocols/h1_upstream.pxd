@@ -1,19 +1,22 @@
 # Compiled by Cython in pure-Python mode (setup.py): h1_upstream.py is the source.
 # No cimport of the exchange or the pool: routing/pool.py imports this module, and a
-# cimport imports its module first.
+# cimport imports its module first. The exchange is seen through its base in ends.pxd.
 cimport cython
 
 from aiproxy._fast.h1 cimport ResponseHead
+from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
 
 
-cdef class H1UpstreamCore:
-    cdef public object pool, transport, exchange, decoder, views_to
+cdef class H1UpstreamCore(Upstream):
+    cdef public object pool, transport, decoder, views_to
+    cdef public ExchangeBase exchange
     cdef public bytearray buf, slab
     cdef public int state, mode
     cdef public long long remaining, requests
     cdef public bint no_body, keep_alive, broken, received, reading_paused, chunked
     cdef public double idle_since
 
+    @cython.locals(ex=ExchangeBase)
     cpdef start(self, exchange)
     cpdef send_body(self, pieces)
     cpdef end_body(self)
@@ -22,7 +25,9 @@ cdef class H1UpstreamCore:
     cpdef pause(self)
     cpdef resume(self)
     cpdef close(self)
-    @cython.locals(resp=ResponseHead)
+    @cython.locals(resp=ResponseHead, ex=ExchangeBase)
     cpdef _head(self, bytearray slab, Py_ssize_t nbytes)
+    @cython.locals(ex=ExchangeBase)
     cpdef _body(self, data)
+    @cython.locals(ex=ExchangeBase)
     cpdef _finish(self)

@@ -77,15 +77,15 @@ class H1UpstreamCore:
     # -- driven by the exchange -------------------------------------------------
 
     def start(self, exchange: Any) -> None:
-        self.exchange = exchange
+        self.exchange = ex = exchange
         self.state = _HEAD
-        self.no_body = exchange.method == b"HEAD"
-        self.chunked = exchange.up_chunked
+        self.no_body = ex.method == b"HEAD"
+        self.chunked = ex.up_chunked
         self.received = False
         self.requests += 1
-        down = exchange.down
+        down = ex.down
         self.views_to = down.transport if getattr(down, "takes_views", False) else None
-        self.transport.write(exchange.h1_request_head(self.pool))
+        self.transport.write(ex.h1_request_head(self.pool))
 
     def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:
         if not self.chunked:

@@ -19,6 +19,7 @@ from h2.exceptions import ProtocolError
 from aiproxy.protocols import h2_fast
 
 OUT_HIGH = 256 * 1024  # waiting bytes per stream before the producer is paused
+OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused")
 
 
 class StreamOutput:
@@ -27,7 +28,9 @@ class StreamOutput:
     (_blocked), what an h2 refusal means (_output_failed), what follows the end
     (_output_ended) and how to pause/resume their producer."""
 
-    __slots__ = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused")
+    # Slots of its own would clash with the compiled base of a subclass (ends.pxd):
+    # subclasses list OUTPUT_SLOTS in theirs.
+    __slots__ = ()
 
     conn: Any
     sid: int

@@ -32,11 +32,12 @@ import hpack
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
+from aiproxy.pipeline.ends import Downstream
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_HOP, H2RequestHead, MalformedHead
 from aiproxy.protocols.h1_upstream import BODY_NONE
-from aiproxy.protocols.h2_output import OUT_HIGH, StreamOutput
+from aiproxy.protocols.h2_output import OUT_HIGH, OUTPUT_SLOTS, StreamOutput
 from aiproxy.telemetry.recorder import server_timing
 
 if TYPE_CHECKING:
@@ -492,11 +493,11 @@ _HANDLERS = {
 }
 
 
-class H2Stream(StreamOutput):
+class H2Stream(StreamOutput, Downstream):
     """One request/response on an HTTP/2 connection: the downstream of an Exchange."""
 
     __slots__ = ("conn", "sid", "head", "exchange", "pause_mask", "unacked",
-                 "request_trailers", "done", "ended")
+                 "request_trailers", "done", "ended", *OUTPUT_SLOTS)
 
     def __init__(self, conn: H2ServerConnection, sid: int, head: Any) -> None:
         self.conn = conn

@@ -19,10 +19,11 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
+from aiproxy.pipeline.ends import Upstream
 from aiproxy.protocols import h2_fast
 from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
 from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE
-from aiproxy.protocols.h2_output import StreamOutput
+from aiproxy.protocols.h2_output import OUTPUT_SLOTS, StreamOutput
 
 if TYPE_CHECKING:
     from aiproxy.routing.pool import H2Pool
@@ -235,11 +236,11 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.flush()
 
 
-class H2UpstreamStream(StreamOutput):
+class H2UpstreamStream(StreamOutput, Upstream):
     """The upstream side of one Exchange over a shared HTTP/2 connection."""
 
     __slots__ = ("conn", "sid", "exchange", "paused", "unacked", "received", "trailers",
-                 "done", "ended_local")
+                 "done", "ended_local", *OUTPUT_SLOTS)
 
     def __init__(self, conn: H2UpstreamConnection) -> None:
         self.conn = conn

@@ -1,12 +1,14 @@
 # Compiled by Cython in pure-Python mode (setup.py): http1.py is the source.
 cimport cython
 
-from aiproxy._fast.h1 cimport RequestHead
+from aiproxy._fast.h1 cimport RequestHead, ResponseHead
+from aiproxy.pipeline.ends cimport Downstream
 from aiproxy.pipeline.exchange cimport Exchange
+from aiproxy.routing.table cimport Route
 from aiproxy.server.runtime cimport Runtime
 
 
-cdef class H1ConnectionCore:
+cdef class H1ConnectionCore(Downstream):
     cdef public object server, loop, transport, timer
     cdef public bytearray buf, slab
     cdef public Exchange exchange
@@ -20,14 +22,15 @@ cdef class H1ConnectionCore:
     cpdef _process(self)
     @cython.locals(head=RequestHead, ex=Exchange, rt=Runtime)
     cpdef _start_exchange(self, bytearray slab=*, Py_ssize_t nbytes=*)
-    @cython.locals(rt=Runtime)
-    cpdef exchange_done(self, Exchange ex, bint keep_alive)
+    @cython.locals(rt=Runtime, e=Exchange)
+    cpdef exchange_done(self, ex, bint keep_alive)
     @cython.locals(rt=Runtime, limit=cython.longlong)
     cpdef may_keep_alive(self)
     cpdef pause(self, int reason)
     cpdef resume(self, int reason)
-    @cython.locals(head=RequestHead, rt=Runtime)
-    cpdef send_response(self, Exchange ex, resp, int mode)
+    @cython.locals(head=RequestHead, rt=Runtime, e=Exchange, r=ResponseHead, route=Route,
+                   status=cython.int, length=cython.longlong, chunked=cython.bint)
+    cpdef send_response(self, ex, resp, int mode)
     cpdef send_body(self, data)
     cpdef flush(self)
     cpdef send_end(self, trailers)

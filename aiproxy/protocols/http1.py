@@ -23,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
-from aiproxy._fast.h1 import ParseError, parse_request
+from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
 from aiproxy.pipeline.exchange import Exchange, serialize_without
 from aiproxy.protocols import h2_server, replies
 from aiproxy.protocols.fields import H2RequestHead, MalformedHead
@@ -320,6 +320,7 @@ class H1ConnectionCore:
     # -- called by the exchange ---------------------------------------------------------
 
     def exchange_done(self, ex: Exchange, keep_alive: bool) -> None:
+        e = ex
         self.exchange = None
         self.served += 1
         if self.closed:
@@ -327,7 +328,7 @@ class H1ConnectionCore:
         rt = self.server.runtime
         if (not keep_alive or self.server.draining or self.client_eof
                 or (rt.max_keepalive_requests and self.served >= rt.max_keepalive_requests)):
-            if ex.req_done:
+            if e.req_done:
                 self.close()
             else:
                 self.linger()
@@ -375,43 +376,53 @@ class H1ConnectionCore:
         """Frame the response for this client; returns whether the connection stays open.
 
         The head is held until the first body bytes so both go out in one write."""
-        head = ex.head
+        e = ex
+        head = e.head
         rt = self.server.runtime
+        if type(resp) is ResponseHead:  # from an HTTP/1.1 upstream: read in C
+            r = resp
+            status, reason, length, chunked = r.status, r.reason, r.content_length, r.chunked
+        else:
+            r = None
+            status, reason = resp.status, resp.reason
+            length, chunked = resp.content_length, resp.chunked
         extra = [rt.via_line] if rt.via_line else []
         # The connection closes after this response if the request body is still arriving
         # (the rest of it is not read) or this is the last request allowed on it: say so.
-        keep = head.keep_alive and ex.req_done and self.may_keep_alive()
+        keep = head.keep_alive and e.req_done and self.may_keep_alive()
         if mode == BODY_NONE:
             drop = F_HOP
         else:
             drop = F_HOP | F_CONTENT_LENGTH
-            if resp.content_length >= 0 and not resp.chunked:
-                n = resp.content_length
-                line = CONTENT_LENGTH_LINES.get(n)
-                extra.append(line if line is not None else content_length_line(n))
+            if length >= 0 and not chunked:
+                line = CONTENT_LENGTH_LINES.get(length)
+                extra.append(line if line is not None else content_length_line(length))
             elif head.version >= 11:
                 self.chunked_out = True
                 extra.append(b"Transfer-Encoding: chunked\r\n")
             else:
                 keep = False  # HTTP/1.0 client: the end of the body is the close
         if rt.server_timing:
-            extra.append(b"Server-Timing: " + server_timing(ex) + CRLF)
+            extra.append(b"Server-Timing: " + server_timing(e) + CRLF)
         if not keep:
             extra.append(b"Connection: close\r\n")
         elif head.version < 11:
             extra.append(b"Connection: keep-alive\r\n")
-        if resp.status == 200 and resp.reason == b"OK":
+        if status == 200 and reason == b"OK":
             status_line = STATUS_200
         else:
-            status_line = b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason)
-        route = ex.route
+            status_line = b"HTTP/1.1 %d %s\r\n" % (status, reason)
+        route = e.route
         if route is not None and route.resp_edit:
             extra.append(route.resp_add_lines)
             if route.resp_remove:
                 self.head_out = serialize_without(resp, status_line, b"".join(extra), drop,
                                                   route.resp_remove)
                 return keep
-        self.head_out = resp.serialize(status_line, b"".join(extra), drop)
+        if r is not None:
+            self.head_out = r.serialize(status_line, b"".join(extra), drop)
+        else:
+            self.head_out = resp.serialize(status_line, b"".join(extra), drop)
         return keep
 
     def send_body(self, data: bytes) -> None:

@@ -1,0 +1,91 @@
+"""The two ends of an exchange and the exchange as they see it, as compiled base classes.
+
+exchange.py documents the interfaces. These classes declare their per-request methods
+(ends.pxd) so compiled code calls them in C through the class's method table, with no
+attribute lookup per call. An HTTP/1.1 connection and upstream connection (compiled)
+override them in C; HTTP/2 streams (Python subclasses) override them in Python and
+are called through the same declaration.
+
+The module imports nothing: the protocols and the exchange cimport it, and a cimport
+imports its module first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Downstream:
+    """The client side: an HTTP/1.1 connection or one HTTP/2 stream."""
+
+    __slots__ = ()
+
+    def send_response(self, ex: Any, resp: Any, mode: int) -> bool:
+        raise NotImplementedError
+
+    def send_body(self, data: Any) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def send_end(self, trailers: Any) -> None:
+        raise NotImplementedError
+
+    def exchange_done(self, ex: Any, keep_alive: bool) -> None:
+        raise NotImplementedError
+
+    def pause(self, reason: int) -> None:
+        raise NotImplementedError
+
+    def resume(self, reason: int) -> None:
+        raise NotImplementedError
+
+
+class Upstream:
+    """The origin side: an HTTP/1.1 connection or one HTTP/2 stream."""
+
+    __slots__ = ()
+
+    def start(self, exchange: Any) -> None:
+        raise NotImplementedError
+
+    def send_body(self, pieces: Any) -> None:
+        raise NotImplementedError
+
+    def end_body(self) -> None:
+        raise NotImplementedError
+
+    def usable(self) -> bool:
+        raise NotImplementedError
+
+    def pause(self) -> None:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class ExchangeBase:
+    """What an upstream reads and calls on its exchange (the Exchange is the only
+    subclass; its other fields and methods are in exchange.py)."""
+
+    __slots__ = ("down", "method", "up_chunked")
+
+    def h1_request_head(self, pool: Any) -> bytes:
+        raise NotImplementedError
+
+    def on_upstream_head(self, resp: Any, mode: Any) -> None:
+        raise NotImplementedError
+
+    def on_upstream_body(self, data: Any) -> None:
+        raise NotImplementedError
+
+    def on_upstream_end(self, trailers: Any = None) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        raise NotImplementedError
