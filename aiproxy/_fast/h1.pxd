@@ -43,6 +43,7 @@ cdef class RequestHead(Head):
     cdef readonly bint has_xff
     cdef readonly bint target_plain
     cdef readonly Py_ssize_t query_at
+    cdef readonly bint body_streamed    # HTTP/2: DATA frames follow the head
 
 
 cdef class ResponseHead(Head):

@@ -250,7 +250,53 @@ cdef class Head:
 
 cdef class RequestHead(Head):
     def __repr__(self):
-        return f"<RequestHead {self.method!r} {self.target!r} HTTP/1.{self.version % 10}>"
+        version = "2" if self.version == 20 else f"1.{self.version % 10}"
+        return f"<RequestHead {self.method!r} {self.target!r} HTTP/{version}>"
+
+
+def fields_request_head(list items, list flags, long long content_length, bytes method,
+                        bytes target, object host, bint has_xff, bint body_streamed):
+    """A RequestHead (version 20) for a request that arrived as a field list: HTTP/2,
+    or the HTTP/1.1 request of an h2c upgrade, already checked (protocols/fields.py).
+    The fields are laid out as HTTP/1.1 field lines, so the head's methods work on it
+    as on a parsed one and the exchange handles both kinds of request in C."""
+    cdef Py_ssize_t nh = len(items), i, pos = 0, nlen, vlen
+    cdef bytes name, value
+    cdef int *o
+    if len(flags) != nh:
+        raise ValueError("one flag per field")
+    cdef RequestHead h = RequestHead.__new__(RequestHead)
+    if nh:
+        h.offs = <int *>PyMem_Malloc(nh * 5 * sizeof(int))
+        h.flags = <unsigned short *>PyMem_Malloc(nh * sizeof(unsigned short))
+        if h.offs == NULL or h.flags == NULL:
+            raise MemoryError()
+    cdef list parts = []
+    for i in range(nh):
+        name, value = items[i]
+        nlen = len(name)
+        vlen = len(value)
+        o = h.offs + 5 * i
+        o[0] = <int>pos
+        o[1] = <int>(pos + nlen)
+        o[2] = o[1] + 2
+        o[3] = <int>(o[2] + vlen)
+        o[4] = o[3] + 2
+        pos = o[4]
+        h.flags[i] = <unsigned short>flags[i]
+        parts += (name, b": ", value, b"\r\n")
+    h.raw = b"".join(parts)
+    h.header_count = nh
+    h.version = 20
+    h.content_length = content_length
+    h.keep_alive = True
+    h.method = method
+    h.target = target
+    h.host = host
+    h.has_xff = has_xff
+    h.query_at = -1
+    h.body_streamed = body_streamed
+    return h
 
 
 cdef class ResponseHead(Head):

@@ -1,6 +1,10 @@
 # Compiled by Cython in pure-Python mode (setup.py): ends.py is the source.
 
 cdef class Downstream:
+    cdef public object loop, server
+    cdef public bytes peer, scheme
+    cdef public bytes forwarded  # X-Forwarded-For/-Proto lines for this client
+
     cpdef send_response(self, ex, resp, int mode)
     cpdef send_body(self, data)
     cpdef flush(self)

@@ -15,10 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 
+def forwarded_lines(peer: bytes, scheme: bytes) -> bytes:
+    """X-Forwarded-For and X-Forwarded-Proto for a client without an X-Forwarded-For of
+    its own: the same for every request on a connection, so made once."""
+    return b"X-Forwarded-For: " + peer + b"\r\nX-Forwarded-Proto: " + scheme + b"\r\n"
+
+
 class Downstream:
     """The client side: an HTTP/1.1 connection or one HTTP/2 stream."""
 
-    __slots__ = ()
+    __slots__ = ("loop", "server", "peer", "scheme", "forwarded")
 
     def send_response(self, ex: Any, resp: Any, mode: int) -> bool:
         raise NotImplementedError

@@ -47,7 +47,7 @@ cdef class Exchange(ExchangeBase):
     @cython.locals(up=Upstream)
     cpdef _request_complete(self)
     @cython.locals(up=Upstream)
-    cpdef _use(self, pool)
+    cpdef _use(self, EndpointPool pool)
     cpdef _new_connection(self, pool)
     cpdef _unpend(self)
     cpdef _attach(self, Upstream up, reused)

@@ -633,10 +633,11 @@ class Exchange(ExchangeBase):
             extra.append(b"Host: " + pool.endpoint.address.encode() + CRLF)
         if rt.x_forwarded:
             drop |= F_XFF | F_XFP
-            down = self.down
-            extra.append(b"X-Forwarded-For: "
-                         + (self._xff() if head.has_xff else down.peer)
-                         + b"\r\nX-Forwarded-Proto: " + down.scheme + CRLF)
+            if head.has_xff:
+                extra.append(b"X-Forwarded-For: " + self._xff() + b"\r\nX-Forwarded-Proto: "
+                             + self.down.scheme + CRLF)
+            else:
+                extra.append(self.down.forwarded)
         if rt.via_line:
             extra.append(rt.via_line)
         if self.intent is not None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_response
+from aiproxy.pipeline.ends import Upstream
 from aiproxy.protocols.fields import trailer_fields
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ _TUNNEL = 3
 _CLOSED = 4
 
 
-class H1UpstreamCore:
+class H1UpstreamCore(Upstream):
     """The protocol's state and code (compiled as a C class: h1_upstream.pxd); the
     transport sees H1UpstreamConnection, the BufferedProtocol below."""
 

@@ -32,7 +32,7 @@ import hpack
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
-from aiproxy.pipeline.ends import Downstream
+from aiproxy.pipeline.ends import Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_HOP, H2RequestHead, MalformedHead
@@ -108,6 +108,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.h2: _ServerH2 | None = None
         self.streams: dict[int, H2Stream] = {}
         self.peer = b""
+        self.forwarded = b""
         self.writing_paused = False
         self.closed = False
         self.receiving = False       # inside data_received, which flushes when done
@@ -131,6 +132,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = peer[0].encode() if peer else b""
+        self.forwarded = forwarded_lines(self.peer, self.scheme)
         self.server.connections.add(self)
         http = self.server.runtime.http
         config = h2.config.H2Configuration(
@@ -509,25 +511,14 @@ class H2Stream(StreamOutput, Downstream):
         self.request_trailers: list | None = None
         self.done = False
         self.ended = False
+        self.loop = conn.loop
+        self.server = conn.server
+        self.peer = conn.peer
+        self.scheme = conn.scheme
+        self.forwarded = conn.forwarded
         self._init_output()
 
     # what the Exchange reads
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self.conn.loop
-
-    @property
-    def server(self) -> ProxyServer:
-        return self.conn.server
-
-    @property
-    def peer(self) -> bytes:
-        return self.conn.peer
-
-    @property
-    def scheme(self) -> bytes:
-        return self.conn.scheme
-
     @property
     def writing_paused(self) -> bool:
         return self.conn.writing_paused or self.out_size > OUT_HIGH

@@ -9,10 +9,10 @@ from aiproxy.server.runtime cimport Runtime
 
 
 cdef class H1ConnectionCore(Downstream):
-    cdef public object server, loop, transport, timer
+    cdef public object transport, timer
     cdef public bytearray buf, slab
     cdef public Exchange exchange
-    cdef public bytes peer, scheme, head_out
+    cdef public bytes head_out
     cdef public long long served
     cdef public int pause_mask
     cdef public bint writing_paused, closed, lingering, tunnel, in_process, client_eof

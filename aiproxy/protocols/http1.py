@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
+from aiproxy.pipeline.ends import Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange, serialize_without
 from aiproxy.protocols import h2_server, replies
 from aiproxy.protocols.fields import H2RequestHead, MalformedHead
@@ -66,14 +67,14 @@ def valid_h2_settings(value: bytes) -> bool:
     return len(raw) % 6 == 0
 
 
-class H1ConnectionCore:
+class H1ConnectionCore(Downstream):
     """The protocol's state and code (compiled as a C class: http1.pxd); uvloop and
     asyncio's TLS layer see H1Connection, the BufferedProtocol below."""
 
-    __slots__ = ("server", "loop", "transport", "buf", "exchange", "peer", "served",
+    __slots__ = ("transport", "buf", "exchange", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
-                 "scheme", "head_out", "chunked_out", "h2c", "switched", "slab")
+                 "head_out", "chunked_out", "h2c", "switched", "slab")
 
     # send_body() writes what it gets at once and keeps no reference to it: an HTTP/1.1
     # upstream may pass views of its read buffer (aiproxy/protocols/h1_upstream.py).
@@ -88,6 +89,7 @@ class H1ConnectionCore:
         self.buf = bytearray()
         self.exchange: Exchange | None = None
         self.peer = b""
+        self.forwarded = b""
         self.served = 0
         self.pause_mask = 0
         self.writing_paused = False
@@ -112,6 +114,7 @@ class H1ConnectionCore:
         self.peer = peer[0].encode() if peer else b""
         if transport.get_extra_info("sslcontext") is not None:
             self.scheme = b"https"
+        self.forwarded = forwarded_lines(self.peer, self.scheme)
         self.server.connections.add(self)
         self.head_started = self.idle_since = self.loop.time()
         self._arm(self.server.runtime.min_timeout)

@@ -1,4 +1,7 @@
 # Compiled by Cython in pure-Python mode (setup.py): pool.py is the source.
+cimport cython
+
+from aiproxy.protocols.h1_upstream cimport H1UpstreamCore
 from aiproxy.routing.stats cimport EndpointStats
 
 
@@ -8,15 +11,23 @@ cdef class EndpointPool:
     cdef public bint closed
     cdef public EndpointStats stats
 
+    cpdef take(self)
+    cpdef release(self, conn)
+
 
 cdef class Pool(EndpointPool):
     cdef public object max_headers, _sweep
     cdef public list idle
 
+    @cython.locals(c=H1UpstreamCore)
     cpdef take(self)
+    @cython.locals(c=H1UpstreamCore)
     cpdef release(self, conn)
 
 
 cdef class H2Pool(EndpointPool):
     cdef public list conns
     cdef public object connecting
+
+    cpdef take(self)
+    cpdef release(self, conn)

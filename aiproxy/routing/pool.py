@@ -13,6 +13,7 @@ from aiproxy.routing.stats import EndpointStats
 
 if TYPE_CHECKING:
     from aiproxy.config import HttpConfig
+    from aiproxy.pipeline.ends import Upstream
 
 
 
@@ -108,6 +109,13 @@ class EndpointPool:
         """The :scheme of requests to this endpoint (HTTP/2)."""
         return b"https" if self.cluster_cfg.tls is not None else b"http"
 
+    def take(self) -> Upstream | None:
+        """A connection (or stream) ready for a request, or None: connect()."""
+        raise NotImplementedError
+
+    def release(self, conn: Upstream) -> None:
+        raise NotImplementedError
+
 
 class Pool(EndpointPool):
     """Idle connections are reused most-recent-first so the oldest age out."""
@@ -124,11 +132,11 @@ class Pool(EndpointPool):
     def take(self) -> H1UpstreamConnection | None:
         idle = self.idle
         while idle:
-            conn = idle.pop()
-            if conn.usable():
+            c = idle.pop()
+            if c.usable():
                 self.reused += 1
-                return conn
-            conn.close()
+                return c
+            c.close()
         return None
 
     async def connect(self) -> H1UpstreamConnection:
@@ -137,14 +145,15 @@ class Pool(EndpointPool):
         return conn
 
     def release(self, conn: H1UpstreamConnection) -> None:
+        c = conn
         cfg = self.cluster_cfg
-        if (self.closed or not conn.usable() or len(self.idle) >= cfg.max_idle_connections
+        if (self.closed or not c.usable() or len(self.idle) >= cfg.max_idle_connections
                 or (cfg.max_requests_per_connection
-                    and conn.requests >= cfg.max_requests_per_connection)):
-            conn.close()
+                    and c.requests >= cfg.max_requests_per_connection)):
+            c.close()
             return
-        conn.park(self.loop.time())
-        self.idle.append(conn)
+        c.park(self.loop.time())
+        self.idle.append(c)
         if self._sweep is None:
             self._sweep = self.loop.call_later(cfg.idle_timeout_ms / 1000, self._expire)
 
