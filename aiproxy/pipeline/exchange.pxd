@@ -2,6 +2,7 @@
 # file gives the class C-level fields, so `self.x` inside its methods is a struct access.
 cimport cython
 
+from aiproxy._fast.h1 cimport RequestHead
 from aiproxy.pipeline.ends cimport Downstream, ExchangeBase, Upstream
 from aiproxy.routing.cluster cimport Cluster
 from aiproxy.routing.pool cimport EndpointPool
@@ -11,7 +12,8 @@ from aiproxy.server.runtime cimport Runtime
 # Not final: Cython refuses a final class overriding its base's cpdef methods.
 cdef class Exchange(ExchangeBase):
     # down, method and up_chunked are ExchangeBase's (ends.pxd).
-    cdef public object loop, head, connect_task
+    cdef public object loop, connect_task
+    cdef public RequestHead head  # HTTP/2 requests too: fields_request_head in h1.pyx
     cdef public Upstream upstream
     cdef public Runtime rt
     cdef public Route route
@@ -36,10 +38,13 @@ cdef class Exchange(ExchangeBase):
     cdef public object done_filters, splice, intent_decision, gov
 
     # The per-request path: C calls between them (no attribute lookup per call).
+    @cython.locals(head=RequestHead)
     cpdef start(self)
     cpdef _send_continue(self)
+    @cython.locals(head=RequestHead)
     cpdef _route(self)
     cpdef _dispatch(self)
+    @cython.locals(head=RequestHead)
     cpdef _framing(self)
     cpdef feed_body(self, data)
     @cython.locals(up=Upstream)
@@ -62,7 +67,7 @@ cdef class Exchange(ExchangeBase):
     cpdef _drop_upstream(self)
     cpdef _finish(self, keep_alive)
     cpdef timings(self)
-    @cython.locals(rt=Runtime)
+    @cython.locals(rt=Runtime, head=RequestHead)
     cpdef h1_request_head(self, pool)
     cpdef _report(self)
     cpdef _release_cluster(self)

@@ -1,10 +1,13 @@
-"""Request/response heads that arrive as field lists (HTTP/2), with the same
-interface as the Cython heads of aiproxy._fast.h1, so the Exchange and both
-upstream kinds handle either without caring where a head came from."""
+"""Heads that arrive as field lists (HTTP/2), with the interface of the Cython heads
+of aiproxy._fast.h1, so the Exchange and both upstream kinds handle either without
+caring where a head came from. A request becomes a RequestHead itself
+(h2_request_head); a response is a FieldsHead."""
 
 from __future__ import annotations
 
 from http import HTTPStatus
+
+from aiproxy._fast.h1 import RequestHead, fields_request_head
 
 # Flags, as in aiproxy/_fast/h1.pxd.
 F_HOP = 1
@@ -56,6 +59,23 @@ def _content_length(values: list[bytes]) -> int:
     return length
 
 
+def field_flags(items: list[tuple[bytes, bytes]]) -> tuple[list[int], int]:
+    """Each field's flags (F_*) and the Content-Length (-1: none)."""
+    flags = []
+    lengths = None
+    table = _NAME_FLAGS
+    for name, value in items:
+        f = table.get(name)
+        if f is None:
+            f = F_HOP if name[:6] == b"proxy-" else 0
+        elif f == F_CONTENT_LENGTH:
+            if lengths is None:
+                lengths = []
+            lengths.append(value)
+        flags.append(f)
+    return flags, _content_length(lengths) if lengths else -1
+
+
 class FieldsHead:
     """Regular fields (lower-case names, no pseudo-fields) plus derived framing."""
 
@@ -67,20 +87,7 @@ class FieldsHead:
 
     def __init__(self, items: list[tuple[bytes, bytes]]) -> None:
         self.items = items
-        flags = []
-        lengths = None
-        table = _NAME_FLAGS
-        for name, value in items:
-            f = table.get(name)
-            if f is None:
-                f = F_HOP if name[:6] == b"proxy-" else 0
-            elif f == F_CONTENT_LENGTH:
-                if lengths is None:
-                    lengths = []
-                lengths.append(value)
-            flags.append(f)
-        self.flags = flags
-        self.content_length = _content_length(lengths) if lengths else -1
+        self.flags, self.content_length = field_flags(items)
 
     def get(self, lname: bytes) -> bytes | None:
         for name, value in self.items:
@@ -106,59 +113,50 @@ class FieldsHead:
         return b"".join(parts)
 
 
-class H2RequestHead(FieldsHead):
+def h2_request_head(headers: list[tuple[bytes, bytes]], end_stream: bool) -> RequestHead:
     """A request from HTTP/2 pseudo-fields and fields, checked per RFC 9113 8.3. Sent to
     an HTTP/1.1 upstream, `host` (:authority, else the host field) becomes the Host field:
-    Exchange.h1_request_head writes it (RFC 9113 8.3.1)."""
-
-    __slots__ = ("method", "target", "host", "scheme", "has_xff", "body_streamed")
-
-    version = 20
-    target_plain = False  # the exchange checks the target itself (_scan_target in h1.pyx)
-    query_at = -1
-    expect_continue = False
-    expect_unknown = False
-
-    def __init__(self, headers: list[tuple[bytes, bytes]], end_stream: bool) -> None:
-        pseudo: dict[bytes, bytes] = {}
-        items: list[tuple[bytes, bytes]] = []
-        cookies: list[bytes] = []
-        for name, value in headers:
-            if name[:1] == b":":
-                if name in pseudo or items:
-                    raise MalformedHead("duplicate or misplaced pseudo-header")
-                pseudo[name] = value
-            elif name == b"cookie":
-                cookies.append(value)  # RFC 9113 8.2.3: joined again for HTTP/1.1
-            else:
-                items.append((name, value))
-        if cookies:
-            items.append((b"cookie", b"; ".join(cookies)))
-        method = pseudo.get(b":method")
-        if not method:
-            raise MalformedHead("missing :method")
-        if method == b"CONNECT":
-            raise MalformedHead("CONNECT is not supported")
-        path = pseudo.get(b":path")
-        scheme = pseudo.get(b":scheme")
-        if not path or not scheme:
-            raise MalformedHead("missing :path or :scheme")
-        if path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"):
-            raise MalformedHead("invalid :path")
-        unknown = set(pseudo) - {b":method", b":path", b":scheme", b":authority"}
-        if unknown:
-            raise MalformedHead("unknown pseudo-header")
-        super().__init__(items)
-        authority = pseudo.get(b":authority")
-        host = self.get(b"host")
-        if authority is not None and host is not None and host != authority:
-            raise MalformedHead(":authority and host differ")
-        self.method = method
-        self.target = path
-        self.scheme = scheme
-        self.host = authority if authority is not None else host
-        self.has_xff = F_XFF in self.flags
-        self.body_streamed = not end_stream
+    Exchange.h1_request_head writes it (RFC 9113 8.3.1). The head has version 20, and
+    the exchange checks its target itself (target_plain is false; _scan_target in
+    h1.pyx)."""
+    pseudo: dict[bytes, bytes] = {}
+    items: list[tuple[bytes, bytes]] = []
+    cookies: list[bytes] = []
+    host = None
+    for name, value in headers:
+        if name[:1] == b":":
+            if name in pseudo or items:
+                raise MalformedHead("duplicate or misplaced pseudo-header")
+            pseudo[name] = value
+        elif name == b"cookie":
+            cookies.append(value)  # RFC 9113 8.2.3: joined again for HTTP/1.1
+        else:
+            if name == b"host" and host is None:
+                host = value
+            items.append((name, value))
+    if cookies:
+        items.append((b"cookie", b"; ".join(cookies)))
+    method = pseudo.get(b":method")
+    if not method:
+        raise MalformedHead("missing :method")
+    if method == b"CONNECT":
+        raise MalformedHead("CONNECT is not supported")
+    path = pseudo.get(b":path")
+    scheme = pseudo.get(b":scheme")
+    if not path or not scheme:
+        raise MalformedHead("missing :path or :scheme")
+    if path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"):
+        raise MalformedHead("invalid :path")
+    unknown = set(pseudo) - {b":method", b":path", b":scheme", b":authority"}
+    if unknown:
+        raise MalformedHead("unknown pseudo-header")
+    flags, length = field_flags(items)
+    authority = pseudo.get(b":authority")
+    if authority is not None and host is not None and host != authority:
+        raise MalformedHead(":authority and host differ")
+    return fields_request_head(items, flags, length, method, path,
+                               authority if authority is not None else host,
+                               F_XFF in flags, not end_stream)
 
 
 class H2ResponseHead(FieldsHead):

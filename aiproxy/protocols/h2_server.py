@@ -35,7 +35,7 @@ from hyperframe.frame import GoAwayFrame
 from aiproxy.pipeline.ends import Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
-from aiproxy.protocols.fields import F_HOP, H2RequestHead, MalformedHead
+from aiproxy.protocols.fields import F_HOP, MalformedHead, h2_request_head
 from aiproxy.protocols.h1_upstream import BODY_NONE
 from aiproxy.protocols.h2_output import OUT_HIGH, OUTPUT_SLOTS, StreamOutput
 from aiproxy.telemetry.recorder import server_timing
@@ -232,7 +232,7 @@ class H2ServerConnection(asyncio.Protocol):
             self.h2.reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
         try:
-            head = H2RequestHead(ev.headers, bool(ev.stream_ended))
+            head = h2_request_head(ev.headers, bool(ev.stream_ended))
         except MalformedHead as exc:
             log.info("malformed HTTP/2 request on stream %d: %s", ev.stream_id, exc)
             self.h2.reset_stream(ev.stream_id, ErrorCodes.PROTOCOL_ERROR)

@@ -27,7 +27,7 @@ from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
 from aiproxy.pipeline.ends import Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange, serialize_without
 from aiproxy.protocols import h2_server, replies
-from aiproxy.protocols.fields import H2RequestHead, MalformedHead
+from aiproxy.protocols.fields import MalformedHead, h2_request_head
 from aiproxy.protocols.h1_upstream import BODY_NONE
 from aiproxy.telemetry.recorder import server_timing
 
@@ -291,7 +291,7 @@ class H1ConnectionCore(Downstream):
         if head.host is not None:
             fields.append((b":authority", head.host))
         try:
-            h2head = H2RequestHead(fields + head.fields(F_HOP | F_HOST), True)
+            h2head = h2_request_head(fields + head.fields(F_HOP | F_HOST), True)
         except MalformedHead:
             return False
         self.transport.write(b"HTTP/1.1 101 Switching Protocols\r\n"
