@@ -14,7 +14,7 @@ def test_line_is_compact_json_that_round_trips() -> None:
     record = {"path": "/caf\u00e9", "status": 200, "duration_ms": 1.234, "intent": None,
               "timings_ms": {"upstream_ttfb": 0.5}, "llm": {"model": 2**70}}
     line = encode_line(record)
-    assert "\n" not in line and ", " not in line
+    assert b"\n" not in line and b", " not in line
     assert json.loads(line) == record  # a client's 2**70 falls back to the json module
 
 

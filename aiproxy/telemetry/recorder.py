@@ -34,14 +34,12 @@ class Telemetry:
         route_name = route.name if route is not None else ""
         cluster = ex.cluster.name if ex.cluster is not None else ""
         status = ex.status if not (ex.client_lost and not ex.head_sent) else CLIENT_CLOSED
+        self.metrics.exchange_stamps(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
+                                     ex, perf_counter())
         log = self.access_log
         if log is None:
-            self.metrics.exchange_stamps(route_name, cluster, status, ex.req_bytes,
-                                         ex.resp_bytes, ex, perf_counter())
             return
         timings = ex.timings()
-        self.metrics.exchange_done(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
-                                   timings)
         head = ex.head
         record: dict[str, Any] = {
             "time": iso_now(),
