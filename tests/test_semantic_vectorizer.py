@@ -166,3 +166,40 @@ def test_custom_slot_layout_and_settings_roundtrip():
     assert v2.ids("same text").tolist() == v.ids("same text").tolist()
     with pytest.raises(ValueError):
         vectorizer_from_settings({**s, "hash": "md5"})
+
+
+def test_vocabulary_ids_follow_the_ngrams():
+    """With a vocabulary, each word of the text that is in it adds the id buckets + its
+    index after the n-gram ids (which stay as without one), pooled on their own."""
+    plain = Vectorizer(buckets=1000, seed=7, word_ngrams=3)
+    v = Vectorizer(buckets=1000, seed=7, word_ngrams=3, vocabulary=["thank", "you", "ça"])
+    text = "Thank YOU, thank you: merci ça va"
+    ngrams = plain.ids(text).tolist()
+    assert v.ids(text).tolist() == ngrams + [1000, 1001, 1000, 1001, 1002]
+    ids = np.zeros(256, np.int64)
+    w = np.zeros(256, np.float32)
+    n = v.encode_into(text, ids, w)
+    assert n == len(ngrams) + 5
+    assert np.allclose(w[:len(ngrams)], 1 / len(ngrams)) and np.allclose(w[len(ngrams):n], 0.2)
+    rows_i = np.zeros((2, 256), np.int64)
+    rows_w = np.zeros((2, 256), np.float32)
+    assert v.encode_batch([text, "nothing known"], rows_i, rows_w) == n
+    assert rows_i[0, :n].tolist() == ids[:n].tolist() and np.allclose(rows_w[0, :n], w[:n])
+    assert rows_w[1].sum() == pytest.approx(1.0) and rows_i[1].max() < 1000
+    # a small buffer: the n-grams leave 1/16 of it to the vocabulary words
+    small = np.zeros(32, np.int64)
+    assert v.encode_into(text, small, np.zeros(32, np.float32)) == 32
+    assert small[:30].tolist() == ngrams[:30] and small[30:].tolist() == [1000, 1001]
+    assert v.ids("").tolist() == plain.ids("").tolist()
+    s = v.settings()
+    assert s["vocabulary_size"] == 3 and "vocabulary_size" not in plain.settings()
+    again = vectorizer_from_settings(s, ["thank", "you", "ça"])
+    assert again.ids(text).tolist() == v.ids(text).tolist()
+    with pytest.raises(ValueError, match="settings say 3"):
+        vectorizer_from_settings(s)
+    for bad, match in ((["two words"], "not one token"), (["you", "YOU"], "twice"),
+                       ([""], "empty")):
+        with pytest.raises(ValueError, match=match):
+            Vectorizer(buckets=10, vocabulary=bad)
+    v.set_vocabulary(None)
+    assert v.ids(text).tolist() == ngrams and v.vocabulary_size == 0

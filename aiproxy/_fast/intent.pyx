@@ -22,6 +22,11 @@ One pass over the UTF-8 bytes in C, no Python object per token:
   those depend on every bit of the polynomial. (murmur3's fmix64 here instead
   doubles the cost of a 200-byte prompt, 3.1 vs 1.4 us, for no accuracy.)
 
+With a vocabulary (`set_vocabulary`: the words of a model trained with pretrained
+word vectors), each word whose hash is in it also gives the id `buckets + index`,
+found with one probe of an open-addressing table keyed by the word hash the scan
+has already computed; those ids follow the n-gram ids and are pooled on their own.
+
 `aiproxy.semantic.features.reference_hashes` is the same algorithm in plain
 Python; the tests hold the two to each other and to fixed values, so a model
 trained today keeps its meaning.
@@ -35,7 +40,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.math cimport sqrt
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy, memset
 
 import numpy as np
@@ -193,10 +198,14 @@ cdef class Vectorizer:
 
     def __cinit__(self, *args, **kwargs):
         self.scratch = NULL
+        self.vkeys = NULL
+        self.vvals = NULL
+        self.vbuf = NULL
+        self.vocabulary_size = 0
 
     def __init__(self, long long buckets=1 << 18, unsigned long long seed=0, int word_ngrams=2,
                  int char_min=3, int char_max=5, Py_ssize_t max_features=2048,
-                 str pooling="mean", int dims=128, slots=DEFAULT_SLOTS):
+                 str pooling="mean", int dims=128, slots=DEFAULT_SLOTS, vocabulary=None):
         cdef int end = 0, c
         if buckets < 1:
             raise ValueError("buckets must be >= 1")
@@ -234,13 +243,83 @@ cdef class Vectorizer:
         if self.scratch != NULL:
             PyMem_Free(self.scratch)
         self.scratch = <uint64_t *>PyMem_Malloc(max_features * sizeof(uint64_t))
-        if self.scratch == NULL:
+        if self.vbuf != NULL:
+            PyMem_Free(self.vbuf)
+        self.vbuf = <int64_t *>PyMem_Malloc(max_features * sizeof(int64_t))
+        if self.scratch == NULL or self.vbuf == NULL:
             raise MemoryError()
+        self.vcnt = 0
+        self.last_ngrams = 0
+        if vocabulary is not None:
+            self.set_vocabulary(vocabulary)
 
     def __dealloc__(self):
         if self.scratch != NULL:
             PyMem_Free(self.scratch)
             self.scratch = NULL
+        self._free_vocabulary()
+        if self.vbuf != NULL:
+            PyMem_Free(self.vbuf)
+            self.vbuf = NULL
+
+    def _free_vocabulary(self):
+        if self.vkeys != NULL:
+            PyMem_Free(self.vkeys)
+            self.vkeys = NULL
+        if self.vvals != NULL:
+            PyMem_Free(self.vvals)
+            self.vvals = NULL
+        self.vocabulary_size = 0
+
+    def set_vocabulary(self, words):
+        """Words (str or UTF-8 bytes, each one token as the scan splits text) that get
+        their own feature id: word i of the list is id `buckets + i`, emitted after the
+        n-gram ids for every occurrence in a text, with its own pooling weight (1/k over
+        the k vocabulary words found). The lookup reuses the word hash the scan already
+        computes: one probe of an open-addressing table per word. None or [] removes it."""
+        cdef Py_ssize_t n, i, L, size = 16
+        cdef const unsigned char *p
+        cdef unsigned char lw[MAX_WORD]
+        cdef uint64_t h, slot
+        self._free_vocabulary()
+        words = list(words or ())
+        if not words:
+            return
+        if len(words) >= (1 << 30):
+            raise ValueError("vocabulary too large")
+        while size < 2 * len(words):
+            size <<= 1
+        keys = <uint64_t *>PyMem_Malloc(size * sizeof(uint64_t))
+        vals = <int32_t *>PyMem_Malloc(size * sizeof(int32_t))
+        if keys == NULL or vals == NULL:
+            PyMem_Free(keys)
+            PyMem_Free(vals)
+            raise MemoryError()
+        memset(keys, 0, size * sizeof(uint64_t))
+        self.vkeys, self.vvals, self.vmask = keys, vals, size - 1
+        try:
+            for idx, word in enumerate(words):
+                p = _view(word, &n)
+                if n == 0 or n > MAX_WORD:
+                    raise ValueError(f"vocabulary word {word!r}: empty or longer than {MAX_WORD} bytes")
+                for i in range(n):
+                    if not WORDCHAR[p[i]]:
+                        raise ValueError(f"vocabulary word {word!r} is not one token")
+                    lw[i] = LOWER[p[i]]
+                h = _poly(self.table, lw, n)
+                if h == 0:  # the empty-slot key; a word hashing to 0 is never looked up
+                    continue
+                slot = ((h * GOLDEN) >> 32) & self.vmask
+                while keys[slot] != 0:
+                    if keys[slot] == h:
+                        raise ValueError(f"vocabulary word {word!r} is there twice")
+                    slot = (slot + 1) & self.vmask
+                keys[slot] = h
+                vals[slot] = <int32_t>idx
+            self.vocabulary_size = len(words)
+        except BaseException:
+            self._free_vocabulary()
+            raise
 
     @property
     def pooling(self):
@@ -259,7 +338,7 @@ cdef class Vectorizer:
             "lowercase": "ascii",
             "dims": self.dims,
             "slots": [list(s) for s in self.slots],
-        }
+        } | ({"vocabulary_size": int(self.vocabulary_size)} if self.vocabulary_size else {})
 
     cdef Py_ssize_t _scan(self, const unsigned char *p, Py_ssize_t n,
                           uint64_t *out, Py_ssize_t cap, uint64_t nb) noexcept nogil:
@@ -278,7 +357,11 @@ cdef class Vectorizer:
         cdef unsigned char buf[MAX_WORD + 2]
         cdef uint64_t Q[MAX_WORD + 3]
         cdef uint64_t pw[MAX_WORD + 3]  # local copy of P^k: out[] stores cannot alias it
-        cdef uint64_t qs
+        cdef uint64_t qs, slot, vk
+        cdef bint vocab = self.vocabulary_size > 0 and nb != 0
+        cdef const uint64_t *vkeys = self.vkeys
+        cdef uint64_t vmask = self.vmask
+        cdef Py_ssize_t vcnt = 0
         memcpy(pw, POW, sizeof(pw))
         while cnt < cap:
             while i < n and not WORDCHAR[p[i]]:
@@ -307,6 +390,16 @@ cdef class Vectorizer:
             hw = Q[L + 1] - Q[1] * pw[L]
             out[cnt] = _fin(hw ^ _TAG_WORD, nb)
             cnt += 1
+            if vocab and vcnt < cap:
+                slot = ((hw * GOLDEN) >> 32) & vmask
+                vk = vkeys[slot]
+                while vk != 0:
+                    if vk == hw:
+                        self.vbuf[vcnt] = <int64_t>nb + self.vvals[slot]
+                        vcnt += 1
+                        break
+                    slot = (slot + 1) & vmask
+                    vk = vkeys[slot]
             if bigrams and have_prev and cnt < cap:
                 out[cnt] = _fin((prev * POLY_P + hw) ^ _TAG_BIGRAM, nb)
                 cnt += 1
@@ -339,6 +432,7 @@ cdef class Vectorizer:
                     nc += 1
                     if nc >= cmin:
                         if cnt >= cap:
+                            self.vcnt = vcnt
                             return cnt
                         out[cnt] = _fin((Q[j] - Q[s] * pw[j - s]) ^ _TAG_CHAR, nb)
                         cnt += 1
@@ -347,17 +441,45 @@ cdef class Vectorizer:
         if cnt == 0:
             out[0] = _fin(self.base ^ _TAG_EMPTY, nb)
             cnt = 1
+        self.vcnt = vcnt
         return cnt
 
     cdef Py_ssize_t _ids(self, object text, int64_t *out, Py_ssize_t cap) except -1:
-        cdef Py_ssize_t n
+        """N-gram ids, then (with a vocabulary) the vocabulary ids of the text's words,
+        as many as fit: the n-grams take at most 15/16 of `cap` then."""
+        cdef Py_ssize_t n, cnt, k
         cdef const unsigned char *p = _view(text, &n)
         if cap > self.max_features:
             cap = self.max_features
         if cap < 1:
             raise ValueError("output buffer is empty")
-        # ids < buckets < 2**63: the uint64 buckets are the int64 ids
-        return self._scan(p, n, <uint64_t *>out, cap, <uint64_t>self.buckets)
+        if not self.vocabulary_size or cap < 16:
+            # ids < buckets < 2**63: the uint64 buckets are the int64 ids
+            cnt = self._scan(p, n, <uint64_t *>out, cap, <uint64_t>self.buckets)
+            self.last_ngrams = cnt
+            return cnt
+        cnt = self._scan(p, n, <uint64_t *>out, cap - cap // 16, <uint64_t>self.buckets)
+        self.last_ngrams = cnt
+        k = self.vcnt
+        if k > cap - cnt:
+            k = cap - cnt
+        if k > 0:
+            memcpy(out + cnt, self.vbuf, k * sizeof(int64_t))
+            cnt += k
+        return cnt
+
+    cdef void _weights(self, Py_ssize_t cnt, float *w) noexcept:
+        """Pooling weights of the last _ids output: each part (n-grams, vocabulary words)
+        pooled on its own, 1/n or 1/sqrt(n) over that part."""
+        cdef Py_ssize_t i, a = self.last_ngrams, b = cnt - self.last_ngrams
+        cdef float wa, wb = 0
+        wa = <float>(1.0 / sqrt(<double>a)) if self.sqrt_pool else <float>(1.0 / a)
+        if b > 0:
+            wb = <float>(1.0 / sqrt(<double>b)) if self.sqrt_pool else <float>(1.0 / b)
+        for i in range(a):
+            w[i] = wa
+        for i in range(a, cnt):
+            w[i] = wb
 
     def ids(self, text):
         """Feature ids of `text` (str or UTF-8 bytes) as a new int64 array."""
@@ -400,21 +522,17 @@ cdef class Vectorizer:
 
     cpdef Py_ssize_t encode_into(self, object text, int64_t[::1] ids, float[::1] weights) except -1:
         """Ids into `ids` and pooling weights (1/n or 1/sqrt(n)) into `weights`."""
-        cdef Py_ssize_t cap = ids.shape[0], cnt, i
-        cdef float w
+        cdef Py_ssize_t cap = ids.shape[0], cnt
         if weights.shape[0] < cap:
             cap = weights.shape[0]
         cnt = self._ids(text, &ids[0], cap)
-        w = <float>(1.0 / sqrt(<double>cnt)) if self.sqrt_pool else <float>(1.0 / cnt)
-        for i in range(cnt):
-            weights[i] = w
+        self._weights(cnt, &weights[0])
         return cnt
 
     def encode_batch(self, texts, int64_t[:, ::1] ids, float[:, ::1] weights):
         """Encode each text into a row of `ids`/`weights` (rows padded with id 0 and
         weight 0 up to the longest); returns the longest row length."""
         cdef Py_ssize_t b = 0, cnt, longest = 0, i, width = ids.shape[1]
-        cdef float w
         cdef int64_t *row
         if weights.shape[1] < width:
             width = weights.shape[1]
@@ -423,9 +541,7 @@ cdef class Vectorizer:
                 raise ValueError("more texts than rows")
             row = &ids[b, 0]
             cnt = self._ids(text, row, width)
-            w = <float>(1.0 / sqrt(<double>cnt)) if self.sqrt_pool else <float>(1.0 / cnt)
-            for i in range(cnt):
-                weights[b, i] = w
+            self._weights(cnt, &weights[b, 0])
             for i in range(cnt, width):
                 row[i] = 0
                 weights[b, i] = 0

@@ -143,7 +143,9 @@ class IntentModel:
         domains = json.loads(meta.get("aiproxy.domains", "{}"))
         self.domains: dict[str, str] = {lab: str(domains.get(lab, "")) for lab in self.labels}
         self.features: dict[str, Any] = json.loads(meta["aiproxy.features"])
-        self.vectorizer = vectorizer_from_settings(self.features)
+        size = int(self.features.get("vocabulary_size", 0))
+        words = meta["aiproxy.vocabulary"].split("\n") if size else None
+        self.vectorizer = vectorizer_from_settings(self.features, words)
         self.threshold = float(meta.get("aiproxy.threshold", "0"))
         self.oos_label = meta.get("aiproxy.oos_label", "oos")
         self.training: dict[str, Any] = json.loads(meta.get("aiproxy.training", "{}"))

@@ -62,6 +62,23 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--char-ngrams", default=f"{d.char_min},{d.char_max}", metavar="MIN,MAX",
                    help="character n-gram lengths (0,0: none)")
     t.add_argument("--pooling", default=d.pooling, choices=("mean", "sqrt"))
+    t.add_argument("--word-vectors", default=d.word_vectors, metavar="NAME",
+                   help="frozen pretrained word vectors as a second input (glove-6b-50d, "
+                   "from the train extra); the model keeps a vocabulary and no vectors")
+    t.add_argument("--vocab-top", type=int, default=d.vocab_top, metavar="N",
+                   help="with --word-vectors: the vocabulary also has the N most frequent "
+                   "words, besides those of the training rows")
+    t.add_argument("--vocab-scale", type=float, default=d.vocab_scale,
+                   help="with --word-vectors: multiply the vectors by this")
+    t.add_argument("--vocab-dropout", type=float, default=d.vocab_dropout,
+                   help="with --word-vectors: leave a training text's word vectors out "
+                   "with this probability (the n-grams learn to stand alone)")
+    t.add_argument("--word-vector-members", type=int, default=d.word_vector_members,
+                   metavar="K", help="with --word-vectors: train the --ensemble members "
+                   "without them and K more with them, and add only the word rows of the "
+                   "latter (times --word-vector-weight) to the former's table")
+    t.add_argument("--word-vector-weight", type=float, default=d.word_vector_weight,
+                   help="with --word-vector-members: weight of their word rows (0.5)")
     t.add_argument("--threshold-target", type=float, default=d.threshold_target,
                    help="oos recall on --val the threshold is chosen for")
     t.add_argument("--threshold", type=float, help="fixed confidence threshold (no search)")
@@ -132,7 +149,10 @@ def _train(args) -> int:
         feature_dropout=args.feature_dropout, weight_decay=args.weight_decay,
         label_smoothing=args.label_smoothing, average_from=args.average_from,
         output_bias=args.output_bias, ensemble=args.ensemble, fold=args.fold,
-        oos_label=args.oos_label,
+        oos_label=args.oos_label, word_vectors=args.word_vectors, vocab_top=args.vocab_top,
+        vocab_scale=args.vocab_scale, vocab_dropout=args.vocab_dropout,
+        word_vector_members=args.word_vector_members,
+        word_vector_weight=args.word_vector_weight,
         threshold_target=args.threshold_target, dtype=args.dtype)
     data = load_jsonl(args.data, args.text_field, args.label_field, args.domain_field)
     if not data.texts:

@@ -23,6 +23,12 @@ hidden layer: the pooling is linear and the embedding output is normalised), flo
 (both Cast after the Gather) or float32, as trained (`--dtype`). Labels, label -> domain
 map, feature settings, threshold and training metadata go into metadata_props (keys under
 "aiproxy.").
+
+A model trained with word vectors (`--word-vectors`) has a vocabulary: its words, one a
+line, in "aiproxy.vocabulary", and word i's row of per-class scores (its frozen vector
+times the trained output layer) at T[buckets + i], after the n-gram rows. The vectorizer
+emits those ids after the n-gram ids, with their own pooling weights, so the graph is
+the same Gather and MatMul.
 """
 
 from __future__ import annotations
@@ -40,12 +46,22 @@ IR_VERSION = 8
 
 def build_model(weights, classes: list[str], features: dict[str, Any], threshold: float,
                 oos_label: str, domains: dict[str, str], training: dict[str, Any],
-                top_k: int = 3):
+                top_k: int = 3, vocabulary: list[str] | None = None):
     from onnx import TensorProto, helper, numpy_helper
 
+    if vocabulary:
+        if not weights.folded:
+            raise ValueError("a vocabulary needs a folded model")
+        if len(vocabulary) != weights.E.shape[0] - int(features["buckets"]):
+            raise ValueError("vocabulary and table rows disagree")
+        if any("\n" in w for w in vocabulary):
+            raise ValueError("a vocabulary word has a line break")
     if weights.folded:
-        return _build_folded(weights, classes, features, threshold, oos_label, domains,
-                             training, top_k)
+        model = _build_folded(weights, classes, features, threshold, oos_label, domains,
+                              training, top_k)
+        if vocabulary:
+            model.metadata_props.add(key="aiproxy.vocabulary", value="\n".join(vocabulary))
+        return model
     E = np.ascontiguousarray(weights.E)
     hidden = weights.W1.size > 0
     inits = [numpy_helper.from_array(E, "E")]
@@ -163,8 +179,10 @@ def save(trained, path: str | Path, domains: dict[str, str] | None = None) -> Pa
     domains.setdefault(trained.cfg.oos_label, trained.cfg.oos_label)
     training = dict(trained.meta)
     training["val_metrics"] = trained.val_metrics
-    model = build_model(trained.weights, trained.classes, trained.cfg.feature_settings(),
-                        trained.threshold, trained.cfg.oos_label, domains, training)
+    features = trained.cfg.vectorizer(trained.vocabulary or None).settings()
+    model = build_model(trained.weights, trained.classes, features,
+                        trained.threshold, trained.cfg.oos_label, domains, training,
+                        vocabulary=trained.vocabulary)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, str(path))

@@ -23,8 +23,13 @@ HASH_NAME = "poly64+golden+fastrange"
 FEATURE_KEYS = ("seed", "buckets", "word_ngrams", "char_ngrams", "max_features", "pooling")
 
 
-def vectorizer_from_settings(settings: dict[str, Any]) -> Vectorizer:
-    """A Vectorizer from the `features` dict stored in a model's metadata."""
+def vectorizer_from_settings(settings: dict[str, Any],
+                             vocabulary: list[str] | None = None) -> Vectorizer:
+    """A Vectorizer from the `features` dict stored in a model's metadata (and the model's
+    vocabulary words, when its settings have a `vocabulary_size`)."""
+    size = int(settings.get("vocabulary_size", 0))
+    if len(vocabulary or ()) != size:
+        raise ValueError(f"vocabulary has {len(vocabulary or ())} words, settings say {size}")
     hash_name = settings.get("hash", HASH_NAME)
     if hash_name != HASH_NAME:
         raise ValueError(f"unknown feature hash {hash_name!r}")
@@ -39,6 +44,7 @@ def vectorizer_from_settings(settings: dict[str, Any]) -> Vectorizer:
         pooling=str(settings.get("pooling", "mean")),
         dims=int(settings.get("dims", 128)),
         slots=tuple(tuple(s) for s in settings.get("slots", DEFAULT_SLOTS)),
+        vocabulary=vocabulary or None,
     )
 
 

@@ -6,6 +6,10 @@ Model (fastText-style, plus one hidden layer):
     hidden = relu(pooled @ W1 + b1)       # H units (H = 0: no hidden layer)
     probs  = softmax(hidden @ W2 + b2)
 
+With pretrained word vectors (`word_vectors`, linear folded models only), the logits get
+a second term: the mean of the frozen vectors of the text's vocabulary words times a
+trained output layer Wv; folding turns each word's vector @ Wv into its own table row.
+
 Trained with Adam on shuffled mini-batches (sparse "lazy" Adam for the embedding
 table: only rows a batch touches are updated), dropout on the pooled vector and the
 hidden layer, and optional word dropout. Everything random comes from one
@@ -53,14 +57,24 @@ class TrainConfig:
     dtype: str = "int8"           # embedding table as shipped: int8 (per-row scale), float16, float32
     ensemble: int = 1          # members trained from different seeds, logits averaged in one graph
     fold: bool = True          # linear model: ship E @ W2 as the table (see fold)
+    word_vectors: str = ""     # pretrained word vectors (wordvec.SOURCES), frozen: "" for none
+    vocab_top: int = 0         # with word_vectors: also the N most frequent words not in train
+    vocab_scale: float = 1.0   # the word vectors are multiplied by this
+    vocab_dropout: float = 0.0  # drop a text's whole word-vector input with this probability
+    # >0 with word_vectors: the `ensemble` members are trained without word vectors, and
+    # this many more (same member seeds) with them, of which only the vocabulary rows are
+    # kept, times word_vector_weight (see _add_vocabulary)
+    word_vector_members: int = 0
+    word_vector_weight: float = 0.5
 
     def feature_settings(self) -> dict[str, Any]:
         return self.vectorizer().settings()
 
-    def vectorizer(self) -> Vectorizer:
+    def vectorizer(self, vocabulary: list[str] | None = None) -> Vectorizer:
         return Vectorizer(buckets=self.buckets, seed=self.seed, word_ngrams=self.word_ngrams,
                           char_min=self.char_min, char_max=self.char_max,
-                          max_features=self.max_features, pooling=self.pooling)
+                          max_features=self.max_features, pooling=self.pooling,
+                          vocabulary=vocabulary)
 
 
 @dataclass
@@ -121,6 +135,8 @@ class Weights:
     b2: np.ndarray
     E_scale: float | np.ndarray | None = None  # E = int8 table * E_scale (or per column)
     folded: bool = False  # E is E @ W2 of a linear model, W2 the identity (see fold)
+    V: np.ndarray | None = None   # [words, dv] frozen word vectors of the vocabulary ids
+    Wv: np.ndarray | None = None  # [dv, classes]: their pooled vector's output layer
 
     def dense_E(self) -> np.ndarray:
         if self.E.dtype == np.int8:
@@ -136,6 +152,8 @@ def fold(weights: Weights) -> Weights:
     if weights.W1.size or weights.folded:
         return weights
     T = weights.dense_E() @ weights.W2.astype(np.float32)
+    if weights.V is not None:  # the vocabulary ids' rows follow the buckets
+        T = np.concatenate([T, weights.V @ weights.Wv.astype(np.float32)])
     C = T.shape[1]
     return Weights(T.astype(np.float32), weights.W1, weights.b1, np.eye(C, dtype=np.float32),
                    weights.b2, folded=True)
@@ -163,7 +181,9 @@ def combine(members: list[Weights]) -> Weights:
         W1, b1 = members[0].W1, members[0].b1
     W2 = np.concatenate([m.W2 for m in members], axis=0) / k
     b2 = sum(m.b2 for m in members) / k
-    return Weights(E, W1, b1, W2.astype(np.float32), np.asarray(b2, np.float32))
+    Wv = None if members[0].Wv is None else (sum(m.Wv for m in members) / k).astype(np.float32)
+    return Weights(E, W1, b1, W2.astype(np.float32), np.asarray(b2, np.float32),
+                   V=members[0].V, Wv=Wv)
 
 
 def quantize(weights: Weights, dtype: str) -> Weights:
@@ -281,8 +301,27 @@ def forward(weights: Weights, ids, w, offsets, rows=None, batch=2048):
     return np.concatenate(probs), np.concatenate(hid)
 
 
+def split_vocabulary(ids, w, offsets, buckets: int, V: np.ndarray):
+    """The n-gram part of featurized texts (ids < buckets) and, for the vocabulary ids
+    (buckets + word index), each text's pooled word vector [texts, dv] with their
+    pooling weights: the frozen input of the word-vector path."""
+    n = len(offsets) - 1
+    ex = np.repeat(np.arange(n), np.diff(offsets))
+    words = ids >= buckets
+    G = np.zeros((n, V.shape[1]), np.float32)
+    np.add.at(G, ex[words], V[ids[words] - buckets] * w[words][:, None])
+    keep = ~words
+    off = np.zeros(n + 1, np.int64)
+    off[1:] = np.cumsum(np.bincount(ex[keep], minlength=n))
+    return ids[keep], w[keep], off, G
+
+
 def train_weights(cfg: TrainConfig, ids, w, offsets, y: np.ndarray, n_classes: int,
-                  log=None, on_epoch=None, member: int = 0) -> Weights:
+                  log=None, on_epoch=None, member: int = 0, G: np.ndarray | None = None,
+                  V: np.ndarray | None = None) -> Weights:
+    """One member. With `G` (each text's pooled frozen word vector, see split_vocabulary)
+    the logits get a second linear term G @ Wv; `V` (the vocabulary's vectors) goes
+    into the returned Weights for `fold`."""
     rng = np.random.default_rng([cfg.seed, member])
     D, H, C = cfg.dim, cfg.hidden, n_classes
     E = rng.uniform(-1.0 / D, 1.0 / D, (cfg.buckets, D)).astype(np.float32)
@@ -297,6 +336,11 @@ def train_weights(cfg: TrainConfig, ids, w, offsets, y: np.ndarray, n_classes: i
     b2 = np.zeros(C, np.float32)
     optE = _LazyAdam(E.shape, cfg.lr_embed)
     dense = [W1, b1, W2, b2] if H else [W2, b2]
+    if G is not None:
+        if H:
+            raise ValueError("word vectors need a linear model (hidden 0)")
+        Wv = np.zeros((G.shape[1], C), np.float32)
+        dense.append(Wv)
     opts = [_Adam(p.shape, cfg.lr) for p in dense]
     n = len(y)
     steps_total = cfg.epochs * ((n + cfg.batch - 1) // cfg.batch)
@@ -329,6 +373,12 @@ def train_weights(cfg: TrainConfig, ids, w, offsets, y: np.ndarray, n_classes: i
             else:
                 h = p
             z = h @ W2 + b2
+            if G is not None:
+                g = G[rows]
+                if cfg.vocab_dropout:
+                    keep = rng.random(B) >= cfg.vocab_dropout
+                    g = g * (keep[:, None] / np.float32(1 - cfg.vocab_dropout))
+                z = z + g @ Wv
             z -= z.max(axis=1, keepdims=True)
             e = np.exp(z)
             prob = e / e.sum(axis=1, keepdims=True)
@@ -349,6 +399,8 @@ def train_weights(cfg: TrainConfig, ids, w, offsets, y: np.ndarray, n_classes: i
             else:
                 dp = dh
                 grads = [gW2, gb2]
+            if G is not None:
+                grads.append(g.T @ dz)
             if cfg.dropout:
                 dp *= mp
             if cfg.weight_decay:
@@ -359,7 +411,7 @@ def train_weights(cfg: TrainConfig, ids, w, offsets, y: np.ndarray, n_classes: i
             optE.step(E, u, A.T @ dp.astype(np.float32), scale)
         if log:
             log(f"epoch {epoch + 1}/{cfg.epochs} loss {loss_sum / n:.4f}")
-        current = [E, W1, b1, W2, b2]
+        current = [E, W1, b1, W2, b2] + ([Wv] if G is not None else [])
         if cfg.average_from and epoch + 1 >= cfg.average_from:
             n_avg += 1
             if avg is None:
@@ -369,8 +421,14 @@ def train_weights(cfg: TrainConfig, ids, w, offsets, y: np.ndarray, n_classes: i
                     a += (p - a) / n_avg  # running mean
             current = avg
         if on_epoch:
-            on_epoch(epoch + 1, Weights(*current))
-    return Weights(*(avg if avg is not None else [E, W1, b1, W2, b2]))
+            on_epoch(epoch + 1, _weights(current, V))
+    return _weights(avg if avg is not None else current, V)
+
+
+def _weights(params: list[np.ndarray], V: np.ndarray | None) -> Weights:
+    if len(params) > 5:
+        return Weights(*params[:5], V=V, Wv=params[5])
+    return Weights(*params)
 
 
 # ---- metrics and threshold ----
@@ -446,39 +504,64 @@ class Trained:
     threshold: float
     val_metrics: dict[str, Any] | None
     meta: dict[str, Any]
+    vocabulary: list[str] = field(default_factory=list)  # word i has feature id buckets + i
 
 
 def train(cfg: TrainConfig, data: Dataset, val: Dataset | None = None, log=None,
           jobs: int = 1) -> Trained:
     t0 = time.time()
-    vec = cfg.vectorizer()
+    vocab: list[str] = []
+    V = G = None
+    if cfg.word_vector_members and not cfg.word_vectors:
+        raise ValueError("word_vector_members needs word_vectors")
+    if cfg.word_vectors:
+        if cfg.hidden or not cfg.fold:
+            raise ValueError("word vectors need a linear, folded model (hidden 0, fold)")
+        from aiproxy.semantic import wordvec
+
+        words, vectors = wordvec.load(cfg.word_vectors)
+        vocab, V = wordvec.vocabulary(words, vectors, data.texts, cfg.vocab_top)
+        V = V * np.float32(cfg.vocab_scale)
+        if log:
+            log(f"vocabulary: {len(vocab)} words with {cfg.word_vectors} vectors")
+    vec = cfg.vectorizer(vocab or None)
     classes = sorted(set(data.labels))
     index = {c: i for i, c in enumerate(classes)}
     y = np.array([index[lab] for lab in data.labels], dtype=np.int64)
     ids, w, offsets = featurize(vec, data.texts)
+    if V is not None:
+        ids, w, offsets, G = split_vocabulary(ids, w, offsets, cfg.buckets, V)
     k = max(1, cfg.ensemble)
-    if jobs > 1 and k > 1:
+    # (member seed, word vectors?) of each member
+    jobs_list = [(m, G is not None and not cfg.word_vector_members) for m in range(k)]
+    jobs_list += [(m, True) for m in range(cfg.word_vector_members)]
+    if jobs > 1 and len(jobs_list) > 1:
         # members are independent (each has its own generator): one process each, same
         # weights as one after the other
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
+        n_proc = min(jobs, len(jobs_list))
         if log:
-            log(f"training {k} members in {min(jobs, k)} processes")
-        with ProcessPoolExecutor(min(jobs, k), mp_context=multiprocessing.get_context("fork")) as ex:
+            log(f"training {len(jobs_list)} members in {n_proc} processes")
+        with ProcessPoolExecutor(n_proc, mp_context=multiprocessing.get_context("fork")) as ex:
             futures = [ex.submit(train_weights, cfg, ids, w, offsets, y, len(classes),
-                                 member=m) for m in range(k)]
+                                 member=m, **({"G": G, "V": V} if wv else {}))
+                       for m, wv in jobs_list]
             members = [f.result() for f in futures]
     else:
         members = []
-        for member in range(k):
-            if log and k > 1:
-                log(f"member {member + 1}/{k}")
+        for i, (m, wv) in enumerate(jobs_list):
+            if log and len(jobs_list) > 1:
+                log(f"member {i + 1}/{len(jobs_list)}")
             members.append(train_weights(cfg, ids, w, offsets, y, len(classes), log=log,
-                                         member=member))
-    weights = combine(members)
-    if cfg.fold:
-        weights = fold(weights)
+                                         member=m, **({"G": G, "V": V} if wv else {})))
+    if cfg.word_vector_members:
+        weights = _add_vocabulary(members[:k], members[k:], cfg.word_vector_weight)
+    else:
+        weights = combine(members)
+        if cfg.fold:
+            weights = fold(weights)
     weights = quantize(weights, cfg.dtype)
     threshold, val_metrics = 0.0, None
     if val is not None and val.texts:
@@ -496,7 +579,25 @@ def train(cfg: TrainConfig, data: Dataset, val: Dataset | None = None, log=None,
         "train_seconds": round(time.time() - t0, 1),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
-    return Trained(cfg, classes, weights, threshold, val_metrics, meta)
+    if vocab:
+        meta["vocabulary"] = {"source": cfg.word_vectors, "words": len(vocab),
+                              "top": cfg.vocab_top}
+    return Trained(cfg, classes, weights, threshold, val_metrics, meta, vocab)
+
+
+def _add_vocabulary(plain: list[Weights], with_vectors: list[Weights],
+                    weight: float) -> Weights:
+    """The n-gram members' folded table, plus the vocabulary rows (each word's vector times
+    the output layer) of the members trained with word vectors, times `weight`. Trained
+    jointly, the word-vector members' own n-gram rows are weaker than the n-gram-only
+    members' (they lean on the vectors), and averaging the two whole tables, or using
+    the word-vector members alone, makes out-of-scope texts more confident; adding only
+    the word terms to the n-gram-only model keeps its n-gram scores (README, Semantic
+    routing)."""
+    a, b = fold(combine(plain)), fold(combine(with_vectors))
+    rows = a.E.shape[0]
+    T = np.concatenate([a.E, np.float32(weight) * b.E[rows:]]).astype(np.float32)
+    return Weights(T, a.W1, a.b1, a.W2, a.b2, folded=True)
 
 
 def load_domains(path: str | Path) -> dict[str, str]:
