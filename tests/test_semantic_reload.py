@@ -90,6 +90,14 @@ def _reloads(admin: int) -> tuple[float, float]:
             values["aiproxy_config_reload_failures_total"])
 
 
+def _all_workers_up(admin: int) -> bool:
+    """Every worker serves. A worker still starting when SIGHUP arrives catches up with
+    its own reload once ready, after the supervisor has counted the reload."""
+    text = httpx.get(f"http://127.0.0.1:{admin}/metrics", timeout=10).text
+    up = [line for line in text.splitlines() if line.startswith("aiproxy_worker_up{")]
+    return bool(up) and all(line.endswith(" 1.0") for line in up)
+
+
 def _wait_for(predicate, what: str, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -117,6 +125,7 @@ def test_swapped_model_takes_effect_on_sighup(start_proxy, upstreams, second_mod
     admin = free_port()
     proxy = start_proxy(_config(model, *upstreams, admin))
     wait_port("127.0.0.1", admin)
+    _wait_for(lambda: _all_workers_up(admin), "every worker")
     assert _ask(proxy) == ("bank", "balance")
 
     # a different model under the same path (same mtime, even): SIGHUP switches to it
