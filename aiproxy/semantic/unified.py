@@ -25,13 +25,15 @@ import base64
 import binascii
 import enum
 import json
-import os
+import random
 import re
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 from urllib.parse import parse_qsl
+
+import orjson
 
 __all__ = ["Modality", "UnifiedRequest", "extract", "sniff_media", "protobuf_strings"]
 
@@ -56,7 +58,8 @@ class UnifiedRequest:
 
 
 def _new_id() -> str:
-    return os.urandom(8).hex()
+    # A label for logs and caches, not a secret: no getrandom() system call per request.
+    return f"{random.getrandbits(64):016x}"
 
 
 def extract(content_type: bytes, body: bytes, query: bytes = b"",
@@ -139,11 +142,14 @@ def _extract_body(ctype: str, body: bytes, json_fields, parts: list[str],
 
 def _json_body(body: bytes, json_fields, parts: list[str], meta: dict[str, Any]) -> None:
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        meta["json"] = "partial"
-        _lenient_json(body, json_fields, parts)
-        return
+        doc = orjson.loads(body)  # a few times faster than json.loads
+    except ValueError:
+        try:  # what orjson refuses and json takes: NaN, integers past 64 bits, ...
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            meta["json"] = "partial"
+            _lenient_json(body, json_fields, parts)
+            return
     meta["json"] = "ok"
     if not isinstance(doc, dict):
         return

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""End to end: the proxy CPU a request costs with semantic routing on, under load.
+
+    python bench/semantic_e2e.py [--rounds 3] [--duration 6] [--connections 32]
+
+One nginx backend (`return 200`) and two aiproxy processes (one worker each, access log
+off, as in bench/e2e.py): "off" routes every request to the backend; "semantic" loads
+builtin:clinc150 and has an intent_domain route first, so every request is classified
+(its first body bytes read, the prompt vectorized, the model run, micro-batched when
+requests arrive together). wrk POSTs OpenAI-style chat requests whose prompts rotate
+over the CLINC150 validation texts (a fixed list when the data is not there), with
+`--connections` keep-alive connections, both proxies interleaved for `--rounds` rounds.
+Prints the medians and the added CPU per request (issue 6: <= 25 us under load), the
+median of the per-round differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e import (  # noqa: E402
+    CLK_TCK,
+    REPO,
+    WRK_SCRIPT,
+    Proc,
+    Servers,
+    aiproxy_config,
+    cpu_ticks,
+    ensure_tools,
+    free_port,
+    log,
+    raise_nofile,
+    run_wrk,
+    wait_port,
+)
+
+DATA = REPO.parent / "shared" / "data" / "clinc150" / "val.jsonl"
+FALLBACK = ["how much money is in my checking account", "transfer $100 from savings to checking",
+            "what is the weather like in paris tomorrow", "set an alarm for 7 am",
+            "book a table for two at an italian restaurant", "what's my credit score",
+            "play some jazz music", "how do i say thank you in french"]
+SEMANTIC = """
+[semantic]
+model = "builtin:clinc150"
+max_wait_us = {wait}
+max_batch = {batch}
+
+[[routes]]
+name = "banking"
+match = {{ path_prefix = "/", intent_domain = "banking" }}
+cluster = "backend"
+"""
+
+
+def prompts(limit: int) -> list[str]:
+    if not DATA.exists():
+        return FALLBACK
+    rows = [json.loads(line)["text"] for line in DATA.read_text().splitlines() if line]
+    return rows[:limit]
+
+
+def lua_script(texts: list[str]) -> str:
+    bodies = [json.dumps({"model": "demo", "messages": [{"role": "user", "content": t}]})
+              for t in texts]
+    quoted = ",\n".join("  " + json.dumps(b) for b in bodies)  # JSON strings are Lua strings
+    return f"""\
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local bodies = {{
+{quoted}
+}}
+local i = 0
+request = function()
+  i = i % #bodies + 1
+  return wrk.format(nil, nil, nil, bodies[i])
+end
+""" + WRK_SCRIPT
+
+
+def config(port: int, backend: int, semantic: bool, wait_us: int = 0, batch: int = 16) -> str:
+    text = aiproxy_config(port, backend)
+    if semantic:  # the intent route goes before the catch-all one
+        sem = SEMANTIC.strip().format(wait=wait_us, batch=batch)
+        text = text.replace("[[routes]]", sem + "\n\n[[routes]]", 1)
+    return text
+
+
+def measure(proc: Proc, port: int, wrk: str, script: Path, duration: int,
+            connections: int) -> dict:
+    cpu0 = cpu_ticks([proc.pid])
+    w = run_wrk(wrk, script, port, "/small", duration, connections)
+    cpu1 = cpu_ticks([proc.pid])
+    if not proc.alive():
+        raise RuntimeError(f"{proc.name} exited during the run:\n{proc.log_tail()}")
+    n = max(w["requests"], 1)
+    errors = sum(w[k] for k in ("connect_errors", "read_errors", "write_errors",
+                                "status_errors", "timeouts"))
+    return {"rps": w["requests"] / (w["duration_us"] / 1e6),
+            "user_us": (cpu1[0] - cpu0[0]) / CLK_TCK * 1e6 / n,
+            "sys_us": (cpu1[1] - cpu0[1]) / CLK_TCK * 1e6 / n,
+            "cpu_us": (sum(cpu1) - sum(cpu0)) / CLK_TCK * 1e6 / n,
+            "p50_ms": w["p50_us"] / 1000, "errors": errors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=int, default=6, help="seconds per run")
+    p.add_argument("--connections", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=500, help="validation texts to rotate")
+    p.add_argument("--max-wait-us", type=int, default=0,
+                   help="[semantic] max_wait_us (0, the default: no micro-batching)")
+    p.add_argument("--max-batch", type=int, default=16, help="[semantic] max_batch")
+    p.add_argument("--json", type=Path, help="write the runs here")
+    args = p.parse_args(argv)
+    tools = ensure_tools(install=True)
+    nofile = raise_nofile(4096)
+    with tempfile.TemporaryDirectory(prefix="aiproxy-sem-") as tmpdir:
+        tmp = Path(tmpdir)
+        script = tmp / "post.lua"
+        texts = prompts(args.prompts)
+        script.write_text(lua_script(texts))
+        servers = Servers(tmp, tools, idle=0, nofile=nofile, aiproxy_tree=REPO)
+        procs: dict[str, tuple[Proc, int]] = {}
+        try:
+            servers.start_backend()
+            for name in ("off", "semantic"):
+                port = free_port()
+                conf = tmp / f"{name}.toml"
+                conf.write_text(config(port, servers.backend_port, name == "semantic",
+                                       args.max_wait_us, args.max_batch))
+                proc = Proc(name, [sys.executable, "-m", "aiproxy", "-c", str(conf)], tmp)
+                wait_port(port, proc, timeout=60)
+                procs[name] = (proc, port)
+                run_wrk(tools["wrk"], script, port, "/small", 2,
+                        args.connections)  # warm-up
+            runs: dict[str, list[dict]] = {"off": [], "semantic": []}
+            for r in range(args.rounds):
+                for name in (("off", "semantic") if r % 2 == 0 else ("semantic", "off")):
+                    proc, port = procs[name]
+                    m = measure(proc, port, tools["wrk"], script, args.duration,
+                                args.connections)
+                    runs[name].append(m)
+                    log(f"round {r + 1}/{args.rounds} {name:9} {m['rps']:9,.0f} req/s "
+                        f"{m['cpu_us']:6.1f} us/req (user {m['user_us']:.1f}, "
+                        f"sys {m['sys_us']:.1f}) errors {m['errors']}")
+        finally:
+            Proc.stop_all()
+    print(f"\nsemantic routing under load: wrk -c{args.connections}, {len(texts)} prompts, "
+          f"max_wait_us {args.max_wait_us}, max_batch {args.max_batch}, "
+          f"{args.rounds} interleaved rounds x {args.duration} s, medians\n")
+    print("| proxy | req/s | CPU us/req | user | sys | p50 ms | errors |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    med = {}
+    for name, rs in runs.items():
+        med[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        m = med[name]
+        print(f"| {name} | {m['rps']:,.0f} | {m['cpu_us']:.1f} | {m['user_us']:.1f} | "
+              f"{m['sys_us']:.1f} | {m['p50_ms']:.2f} | {sum(r['errors'] for r in rs)} |")
+    added = statistics.median(s["cpu_us"] - o["cpu_us"]
+                              for s, o in zip(runs["semantic"], runs["off"], strict=True))
+    print(f"\nadded CPU per request with semantic routing: {added:.1f} us "
+          f"(median of the per-round differences; issue 6 target <= 25 us)")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "added_cpu_us": added}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
