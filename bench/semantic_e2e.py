@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,12 +85,23 @@ end
 """ + WRK_SCRIPT
 
 
-def config(port: int, backend: int, semantic: bool, wait_us: int = 0, batch: int = 16) -> str:
+def config(port: int, backend: int, semantic: bool, wait_us: int = 0, batch: int = 16,
+           admin: int = 0) -> str:
     text = aiproxy_config(port, backend)
     if semantic:  # the intent route goes before the catch-all one
         sem = SEMANTIC.strip().format(wait=wait_us, batch=batch)
         text = text.replace("[[routes]]", sem + "\n\n[[routes]]", 1)
+    if admin:
+        text += f'\n[admin]\naddress = "127.0.0.1:{admin}"\n'
     return text
+
+
+def decisions(admin: int) -> float:
+    """The semantic proxy's intent decisions so far (aiproxy_semantic_decisions_total)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("aiproxy_semantic_decisions_total{"))
 
 
 def measure(proc: Proc, port: int, wrk: str, script: Path, duration: int,
@@ -129,13 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         script.write_text(lua_script(texts))
         servers = Servers(tmp, tools, idle=0, nofile=nofile, aiproxy_tree=REPO)
         procs: dict[str, tuple[Proc, int]] = {}
+        admin = free_port()
         try:
             servers.start_backend()
             for name in ("off", "semantic"):
                 port = free_port()
                 conf = tmp / f"{name}.toml"
                 conf.write_text(config(port, servers.backend_port, name == "semantic",
-                                       args.max_wait_us, args.max_batch))
+                                       args.max_wait_us, args.max_batch,
+                                       admin if name == "semantic" else 0))
                 proc = Proc(name, [sys.executable, "-m", "aiproxy", "-c", str(conf)], tmp)
                 wait_port(port, proc, timeout=60)
                 procs[name] = (proc, port)
@@ -151,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"round {r + 1}/{args.rounds} {name:9} {m['rps']:9,.0f} req/s "
                         f"{m['cpu_us']:6.1f} us/req (user {m['user_us']:.1f}, "
                         f"sys {m['sys_us']:.1f}) errors {m['errors']}")
+            made = decisions(admin)
         finally:
             Proc.stop_all()
     print(f"\nsemantic routing under load: wrk -c{args.connections}, {len(texts)} prompts, "
@@ -168,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                               for s, o in zip(runs["semantic"], runs["off"], strict=True))
     print(f"\nadded CPU per request with semantic routing: {added:.1f} us "
           f"(median of the per-round differences; issue 6 target <= 25 us)")
+    print(f"intent decisions made by the semantic proxy: {made:,.0f}")
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "added_cpu_us": added}, indent=1))
+        args.json.write_text(json.dumps({"runs": runs, "added_cpu_us": added,
+                                         "semantic_decisions": made}, indent=1))
     return 0
 
 
