@@ -29,18 +29,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 
 
 cdef class BufferPool:
-    """Slabs of slab_size bytes; at most max_free are kept for reuse."""
-
-    cdef readonly Py_ssize_t slab_size
-    cdef readonly Py_ssize_t max_free
-    cdef list _free
-    cdef list _held          # [slab, transport, slab, transport, ...]
-    cdef readonly Py_ssize_t in_use     # handed out, not yet back (parked included)
-    cdef readonly unsigned long long gets
-    cdef readonly unsigned long long misses   # gets that had to allocate a slab
-    cdef readonly unsigned long long parked   # lends that had to wait for a transport
-    cdef readonly unsigned long long dropped  # returned slabs freed: free list full
-    cdef Py_ssize_t _skip    # gets before the parked slabs are checked again
+    """Slabs of slab_size bytes; at most max_free are kept for reuse (fields: bufpool.pxd)."""
 
     def __init__(self, Py_ssize_t slab_size=65536, Py_ssize_t max_free=64):
         if slab_size <= 0 or max_free < 0:
@@ -122,7 +111,7 @@ cdef class BufferPool:
 POOL = BufferPool(65536, 64)
 
 
-def copy_out(bytearray slab, Py_ssize_t start, Py_ssize_t end) -> bytes:
+cpdef bytes copy_out(bytearray slab, Py_ssize_t start, Py_ssize_t end):
     """bytes of slab[start:end] (one copy, no intermediate objects)."""
     if start < 0 or end > len(slab) or start > end:
         raise IndexError("slab range out of bounds")

@@ -3,8 +3,11 @@
 # cimport imports its module first. The exchange is seen through its base in ends.pxd.
 cimport cython
 
+from aiproxy._fast.bufpool cimport BufferPool, copy_out
 from aiproxy._fast.h1 cimport ResponseHead
 from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
+
+cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
 
 
 cdef class H1UpstreamCore(Upstream):

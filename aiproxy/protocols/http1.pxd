@@ -1,11 +1,14 @@
 # Compiled by Cython in pure-Python mode (setup.py): http1.py is the source.
 cimport cython
 
+from aiproxy._fast.bufpool cimport BufferPool, copy_out
 from aiproxy._fast.h1 cimport RequestHead, ResponseHead
 from aiproxy.pipeline.ends cimport Downstream
 from aiproxy.pipeline.exchange cimport Exchange
 from aiproxy.routing.table cimport Route
 from aiproxy.server.runtime cimport Runtime
+
+cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
 
 
 cdef class H1ConnectionCore(Downstream):
