@@ -5,26 +5,22 @@ every POST and that the semantic one classified them; nothing about timings."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e import find_tool  # noqa: E402
+
 SCRIPT = Path(__file__).resolve().parent / "semantic_e2e.py"
-
-
-def _have(tool: str) -> bool:
-    return shutil.which(tool) is not None or any(
-        os.access(f"{d}/{tool}", os.X_OK) for d in ("/usr/sbin", "/sbin"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_semantic_e2e_quick(tmp_path: Path) -> None:
-    missing = [t for t in ("nginx", "wrk") if not _have(t)]
+    missing = [t for t in ("nginx", "wrk") if find_tool(t) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed (scripts/bootstrap.sh --test)")
     out = tmp_path / "semantic.json"
