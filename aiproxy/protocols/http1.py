@@ -379,7 +379,7 @@ class H1ConnectionCore(Downstream):
         """Frame the response for this client; returns whether the connection stays open.
 
         The head is held until the first body bytes so both go out in one write."""
-        e = ex
+        e = ex  # typed Exchange (http1.pxd); Downstream's signature takes any object
         head = e.head
         rt = self.server.runtime
         if type(resp) is ResponseHead:  # from an HTTP/1.1 upstream: read in C
