@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
-from aiproxy.pipeline.ends import ExchangeBase
+from aiproxy.pipeline.ends import ExchangeBase, forwarded_lines
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
@@ -634,10 +634,9 @@ class Exchange(ExchangeBase):
         if rt.x_forwarded:
             drop |= F_XFF | F_XFP
             if head.has_xff:
-                extra.append(b"X-Forwarded-For: " + self._xff() + b"\r\nX-Forwarded-Proto: "
-                             + self.down.scheme + CRLF)
+                extra.append(forwarded_lines(self._xff(), self.down.scheme))
             else:
-                extra.append(self.down.forwarded)
+                extra.append(self.down.forwarded)  # forwarded_lines() of the connection
         if rt.via_line:
             extra.append(rt.via_line)
         if self.intent is not None:
