@@ -252,7 +252,7 @@ def _relay_spliced(a: socket.socket, b: socket.socket, splicer: Splicer) -> dict
     open_ = set(fds)
     try:
         while open_:
-            for fd, ev in poller.poll(1000):
+            for fd, _ev in poller.poll(1000):
                 sock = fds[fd]
                 try:
                     data = sock.recv(65536, socket.MSG_DONTWAIT)
@@ -264,10 +264,6 @@ def _relay_spliced(a: socket.socket, b: socket.socket, splicer: Splicer) -> dict
                     # A byte reached user space: only possible if it was queued before the
                     # splice and the nudge lost a race; forward it in order.
                     pair.other(sock).sendall(data)
-                    continue
-                if not ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
-                    # recv() found nothing because the kernel redirected the bytes poll()
-                    # saw (a sockmap socket can then return 0): not the peer's EOF.
                     continue
                 splicer.shutdown_peer(pair, sock)
                 poller.unregister(fd)
