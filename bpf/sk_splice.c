@@ -6,7 +6,8 @@
  * The stream verdict program runs for every skb a member socket receives and
  * redirects it to the egress of the peer socket: the bytes never reach user
  * space. A socket in splice_socks without a splice_peers entry gets SK_PASS: its
- * bytes are queued for recv() as usual.
+ * bytes are queued for recv() as usual. So does a socket whose pair is not armed yet
+ * (include/splice.h: splice_armed).
  */
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
@@ -27,6 +28,13 @@ struct {
 	__uint(max_entries, SPLICE_MAX_SOCKS);
 } splice_peers SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u64); /* socket cookie */
+	__type(value, __u32);
+	__uint(max_entries, SPLICE_MAX_SOCKS);
+} splice_armed SEC(".maps");
+
 SEC("sk_skb/stream_verdict")
 int sk_splice_verdict(struct __sk_buff *skb)
 {
@@ -44,6 +52,11 @@ int sk_splice_verdict(struct __sk_buff *skb)
 		return SK_DROP;
 	if (!peer)
 		return SK_PASS;
+	/* The verdicts of one socket run one at a time, so `passed` cannot change under us. */
+	if (!bpf_map_lookup_elem(&splice_armed, &cookie) || peer->passed) {
+		__sync_fetch_and_add(&peer->passed, skb->len);
+		return SK_PASS;
+	}
 	to = peer->peer;
 	__sync_fetch_and_add(&peer->bytes, skb->len);
 	__sync_fetch_and_add(&peer->segs, 1);

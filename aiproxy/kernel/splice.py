@@ -19,6 +19,13 @@ returns b"" at EOF (or raises on error): that is the caller's cue to call
 :meth:`Splicer.shutdown_peer` (half-close, after the in-flight bytes are written) or
 :meth:`Splicer.unsplice`.
 
+The two sockets join the kernel's map one after the other. Bytes that reach the first
+before the second has joined cannot be redirected (the kernel would drop them), so the
+verdict passes them to user space, and with them every later byte of that socket:
+:meth:`Splicer.passed` says which direction that happened to, and the caller copies
+that direction itself (recv() returns its bytes, in order) while the kernel carries the
+other.
+
 Limits: the kernel queues redirected bytes for the peer without TCP back-pressure on
 the sender beyond the socket buffers; a peer that stops reading makes the kernel hold
 up to the redirect backlog. Use splicing for tunnels whose both ends are live.
@@ -44,6 +51,12 @@ SO_COOKIE = 57
 SIOCOUTQ = 0x5411  # TIOCOUTQ: bytes in the send queue not yet acked
 BPF_SK_SKB_STREAM_VERDICT = 5
 TCP_INFO_BYTES_ACKED = 120  # offsetof(struct tcp_info, tcpi_bytes_acked)
+POLL_S = 0.001
+EOF_WAIT_S = 5.0  # how long a recv() of 0 may disagree with poll() before it is believed
+
+
+def _key(cookie: int) -> bytes:
+    return cookie.to_bytes(8, "little")
 
 
 def socket_cookie(sock: socket.socket) -> int:
@@ -116,14 +129,17 @@ class Splicer:
             peers = self._obj.map("splice_peers")
             ca, cb = socket_cookie(a), socket_cookie(b)
             pair = SplicedPair(a, b, ca, cb, bytes_written(a), bytes_written(b))
-            # Peers first, sockets second: a socket's verdict finds its peer from its
-            # first byte on. A byte for a peer not yet in splice_socks would be dropped,
-            # so both sockets go in before the nudge.
-            peers.update(ca.to_bytes(8, "little"), bytes(SplicePeer(cb, 0, 0)))
-            peers.update(cb.to_bytes(8, "little"), bytes(SplicePeer(ca, 0, 0)))
+            # Peers first, sockets second, arming last: until both sockets are in
+            # splice_socks a redirect could find no peer and drop the bytes, so the
+            # verdict passes them to user space instead (see passed()).
+            peers.update(_key(ca), bytes(SplicePeer(cb)))
+            peers.update(_key(cb), bytes(SplicePeer(ca)))
             try:
-                socks.update(ca.to_bytes(8, "little"), a.fileno().to_bytes(8, "little"))
-                socks.update(cb.to_bytes(8, "little"), b.fileno().to_bytes(8, "little"))
+                self._join(socks, ca, a)
+                self._join(socks, cb, b)
+                armed = self._obj.map("splice_armed")
+                armed.update(_key(ca), b"\1\0\0\0")
+                armed.update(_key(cb), b"\1\0\0\0")
             except BPFError:
                 self._forget(pair)
                 raise
@@ -134,14 +150,28 @@ class Splicer:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             return pair
 
-    def redirected(self, pair: SplicedPair) -> tuple[int, int]:
-        """(bytes a->b, bytes b->a) the kernel has redirected so far."""
+    def _join(self, socks, cookie: int, sock: socket.socket) -> None:
+        socks.update(_key(cookie), sock.fileno().to_bytes(8, "little"))
+
+    def _peer_entries(self, pair: SplicedPair) -> tuple[SplicePeer | None, SplicePeer | None]:
         peers = self._obj.map("splice_peers") if self._obj else None
         out = []
         for cookie in (pair.cookie_a, pair.cookie_b):
-            raw = peers.lookup(cookie.to_bytes(8, "little")) if peers else None
-            out.append(SplicePeer.from_buffer_copy(raw).bytes if raw else 0)
+            raw = peers.lookup(_key(cookie)) if peers else None
+            out.append(SplicePeer.from_buffer_copy(raw) if raw else None)
         return out[0], out[1]
+
+    def redirected(self, pair: SplicedPair) -> tuple[int, int]:
+        """(bytes a->b, bytes b->a) the kernel has redirected so far."""
+        ea, eb = self._peer_entries(pair)
+        return (ea.bytes if ea else 0), (eb.bytes if eb else 0)
+
+    def passed(self, pair: SplicedPair) -> tuple[int, int]:
+        """(bytes of a, bytes of b) handed to user space instead of the peer: non-zero
+        for a socket whose bytes arrived before its pair was armed. Such a direction is
+        the caller's to copy, to the end of the tunnel; the kernel never redirects it."""
+        ea, eb = self._peer_entries(pair)
+        return (ea.passed if ea else 0), (eb.passed if eb else 0)
 
     def unflushed(self, pair: SplicedPair) -> tuple[int, int]:
         """(bytes a->b, bytes b->a) the kernel has redirected but not yet put into the
@@ -152,6 +182,22 @@ class Splicer:
                     max(0, ba - (bytes_written(pair.a) - pair.written_a)))
         except OSError:
             return 0, 0
+
+    def at_eof(self, pair: SplicedPair, sock: socket.socket, copied: int) -> bool:
+        """recv() on a spliced socket returned b"": is that its peer's EOF?
+
+        Not always. The kernel's sockmap recvmsg can return 0 while the stream goes on
+        (seen under load: no FIN yet, or bytes the verdict passed still on their way to
+        the socket's queue). It is the EOF only once the peer's FIN has arrived (poll
+        reports RDHUP/HUP/ERR) and user space has read every byte the verdict passed
+        back (``copied``: bytes read from ``sock`` since the splice)."""
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLRDHUP)
+        events = poller.poll(0)
+        if not events or not events[0][1] & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+            return False
+        passed = self.passed(pair)
+        return copied >= (passed[0] if sock is pair.a else passed[1])
 
     def release(self, pair: SplicedPair) -> tuple[int, int]:
         """Take both sockets out of the kernel path now (no waiting); returns the bytes
@@ -210,8 +256,8 @@ class Splicer:
         if self._obj is None:
             return
         for cookie in (pair.cookie_a, pair.cookie_b):
-            key = cookie.to_bytes(8, "little")
-            for name in ("splice_socks", "splice_peers"):
+            key = _key(cookie)
+            for name in ("splice_socks", "splice_armed", "splice_peers"):
                 try:
                     self._obj.map(name).delete(key)
                 except BPFError:
@@ -235,8 +281,10 @@ def relay(a: socket.socket, b: socket.socket, splicer: Splicer | None = None,
     """Carry bytes both ways between ``a`` and ``b`` until both directions are closed.
 
     With a working ``splicer`` the kernel carries the bytes and this thread only waits
-    for EOFs; otherwise it copies. Returns {"spliced": bool, "a_to_b": n, "b_to_a": n}.
-    The sockets are left open (the caller closes them).
+    for EOFs (and copies a direction the kernel passed back, see Splicer.passed);
+    otherwise it copies. Returns {"spliced": bool, "a_to_b": n, "b_to_a": n} (bytes
+    carried either way) and, when spliced, "copied": [a_to_b, b_to_a], the part of those
+    that went through this thread. The sockets are left open (the caller closes them).
     """
     if splicer is not None and splicer.available():
         return _relay_spliced(a, b, splicer)
@@ -250,6 +298,8 @@ def _relay_spliced(a: socket.socket, b: socket.socket, splicer: Splicer) -> dict
     for fd in fds:
         poller.register(fd, select.POLLIN | select.POLLRDHUP)
     open_ = set(fds)
+    copied = {a.fileno(): 0, b.fileno(): 0}
+    early_zero: dict[int, float] = {}
     try:
         while open_:
             for fd, _ev in poller.poll(1000):
@@ -259,19 +309,26 @@ def _relay_spliced(a: socket.socket, b: socket.socket, splicer: Splicer) -> dict
                 except BlockingIOError:
                     continue
                 except OSError:
-                    data = b""
+                    data = None  # an error ends this direction at once
                 if data:
-                    # A byte reached user space: only possible if it was queued before the
-                    # splice and the nudge lost a race; forward it in order.
+                    # The verdict passed this socket's bytes back (they arrived before the
+                    # pair was armed): this direction is copied here, in order.
                     pair.other(sock).sendall(data)
+                    copied[fd] += len(data)
                     continue
+                if data is not None and not splicer.at_eof(pair, sock, copied[fd]):
+                    since = early_zero.setdefault(fd, time.monotonic())
+                    if time.monotonic() - since < EOF_WAIT_S:
+                        time.sleep(POLL_S)
+                        continue
                 splicer.shutdown_peer(pair, sock)
                 poller.unregister(fd)
                 open_.discard(fd)
     finally:
         ab, ba = splicer.redirected(pair)
         splicer.unsplice(pair)
-    return {"spliced": True, "a_to_b": ab, "b_to_a": ba}
+    ca, cb = copied[a.fileno()], copied[b.fileno()]
+    return {"spliced": True, "a_to_b": ab + ca, "b_to_a": ba + cb, "copied": [ca, cb]}
 
 
 def _relay_copy(a: socket.socket, b: socket.socket, bufsize: int) -> dict:

@@ -118,7 +118,7 @@ class ClassStats(ctypes.Structure):
 
 class SplicePeer(ctypes.Structure):
     _fields_ = [("peer", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
-                ("segs", ctypes.c_uint64)]
+                ("segs", ctypes.c_uint64), ("passed", ctypes.c_uint64)]
 
 
 # C struct name -> (header, mirror); checked by tests/kernel/test_structs.py

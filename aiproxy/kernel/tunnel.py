@@ -14,10 +14,14 @@ in user space. :class:`TunnelSplice` moves them into sk_splice:
    :class:`HangupWatch` waits for EPOLLRDHUP/ERR/HUP only (those wakeups are filtered
    in the kernel), then resumes that transport, which reads the EOF or the error and
    drives the usual protocol callbacks;
-3. on EOF from one side, :meth:`after_flush` waits until the kernel has put every byte
+3. a direction whose bytes reached its socket before the other socket had joined the
+   map is passed back to user space by the verdict (Splicer.passed), to its end: the
+   tunnel reads that socket itself and writes to the peer transport, and resumes the
+   transport only once the sockmap's recv() of 0 is a real EOF (Splicer.at_eof);
+4. on EOF from one side, :meth:`after_flush` waits until the kernel has put every byte
    it redirected from that side into the peer's send queue before the caller
    half-closes the peer (a shutdown before that would lose the tail);
-4. :meth:`release` (both sides done, or one lost) takes the pair out of the maps.
+5. :meth:`release` (both sides done, or one lost) takes the pair out of the maps.
 
 If any step fails the tunnel simply stays on the copy path (reading resumes).
 """
@@ -52,6 +56,7 @@ POLL_S = 0.001
 FLUSH_TIMEOUT_S = 10.0
 FLUSH_POLL_MAX_S = 0.02
 DRAIN_READS = 64  # reads that must empty a receive queue before a splice
+COPY_READ = 256 * 1024
 
 _DRAINING, _SPLICED, _COPYING, _RELEASED = range(4)
 
@@ -132,7 +137,7 @@ def _established(sock: socket.socket) -> bool:
 
 class TunnelSplice:
     __slots__ = ("kernel", "loop", "down", "up", "pair", "socks", "task", "state", "waiters",
-                 "drained", "released", "was_spliced")
+                 "drained", "released", "was_spliced", "copying", "copied", "pending", "eof_wait")
 
     def __init__(self, kernel: ProxyKernel, loop: asyncio.AbstractEventLoop,
                  down: asyncio.Transport, up: asyncio.Transport) -> None:
@@ -147,6 +152,10 @@ class TunnelSplice:
         self.drained = (0, 0)  # bytes (down->up, up->down) read here before splicing
         self.released = (0, 0)  # bytes the kernel moved, once released
         self.was_spliced = False
+        self.copying = [False, False]  # a passed direction read here (down, up socket)
+        self.copied = [0, 0]  # bytes read here from each socket since the splice
+        self.pending: list[memoryview | None] = [None, None]  # read, not yet sent
+        self.eof_wait: list[float | None] = [None, None]
         down.pause_reading()
         up.pause_reading()
         self.task: asyncio.Task | None = loop.create_task(self._splice())
@@ -161,7 +170,8 @@ class TunnelSplice:
         counts = self.released
         if self.pair is not None:
             counts = self.kernel.splicer.redirected(self.pair)
-        return self.drained[0] + counts[0], self.drained[1] + counts[1]
+        return (self.drained[0] + self.copied[0] + counts[0],
+                self.drained[1] + self.copied[1] + counts[1])
 
     async def _splice(self) -> None:
         down, up = self.down, self.up
@@ -198,9 +208,15 @@ class TunnelSplice:
             self.state = _SPLICED
             self.was_spliced = True
             self.kernel.tunnels_spliced += 1
-            for sock, t in zip(self.socks, (down, up), strict=True):
-                # The transport reads the EOF or the error once there is one.
-                self.kernel.watch.add(self.loop, sock, t.resume_reading)
+            passed = self.kernel.splicer.passed(self.pair)
+            for side, (sock, t) in enumerate(zip(self.socks, (down, up), strict=True)):
+                if passed[side]:
+                    # Bytes came before the pair was armed: this direction is ours.
+                    self.copying[side] = True
+                    self.loop.add_reader(sock.fileno(), self._copy, side)
+                else:
+                    # The transport reads the EOF or the error once there is one.
+                    self.kernel.watch.add(self.loop, sock, t.resume_reading)
         finally:
             self.task = None
             if self.state == _DRAINING:
@@ -209,6 +225,71 @@ class TunnelSplice:
                 for t in (down, up):
                     if not t.is_closing():
                         t.resume_reading()
+
+    def _copy(self, side: int) -> None:
+        """Reader of a passed direction: forward what the verdict passed back, socket to
+        socket, in order; hand the socket back to its transport at the real EOF (or an
+        error), which then drives the protocol's usual EOF path.
+
+        It writes to the peer's socket, not its transport: the transport's flow control
+        would resume the paused source transport, whose own reads would take a sockmap
+        recv() of 0 for the EOF."""
+        sock, dest = self.socks[side], self.socks[1 - side]
+        source = self.down if side == 0 else self.up
+        try:
+            data = sock.recv(COPY_READ, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = None  # the transport reads the error itself
+        if data:
+            self.copied[side] += len(data)
+            try:
+                sent = dest.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                sent = len(data)  # the peer is gone: its transport reports it
+            if sent < len(data):
+                self.pending[side] = memoryview(data)[sent:]
+                self.loop.remove_reader(sock.fileno())
+                self.loop.add_writer(dest.fileno(), self._flush_copy, side)
+            return
+        if data is not None and not self.kernel.splicer.at_eof(self.pair, sock,
+                                                              self.copied[side]):
+            # A recv() of 0 that poll() does not back: the stream goes on.
+            now = self.loop.time()
+            since = self.eof_wait[side] = self.eof_wait[side] or now
+            if now - since < FLUSH_TIMEOUT_S:
+                self.loop.remove_reader(sock.fileno())
+                self.loop.call_later(POLL_S, self._resume_copy, side)
+                return
+            log.warning("spliced tunnel: recv() kept returning 0 without a hang-up; "
+                        "taking it as the end")
+        self.loop.remove_reader(sock.fileno())
+        self.copying[side] = False
+        if not source.is_closing():
+            source.resume_reading()
+
+    def _flush_copy(self, side: int) -> None:
+        dest, rest = self.socks[1 - side], self.pending[side]
+        try:
+            sent = dest.send(rest, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            sent = len(rest)
+        rest = rest[sent:]
+        if rest:
+            self.pending[side] = rest
+            return
+        self.pending[side] = None
+        self.loop.remove_writer(dest.fileno())
+        self._resume_copy(side)
+
+    def _resume_copy(self, side: int) -> None:
+        if self.state == _SPLICED and self.copying[side]:
+            self.loop.add_reader(self.socks[side].fileno(), self._copy, side)
 
     def after_flush(self, which: int, callback: Callable[[], Any]) -> None:
         """Call ``callback`` once the bytes the kernel redirected in direction(s) ``which``
@@ -272,9 +353,15 @@ class TunnelSplice:
 
     def _close_socks(self) -> None:
         watch = self.kernel.watch
-        for s in self.socks:
+        for side, s in enumerate(self.socks):
             if watch is not None:
                 watch.discard(s)
+            if self.copying[side]:
+                self.copying[side] = False
+                self.loop.remove_reader(s.fileno())
+            if self.pending[1 - side] is not None:
+                self.pending[1 - side] = None
+                self.loop.remove_writer(s.fileno())
             s.close()
         self.socks = ()
 
