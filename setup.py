@@ -23,12 +23,26 @@ except ImportError as exc:  # pragma: no cover - build requirement
 DEBUG = os.environ.get("AIPROXY_DEBUG") == "1"
 extra_compile_args = ["-O0", "-g"] if DEBUG else ["-O3"]
 
-FAST_MODULES = ["h1", "intent", "bufpool", "histogram"]
+FAST_MODULES = ["h1", "intent", "intent_head", "bufpool", "histogram"]
+
+NUMPY_MODULES = {"intent_head"}  # cimport numpy (its C API)
+
+
+def _include_dirs(name: str) -> list[str]:
+    if name not in NUMPY_MODULES:
+        return []
+    import numpy
+
+    return [numpy.get_include()]
+
 
 extensions = [
     Extension(
         f"aiproxy._fast.{name}",
         [f"aiproxy/_fast/{name}.pyx"],
+        include_dirs=_include_dirs(name),
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+        if name in NUMPY_MODULES else [],
         extra_compile_args=extra_compile_args,
     )
     for name in FAST_MODULES

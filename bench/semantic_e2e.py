@@ -11,7 +11,8 @@ requests arrive together). wrk POSTs OpenAI-style chat requests whose prompts ro
 over the CLINC150 validation texts (a fixed list when the data is not there), with
 `--connections` keep-alive connections, both proxies interleaved for `--rounds` rounds.
 Prints the medians and the added CPU per request (issue 6: <= 25 us under load), the
-median of the per-round differences.
+median of the per-round differences. `--with-onnxruntime` adds a third proxy whose
+model runs in onnxruntime instead of the native head (`runtime = "onnxruntime"`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ SEMANTIC = """
 model = "builtin:clinc150"
 max_wait_us = {wait}
 max_batch = {batch}
+runtime = "{runtime}"
 
 [[routes]]
 name = "banking"
@@ -86,10 +88,10 @@ end
 
 
 def config(port: int, backend: int, semantic: bool, wait_us: int = 0, batch: int = 16,
-           admin: int = 0) -> str:
+           admin: int = 0, runtime: str = "auto") -> str:
     text = aiproxy_config(port, backend)
     if semantic:  # the intent route goes before the catch-all one
-        sem = SEMANTIC.strip().format(wait=wait_us, batch=batch)
+        sem = SEMANTIC.strip().format(wait=wait_us, batch=batch, runtime=runtime)
         text = text.replace("[[routes]]", sem + "\n\n[[routes]]", 1)
     if admin:
         text += f'\n[admin]\naddress = "127.0.0.1:{admin}"\n'
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="[semantic] max_wait_us (0, the default: no micro-batching)")
     p.add_argument("--max-batch", type=int, default=16, help="[semantic] max_batch")
     p.add_argument("--json", type=Path, help="write the runs here")
+    p.add_argument("--with-onnxruntime", action="store_true",
+                   help='a third proxy with [semantic] runtime = "onnxruntime"')
     args = p.parse_args(argv)
     tools = ensure_tools(install=True)
     nofile = raise_nofile(4096)
@@ -144,25 +148,27 @@ def main(argv: list[str] | None = None) -> int:
         admin = free_port()
         try:
             servers.start_backend()
-            for name in ("off", "semantic"):
+            names = ["off", "semantic"] + (["semantic-ort"] if args.with_onnxruntime else [])
+            for name in names:
                 port = free_port()
                 conf = tmp / f"{name}.toml"
-                conf.write_text(config(port, servers.backend_port, name == "semantic",
+                conf.write_text(config(port, servers.backend_port, name != "off",
                                        args.max_wait_us, args.max_batch,
-                                       admin if name == "semantic" else 0))
+                                       admin if name == "semantic" else 0,
+                                       "onnxruntime" if name == "semantic-ort" else "auto"))
                 proc = Proc(name, [sys.executable, "-m", "aiproxy", "-c", str(conf)], tmp)
                 wait_port(port, proc, timeout=60)
                 procs[name] = (proc, port)
                 run_wrk(tools["wrk"], script, port, "/small", 2,
                         args.connections)  # warm-up
-            runs: dict[str, list[dict]] = {"off": [], "semantic": []}
+            runs: dict[str, list[dict]] = {name: [] for name in names}
             for r in range(args.rounds):
-                for name in (("off", "semantic") if r % 2 == 0 else ("semantic", "off")):
+                for name in (names if r % 2 == 0 else names[::-1]):
                     proc, port = procs[name]
                     m = measure(proc, port, tools["wrk"], script, args.duration,
                                 args.connections)
                     runs[name].append(m)
-                    log(f"round {r + 1}/{args.rounds} {name:9} {m['rps']:9,.0f} req/s "
+                    log(f"round {r + 1}/{args.rounds} {name:12} {m['rps']:9,.0f} req/s "
                         f"{m['cpu_us']:6.1f} us/req (user {m['user_us']:.1f}, "
                         f"sys {m['sys_us']:.1f}) errors {m['errors']}")
             made = decisions(admin)
@@ -183,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                               for s, o in zip(runs["semantic"], runs["off"], strict=True))
     print(f"\nadded CPU per request with semantic routing: {added:.1f} us "
           f"(median of the per-round differences; issue 6 target <= 25 us)")
+    if "semantic-ort" in runs:
+        ort = statistics.median(s["cpu_us"] - o["cpu_us"]
+                                for s, o in zip(runs["semantic-ort"], runs["off"], strict=True))
+        print(f"the same with runtime = \"onnxruntime\": {ort:.1f} us")
     print(f"intent decisions made by the semantic proxy: {made:,.0f}")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "added_cpu_us": added,

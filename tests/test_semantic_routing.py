@@ -31,9 +31,11 @@ def chat(text: str) -> bytes:
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
 
 
-def test_domain_routes_and_headers_upstream(start_proxy, bank_and_general):
+@pytest.mark.parametrize("runtime", ["auto", "onnxruntime"])
+def test_domain_routes_and_headers_upstream(start_proxy, bank_and_general, runtime):
+    """Both runtimes (the native head, onnxruntime's session) route alike."""
     admin = free_port()
-    proxy = start_proxy(semantic_config(*bank_and_general)
+    proxy = start_proxy(semantic_config(*bank_and_general, f'runtime = "{runtime}"\n')
                         + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n')
     with httpx.Client(base_url=proxy.url) as client:
         r = client.post("/echo", content=chat("how much money is in my checking account"),
@@ -120,3 +122,15 @@ def test_intent_route_without_semantic_section_is_a_config_error(tmp_path):
         in check.stderr
 
 
+
+
+def test_unknown_runtime_is_a_config_error(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[[listeners]]\nname = "l"\naddress = "127.0.0.1:1"\n'
+                   '[semantic]\nruntime = "tensorflow"\n'
+                   '[[clusters]]\nname = "c"\nendpoints = []\n')
+    check = subprocess.run([sys.executable, "-m", "aiproxy", "check", "-c", str(cfg)],
+                           capture_output=True, text=True)
+    assert check.returncode == 2
+    assert "c.toml:5: semantic.runtime: expected \"auto\" or \"onnxruntime\", got " \
+        "'tensorflow'" in check.stderr

@@ -486,6 +486,13 @@ class _Checker:
                 self.error(where + ("intent_header",), f"invalid header name '{header}'")
             else:
                 values["intent_header"] = header.lower()
+        runtime = self.get(table, where, "runtime", "string")
+        if runtime is not None:
+            if runtime not in ("auto", "onnxruntime"):
+                self.error(where + ("runtime",),
+                           f"expected \"auto\" or \"onnxruntime\", got '{runtime}'")
+            else:
+                values["runtime"] = runtime
         return SemanticConfig(**values)
 
     def tracing(self, data: dict[str, Any]) -> TracingConfig | None:

@@ -293,6 +293,9 @@ class SemanticConfig:
     intent_header: str = "x-model-intent"  # an explicit intent skips the model
     max_batch: int = _bounded(16, 1, 1024)
     max_wait_us: int = _bounded(0, 0, 100_000)  # >0: micro-batch concurrent requests
+    # "auto": the trainer's own graph runs in C (LinearHead), any other in onnxruntime;
+    # "onnxruntime": always the session (same answers; for comparison and debugging)
+    runtime: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ def model_key(cfg: SemanticConfig) -> tuple:
         stamp: tuple = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     except OSError:
         stamp = ()
-    return (str(path), stamp, cfg.threshold)
+    return (str(path), stamp, cfg.threshold, cfg.runtime)
 
 
 def load_model(cfg: SemanticConfig, previous: SemanticRouter | None = None) -> IntentModel:
@@ -38,7 +38,7 @@ def load_model(cfg: SemanticConfig, previous: SemanticRouter | None = None) -> I
     key = model_key(cfg)
     if previous is not None and previous.key == key:
         return previous.model
-    return IntentModel(cfg.model, threshold=cfg.threshold)
+    return IntentModel(cfg.model, threshold=cfg.threshold, native=cfg.runtime == "auto")
 
 
 class SemanticRouter:
@@ -52,8 +52,10 @@ class SemanticRouter:
         self.header = cfg.intent_header.encode()
         self.inspect_bytes = cfg.inspect_bytes
         self.json_fields = cfg.json_fields
+        # A model with a native head classifies inline in a few microseconds, less than
+        # a batched session run costs per text: it is never batched.
         self.batcher = (Batcher(model, max_batch=cfg.max_batch, max_wait_us=cfg.max_wait_us)
-                        if cfg.max_wait_us > 0 else None)
+                        if cfg.max_wait_us > 0 and model.native is None else None)
         self.domains: dict[str, str] = model.domains
         self.decisions: dict[str, int] = {}  # by domain, for /metrics
         self.failures = 0

@@ -1,0 +1,94 @@
+"""LinearHead (the trainer's graph in C) against onnxruntime running the same file.
+
+Every validation text of CLINC150, in scope and out of scope: the same label, the same
+top 3 in the same order, probabilities and embedding equal to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiproxy._fast.intent_head import LinearHead
+
+from aiproxy.semantic.classifier import IntentModel, native_head
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "clinc150"
+
+
+def _texts() -> list[str]:
+    if not DATA.is_dir():
+        pytest.skip(f"CLINC150 data not found at {DATA}")
+    return [json.loads(line)["text"] for name in ("val.jsonl", "oos_val.jsonl")
+            for line in (DATA / name).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[IntentModel, IntentModel]:
+    native, session = IntentModel(), IntentModel(native=False)
+    assert native.native is not None, "the builtin model's graph was not recognised"
+    assert session.native is None
+    return native, session
+
+
+def test_native_head_matches_onnxruntime_on_val(models):
+    native, session = models
+    texts = _texts()
+    bound, native._bound = native._bound, None
+    run, native._run = native._run, None
+    sess, native.session = native.session, None  # a fall-back to the session would fail
+    try:
+        assert len(texts) > 3000
+        worst_p = worst_e = 0.0
+        for text in texts:
+            got, want = native.classify(text), session.classify(text)
+            assert got.label == want.label, text
+            assert [lab for lab, _ in got.top] == [lab for lab, _ in want.top], text
+            assert got.domain == want.domain
+            pairs = zip(got.top, want.top, strict=True)
+            worst_p = max(worst_p, max(abs(p - q) for (_, p), (_, q) in pairs))
+            worst_e = max(worst_e, float(np.abs(got.embedding - want.embedding).max()))
+            assert got.embedding.dtype == np.float32
+        assert worst_p < 1e-5 and worst_e < 1e-5
+    finally:
+        native._bound, native._run, native.session = bound, run, sess
+
+
+def test_batches_still_run_in_the_session(models):
+    native, session = models
+    got = native.classify_batch(["transfer 100 dollars to my savings", "play some jazz"])
+    want = [session.classify(t) for t in ("transfer 100 dollars to my savings",
+                                          "play some jazz")]
+    assert [d.label for d in got] == [d.label for d in want]
+
+
+def test_other_graphs_are_left_to_onnxruntime(tmp_path):
+    import onnx
+
+    model = onnx.load(str(IntentModel().path))
+    model.graph.node[4].attribute[0].i = 0  # Softmax over another axis: not ours
+    path = tmp_path / "changed.onnx"
+    onnx.save(model, str(path))
+    assert native_head(path, 151) is None
+
+
+def test_bad_inputs_are_refused():
+    table = np.arange(12, dtype=np.int8).reshape(4, 3)
+    head = LinearHead(table, np.ones(3, np.float32))
+    with pytest.raises(ValueError):
+        head.run(1, 1)  # nothing bound
+    ids, w = np.array([0, 7], np.int64), np.ones(2, np.float32)
+    head.bind(ids, w)
+    with pytest.raises(IndexError):
+        head.run(2, 1)  # id 7 is not a row
+    with pytest.raises(ValueError):
+        head.run(3, 1)
+    with pytest.raises(ValueError):
+        head.run(1, 4)
+    top_p, top_i, emb = head.run(1, 3)  # row 0 = [0, 1, 2]
+    assert top_i == [2, 1, 0]
+    e = np.exp(np.array([0, 1, 2], np.float32) - 2)
+    assert np.allclose(top_p, (e / e.sum())[::-1])
+    assert np.allclose(emb, np.array([0, 1, 2]) / np.sqrt(5))
