@@ -68,6 +68,26 @@ def _pump(sock: socket.socket, data: bytes, out: dict, key: str,
     return [threading.Thread(target=send, daemon=True), threading.Thread(target=recv, daemon=True)]
 
 
+def _relay_both_ways(t: Tunnel, splicer: Splicer | None, up: bytes, down: bytes,
+                     client_start: threading.Event | None = None) -> tuple[dict, dict]:
+    """relay() on t.a/t.b while the client sends `up` and the server `down`, each then
+    half-closing; returns relay()'s result and what each end received (size, sha256)."""
+    result: dict = {}
+    relay_thread = threading.Thread(
+        target=lambda: result.update(relay(t.a, t.b, splicer)), daemon=True)
+    relay_thread.start()
+    got: dict = {}
+    threads = (_pump(t.client, up, got, "client", start=client_start)
+               + _pump(t.server, down, got, "server"))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    relay_thread.join(10)
+    assert not relay_thread.is_alive(), "relay did not see both EOFs"
+    return result, got
+
+
 @pytest.mark.parametrize("mode", ["splice", "copy"])
 def test_16mib_both_ways(mode, request):
     splicer = request.getfixturevalue("splicer") if mode == "splice" else None
@@ -77,18 +97,7 @@ def test_16mib_both_ways(mode, request):
         # Bytes sent before the relay starts sit in a's receive queue: not to be lost.
         t.client.sendall(b"early:")
         time.sleep(0.05)
-        result: dict = {}
-        relay_thread = threading.Thread(
-            target=lambda: result.update(relay(t.a, t.b, splicer)), daemon=True)
-        relay_thread.start()
-        got: dict = {}
-        threads = _pump(t.client, up, got, "client") + _pump(t.server, down, got, "server")
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
-        relay_thread.join(10)
-        assert not relay_thread.is_alive(), "relay did not see both EOFs"
+        result, got = _relay_both_ways(t, splicer, up, down)
         assert got["server"] == (SIZE + 6, hashlib.sha256(b"early:" + up).hexdigest())
         assert got["client"] == (SIZE, hashlib.sha256(down).hexdigest())
         assert result["spliced"] is (mode == "splice")
@@ -133,19 +142,7 @@ def test_bytes_before_the_peer_joins_are_copied_in_order(splicer):
         up, down = os.urandom(SIZE // 4), os.urandom(SIZE // 4)
         window_sent = threading.Event()
         racer.after_window = window_sent.set
-        result: dict = {}
-        relay_thread = threading.Thread(
-            target=lambda: result.update(relay(t.a, t.b, racer)), daemon=True)
-        relay_thread.start()
-        got: dict = {}
-        threads = (_pump(t.client, up, got, "client", start=window_sent)
-                   + _pump(t.server, down, got, "server"))
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
-        relay_thread.join(10)
-        assert not relay_thread.is_alive(), "relay did not see both EOFs"
+        result, got = _relay_both_ways(t, racer, up, down, client_start=window_sent)
         sent = b"in the window;" + up
         assert got["server"] == (len(sent), hashlib.sha256(sent).hexdigest())
         assert got["client"] == (len(down), hashlib.sha256(down).hexdigest())
