@@ -12,7 +12,13 @@ import zlib
 
 import pytest
 
-from aiproxy.semantic.unified import Modality, extract, protobuf_strings, sniff_media
+from aiproxy.semantic.unified import (
+    Modality,
+    extract,
+    extract_text,
+    protobuf_strings,
+    sniff_media,
+)
 
 # ------------------------------------------------------------------ sample payloads
 
@@ -304,6 +310,23 @@ def test_truncated_input_never_raises(chat_bytes):
         for cut in range(len(data) + 1):
             r = extract(ctype, data[:cut], b"a=%ff&b", body_size=len(data))
             assert isinstance(r.text, str) and r.metadata["body_size"] == len(data)
+            # the router's text-only path finds the same text
+            assert extract_text(ctype, data[:cut], b"a=%ff&b", body_size=len(data)) == r.text
+
+
+def test_extract_text_is_extracts_text():
+    bodies = [
+        (b"application/json", json.dumps({"messages": [
+            {"role": "user", "content": "one"}, {"role": "user", "content": ""},
+            {"role": "user", "content": "two"}]}).encode(), b""),
+        (b"application/json", json.dumps({"prompt": "only this"}).encode(), b""),
+        (b"application/json", json.dumps({"prompt": ""}).encode(), b"?q=from+query"),
+        (b"text/plain", b"", b""),
+        (b"", b"", b"?q=weather+in+paris&lang=en&empty="),
+        (b"application/x-www-form-urlencoded", b"message=book+a+table&x=1", b"y=2"),
+    ]
+    for ctype, body, query in bodies:
+        assert extract_text(ctype, body, query) == extract(ctype, body, query).text
 
 
 def test_garbage_never_raises():

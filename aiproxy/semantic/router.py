@@ -14,7 +14,7 @@ from typing import Any
 
 from aiproxy.config import SemanticConfig
 from aiproxy.semantic.classifier import Batcher, Decision, IntentModel, ModelError, resolve
-from aiproxy.semantic.unified import extract
+from aiproxy.semantic.unified import extract_text
 
 log = logging.getLogger("aiproxy.semantic")
 
@@ -64,7 +64,7 @@ class SemanticRouter:
     def text_of(self, head: Any, body: bytes, query: bytes) -> str:
         ctype = head.get(b"content-type") or b""
         size = head.content_length if head.content_length >= 0 else None
-        return extract(ctype, body, query, self.json_fields, body_size=size).text
+        return extract_text(ctype, body, query, self.json_fields, size)
 
     def domain_of(self, label: str) -> str | None:
         return self.domains.get(label)

@@ -67,6 +67,19 @@ def extract(content_type: bytes, body: bytes, query: bytes = b"",
             body_size: int | None = None) -> UnifiedRequest:
     """Build the UnifiedRequest of one request. `body` is at most inspect_bytes of the body;
     `body_size` is the whole body's size when known (Content-Length), else len(body)."""
+    modality, text, meta = _collect(content_type, body, query, json_fields, body_size)
+    return UnifiedRequest(request_id or _new_id(), modality, text, meta)
+
+
+def extract_text(content_type: bytes, body: bytes, query: bytes = b"",
+                 json_fields: tuple[str, ...] = (), body_size: int | None = None) -> str:
+    """The text `extract` would find, without the rest of the UnifiedRequest (no id):
+    what the router classifies."""
+    return _collect(content_type, body, query, json_fields, body_size)[1]
+
+
+def _collect(content_type: bytes, body: bytes, query: bytes, json_fields: tuple[str, ...],
+             body_size: int | None) -> tuple[Modality, str, dict[str, Any]]:
     body = bytes(body) if not isinstance(body, bytes) else body
     ctype = _media_type(content_type)
     size = len(body) if body_size is None else int(body_size)
@@ -88,10 +101,13 @@ def extract(content_type: bytes, body: bytes, query: bytes = b"",
                     parts.append(value)
         except ValueError:
             pass
-    text = "\n".join(p for p in parts[:MAX_TEXT_PARTS] if p)
+    if len(parts) == 1:
+        text = parts[0]
+    else:
+        text = "\n".join(p for p in parts[:MAX_TEXT_PARTS] if p)
     if text and modality == Modality.BINARY:
         modality = Modality.TEXT
-    return UnifiedRequest(request_id or _new_id(), modality, text, meta)
+    return modality, text, meta
 
 
 def _media_type(content_type: bytes | str | None) -> str:
