@@ -315,6 +315,7 @@ def _relay_spliced(a: socket.socket, b: socket.socket, splicer: Splicer) -> dict
                     # pair was armed): this direction is copied here, in order.
                     pair.other(sock).sendall(data)
                     copied[fd] += len(data)
+                    early_zero.pop(fd, None)  # a later 0 gets its own grace period
                     continue
                 if data is not None and not splicer.at_eof(pair, sock, copied[fd]):
                     since = early_zero.setdefault(fd, time.monotonic())

@@ -244,6 +244,7 @@ class TunnelSplice:
             data = None  # the transport reads the error itself
         if data:
             self.copied[side] += len(data)
+            self.eof_wait[side] = None  # a later 0 gets its own grace period
             try:
                 sent = dest.send(data, socket.MSG_DONTWAIT)
             except BlockingIOError:
