@@ -92,3 +92,34 @@ def test_bad_inputs_are_refused():
     e = np.exp(np.array([0, 1, 2], np.float32) - 2)
     assert np.allclose(top_p, (e / e.sum())[::-1])
     assert np.allclose(emb, np.array([0, 1, 2]) / np.sqrt(5))
+
+
+@pytest.mark.parametrize("classes", [1, 15, 16, 17, 151, 161, 200, 321])
+def test_both_bags_match_numpy(classes):
+    """The AVX2 bag (where the CPU has it) and the portable one against float64 numpy:
+    widths around the 16-column padding and past the 160 columns held in registers, runs
+    of one weight longer than the 256 rows an int16 sum holds, at the int8 extremes."""
+    rng = np.random.default_rng(classes)
+    rows = 50
+    table = rng.integers(-128, 128, size=(rows, classes), dtype=np.int8)
+    table[0] = -128
+    table[1] = 127
+    scale = rng.uniform(0.5, 2.0, classes).astype(np.float32)
+    n = 700
+    ids = rng.integers(0, rows, n).astype(np.int64)
+    ids[:300] = 0  # 300 rows of -128 with one weight: past an int16 sum's reach
+    ids[300:600] = 1  # and of 127
+    w = np.empty(n, np.float32)
+    w[:300], w[300:600] = 0.001, 0.002
+    w[600:] = rng.choice(np.float32([0.01, 0.02, 0.5]), n - 600)
+    logits = (table[ids].astype(np.float64) * w[:, None]).sum(0) * scale
+    k = min(3, classes)
+    want_i = sorted(range(classes), key=lambda c: (-logits[c], c))[:k]
+    e = np.exp(logits - logits.max())
+    for portable in (False, True):
+        head = LinearHead(table, scale, portable=portable)
+        head.bind(ids, w)
+        top_p, top_i, emb = head.run(n, k)
+        assert top_i == want_i, portable
+        assert np.allclose(top_p, (e / e.sum())[want_i], rtol=1e-5, atol=1e-7)
+        assert np.allclose(emb, logits / np.linalg.norm(logits), rtol=1e-4, atol=1e-6)

@@ -15,7 +15,7 @@ aiproxy.semantic.classifier uses it only after checking the ONNX graph is exactl
 one, and tests/test_intent_head.py compares it with onnxruntime on the validation split.
 """
 
-from libc.math cimport expf, sqrtf
+from libc.math cimport sqrtf
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
@@ -26,49 +26,206 @@ cimport numpy as cnp
 
 cnp.import_array()
 
+DEF TOPK_MAX = 32
+
+
+ctypedef void (*bag_fn)(float *acc, short *sums, const signed char *table,
+                        Py_ssize_t stride, const int64_t *ids, const float *w,
+                        Py_ssize_t n) noexcept nogil
+
 
 cdef extern from *:
     """
+    #include <string.h>
+
     /* The embedding bag: acc[c] += w[j] * table[ids[j]][c] over the rows.
 
-       restrict: a signed char pointer may alias anything, which would keep the
-       compiler from vectorizing the inner loop. On x86-64 a second copy is built for
-       AVX2 (8 lanes), picked when the module loads.
+       The trainer's pooling gives every feature of a kind the same weight, so the rows
+       come in runs of one weight. A run's int8 rows are summed exactly in int16 (256
+       rows of at most 128 each fit) and multiplied by the weight once: integer adds
+       instead of a convert and a multiply-add per column. The table is copied with its
+       rows padded with zeros to a multiple of AIPROXY_LANES columns, so no loop has a
+       tail.
 
-       Under proxy load the 3 MiB table is mostly out of cache and each row is a few
-       cache misses: the loop asks for the row PREFETCH_AHEAD rows ahead so the misses
-       overlap instead of coming one after another. */
+       Under proxy load the table is mostly out of cache and each row is a few cache
+       misses: the loops ask for the row PREFETCH_AHEAD rows ahead so the misses overlap
+       instead of coming one after another. */
+    #define AIPROXY_LANES 16
+    #define AIPROXY_RUN_MAX 256
     #define AIPROXY_PREFETCH_AHEAD 8
+
+    static inline void aiproxy_prefetch_row(const signed char *table, Py_ssize_t stride,
+                                            const int64_t *ids, Py_ssize_t j) {
+        const char *row = (const char *)(table + ids[j] * stride);
+        for (Py_ssize_t off = 0; off < stride; off += 64)
+            __builtin_prefetch(row + off);
+        __builtin_prefetch(row + stride - 1);
+    }
+
+    /* Length of the run of equal weights that starts at j0 (at most RUN_MAX). */
+    static inline Py_ssize_t aiproxy_run_end(const float *w, Py_ssize_t j0, Py_ssize_t n) {
+        Py_ssize_t j1 = j0 + 1;
+        while (j1 < n && j1 - j0 < AIPROXY_RUN_MAX && w[j1] == w[j0])
+            j1++;
+        return j1;
+    }
+
+    static void aiproxy_bag_portable(float *__restrict acc, short *__restrict sums,
+                                     const signed char *table, Py_ssize_t stride,
+                                     const int64_t *ids, const float *w, Py_ssize_t n) {
+        for (Py_ssize_t j0 = 0, j1; j0 < n; j0 = j1) {
+            j1 = aiproxy_run_end(w, j0, n);
+            memset(sums, 0, stride * sizeof(short));
+            for (Py_ssize_t j = j0; j < j1; j++) {
+                if (j + AIPROXY_PREFETCH_AHEAD < n)
+                    aiproxy_prefetch_row(table, stride, ids, j + AIPROXY_PREFETCH_AHEAD);
+                const signed char *__restrict row = table + ids[j] * stride;
+                for (Py_ssize_t c = 0; c < stride; c++)
+                    sums[c] += row[c];
+            }
+            for (Py_ssize_t c = 0; c < stride; c++)
+                acc[c] += w[j0] * (float)sums[c];
+        }
+    }
+
+    typedef void (*aiproxy_bag_fn)(float *, short *, const signed char *, Py_ssize_t,
+                                   const int64_t *, const float *, Py_ssize_t);
+
+    #if defined(__x86_64__) && defined(__GNUC__)
+    #include <immintrin.h>
+    #define AIPROXY_BLOCK_MAX 10  /* 160 columns (the builtin model's 151) in registers */
+
+    /* sums[c .. c + 16 nv) = the column sums of rows ids[j0 .. j1), nv vectors of 16
+       int16 held in registers over the rows; nv is a constant where it is inlined. */
+    __attribute__((target("avx2"), always_inline))
+    static inline void aiproxy_block_avx2(short *sums, const signed char *table,
+                                          Py_ssize_t stride, Py_ssize_t c,
+                                          const int64_t *ids, Py_ssize_t j0,
+                                          Py_ssize_t j1, Py_ssize_t n, const int nv) {
+        __m256i s[AIPROXY_BLOCK_MAX];
+        for (int v = 0; v < nv; v++)
+            s[v] = _mm256_setzero_si256();
+        for (Py_ssize_t j = j0; j < j1; j++) {
+            if (c == 0 && j + AIPROXY_PREFETCH_AHEAD < n)
+                aiproxy_prefetch_row(table, stride, ids, j + AIPROXY_PREFETCH_AHEAD);
+            const signed char *row = table + ids[j] * stride + c;
+            for (int v = 0; v < nv; v++)
+                s[v] = _mm256_add_epi16(s[v], _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i *)(row + 16 * v))));
+        }
+        for (int v = 0; v < nv; v++)
+            _mm256_storeu_si256((__m256i *)(sums + c + 16 * v), s[v]);
+    }
+
+    __attribute__((target("avx2")))
+    static void aiproxy_bag_avx2(float *__restrict acc, short *__restrict sums,
+                                 const signed char *table, Py_ssize_t stride,
+                                 const int64_t *ids, const float *w, Py_ssize_t n) {
+        for (Py_ssize_t j = 0; j < AIPROXY_PREFETCH_AHEAD && j < n; j++)
+            aiproxy_prefetch_row(table, stride, ids, j);
+        for (Py_ssize_t j0 = 0, j1; j0 < n; j0 = j1) {
+            j1 = aiproxy_run_end(w, j0, n);
+            for (Py_ssize_t c = 0; c < stride; c += AIPROXY_BLOCK_MAX * AIPROXY_LANES) {
+                switch ((stride - c) / AIPROXY_LANES) {
+                #define AIPROXY_NV(k) \
+                    case k: aiproxy_block_avx2(sums, table, stride, c, ids, j0, j1, n, k); break;
+                AIPROXY_NV(1) AIPROXY_NV(2) AIPROXY_NV(3) AIPROXY_NV(4) AIPROXY_NV(5)
+                AIPROXY_NV(6) AIPROXY_NV(7) AIPROXY_NV(8) AIPROXY_NV(9)
+                #undef AIPROXY_NV
+                default:
+                    aiproxy_block_avx2(sums, table, stride, c, ids, j0, j1, n,
+                                       AIPROXY_BLOCK_MAX);
+                }
+            }
+            const __m256 wj = _mm256_set1_ps(w[j0]);
+            for (Py_ssize_t c = 0; c < stride; c += 8) {
+                __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                    _mm_loadu_si128((const __m128i *)(sums + c))));
+                _mm256_storeu_ps(acc + c, _mm256_add_ps(_mm256_loadu_ps(acc + c),
+                                                        _mm256_mul_ps(wj, x)));
+            }
+        }
+    }
+
+    static aiproxy_bag_fn aiproxy_bag_best(void) {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") ? aiproxy_bag_avx2 : aiproxy_bag_portable;
+    }
+    #else
+    static aiproxy_bag_fn aiproxy_bag_best(void) { return aiproxy_bag_portable; }
+    #endif
+
+    /* exp(x) for x <= 0 (a logit minus the largest), 8 at a time, relative error about
+       1e-7: x = n ln2 + r with |r| <= ln2/2, Cephes' polynomial for e^r, 2^n put in the
+       exponent bits. Below -87 the result would be subnormal; it is clamped there, at
+       1e-38 of the largest term. GCC's vector extensions: AVX or SSE2 as compiled. */
+    typedef float aiproxy_v8f __attribute__((vector_size(32)));
+    typedef int aiproxy_v8i __attribute__((vector_size(32)));
+
     #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     __attribute__((target_clones("avx2", "default")))
     #endif
-    static void aiproxy_bag_i8(float *__restrict acc, const signed char *table,
-                               Py_ssize_t stride, const int64_t *ids, const float *w,
-                               Py_ssize_t n, Py_ssize_t classes) {
-        for (Py_ssize_t j = 0; j < n; j++) {
-            if (j + AIPROXY_PREFETCH_AHEAD < n) {
-                const char *next = (const char *)(table + ids[j + AIPROXY_PREFETCH_AHEAD] * stride);
-                for (Py_ssize_t off = 0; off < classes; off += 64)
-                    __builtin_prefetch(next + off);
-                __builtin_prefetch(next + classes - 1);
-            }
-            const signed char *__restrict row = table + ids[j] * stride;
-            const float wj = w[j];
-            for (Py_ssize_t c = 0; c < classes; c++)
-                acc[c] += wj * (float)row[c];
+    static float aiproxy_exp_sum(float *__restrict e, const float *__restrict x,
+                                 float m, Py_ssize_t n) {
+        /* e[c] = exp(x[c] - m) for c < n; returns their sum. x and e have room for n
+           rounded up to 8 (what is computed past n is not counted). */
+        const aiproxy_v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+        for (Py_ssize_t c = 0; c < n; c += 8) {
+            aiproxy_v8f v;
+            memcpy(&v, x + c, sizeof v);
+            v -= m;
+            aiproxy_v8i low = v < lo;
+            v = (aiproxy_v8f)(((aiproxy_v8i)lo & low) | ((aiproxy_v8i)v & ~low));
+            const aiproxy_v8f k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+            aiproxy_v8f r = v - k * 0.693359375f;
+            r = r + k * 2.12194440e-4f;
+            aiproxy_v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+            p = p * r + 8.3334519073e-3f;
+            p = p * r + 4.1665795894e-2f;
+            p = p * r + 1.6666665459e-1f;
+            p = p * r + 5.0000001201e-1f;
+            p = p * r * r + r + 1.0f;
+            aiproxy_v8i bits = (__builtin_convertvector(k, aiproxy_v8i) + 127) << 23;
+            v = p * (aiproxy_v8f)bits;
+            memcpy(e + c, &v, sizeof v);
         }
+        aiproxy_v8f part = {0};
+        Py_ssize_t c = 0;
+        for (; c + 8 <= n; c += 8) {
+            aiproxy_v8f v;
+            memcpy(&v, e + c, sizeof v);
+            part += v;
+        }
+        float total = 0.0f;
+        for (; c < n; c++)
+            total += e[c];
+        for (int l = 0; l < 8; l++)
+            total += part[l];
+        return total;
     }
     """
-    void bag_i8 "aiproxy_bag_i8"(float *acc, const signed char *table, Py_ssize_t stride,
-                                 const int64_t *ids, const float *w, Py_ssize_t n,
-                                 Py_ssize_t classes) noexcept nogil
+    void bag_portable "aiproxy_bag_portable"(float *acc, short *sums,
+                                             const signed char *table, Py_ssize_t stride,
+                                             const int64_t *ids, const float *w,
+                                             Py_ssize_t n) noexcept nogil
+    bag_fn bag_best "aiproxy_bag_best"() noexcept nogil
+    float exp_sum "aiproxy_exp_sum"(float *e, const float *x, float m,
+                                    Py_ssize_t n) noexcept nogil
+    int LANES "AIPROXY_LANES"
+    void *aligned_alloc(size_t alignment, size_t size) nogil
+
+
+cdef bag_fn BEST_BAG = bag_best()
 
 
 cdef class LinearHead:
-    cdef const signed char[:, ::1] table
-    cdef const float[::1] scale
+    cdef signed char *table  # rows padded to `stride` columns of zeros
+    cdef Py_ssize_t stride
+    cdef bag_fn bag
+    cdef float *scale
     cdef float *acc
-    cdef unsigned char *picked
+    cdef float *exps
+    cdef short *sums
     cdef const int64_t *ids
     cdef const float *weights
     cdef Py_ssize_t cap
@@ -77,29 +234,52 @@ cdef class LinearHead:
     cdef readonly int classes
 
     def __cinit__(self):
+        self.table = NULL
+        self.scale = NULL
         self.acc = NULL
-        self.picked = NULL
+        self.exps = NULL
+        self.sums = NULL
         self.ids = NULL
         self.weights = NULL
         self.cap = 0
 
-    def __init__(self, table, scale):
+    def __init__(self, table, scale, *, bint portable=False):
+        # portable: the plain C bag even where AVX2 is there (the tests compare the two)
+        self.bag = bag_portable if portable else BEST_BAG
         table = np.ascontiguousarray(table, dtype=np.int8)
         scale = np.ascontiguousarray(scale, dtype=np.float32)
         if table.ndim != 2 or scale.ndim != 1 or scale.shape[0] != table.shape[1]:
             raise ValueError(f"table {table.shape} and scale {scale.shape} do not match")
-        self.table = table
-        self.scale = scale
-        self.rows = table.shape[0]
-        self.classes = table.shape[1]
-        self.acc = <float *>malloc(self.classes * sizeof(float))
-        self.picked = <unsigned char *>malloc(self.classes)
-        if self.acc == NULL or self.picked == NULL:
+        cdef Py_ssize_t rows = table.shape[0], C = table.shape[1]
+        cdef Py_ssize_t stride = (C + LANES - 1) // LANES * LANES
+        self.rows = rows
+        self.classes = C
+        self.stride = stride
+        # the table starts on a cache line; aligned_alloc wants a multiple of 64
+        self.table = <signed char *>aligned_alloc(64, (rows * stride + 64) // 64 * 64)
+        self.scale = <float *>malloc(stride * sizeof(float))
+        self.acc = <float *>malloc(stride * sizeof(float))
+        self.exps = <float *>malloc(stride * sizeof(float))
+        self.sums = <short *>malloc(stride * sizeof(short))
+        if (self.table == NULL or self.scale == NULL or self.acc == NULL
+                or self.exps == NULL or self.sums == NULL):
             raise MemoryError()
+        memset(self.table, 0, rows * stride)
+        padded = np.asarray(<signed char[:rows, :stride]>self.table) if rows else None
+        if rows:
+            padded[:, :C] = table
+        memset(self.scale, 0, stride * sizeof(float))
+        cdef const float[::1] sc = scale
+        cdef Py_ssize_t c
+        for c in range(C):
+            self.scale[c] = sc[c]
 
     def __dealloc__(self):
+        free(self.table)
+        free(self.scale)
         free(self.acc)
-        free(self.picked)
+        free(self.exps)
+        free(self.sums)
 
     def bind(self, const int64_t[::1] ids not None, const float[::1] weights not None):
         """The input buffers `run` reads (the caller refills them per text)."""
@@ -113,59 +293,56 @@ cdef class LinearHead:
     def run(self, Py_ssize_t n, int k):
         """(top_p, top_i, embedding) of the first n (id, weight) pairs of the bound
         buffers: two lists of k and a new float32 array of the classes."""
-        cdef Py_ssize_t j, c, C = self.classes, rows = self.rows
+        cdef Py_ssize_t j, c, t, C = self.classes, rows = self.rows
         cdef float *acc = self.acc
         cdef float m, total, norm, v
         cdef int64_t i
         cdef cnp.npy_intp dims[1]
+        cdef int best[TOPK_MAX]
         if self.ids == NULL:
             raise ValueError("no input buffers bound")
         if n < 0 or n > self.cap:
             raise ValueError(f"n must be in 0..{self.cap}")
-        if k < 1 or k > C:
-            raise ValueError(f"k must be in 1..{C}")
-        for c in range(C):
-            acc[c] = 0.0
+        if k < 1 or k > C or k > TOPK_MAX:
+            raise ValueError(f"k must be in 1..{min(C, TOPK_MAX)}")
         for j in range(n):
             i = self.ids[j]
             if i < 0 or i >= rows:
                 raise IndexError(f"feature id {i} is outside the table (0..{rows - 1})")
-        bag_i8(acc, &self.table[0, 0], self.table.strides[0], self.ids, self.weights, n, C)
+        memset(acc, 0, self.stride * sizeof(float))
+        self.bag(acc, self.sums, self.table, self.stride, self.ids, self.weights, n)
         m = -3.4e38
         norm = 0.0
+        cdef Py_ssize_t filled = 0
         for c in range(C):
             v = acc[c] * self.scale[c]
             acc[c] = v
             norm += v * v
             if v > m:
                 m = v
+            # top k in one pass, largest first; strictly greater displaces, so the
+            # lower index wins a tie, as in TopK
+            if filled < k or v > acc[best[filled - 1]]:
+                t = filled if filled < k else k - 1
+                while t > 0 and v > acc[best[t - 1]]:
+                    best[t] = best[t - 1]
+                    t -= 1
+                best[t] = c
+                if filled < k:
+                    filled += 1
         dims[0] = C
         embedding = cnp.PyArray_EMPTY(1, dims, cnp.NPY_FLOAT32, 0)
         cdef float *emb = <float *>cnp.PyArray_DATA(embedding)
         norm = sqrtf(norm)
         if norm == 0.0:
-            for c in range(C):
-                emb[c] = 0.0
+            memset(emb, 0, C * sizeof(float))
         else:
             for c in range(C):
                 emb[c] = acc[c] / norm
-        total = 0.0
-        for c in range(C):
-            total += expf(acc[c] - m)
+        total = exp_sum(self.exps, acc, m, C)
         top_i = []
         top_p = []
-        cdef Py_ssize_t best, t
-        cdef float bv
-        memset(self.picked, 0, C)
         for t in range(k):
-            best = -1
-            bv = 0.0
-            for c in range(C):
-                # strictly greater: the lower index wins a tie, as in TopK
-                if not self.picked[c] and (best < 0 or acc[c] > bv):
-                    best = c
-                    bv = acc[c]
-            self.picked[best] = 1
-            top_i.append(best)
-            top_p.append(expf(bv - m) / total)
+            top_i.append(best[t])
+            top_p.append(self.exps[best[t]] / total)
         return top_p, top_i, embedding
