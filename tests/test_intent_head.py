@@ -123,3 +123,26 @@ def test_both_bags_match_numpy(classes):
         assert top_i == want_i, portable
         assert np.allclose(top_p, (e / e.sum())[want_i], rtol=1e-5, atol=1e-7)
         assert np.allclose(emb, logits / np.linalg.norm(logits), rtol=1e-4, atol=1e-6)
+
+
+def test_decide_names_the_classes_and_applies_the_threshold():
+    table = np.array([[0, 1, 2], [3, 0, 0]], np.int8)
+    head = LinearHead(table, np.ones(3, np.float32))
+    ids, w = np.array([0, 1], np.int64), np.ones(2, np.float32)
+    head.bind(ids, w)
+    with pytest.raises(ValueError):
+        head.decide(1, 2, 0.0)  # no labels yet
+    with pytest.raises(ValueError):
+        head.name(["a", "b"], ["x", "y"], "oos", "none")
+    head.name(["a", "b", "c"], ["x", "y", "z"], "oos", "none")
+    top_p, top_i, emb = head.run(1, 2)
+    d = head.decide(1, 2, 0.0)
+    assert (d.label, d.domain) == ("c", "z")
+    assert d.top == [("c", top_p[0]), ("b", top_p[1])] and d.confidence == top_p[0]
+    assert np.array_equal(d.embedding, emb)
+    low = head.decide(1, 2, 0.99)
+    assert (low.label, low.domain, low.top) == ("oos", "none", d.top)
+    assert head.decide(2, 1, 0.0).label == "a"  # rows 0 + 1 = [3, 1, 2]
+    assert d.as_dict() == {"label": "c", "confidence": round(top_p[0], 6), "domain": "z",
+                           "top": [["c", round(top_p[0], 6)], ["b", round(top_p[1], 6)]]}
+    assert repr(d).startswith("Decision(label='c'")

@@ -218,6 +218,33 @@ cdef extern from *:
 cdef bag_fn BEST_BAG = bag_best()
 
 
+cdef class Decision:
+    """What the model says about one text: the label (the out-of-scope label below the
+    threshold), its probability, its domain, the top k (label, probability) pairs
+    (largest first) and the embedding (the L2-normalised logits the caches use)."""
+    cdef public str label
+    cdef public double confidence
+    cdef public str domain
+    cdef public list top
+    cdef public object embedding
+
+    def __init__(self, str label, double confidence, str domain, list top, embedding):
+        self.label = label
+        self.confidence = confidence
+        self.domain = domain
+        self.top = top
+        self.embedding = embedding
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "confidence": round(self.confidence, 6),
+                "domain": self.domain,
+                "top": [[lab, round(p, 6)] for lab, p in self.top]}
+
+    def __repr__(self) -> str:
+        return (f"Decision(label={self.label!r}, confidence={self.confidence!r}, "
+                f"domain={self.domain!r}, top={self.top!r})")
+
+
 cdef class LinearHead:
     cdef signed char *table  # rows padded to `stride` columns of zeros
     cdef Py_ssize_t stride
@@ -230,6 +257,10 @@ cdef class LinearHead:
     cdef const float *weights
     cdef Py_ssize_t cap
     cdef object inputs  # the bound arrays, kept alive
+    cdef list labels  # by class, for decide()
+    cdef list domains
+    cdef str oos_label
+    cdef str oos_domain
     cdef readonly int rows
     cdef readonly int classes
 
@@ -290,15 +321,62 @@ cdef class LinearHead:
         self.weights = &weights[0]
         self.cap = ids.shape[0]
 
+    def name(self, list labels not None, list domains not None, str oos_label not None,
+             str oos_domain not None):
+        """The class labels and domains `decide` answers with."""
+        if len(labels) != self.classes or len(domains) != self.classes:
+            raise ValueError(f"{self.classes} labels and domains wanted")
+        self.labels = [str(lab) for lab in labels]
+        self.domains = [str(d) for d in domains]
+        self.oos_label = oos_label
+        self.oos_domain = oos_domain
+
     def run(self, Py_ssize_t n, int k):
         """(top_p, top_i, embedding) of the first n (id, weight) pairs of the bound
         buffers: two lists of k and a new float32 array of the classes."""
+        cdef int best[TOPK_MAX]
+        cdef float total
+        embedding = self._forward(n, k, best, &total)
+        top_i = []
+        top_p = []
+        for t in range(k):
+            top_i.append(best[t])
+            top_p.append(self.exps[best[t]] / total)
+        return top_p, top_i, embedding
+
+    def decide(self, Py_ssize_t n, int k, double threshold) -> Decision:
+        """The Decision for the first n (id, weight) pairs: `run` and the labels (see
+        `name`) in one call; below `threshold` the label is the out-of-scope one."""
+        cdef int best[TOPK_MAX]
+        cdef float total
+        cdef Py_ssize_t t
+        if self.labels is None:
+            raise ValueError("no labels: call name() first")
+        embedding = self._forward(n, k, best, &total)
+        labels = self.labels
+        top = []
+        for t in range(k):
+            top.append((labels[best[t]], <double>(self.exps[best[t]] / total)))
+        cdef Decision d = Decision.__new__(Decision)
+        d.confidence = self.exps[best[0]] / total
+        if d.confidence < threshold:
+            d.label = self.oos_label
+            d.domain = self.oos_domain
+        else:
+            d.label = labels[best[0]]
+            d.domain = self.domains[best[0]]
+        d.top = top
+        d.embedding = embedding
+        return d
+
+    cdef object _forward(self, Py_ssize_t n, int k, int *best, float *total_out):
+        """Logits of the first n pairs into acc, exp(logit - max) into exps; the top k
+        classes into best, the softmax's sum into total_out. Returns the embedding."""
         cdef Py_ssize_t j, c, t, C = self.classes, rows = self.rows
         cdef float *acc = self.acc
-        cdef float m, total, norm, v
+        cdef float m, norm, v
         cdef int64_t i
         cdef cnp.npy_intp dims[1]
-        cdef int best[TOPK_MAX]
         if self.ids == NULL:
             raise ValueError("no input buffers bound")
         if n < 0 or n > self.cap:
@@ -339,10 +417,5 @@ cdef class LinearHead:
         else:
             for c in range(C):
                 emb[c] = acc[c] / norm
-        total = exp_sum(self.exps, acc, m, C)
-        top_i = []
-        top_p = []
-        for t in range(k):
-            top_i.append(best[t])
-            top_p.append(self.exps[best[t]] / total)
-        return top_p, top_i, embedding
+        total_out[0] = exp_sum(self.exps, acc, m, C)
+        return embedding

@@ -22,13 +22,12 @@ import asyncio
 import json
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from aiproxy._fast.intent_head import LinearHead
+from aiproxy._fast.intent_head import Decision, LinearHead
 from aiproxy.semantic.features import vectorizer_from_settings
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "models"
@@ -44,20 +43,6 @@ class ModelError(Exception):
         super().__init__(f"{path}: {problem}")
         self.path = str(path)
         self.problem = problem
-
-
-@dataclass(slots=True)
-class Decision:
-    label: str
-    confidence: float
-    domain: str
-    top: list[tuple[str, float]]
-    embedding: np.ndarray = field(repr=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "confidence": round(self.confidence, 6),
-                "domain": self.domain,
-                "top": [[lab, round(p, 6)] for lab, p in self.top]}
 
 
 def resolve(spec: str | Path) -> Path:
@@ -171,6 +156,8 @@ class IntentModel:
             self.native = native_head(self.path, len(self.labels))
             if self.native is not None:
                 self.native.bind(self._ids_row, self._w_row)
+                self.native.name(self.labels, self._domain_list, self.oos_label,
+                                 self._oos_domain)
                 if not self._agrees(plain):
                     self.native = None
         # The session's single-request bindings (about 40 us each, PREBOUND of them) only
@@ -294,8 +281,7 @@ class IntentModel:
         n = self.vectorizer.encode_into(text, self._ids_row, self._w_row)
         if self.native is not None:
             self.runs += 1
-            top_p, top_i, emb = self.native.run(n, self._k)
-            return self._decision(top_p, top_i, emb)
+            return self.native.decide(n, self._k, self.threshold)
         run = self._bound
         if run is not None:
             io = self._bindings[n] or self._binding(n)
