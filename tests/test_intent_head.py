@@ -29,6 +29,7 @@ def _texts() -> list[str]:
 def models() -> tuple[IntentModel, IntentModel]:
     native, session = IntentModel(), IntentModel(native=False)
     assert native.native is not None, "the builtin model's graph was not recognised"
+    assert native.native.vectorizer is native.vectorizer  # classify() runs all in C
     assert session.native is None
     return native, session
 
@@ -132,6 +133,8 @@ def test_decide_names_the_classes_and_applies_the_threshold():
     head.bind(ids, w)
     with pytest.raises(ValueError):
         head.decide(1, 2, 0.0)  # no labels yet
+    with pytest.raises(ValueError):
+        head.classify("some text", 2, 0.0)  # no vectorizer bound
     with pytest.raises(ValueError):
         head.name(["a", "b"], ["x", "y"], "oos", "none")
     head.name(["a", "b", "c"], ["x", "y", "z"], "oos", "none")

@@ -24,6 +24,8 @@ import numpy as np
 
 cimport numpy as cnp
 
+from aiproxy._fast.intent cimport Vectorizer
+
 cnp.import_array()
 
 DEF TOPK_MAX = 32
@@ -253,8 +255,9 @@ cdef class LinearHead:
     cdef float *acc
     cdef float *exps
     cdef short *sums
-    cdef const int64_t *ids
-    cdef const float *weights
+    cdef int64_t *ids
+    cdef float *weights
+    cdef readonly Vectorizer vectorizer  # what fills ids and weights in classify()
     cdef Py_ssize_t cap
     cdef object inputs  # the bound arrays, kept alive
     cdef list labels  # by class, for decide()
@@ -312,14 +315,17 @@ cdef class LinearHead:
         free(self.exps)
         free(self.sums)
 
-    def bind(self, const int64_t[::1] ids not None, const float[::1] weights not None):
-        """The input buffers `run` reads (the caller refills them per text)."""
+    def bind(self, int64_t[::1] ids not None, float[::1] weights not None,
+             Vectorizer vectorizer=None):
+        """The input buffers `run` and `decide` read (the caller refills them per
+        text), and the vectorizer `classify` fills them with."""
         if ids.shape[0] != weights.shape[0]:
             raise ValueError("ids and weights differ in length")
         self.inputs = (ids.base, weights.base)
         self.ids = &ids[0]
         self.weights = &weights[0]
         self.cap = ids.shape[0]
+        self.vectorizer = vectorizer
 
     def name(self, list labels not None, list domains not None, str oos_label not None,
              str oos_domain not None):
@@ -344,7 +350,16 @@ cdef class LinearHead:
             top_p.append(self.exps[best[t]] / total)
         return top_p, top_i, embedding
 
-    def decide(self, Py_ssize_t n, int k, double threshold) -> Decision:
+    def classify(self, text, int k, double threshold) -> Decision:
+        """The Decision for a text (str or UTF-8 bytes): the bound vectorizer's ids and
+        weights, then `decide`, with no Python call or buffer check between them."""
+        if self.vectorizer is None:
+            raise ValueError("no vectorizer bound")
+        cdef Py_ssize_t n = self.vectorizer._ids(text, self.ids, self.cap)
+        self.vectorizer._weights(n, self.weights)
+        return self.decide(n, k, threshold)
+
+    cpdef Decision decide(self, Py_ssize_t n, int k, double threshold):
         """The Decision for the first n (id, weight) pairs: `run` and the labels (see
         `name`) in one call; below `threshold` the label is the out-of-scope one."""
         cdef int best[TOPK_MAX]
