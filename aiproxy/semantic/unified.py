@@ -49,6 +49,11 @@ class Modality(enum.IntEnum):
     BINARY = 3
 
 
+# The members as module constants: reading Modality.TEXT goes through the enum
+# metaclass's attribute hook, a few hundred instructions on a per-request path.
+TEXT, IMAGE, AUDIO, BINARY = Modality.TEXT, Modality.IMAGE, Modality.AUDIO, Modality.BINARY
+
+
 @dataclass(slots=True)
 class UnifiedRequest:
     id: str
@@ -87,12 +92,12 @@ def _collect(content_type: bytes, body: bytes, query: bytes, json_fields: tuple[
     if size > len(body):
         meta["truncated"] = True
     parts: list[str] = []
-    modality = Modality.TEXT
+    modality = TEXT
     try:
         modality = _extract_body(ctype, body, json_fields, parts, meta, size)
     except Exception as exc:  # pragma: no cover - last-resort guard: never fail a request
         meta["extract_error"] = type(exc).__name__
-        modality = Modality.BINARY if body else Modality.TEXT
+        modality = BINARY if body else TEXT
     if query:
         q = query[1:] if query[:1] == b"?" else query
         try:
@@ -105,52 +110,60 @@ def _collect(content_type: bytes, body: bytes, query: bytes, json_fields: tuple[
         text = parts[0]
     else:
         text = "\n".join(p for p in parts[:MAX_TEXT_PARTS] if p)
-    if text and modality == Modality.BINARY:
-        modality = Modality.TEXT
+    if text and modality == BINARY:
+        modality = TEXT
     return modality, text, meta
+
+
+_MEDIA_TYPES: dict[bytes, str] = {}  # Content-Type field -> media type, bounded
 
 
 def _media_type(content_type: bytes | str | None) -> str:
     if not content_type:
         return ""
     if isinstance(content_type, bytes):
-        content_type = content_type.decode("latin-1")
+        media = _MEDIA_TYPES.get(content_type)
+        if media is None:
+            media = content_type.decode("latin-1").split(";", 1)[0].strip().lower()
+            if len(_MEDIA_TYPES) < 256:  # clients send a handful of distinct values
+                _MEDIA_TYPES[content_type] = media
+        return media
     return content_type.split(";", 1)[0].strip().lower()
 
 
 def _extract_body(ctype: str, body: bytes, json_fields, parts: list[str],
                   meta: dict[str, Any], size: int) -> Modality:
     if not body:
-        return Modality.TEXT
+        return TEXT
     if ctype.startswith("application/grpc"):
         return _grpc(body, parts, meta)
     if ctype == "application/json" or ctype.endswith("+json") or (not ctype and body[:1] in b"{["):
         _json_body(body, json_fields, parts, meta)
-        return Modality.TEXT
+        return TEXT
     if ctype in ("application/x-protobuf", "application/protobuf", "application/vnd.google.protobuf"):
         protobuf_strings(body, parts)
         meta["protobuf"] = True
-        return Modality.TEXT if parts else Modality.BINARY
+        return TEXT if parts else BINARY
     if ctype == "application/x-www-form-urlencoded":
         for _, value in parse_qsl(body.decode("utf-8", "replace")):
             if value:
                 parts.append(value)
-        return Modality.TEXT
+        return TEXT
     media = sniff_media(body, size)
     if media is not None:
         meta.update(media)
-        return Modality.IMAGE if media["kind"] == "image" else Modality.AUDIO
+        return IMAGE if media["kind"] == "image" else AUDIO
     if ctype.startswith("text/") or ctype in ("", "application/x-ndjson"):
         text = body.decode("utf-8", "replace")
         parts.append(text)
-        return Modality.TEXT
+        return TEXT
     if ctype == "application/octet-stream":
         found: list[str] = []
         if protobuf_strings(body, found) and found:
             parts.extend(found)
             meta["protobuf"] = True
-            return Modality.TEXT
-    return Modality.BINARY
+            return TEXT
+    return BINARY
 
 
 # ---------------------------------------------------------------- JSON
@@ -295,7 +308,7 @@ def _grpc(body: bytes, parts: list[str], meta: dict[str, Any]) -> Modality:
             protobuf_strings(payload, parts)
         i += 5 + length
     meta["grpc_frames"] = frames
-    return Modality.TEXT if parts else Modality.BINARY
+    return TEXT if parts else BINARY
 
 
 def _varint(buf: bytes, i: int, n: int) -> tuple[int, int]:
