@@ -149,3 +149,12 @@ def test_decide_names_the_classes_and_applies_the_threshold():
     assert d.as_dict() == {"label": "c", "confidence": round(top_p[0], 6), "domain": "z",
                            "top": [["c", round(top_p[0], 6)], ["b", round(top_p[1], 6)]]}
     assert repr(d).startswith("Decision(label='c'")
+
+
+@pytest.mark.parametrize("row, want", [([1, 1, 0, 0], [0, 1, 2]), ([0, 1, 1, 1], [1, 2, 3]),
+                                       ([2, 0, 2, 2], [0, 2, 3]), ([0, 0, 0, 0], [0, 1, 2])])
+def test_ties_go_to_the_lower_index(row, want):
+    """As onnxruntime's TopK: equal logits are ranked by class index."""
+    head = LinearHead(np.array([row], np.int8), np.ones(len(row), np.float32))
+    head.bind(np.zeros(1, np.int64), np.ones(1, np.float32))
+    assert head.run(1, 3)[1] == want

@@ -205,6 +205,28 @@ cdef extern from *:
             total += part[l];
         return total;
     }
+
+    /* acc[c] *= scale[c] over the padded width n (a multiple of 8; the padding's scale
+       is 0); returns the sum of squares of the result. */
+    #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    __attribute__((target_clones("avx2", "default")))
+    #endif
+    static float aiproxy_scale_norm2(float *__restrict acc, const float *__restrict scale,
+                                     Py_ssize_t n) {
+        aiproxy_v8f sq = {0};
+        for (Py_ssize_t c = 0; c < n; c += 8) {
+            aiproxy_v8f a, s;
+            memcpy(&a, acc + c, sizeof a);
+            memcpy(&s, scale + c, sizeof s);
+            a *= s;
+            sq += a * a;
+            memcpy(acc + c, &a, sizeof a);
+        }
+        float total = 0.0f;
+        for (int l = 0; l < 8; l++)
+            total += sq[l];
+        return total;
+    }
     """
     void bag_portable "aiproxy_bag_portable"(float *acc, short *sums,
                                              const signed char *table, Py_ssize_t stride,
@@ -213,6 +235,8 @@ cdef extern from *:
     bag_fn bag_best "aiproxy_bag_best"() noexcept nogil
     float exp_sum "aiproxy_exp_sum"(float *e, const float *x, float m,
                                     Py_ssize_t n) noexcept nogil
+    float scale_norm2 "aiproxy_scale_norm2"(float *acc, const float *scale,
+                                            Py_ssize_t n) noexcept nogil
     int LANES "AIPROXY_LANES"
     void *aligned_alloc(size_t alignment, size_t size) nogil
 
@@ -389,7 +413,7 @@ cdef class LinearHead:
         classes into best, the softmax's sum into total_out. Returns the embedding."""
         cdef Py_ssize_t j, c, t, C = self.classes, rows = self.rows
         cdef float *acc = self.acc
-        cdef float m, norm, v
+        cdef float m, norm, v, kth
         cdef int64_t i
         cdef cnp.npy_intp dims[1]
         if self.ids == NULL:
@@ -404,29 +428,30 @@ cdef class LinearHead:
                 raise IndexError(f"feature id {i} is outside the table (0..{rows - 1})")
         memset(acc, 0, self.stride * sizeof(float))
         self.bag(acc, self.sums, self.table, self.stride, self.ids, self.weights, n)
-        m = -3.4e38
-        norm = 0.0
-        cdef Py_ssize_t filled = 0
-        for c in range(C):
-            v = acc[c] * self.scale[c]
-            acc[c] = v
-            norm += v * v
-            if v > m:
-                m = v
-            # top k in one pass, largest first; strictly greater displaces, so the
-            # lower index wins a tie, as in TopK
-            if filled < k or v > acc[best[filled - 1]]:
-                t = filled if filled < k else k - 1
+        norm = sqrtf(scale_norm2(acc, self.scale, self.stride))
+        # The top k in one pass, largest first. Strictly greater displaces, so the lower
+        # index wins a tie, as in TopK; most classes fail the first comparison.
+        for t in range(k):
+            best[t] = <int>t
+        for t in range(1, k):  # the first k classes, sorted
+            c = t
+            while c > 0 and acc[best[c]] > acc[best[c - 1]]:
+                best[c], best[c - 1] = best[c - 1], best[c]
+                c -= 1
+        kth = acc[best[k - 1]]
+        for c in range(k, C):
+            v = acc[c]
+            if v > kth:
+                t = k - 1
                 while t > 0 and v > acc[best[t - 1]]:
                     best[t] = best[t - 1]
                     t -= 1
-                best[t] = c
-                if filled < k:
-                    filled += 1
+                best[t] = <int>c
+                kth = acc[best[k - 1]]
+        m = acc[best[0]]
         dims[0] = C
         embedding = cnp.PyArray_EMPTY(1, dims, cnp.NPY_FLOAT32, 0)
         cdef float *emb = <float *>cnp.PyArray_DATA(embedding)
-        norm = sqrtf(norm)
         if norm == 0.0:
             memset(emb, 0, C * sizeof(float))
         else:
