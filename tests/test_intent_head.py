@@ -77,7 +77,11 @@ def test_other_graphs_are_left_to_onnxruntime(tmp_path):
 
 def test_bad_inputs_are_refused():
     table = np.arange(12, dtype=np.int8).reshape(4, 3)
+    with pytest.raises(ValueError):
+        LinearHead(np.zeros((4, 0), np.int8), np.ones(0, np.float32))
     head = LinearHead(table, np.ones(3, np.float32))
+    with pytest.raises(TypeError):
+        head.__init__(table, np.ones(3, np.float32))  # no second set of buffers
     with pytest.raises(ValueError):
         head.run(1, 1)  # nothing bound
     ids, w = np.array([0, 7], np.int64), np.ones(2, np.float32)

@@ -308,6 +308,10 @@ cdef class LinearHead:
         scale = np.ascontiguousarray(scale, dtype=np.float32)
         if table.ndim != 2 or scale.ndim != 1 or scale.shape[0] != table.shape[1]:
             raise ValueError(f"table {table.shape} and scale {scale.shape} do not match")
+        if table.shape[1] < 1:
+            raise ValueError("the table has no classes")
+        if self.table != NULL:
+            raise TypeError("LinearHead is initialised once")
         cdef Py_ssize_t rows = table.shape[0], C = table.shape[1]
         cdef Py_ssize_t stride = (C + LANES - 1) // LANES * LANES
         self.rows = rows
