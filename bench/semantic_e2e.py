@@ -12,7 +12,8 @@ over the CLINC150 validation texts (a fixed list when the data is not there), wi
 `--connections` keep-alive connections, both proxies interleaved for `--rounds` rounds.
 Prints the medians and the added CPU per request (issue 6: <= 25 us under load), the
 median of the per-round differences. `--with-onnxruntime` adds a third proxy whose
-model runs in onnxruntime instead of the native head (`runtime = "onnxruntime"`).
+model runs in onnxruntime instead of the native head (`runtime = "onnxruntime"`);
+`--compare-model FILE` one with another model file (a smaller table, say).
 
 CPU per request depends on the request rate: a busier event loop carries more requests
 per pass (per epoll_wait, per write batch). Unpaced, the slower proxy runs at a lower
@@ -56,7 +57,7 @@ FALLBACK = ["how much money is in my checking account", "transfer $100 from savi
             "play some jazz music", "how do i say thank you in french"]
 SEMANTIC = """
 [semantic]
-model = "builtin:clinc150"
+model = "{model}"
 max_wait_us = {wait}
 max_batch = {batch}
 runtime = "{runtime}"
@@ -94,10 +95,11 @@ end
 
 
 def config(port: int, backend: int, semantic: bool, wait_us: int = 0, batch: int = 16,
-           admin: int = 0, runtime: str = "auto") -> str:
+           admin: int = 0, runtime: str = "auto", model: str = "builtin:clinc150") -> str:
     text = aiproxy_config(port, backend)
     if semantic:  # the intent route goes before the catch-all one
-        sem = SEMANTIC.strip().format(wait=wait_us, batch=batch, runtime=runtime)
+        sem = SEMANTIC.strip().format(wait=wait_us, batch=batch, runtime=runtime,
+                                      model=model)
         text = text.replace("[[routes]]", sem + "\n\n[[routes]]", 1)
     if admin:
         text += f'\n[admin]\naddress = "127.0.0.1:{admin}"\n'
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                         "is measured at the same load; 0 (the default): as fast as it goes")
     p.add_argument("--with-onnxruntime", action="store_true",
                    help='a third proxy with [semantic] runtime = "onnxruntime"')
+    p.add_argument("--compare-model", type=Path,
+                   help="one more proxy, semantic-alt, with this model file instead of the "
+                        "builtin (e.g. a smaller table), measured in the same rounds")
     args = p.parse_args(argv)
     tools = ensure_tools(install=True)
     nofile = raise_nofile(4096)
@@ -159,14 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         admin = free_port()
         try:
             servers.start_backend()
-            names = ["off", "semantic"] + (["semantic-ort"] if args.with_onnxruntime else [])
+            names = (["off", "semantic"] + (["semantic-ort"] if args.with_onnxruntime else [])
+                     + (["semantic-alt"] if args.compare_model else []))
             for name in names:
                 port = free_port()
                 conf = tmp / f"{name}.toml"
                 conf.write_text(config(port, servers.backend_port, name != "off",
                                        args.max_wait_us, args.max_batch,
                                        admin if name == "semantic" else 0,
-                                       "onnxruntime" if name == "semantic-ort" else "auto"))
+                                       "onnxruntime" if name == "semantic-ort" else "auto",
+                                       str(args.compare_model.resolve())
+                                       if name == "semantic-alt" else "builtin:clinc150"))
                 proc = Proc(name, [sys.executable, "-m", "aiproxy", "-c", str(conf)], tmp)
                 wait_port(port, proc, timeout=60)
                 procs[name] = (proc, port)
@@ -205,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         ort = statistics.median(s["cpu_us"] - o["cpu_us"]
                                 for s, o in zip(runs["semantic-ort"], runs["off"], strict=True))
         print(f"the same with runtime = \"onnxruntime\": {ort:.1f} us")
+    if "semantic-alt" in runs:
+        alt = statistics.median(s["cpu_us"] - o["cpu_us"]
+                                for s, o in zip(runs["semantic-alt"], runs["off"], strict=True))
+        print(f"the same with {args.compare_model}: {alt:.1f} us")
     print(f"intent decisions made by the semantic proxy: {made:,.0f}")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "added_cpu_us": added,
