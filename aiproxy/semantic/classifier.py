@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from aiproxy._fast.intent import Vectorizer
 from aiproxy._fast.intent_head import Decision, LinearHead
 from aiproxy.semantic.features import vectorizer_from_settings
 
@@ -156,9 +155,7 @@ class IntentModel:
         if native:
             self.native = native_head(self.path, len(self.labels))
             if self.native is not None:
-                self.native.bind(self._ids_row, self._w_row,
-                                 self.vectorizer if isinstance(self.vectorizer, Vectorizer)
-                                 else None)
+                self.native.bind(self._ids_row, self._w_row, self.vectorizer)
                 self.native.name(self.labels, self._domain_list, self.oos_label,
                                  self._oos_domain)
                 if not self._agrees(plain):
@@ -281,14 +278,10 @@ class IntentModel:
 
     def classify(self, text: str | bytes) -> Decision:
         """Vectorize + one run of the graph + the decision (threshold -> oos label)."""
-        native = self.native
-        if native is not None and native.vectorizer is not None:
+        if self.native is not None:
             self.runs += 1
-            return native.classify(text, self._k, self.threshold)
+            return self.native.classify(text, self._k, self.threshold)
         n = self.vectorizer.encode_into(text, self._ids_row, self._w_row)
-        if native is not None:
-            self.runs += 1
-            return native.decide(n, self._k, self.threshold)
         run = self._bound
         if run is not None:
             io = self._bindings[n] or self._binding(n)
