@@ -11,7 +11,7 @@ have a raw TCP listener (`protocols = ["tcp"]`) instead and there is no 101. Eac
 carrying M MiB each way at once (loopback); the modes alternate, order rotating per round.
 
 Per run: MB/s (both directions together), the proxy's CPU per MB (utime+stime from
-/proc/PID/stat) and the whole machine's CPU per MB (/proc/stat busy time: the endpoints
+/proc/PID/stat, the supervisor and its workers) and the whole machine's CPU per MB (/proc/stat busy time: the endpoints
 here, the proxy, and the kernel workers that carry spliced bytes). The endpoints count
 bytes without hashing (tests/kernel/test_tunnel_splice.py checks content). The table
 shows medians over rounds and spliced/copied ratios.
@@ -33,15 +33,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.support import free_port, start_process, stop_process, wait_port  # noqa: E402
+from tests.support import (  # noqa: E402
+    free_port,
+    start_process,
+    stop_process,
+    tree_cpu_seconds,
+    wait_port,
+)
 
 BLOCK = os.urandom(1 << 20)
-
-
-def proc_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy() -> float:
@@ -144,7 +144,7 @@ def one_run(proc, port: int, upstream: Upstream, mib: int) -> dict:
     upstream.counts.clear()
     counts: dict[str, int] = {}
     threads = pump(c, mib, counts, "client")
-    cpu0, busy0, t0 = proc_cpu(proc.pid), machine_busy(), time.monotonic()
+    cpu0, busy0, t0 = tree_cpu_seconds(proc.pid), machine_busy(), time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
@@ -153,7 +153,7 @@ def one_run(proc, port: int, upstream: Upstream, mib: int) -> dict:
     while "upstream" not in upstream.counts and time.monotonic() < deadline:
         time.sleep(0.001)
     wall = time.monotonic() - t0
-    cpu, busy = proc_cpu(proc.pid) - cpu0, machine_busy() - busy0
+    cpu, busy = tree_cpu_seconds(proc.pid) - cpu0, machine_busy() - busy0
     c.close()
     size = mib << 20
     if counts.get("client") != size or upstream.counts.get("upstream") != size:

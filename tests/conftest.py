@@ -42,6 +42,32 @@ def pytest_configure(config: pytest.Config) -> None:
                     "build_ext --inplace` or `make test`): " + ", ".join(stale), returncode=4)
 
 
+CALL_REPORT = pytest.StashKey["pytest.TestReport"]()
+LOG_TAIL_LINES = 150
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_REPORT] = report
+    return report
+
+
+def show_logs_of_failed_test(request: pytest.FixtureRequest, logs: list[str]) -> None:
+    """Print the tail of each process log when the test failed: the fixtures delete the
+    logs at teardown, and a flake seen once in CI must leave its evidence in the output."""
+    report = request.node.stash.get(CALL_REPORT, None)
+    if report is None or not report.failed:
+        return
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled():
+        for i, log in enumerate(logs):
+            tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
+            sys.stderr.write(f"\n--- {request.node.nodeid}: proxy {i} log "
+                             f"(last {LOG_TAIL_LINES} lines) ---\n{tail}\n--- end ---\n")
+
+
 # Lines that mean the proxy let an exception escape on a request path.
 CRASH_MARKERS = ("Traceback (most recent call last)", "Exception in callback", "exception was never retrieved")
 
@@ -61,7 +87,7 @@ class Proxy:
 
 
 @pytest.fixture
-def start_proxy(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
+def start_proxy(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Proxy]]:
     """start_proxy(body) writes a config with one listener on a free port plus `body`
     (TOML text: [http], [[clusters]], [[routes]] ...), starts `python -m aiproxy -c`
     and waits for the port. At teardown the proxy gets SIGTERM and its log must show
@@ -83,8 +109,9 @@ def start_proxy(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
 
     yield _start
     failures = []
-    for proxy in started:
-        log = stop_process(proxy.proc)
+    logs = [stop_process(proxy.proc) for proxy in started]
+    show_logs_of_failed_test(request, logs)
+    for log in logs:
         if any(marker in log for marker in CRASH_MARKERS):
             failures.append(log)
     if failures:

@@ -185,6 +185,18 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime (/proc/PID/stat fields 14 and 15) of pid and its live descendants:
+    a supervisor's workers do the proxying, and their time is not in the supervisor's
+    until they exit."""
+    ticks = 0
+    for member in descendants(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 class RssMonitor:
     """Samples the RSS of a process and its descendants every few milliseconds; `growth`
     is peak minus baseline."""

@@ -19,12 +19,11 @@ import pytest
 
 from tests.kernel.test_tunnel_splice import (
     open_fds,
-    proc_cpu_seconds,
     splice_reason,
     tunnel_metrics,
     wait_for,
 )
-from tests.support import admin_block, free_port, recv_exact, wait_port
+from tests.support import admin_block, free_port, recv_exact, tree_cpu_seconds, wait_port
 from tests.test_tcp_proxy import ThreadServer, echo, start_tcp_proxy, tunnel_lines
 
 MiB = 1 << 20
@@ -130,10 +129,10 @@ def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
         # proves this transfer was spliced is the spliced byte count it added.
         before = tunnel_metrics(admin) if mode == "spliced" else {}
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as s:
-            cpu0, t0 = proc_cpu_seconds(proxy.proc.pid), time.monotonic()
+            cpu0, t0 = tree_cpu_seconds(proxy.proc.pid), time.monotonic()
             client.run(s)
             assert done.wait(60)
-            wall, cpu = time.monotonic() - t0, proc_cpu_seconds(proxy.proc.pid) - cpu0
+            wall, cpu = time.monotonic() - t0, tree_cpu_seconds(proxy.proc.pid) - cpu0
         upstream = next(p for p in peers if p.got_n)
         assert client.got_n == BIG and client.got.hexdigest() == upstream.sent.hexdigest()
         assert upstream.got_n == BIG and upstream.got.hexdigest() == client.sent.hexdigest()
