@@ -489,6 +489,9 @@ class H1ConnectionCore(Downstream):
             data = bytes(self.buf)
             self.buf.clear()
             self.exchange.tunnel_from_client(data)
+        # Bytes the client sent behind its Upgrade request were held as a pipelined
+        # request (reading paused past max_header_bytes); they are tunnel bytes now.
+        self.resume(P_PIPELINE)
 
     def tunnel_write(self, data: bytes) -> None:
         self.transport.write(data)
