@@ -137,7 +137,8 @@ def _established(sock: socket.socket) -> bool:
 
 class TunnelSplice:
     __slots__ = ("kernel", "loop", "down", "up", "pair", "socks", "task", "state", "waiters",
-                 "drained", "released", "was_spliced", "copying", "copied", "pending", "eof_wait")
+                 "drained", "released", "was_spliced", "copying", "copied", "pending", "eof_wait",
+                 "held")
 
     def __init__(self, kernel: ProxyKernel, loop: asyncio.AbstractEventLoop,
                  down: asyncio.Transport, up: asyncio.Transport) -> None:
@@ -156,6 +157,8 @@ class TunnelSplice:
         self.copied = [0, 0]  # bytes read here from each socket since the splice
         self.pending: list[memoryview | None] = [None, None]  # read, not yet sent
         self.eof_wait: list[float | None] = [None, None]
+        # Reading is ours until we give it back (_let_go): see holds().
+        self.held = [True, True]
         down.pause_reading()
         up.pause_reading()
         self.task: asyncio.Task | None = loop.create_task(self._splice())
@@ -163,6 +166,21 @@ class TunnelSplice:
     @property
     def spliced(self) -> bool:
         return self.state == _SPLICED
+
+    def holds(self, side: int) -> bool:
+        """True while this splice keeps side 0 (client) or 1 (upstream) from reading.
+
+        The protocols' flow control must not resume such a transport: while draining, a
+        read of part of an skb would send those bytes twice (the verdict program takes
+        the whole skb); once spliced, the kernel is the reader. Their resume_writing
+        callbacks check this and leave the transport to the splice."""
+        return self.held[side]
+
+    def _let_go(self, side: int) -> None:
+        self.held[side] = False
+        t = self.down if side == 0 else self.up
+        if not t.is_closing():
+            t.resume_reading()
 
     def moved(self) -> tuple[int, int]:
         """Bytes (down->up, up->down) carried outside the transports: read while draining
@@ -209,22 +227,21 @@ class TunnelSplice:
             self.was_spliced = True
             self.kernel.tunnels_spliced += 1
             passed = self.kernel.splicer.passed(self.pair)
-            for side, (sock, t) in enumerate(zip(self.socks, (down, up), strict=True)):
+            for side, sock in enumerate(self.socks):
                 if passed[side]:
                     # Bytes came before the pair was armed: this direction is ours.
                     self.copying[side] = True
                     self.loop.add_reader(sock.fileno(), self._copy, side)
                 else:
                     # The transport reads the EOF or the error once there is one.
-                    self.kernel.watch.add(self.loop, sock, t.resume_reading)
+                    self.kernel.watch.add(self.loop, sock, lambda side=side: self._let_go(side))
         finally:
             self.task = None
             if self.state == _DRAINING:
                 self.state = _COPYING
                 self.kernel.tunnels_copied += 1
-                for t in (down, up):
-                    if not t.is_closing():
-                        t.resume_reading()
+                self._let_go(0)
+                self._let_go(1)
 
     def _copy(self, side: int) -> None:
         """Reader of a passed direction: forward what the verdict passed back, socket to
@@ -235,7 +252,6 @@ class TunnelSplice:
         would resume the paused source transport, whose own reads would take a sockmap
         recv() of 0 for the EOF."""
         sock, dest = self.socks[side], self.socks[1 - side]
-        source = self.down if side == 0 else self.up
         try:
             data = sock.recv(COPY_READ, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -269,8 +285,7 @@ class TunnelSplice:
                         "taking it as the end")
         self.loop.remove_reader(sock.fileno())
         self.copying[side] = False
-        if not source.is_closing():
-            source.resume_reading()
+        self._let_go(side)
 
     def _flush_copy(self, side: int) -> None:
         dest, rest = self.socks[1 - side], self.pending[side]
@@ -332,9 +347,8 @@ class TunnelSplice:
             task.cancel()
         self.state = _COPYING
         self.kernel.tunnels_copied += 1
-        for t in (self.down, self.up):
-            if not t.is_closing():
-                t.resume_reading()
+        self._let_go(0)
+        self._let_go(1)
 
     def release(self) -> None:
         """Take the sockets out of the kernel path (idempotent; the caller closes them)."""

@@ -1162,6 +1162,11 @@ class Exchange(ExchangeBase):
 
     def on_upstream_resume_writing(self) -> None:
         self.body_activity = self.loop.time()
+        splice = self.splice
+        if splice is not None and splice.holds(0):
+            # The splice keeps the client from reading and resumes it itself.
+            self.down.pause_mask &= ~P_UPSTREAM
+            return
         self.down.resume(P_UPSTREAM)
 
     # -- downstream callbacks -------------------------------------------------------
@@ -1172,8 +1177,13 @@ class Exchange(ExchangeBase):
 
     def on_client_resume_writing(self) -> None:
         self.activity = self.loop.time()
-        if self.upstream is not None:
-            self.upstream.resume()
+        up = self.upstream
+        if up is not None:
+            splice = self.splice
+            if splice is not None and splice.holds(1):
+                up.reading_paused = False  # the splice resumes the H1 upstream itself
+                return
+            up.resume()
 
     def on_client_lost(self) -> None:
         if self.finished:

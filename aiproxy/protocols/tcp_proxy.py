@@ -102,6 +102,8 @@ class TcpProxyConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         up = self.upstream
+        if self.splice is not None and self.splice.holds(1):
+            return  # the splice has the upstream's reading (TunnelSplice.holds)
         if up is not None and up.transport is not None and not self.eofs & UP_TO_DOWN:
             up.transport.resume_reading()
 
@@ -327,6 +329,9 @@ class TcpUpstream(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         down = self.owner.transport
+        splice = self.owner.splice
+        if splice is not None and splice.holds(0):
+            return  # the splice has the client's reading (TunnelSplice.holds)
         if down is not None and not self.owner.eofs & DOWN_TO_UP:
             down.resume_reading()
 

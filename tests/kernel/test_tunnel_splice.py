@@ -349,10 +349,14 @@ def test_client_streams_before_the_101(start_proxy, mode):
     before the upstream's 101 (delayed here). The proxy stops reading them as a
     pipelined request past max_header_bytes; once the 101 turns the connection into a
     tunnel they are tunnel bytes and must all reach the upstream, in order."""
-    down_blocks = list(stream(256, b"D"))  # 2.25 MiB
+    down_blocks = list(stream(1024, b"D"))  # 9 MiB
     up_blocks = list(stream(64, b"U"))
 
     def script(conn, rest, result):
+        # A late reader: what the proxy drains before a splice fills its write buffer
+        # toward us, and the flow control that follows must leave the client's reading
+        # to the splice (TunnelSplice.holds).
+        time.sleep(0.3)
         reader = threading.Thread(target=lambda: result.update(got=read_all(conn, rest)))
         reader.start()
         for block in up_blocks:
