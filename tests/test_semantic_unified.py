@@ -329,6 +329,42 @@ def test_extract_text_is_extracts_text():
         assert extract_text(ctype, body, query) == extract(ctype, body, query).text
 
 
+def test_json_fast_path_finds_what_extract_finds():
+    """extract_text reads a JSON body without building the metadata; whatever the body
+    (whole or cut anywhere, valid or not), its text is extract's."""
+    image = "data:image/png;base64," + base64.b64encode(png(3, 2)).decode()
+    docs = [
+        {"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": "book a table for two"},
+                                    {"role": "assistant", "content": "where?"},
+                                    {"role": "user", "content": "in paris \u00e9 \ud83d\ude00"}]},
+        {"messages": [{"role": "system", "content": "no user turn"}, "junk", 3]},
+        {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this"},
+            {"type": "image_url", "image_url": {"url": image}},
+            {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+            {"type": "input_text", "text": "and this"}, "loose", {"type": "text", "text": 5}]}]},
+        {"prompt": ["first", 2, "second"], "input": "also"},
+        {"input": [{"role": "user", "content": "responses api"}], "prompt": None},
+        {"input": [], "messages": "not a list", "prompt": {"nested": "no"}},
+        {"config": {"query": "configured field", "items": ["a", "b"]}, "prompt": ""},
+        ["a list root"], "a string root", 12, None, {},
+    ]
+    bodies = [json.dumps(d).encode() for d in docs] + [
+        b'{"prompt": "nan", "x": NaN}', b'{"prompt": "big", "n": 123456789012345678901234567890}',
+        b'{"prompt": "bad utf-8 \xff"}', b'{"prompt": "lone \\ud800 surrogate"}',
+        b'{"prompt": "dup", "prompt": "second wins"}', b'  {"prompt": "spaces"}  ', b"[1, 2",
+    ]
+    fields = ("config.query", "config.items", "config.items.1", "missing.path")
+    for ctype in (b"application/json", b"application/vnd.api+json; charset=utf-8", b""):
+        for body in bodies:
+            for cut in range(len(body) + 1):
+                for json_fields in ((), fields):
+                    want = extract(ctype, body[:cut], b"", json_fields).text
+                    assert extract_text(ctype, body[:cut], b"", json_fields) == want, (
+                        ctype, body[:cut], json_fields)
+
+
 def test_garbage_never_raises():
     import random
 

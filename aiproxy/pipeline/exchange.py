@@ -46,6 +46,7 @@ from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_TUNNEL
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
+from aiproxy.semantic.unified import extract_text
 
 if TYPE_CHECKING:
     from aiproxy.config import RetryPolicy
@@ -318,9 +319,12 @@ class Exchange(ExchangeBase):
     def _classify(self, body: bytes) -> None:
         sem = self.rt.semantic
         t0 = perf_counter()
+        head = self.head
         q = self.up_target.find(b"?")
         try:
-            text = sem.text_of(self.head, body, self.up_target[q + 1:] if q >= 0 else b"")
+            text = extract_text(head.get(b"content-type") or b"", body,
+                                self.up_target[q + 1:] if q >= 0 else b"", sem.json_fields,
+                                head.content_length if head.content_length >= 0 else None)
         except Exception:  # never fail a request on its content: route without an intent
             log.exception("semantic extraction failed")
             sem.failures += 1
@@ -337,8 +341,12 @@ class Exchange(ExchangeBase):
             task = self.loop.create_task(sem.batcher.classify(text))
             task.add_done_callback(lambda t: self._classified(t, t0))
             return
+        native = sem.native
         try:
-            decision = sem.model.classify(text)
+            if native is not None:  # the C head, called directly (no Python frame)
+                decision = native.classify(text, sem.top_k, sem.threshold)
+            else:
+                decision = sem.model.classify(text)
         except Exception:
             log.exception("intent classification failed; routing without it")
             sem.failures += 1
@@ -361,7 +369,9 @@ class Exchange(ExchangeBase):
             self.intent = decision.label
             self.intent_domain = decision.domain or None
             self.intent_conf = decision.confidence
-            self.rt.semantic.count(decision)
+            decisions = self.rt.semantic.decisions  # by domain, for /metrics
+            domain = decision.domain or "none"
+            decisions[domain] = decisions.get(domain, 0) + 1
         self.t_classify = perf_counter() - t0
         self._route()
 

@@ -144,7 +144,9 @@ class IntentModel:
         # per-call input validation (about 10 microseconds of Python for two inputs).
         self._run = getattr(self.session, "_sess", None)
         self._run = self._run.run if self._run is not None else None
-        self.runs = 0  # graph runs, native or in the session (the batcher's tests count them)
+        # Calls of classify/classify_batch that ran the graph (the batcher's tests count
+        # them); the proxy calls a native head directly, past this count.
+        self.runs = 0
         self._bound = None
         self.native: LinearHead | None = None
         try:

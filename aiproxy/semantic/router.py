@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 from aiproxy.config import SemanticConfig
-from aiproxy.semantic.classifier import Batcher, Decision, IntentModel, ModelError, resolve
-from aiproxy.semantic.unified import extract_text
+from aiproxy.semantic.classifier import Batcher, IntentModel, ModelError, resolve
 
 log = logging.getLogger("aiproxy.semantic")
 
@@ -43,7 +41,7 @@ def load_model(cfg: SemanticConfig, previous: SemanticRouter | None = None) -> I
 
 class SemanticRouter:
     __slots__ = ("cfg", "model", "key", "header", "inspect_bytes", "json_fields", "batcher",
-                 "domains", "decisions", "failures", "explicit")
+                 "domains", "decisions", "failures", "explicit", "native", "top_k", "threshold")
 
     def __init__(self, cfg: SemanticConfig, model: IntentModel) -> None:
         self.cfg = cfg
@@ -57,21 +55,17 @@ class SemanticRouter:
         self.batcher = (Batcher(model, max_batch=cfg.max_batch, max_wait_us=cfg.max_wait_us)
                         if cfg.max_wait_us > 0 and model.native is None else None)
         self.domains: dict[str, str] = model.domains
+        # What the exchange calls per request: the model's C head with its arguments
+        # (IntentModel.classify minus one Python call), None for an onnxruntime model.
+        self.native = model.native
+        self.top_k = model._k
+        self.threshold = model.threshold
         self.decisions: dict[str, int] = {}  # by domain, for /metrics
         self.failures = 0
         self.explicit = 0
 
-    def text_of(self, head: Any, body: bytes, query: bytes) -> str:
-        ctype = head.get(b"content-type") or b""
-        size = head.content_length if head.content_length >= 0 else None
-        return extract_text(ctype, body, query, self.json_fields, size)
-
     def domain_of(self, label: str) -> str | None:
         return self.domains.get(label)
-
-    def count(self, decision: Decision) -> None:
-        domain = decision.domain or "none"
-        self.decisions[domain] = self.decisions.get(domain, 0) + 1
 
     def close(self) -> None:
         if self.batcher is not None:

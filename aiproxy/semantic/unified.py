@@ -80,6 +80,14 @@ def extract_text(content_type: bytes, body: bytes, query: bytes = b"",
                  json_fields: tuple[str, ...] = (), body_size: int | None = None) -> str:
     """The text `extract` would find, without the rest of the UnifiedRequest (no id):
     what the router classifies."""
+    if body and not query and type(body) is bytes:
+        # The common case (a JSON API call) without the metadata nobody reads here.
+        ctype = _media_type(content_type)
+        if ctype == "application/json" or ctype.endswith("+json") or (
+                not ctype and body[:1] in b"{["):
+            text = _json_text(body, json_fields)
+            if text is not None:
+                return text
     return _collect(content_type, body, query, json_fields, body_size)[1]
 
 
@@ -106,13 +114,16 @@ def _collect(content_type: bytes, body: bytes, query: bytes, json_fields: tuple[
                     parts.append(value)
         except ValueError:
             pass
-    if len(parts) == 1:
-        text = parts[0]
-    else:
-        text = "\n".join(p for p in parts[:MAX_TEXT_PARTS] if p)
+    text = _joined(parts)
     if text and modality == BINARY:
         modality = TEXT
     return modality, text, meta
+
+
+def _joined(parts: list[str]) -> str:
+    if len(parts) == 1:
+        return parts[0]
+    return "\n".join(p for p in parts[:MAX_TEXT_PARTS] if p)
 
 
 _MEDIA_TYPES: dict[bytes, str] = {}  # Content-Type field -> media type, bounded
@@ -180,11 +191,29 @@ def _json_body(body: bytes, json_fields, parts: list[str], meta: dict[str, Any])
             _lenient_json(body, json_fields, parts)
             return
     meta["json"] = "ok"
-    if not isinstance(doc, dict):
-        return
-    model = doc.get("model")
-    if isinstance(model, str):
-        meta["model"] = model
+    if isinstance(doc, dict):
+        _json_parts(doc, json_fields, parts, meta)
+
+
+def _json_text(body: bytes, json_fields) -> str | None:
+    """extract_text of a JSON body orjson parses; None: anything else (the full path
+    decides, with the same result as before)."""
+    try:
+        doc = orjson.loads(body)
+        parts: list[str] = []
+        if isinstance(doc, dict):
+            _json_parts(doc, json_fields, parts, None)
+    except Exception:
+        return None
+    return _joined(parts)
+
+
+def _json_parts(doc: dict, json_fields, parts: list[str], meta: dict[str, Any] | None) -> None:
+    """The text fields of a parsed JSON object into parts; metadata into meta if given."""
+    if meta is not None:
+        model = doc.get("model")
+        if isinstance(model, str):
+            meta["model"] = model
     messages = doc.get("messages")
     if isinstance(messages, list):
         _messages(messages, parts, meta)
@@ -219,11 +248,13 @@ def _strings(value: Any, parts: list[str]) -> None:
                 parts.append(item)
 
 
-def _messages(messages: list, parts: list[str], meta: dict[str, Any]) -> None:
-    """User turns' text (all turns when there is no user turn); counts media parts."""
+def _messages(messages: list, parts: list[str], meta: dict[str, Any] | None) -> None:
+    """User turns' text (all turns when there is no user turn); counts media parts
+    (into meta, when given)."""
     users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     chosen = users or [m for m in messages if isinstance(m, dict)]
-    meta["messages"] = len(messages)
+    if meta is not None:
+        meta["messages"] = len(messages)
     for msg in chosen[-MAX_TEXT_PARTS:]:
         content = msg.get("content")
         if isinstance(content, str):
@@ -235,6 +266,8 @@ def _messages(messages: list, parts: list[str], meta: dict[str, Any]) -> None:
                 kind = part.get("type")
                 if kind in ("text", "input_text") and isinstance(part.get("text"), str):
                     parts.append(part["text"])
+                elif meta is None:
+                    continue
                 elif kind in ("image_url", "input_image", "image"):
                     meta["images"] = meta.get("images", 0) + 1
                     url = part.get("image_url")
