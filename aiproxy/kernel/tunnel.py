@@ -248,9 +248,10 @@ class TunnelSplice:
         socket, in order; hand the socket back to its transport at the real EOF (or an
         error), which then drives the protocol's usual EOF path.
 
-        It writes to the peer's socket, not its transport: the transport's flow control
-        would resume the paused source transport, whose own reads would take a sockmap
-        recv() of 0 for the EOF."""
+        It writes to the peer's socket, not its transport: the source transport stays
+        paused (holds()) until the real EOF, since its own reads would take a sockmap
+        recv() of 0 for the EOF, and the peer transport's buffer would only be a second
+        queue in front of the socket."""
         sock, dest = self.socks[side], self.socks[1 - side]
         try:
             data = sock.recv(COPY_READ, socket.MSG_DONTWAIT)

@@ -58,7 +58,7 @@ class SemanticRouter:
         # What the exchange calls per request: the model's C head with its arguments
         # (IntentModel.classify minus one Python call), None for an onnxruntime model.
         self.native = model.native
-        self.top_k = model._k
+        self.top_k = model.top_k
         self.threshold = model.threshold
         self.decisions: dict[str, int] = {}  # by domain, for /metrics
         self.failures = 0
