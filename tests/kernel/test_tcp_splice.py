@@ -150,6 +150,37 @@ def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
         server.close()
 
 
+@pytest.mark.timeout(120)
+def test_tcp_client_first_to_a_late_reader(start_proxy, mode):
+    """The client streams from its first byte; the upstream starts reading 0.3 s late.
+    What the proxy holds meanwhile (bytes read while connecting, the receive queues it
+    drains before a splice) arrives once and in order, spliced or copied."""
+    size = 16 * MiB
+    peers: list[HashingPeer] = []
+    done = threading.Event()
+
+    def handler(conn: socket.socket) -> None:
+        time.sleep(0.3)
+        peer = HashingPeer(MiB)
+        peers.append(peer)
+        peer.run(conn)
+        if peer.got_n:
+            done.set()
+
+    server = ThreadServer(handler)
+    try:
+        proxy, admin = start(start_proxy, mode, server.port)
+        client = HashingPeer(size)
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as s:
+            client.run(s)
+            assert done.wait(60)
+        upstream = next(p for p in peers if p.got_n)
+        assert upstream.got_n == size and upstream.got.hexdigest() == client.sent.hexdigest()
+        assert client.got_n == MiB and client.got.hexdigest() == upstream.sent.hexdigest()
+    finally:
+        server.close()
+
+
 @pytest.mark.timeout(60)
 def test_tcp_half_close_client_first(start_proxy, mode):
     """The client sends and half-closes; the upstream sees EOF, then still answers."""
