@@ -109,19 +109,33 @@ class HashingPeer:
             pass  # the reader reports what arrived; a short transfer fails the test
 
 
+class HashingServer(ThreadServer):
+    """Every connection is a HashingPeer sending `size` bytes, started `delay` seconds
+    after the accept; `upstream()` is the one that received bytes (wait_port's probe
+    connects too)."""
+
+    def __init__(self, size: int, delay: float = 0.0) -> None:
+        self.peers: list[HashingPeer] = []
+        self.done = threading.Event()
+
+        def handler(conn: socket.socket) -> None:
+            time.sleep(delay)
+            peer = HashingPeer(size)
+            self.peers.append(peer)
+            peer.run(conn)
+            if peer.got_n:
+                self.done.set()
+
+        super().__init__(handler)
+
+    def upstream(self) -> HashingPeer:
+        assert self.done.wait(60)
+        return next(p for p in self.peers if p.got_n)
+
+
 @pytest.mark.timeout(300)
 def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
-    peers: list[HashingPeer] = []  # one per upstream connection (wait_port's probe too)
-    done = threading.Event()
-
-    def handler(conn: socket.socket) -> None:
-        peer = HashingPeer(BIG)
-        peers.append(peer)
-        peer.run(conn)
-        if peer.got_n:
-            done.set()
-
-    server = ThreadServer(handler)
+    server = HashingServer(BIG)
     try:
         proxy, admin = start(start_proxy, mode, server.port)
         client = HashingPeer(BIG)
@@ -131,9 +145,8 @@ def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as s:
             cpu0, t0 = tree_cpu_seconds(proxy.proc.pid), time.monotonic()
             client.run(s)
-            assert done.wait(60)
+            upstream = server.upstream()
             wall, cpu = time.monotonic() - t0, tree_cpu_seconds(proxy.proc.pid) - cpu0
-        upstream = next(p for p in peers if p.got_n)
         assert client.got_n == BIG and client.got.hexdigest() == upstream.sent.hexdigest()
         assert upstream.got_n == BIG and upstream.got.hexdigest() == client.sent.hexdigest()
         if mode == "spliced":
@@ -156,25 +169,13 @@ def test_tcp_client_first_to_a_late_reader(start_proxy, mode):
     What the proxy holds meanwhile (bytes read while connecting, the receive queues it
     drains before a splice) arrives once and in order, spliced or copied."""
     size = 16 * MiB
-    peers: list[HashingPeer] = []
-    done = threading.Event()
-
-    def handler(conn: socket.socket) -> None:
-        time.sleep(0.3)
-        peer = HashingPeer(MiB)
-        peers.append(peer)
-        peer.run(conn)
-        if peer.got_n:
-            done.set()
-
-    server = ThreadServer(handler)
+    server = HashingServer(MiB, delay=0.3)
     try:
         proxy, admin = start(start_proxy, mode, server.port)
         client = HashingPeer(size)
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as s:
             client.run(s)
-            assert done.wait(60)
-        upstream = next(p for p in peers if p.got_n)
+            upstream = server.upstream()
         assert upstream.got_n == size and upstream.got.hexdigest() == client.sent.hexdigest()
         assert client.got_n == MiB and client.got.hexdigest() == upstream.sent.hexdigest()
     finally:
