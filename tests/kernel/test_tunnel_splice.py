@@ -267,11 +267,14 @@ class RawUpgradeServer:
         self.sock.close()
 
 
+UPGRADE_REQUEST = (b"GET /raw HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\n"
+                   b"Upgrade: raw-test\r\n\r\n")
+
+
 def upgrade_request(port: int, early: bytes) -> socket.socket:
     c = socket.create_connection(("127.0.0.1", port))
     c.settimeout(30)
-    c.sendall(b"GET /raw HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: raw-test\r\n\r\n"
-              + early)
+    c.sendall(UPGRADE_REQUEST + early)
     return c
 
 
@@ -370,8 +373,7 @@ def test_client_streams_before_the_101(start_proxy, mode):
         c = socket.create_connection(("127.0.0.1", proxy.port))
         c.settimeout(30)
         sender = threading.Thread(target=lambda: (
-            c.sendall(b"GET /raw HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\n"
-                      b"Upgrade: raw-test\r\n\r\n" + b"".join(down_blocks)),
+            c.sendall(UPGRADE_REQUEST + b"".join(down_blocks)),
             c.shutdown(socket.SHUT_WR)))
         sender.start()
         got = read_all(c, read_101(c))
