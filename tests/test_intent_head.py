@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiproxy._fast.intent_head import LinearHead
+from aiproxy._fast.intent_head import LinearHead, confidence_text
 
 from aiproxy.semantic.classifier import IntentModel, native_head
 
@@ -149,6 +149,12 @@ def test_decide_names_the_classes_and_applies_the_threshold():
     assert np.array_equal(d.embedding, emb)
     low = head.decide(1, 2, 0.99)
     assert (low.label, low.domain, low.top) == ("oos", "none", d.top)
+    # top and the embedding are built when read, from the Decision's own copy of the
+    # logits: a later decision reusing the head's buffers does not change them
+    first = head.decide(1, 2, 0.0)
+    head.decide(2, 2, 0.0)
+    assert first.top == d.top and np.array_equal(first.embedding, emb)
+    assert first.embedding is first.embedding
     assert head.decide(2, 1, 0.0).label == "a"  # rows 0 + 1 = [3, 1, 2]
     assert d.as_dict() == {"label": "c", "confidence": round(top_p[0], 6), "domain": "z",
                            "top": [["c", round(top_p[0], 6)], ["b", round(top_p[1], 6)]]}
@@ -162,3 +168,14 @@ def test_ties_go_to_the_lower_index(row, want):
     head = LinearHead(np.array([row], np.int8), np.ones(len(row), np.float32))
     head.bind(np.zeros(1, np.int64), np.ones(1, np.float32))
     assert head.run(1, 3)[1] == want
+
+
+def test_confidence_text_is_what_percent_4f_gives():
+    rng = np.random.default_rng(7)
+    probs = rng.random(20000, dtype=np.float32)
+    # ties at the fourth decimal, as exact as float32 gets, and the ends
+    ties = (np.arange(0, 10001, dtype=np.float64) + 0.5) / 10000
+    for p in [*probs.tolist(), *ties.astype(np.float32).tolist(), *ties.tolist(), 0.0, 1.0]:
+        assert confidence_text(p) == b"%.4f" % p, p
+    for odd in (-0.5, 1.5, float("nan"), float("inf")):  # not a probability: formatted
+        assert confidence_text(odd) == b"%.4f" % odd

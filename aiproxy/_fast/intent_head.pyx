@@ -15,7 +15,8 @@ aiproxy.semantic.classifier uses it only after checking the ONNX graph is exactl
 one, and tests/test_intent_head.py compares it with onnxruntime on the validation split.
 """
 
-from libc.math cimport sqrtf
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.math cimport fabs, floor, lrint, sqrtf
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
@@ -244,22 +245,91 @@ cdef extern from *:
 cdef bag_fn BEST_BAG = bag_best()
 
 
+def confidence_text(double confidence) -> bytes:
+    """b"%.4f" % confidence for a probability, without the float formatting machinery
+    (a tenth of its cost). Near a tie at the fourth decimal, where the product below
+    may have rounded, %.4f decides."""
+    cdef char out[6]
+    cdef double x = confidence * 10000.0
+    cdef long n
+    if not 0.0 <= confidence <= 1.0 or fabs(x - floor(x) - 0.5) < 1e-6:
+        return b"%.4f" % confidence
+    n = lrint(x)
+    out[0] = c'1' if n == 10000 else c'0'
+    out[1] = c'.'
+    out[2] = <char>(48 + n // 1000 % 10)
+    out[3] = <char>(48 + n // 100 % 10)
+    out[4] = <char>(48 + n // 10 % 10)
+    out[5] = <char>(48 + n % 10)
+    return PyBytes_FromStringAndSize(out, 6)
+
+
+cdef object unit_array(const float *logits, Py_ssize_t C, float norm):
+    """A new float32 array: logits / norm (zeros when norm is 0), as LpNormalization."""
+    cdef cnp.npy_intp dims[1]
+    cdef Py_ssize_t c
+    dims[0] = C
+    embedding = cnp.PyArray_EMPTY(1, dims, cnp.NPY_FLOAT32, 0)
+    cdef float *emb = <float *>cnp.PyArray_DATA(embedding)
+    if norm == 0.0:
+        memset(emb, 0, C * sizeof(float))
+    else:
+        for c in range(C):
+            emb[c] = logits[c] / norm
+    return embedding
+
+
 cdef class Decision:
     """What the model says about one text: the label (the out-of-scope label below the
     threshold), its probability, its domain, the top k (label, probability) pairs
-    (largest first) and the embedding (the L2-normalised logits the caches use)."""
+    (largest first) and the embedding (the L2-normalised logits the caches use).
+
+    LinearHead's Decisions build `top` and `embedding` when first read: the proxy routes
+    on the label alone, and a numpy array per request is most of a decision's cost."""
     cdef public str label
     cdef public double confidence
     cdef public str domain
-    cdef public list top
-    cdef public object embedding
+    cdef object _top
+    cdef object _embedding
+    cdef bytes _logits  # the C floats the embedding is made of, until it is made
+    cdef float _norm
+    cdef list _labels  # the head's labels, for top
+    cdef int _k
+    cdef int _best[TOPK_MAX]
+    cdef float _probs[TOPK_MAX]
 
     def __init__(self, str label, double confidence, str domain, list top, embedding):
         self.label = label
         self.confidence = confidence
         self.domain = domain
-        self.top = top
-        self.embedding = embedding
+        self._top = top
+        self._embedding = embedding
+
+    @property
+    def top(self) -> list:
+        cdef int t
+        if self._top is None and self._labels is not None:
+            self._top = [(self._labels[self._best[t]], <double>self._probs[t])
+                         for t in range(self._k)]
+        return self._top
+
+    @top.setter
+    def top(self, value):
+        self._top = value
+        self._labels = None
+
+    @property
+    def embedding(self):
+        if self._embedding is None and self._logits is not None:
+            self._embedding = unit_array(<const float *><const char *>self._logits,
+                                         len(self._logits) // sizeof(float), self._norm)
+            self._logits = None
+        return self._embedding
+
+    @embedding.setter
+    def embedding(self, value):
+        self._embedding = value
+        self._logits = None
 
     def as_dict(self) -> dict:
         return {"label": self.label, "confidence": round(self.confidence, 6),
@@ -370,7 +440,8 @@ cdef class LinearHead:
         buffers: two lists of k and a new float32 array of the classes."""
         cdef int best[TOPK_MAX]
         cdef float total
-        embedding = self._forward(n, k, best, &total)
+        cdef float norm = self._forward(n, k, best, &total)
+        embedding = unit_array(self.acc, self.classes, norm)
         top_i = []
         top_p = []
         for t in range(k):
@@ -390,36 +461,35 @@ cdef class LinearHead:
     cpdef Decision decide(self, Py_ssize_t n, int k, double threshold):
         """The Decision for the first n (id, weight) pairs: `run` and the labels (see
         `name`) in one call; below `threshold` the label is the out-of-scope one."""
-        cdef int best[TOPK_MAX]
         cdef float total
-        cdef Py_ssize_t t
+        cdef int t
         if self.labels is None:
             raise ValueError("no labels: call name() first")
-        embedding = self._forward(n, k, best, &total)
-        labels = self.labels
-        top = []
-        for t in range(k):
-            top.append((labels[best[t]], <double>(self.exps[best[t]] / total)))
         cdef Decision d = Decision.__new__(Decision)
-        d.confidence = self.exps[best[0]] / total
+        d._norm = self._forward(n, k, d._best, &total)
+        d._k = k
+        d._labels = self.labels
+        for t in range(k):
+            d._probs[t] = self.exps[d._best[t]] / total
+        d._logits = PyBytes_FromStringAndSize(<char *>self.acc,
+                                              self.classes * sizeof(float))
+        d.confidence = d._probs[0]
         if d.confidence < threshold:
             d.label = self.oos_label
             d.domain = self.oos_domain
         else:
-            d.label = labels[best[0]]
-            d.domain = self.domains[best[0]]
-        d.top = top
-        d.embedding = embedding
+            d.label = self.labels[d._best[0]]
+            d.domain = self.domains[d._best[0]]
         return d
 
-    cdef object _forward(self, Py_ssize_t n, int k, int *best, float *total_out):
+    cdef float _forward(self, Py_ssize_t n, int k, int *best, float *total_out) except -1:
         """Logits of the first n pairs into acc, exp(logit - max) into exps; the top k
-        classes into best, the softmax's sum into total_out. Returns the embedding."""
+        classes into best, the softmax's sum into total_out. Returns the logits' L2
+        norm (what the embedding divides by)."""
         cdef Py_ssize_t j, c, t, C = self.classes, rows = self.rows
         cdef float *acc = self.acc
         cdef float m, norm, v, kth
         cdef int64_t i
-        cdef cnp.npy_intp dims[1]
         if self.ids == NULL:
             raise ValueError("no input buffers bound")
         if n < 0 or n > self.cap:
@@ -453,13 +523,5 @@ cdef class LinearHead:
                 best[t] = <int>c
                 kth = acc[best[k - 1]]
         m = acc[best[0]]
-        dims[0] = C
-        embedding = cnp.PyArray_EMPTY(1, dims, cnp.NPY_FLOAT32, 0)
-        cdef float *emb = <float *>cnp.PyArray_DATA(embedding)
-        if norm == 0.0:
-            memset(emb, 0, C * sizeof(float))
-        else:
-            for c in range(C):
-                emb[c] = acc[c] / norm
         total_out[0] = exp_sum(self.exps, acc, m, C)
-        return embedding
+        return norm

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import re
+from functools import partial
 from random import random
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -339,7 +340,7 @@ class Exchange(ExchangeBase):
                 return self._decided(decision, t0)
         if sem.batcher is not None:
             task = self.loop.create_task(sem.batcher.classify(text))
-            task.add_done_callback(lambda t: self._classified(t, t0))
+            task.add_done_callback(partial(self._classified, t0=t0))
             return
         native = sem.native
         try:
@@ -649,11 +650,9 @@ class Exchange(ExchangeBase):
                 extra.append(self.down.forwarded)  # forwarded_lines() of the connection
         if rt.via_line:
             extra.append(rt.via_line)
-        if self.intent is not None:
-            extra.append(b"x-aiproxy-intent: %s\r\nx-aiproxy-intent-confidence: %.4f\r\n"
-                         % (self.intent.encode(), self.intent_conf))
-            if self.intent_domain:
-                extra.append(b"x-aiproxy-intent-domain: " + self.intent_domain.encode() + CRLF)
+        if self.intent is not None:  # only set where rt.semantic is
+            extra.append(rt.semantic.decision_lines(self.intent, self.intent_domain,
+                                                    self.intent_conf))
         if self.up_chunked:
             extra.append(b"Transfer-Encoding: chunked\r\n")
         elif self.body_len >= 0:
@@ -715,10 +714,8 @@ class Exchange(ExchangeBase):
         if rt.via_line:
             fields.append((b"via", b"2 aiproxy"))
         if self.intent is not None:
-            fields.append((b"x-aiproxy-intent", self.intent.encode()))
-            fields.append((b"x-aiproxy-intent-confidence", b"%.4f" % self.intent_conf))
-            if self.intent_domain:
-                fields.append((b"x-aiproxy-intent-domain", self.intent_domain.encode()))
+            fields += rt.semantic.decision_fields(self.intent, self.intent_domain,
+                                                  self.intent_conf)
         if self.grpc or head.get(b"te") == b"trailers":
             fields.append((b"te", b"trailers"))
         if self.deadline_at < INFINITY:
