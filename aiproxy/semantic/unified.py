@@ -35,6 +35,8 @@ from urllib.parse import parse_qsl
 
 import orjson
 
+from aiproxy._fast.chat_json import chat_text
+
 __all__ = ["Modality", "UnifiedRequest", "extract", "sniff_media", "protobuf_strings"]
 
 MAX_TEXT_PARTS = 256
@@ -85,7 +87,10 @@ def extract_text(content_type: bytes, body: bytes, query: bytes = b"",
         ctype = _media_type(content_type)
         if ctype == "application/json" or ctype.endswith("+json") or (
                 not ctype and body[:1] in b"{["):
-            text = _json_text(body, json_fields)
+            # In C from the bytes; then by parsing the document; then the full path.
+            text = None if json_fields else chat_text(body)
+            if text is None:
+                text = _json_text(body, json_fields)
             if text is not None:
                 return text
     return _collect(content_type, body, query, json_fields, body_size)[1]
