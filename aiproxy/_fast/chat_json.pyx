@@ -182,9 +182,15 @@ cdef inline int _utf8_len(cstr s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
     return k
 
 
+cdef inline Py_ssize_t _digits(cstr s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    while i < n and 48 <= s[i] <= 57:
+        i += 1
+    return i
+
+
 cdef Py_ssize_t _number(cstr s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
     """-?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? at s[i]: the index after, or -1."""
-    cdef Py_ssize_t start
+    cdef Py_ssize_t j
     if i < n and s[i] == 45:
         i += 1
     if i >= n:
@@ -192,26 +198,22 @@ cdef Py_ssize_t _number(cstr s, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
     if s[i] == 48:
         i += 1
     elif 49 <= s[i] <= 57:
-        while i < n and 48 <= s[i] <= 57:
-            i += 1
+        i = _digits(s, i, n)
     else:
         return -1
     if i < n and s[i] == 46:
-        i += 1
-        start = i
-        while i < n and 48 <= s[i] <= 57:
-            i += 1
-        if i == start:
+        j = _digits(s, i + 1, n)
+        if j == i + 1:
             return -1
+        i = j
     if i < n and (s[i] == 101 or s[i] == 69):
         i += 1
         if i < n and (s[i] == 43 or s[i] == 45):
             i += 1
-        start = i
-        while i < n and 48 <= s[i] <= 57:
-            i += 1
-        if i == start:
+        j = _digits(s, i, n)
+        if j == i:
             return -1
+        i = j
     return i
 
 
