@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from aiproxy._fast.intent_head import LinearHead, confidence_text
+from aiproxy._fast.intent_head import DecisionLines, LinearHead, confidence_text
 
 from aiproxy.semantic.classifier import IntentModel, native_head
 
@@ -179,3 +179,23 @@ def test_confidence_text_is_what_percent_4f_gives():
         assert confidence_text(p) == b"%.4f" % p, p
     for odd in (-0.5, 1.5, float("nan"), float("inf")):  # not a probability: formatted
         assert confidence_text(odd) == b"%.4f" % odd
+
+
+def test_decision_lines_are_the_fields_upstream():
+    lines = DecisionLines(limit=2)
+    for intent, domain, conf in [("balance", "banking", 0.93125), ("balance", "banking", 1.0),
+                                 ("oos", None, 0.00005), ("caf\u00e9", "", 0.5),
+                                 ("x" * 300, "d", 0.12345678), ("balance", "banking", 0.0)]:
+        want = b"x-aiproxy-intent: " + intent.encode() + b"\r\n"
+        if domain:
+            want += b"x-aiproxy-intent-domain: " + domain.encode() + b"\r\n"
+        want += b"x-aiproxy-intent-confidence: %.4f\r\n" % conf
+        assert lines(intent, domain, conf) == want
+    # an HTTP/2 upstream gets the same values as fields
+    from aiproxy.semantic.router import SemanticRouter
+
+    assert SemanticRouter.decision_fields("balance", "banking", 0.93125) == [
+        (b"x-aiproxy-intent", b"balance"), (b"x-aiproxy-intent-confidence", b"0.9313"),
+        (b"x-aiproxy-intent-domain", b"banking")]
+    assert SemanticRouter.decision_fields("oos", None, 1.0)[-1] == (
+        b"x-aiproxy-intent-confidence", b"1.0000")

@@ -15,11 +15,11 @@ aiproxy.semantic.classifier uses it only after checking the ONNX graph is exactl
 one, and tests/test_intent_head.py compares it with onnxruntime on the validation split.
 """
 
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.math cimport fabs, floor, lrint, sqrtf
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 import numpy as np
 
@@ -245,15 +245,15 @@ cdef extern from *:
 cdef bag_fn BEST_BAG = bag_best()
 
 
-def confidence_text(double confidence) -> bytes:
-    """b"%.4f" % confidence for a probability, without the float formatting machinery
-    (a tenth of its cost). Near a tie at the fourth decimal, where the product below
-    may have rounded, %.4f decides."""
-    cdef char out[6]
+cdef inline bint _digits4(double confidence, char *out) noexcept:
+    """The six bytes b"%.4f" % confidence gives for a probability, into out; False where
+    this cannot tell (not a probability, or near a tie at the fourth decimal, where the
+    product below may have rounded). A float32 probability times 10,000 is exact in a
+    double, so lrint's ties-to-even gives %.4f's digits."""
     cdef double x = confidence * 10000.0
     cdef long n
     if not 0.0 <= confidence <= 1.0 or fabs(x - floor(x) - 0.5) < 1e-6:
-        return b"%.4f" % confidence
+        return False
     n = lrint(x)
     out[0] = c'1' if n == 10000 else c'0'
     out[1] = c'.'
@@ -261,7 +261,52 @@ def confidence_text(double confidence) -> bytes:
     out[3] = <char>(48 + n // 100 % 10)
     out[4] = <char>(48 + n // 10 % 10)
     out[5] = <char>(48 + n % 10)
+    return True
+
+
+def confidence_text(double confidence) -> bytes:
+    """b"%.4f" % confidence, without the float formatting machinery for a probability
+    (a tenth of its cost)."""
+    cdef char out[6]
+    if not _digits4(confidence, out):
+        return b"%.4f" % confidence
     return PyBytes_FromStringAndSize(out, 6)
+
+
+cdef class DecisionLines:
+    """Called with (intent, domain, confidence): the x-aiproxy-intent* fields of an
+    HTTP/1.1 upstream request head. The lines of an (intent, domain) are made once (a
+    model has a few hundred labels; explicit intents from clients are not kept past
+    `limit`), and each call copies them and the confidence into one bytes object."""
+    cdef dict cache
+    cdef Py_ssize_t limit
+
+    def __init__(self, Py_ssize_t limit=4096):
+        self.cache = {}
+        self.limit = limit
+
+    def __call__(self, str intent not None, str domain, double confidence) -> bytes:
+        cdef bytes lines = self.cache.get((intent, domain))
+        cdef char digits[6]
+        cdef Py_ssize_t k
+        cdef char *out
+        if lines is None:
+            lines = b"x-aiproxy-intent: " + intent.encode() + b"\r\n"
+            if domain:
+                lines += b"x-aiproxy-intent-domain: " + domain.encode() + b"\r\n"
+            lines += b"x-aiproxy-intent-confidence: "
+            if len(self.cache) < self.limit:
+                self.cache[(intent, domain)] = lines
+        if not _digits4(confidence, digits):
+            return lines + b"%.4f\r\n" % confidence
+        k = len(lines)
+        result = PyBytes_FromStringAndSize(NULL, k + 8)
+        out = PyBytes_AS_STRING(result)
+        memcpy(out, <const char *>lines, k)
+        memcpy(out + k, digits, 6)
+        out[k + 6] = c'\r'
+        out[k + 7] = c'\n'
+        return result
 
 
 cdef object unit_array(const float *logits, Py_ssize_t C, float norm):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from aiproxy._fast.intent_head import confidence_text
+from aiproxy._fast.intent_head import DecisionLines, confidence_text
 from aiproxy.config import SemanticConfig
 from aiproxy.semantic.classifier import Batcher, IntentModel, ModelError, resolve
 
@@ -42,7 +42,8 @@ def load_model(cfg: SemanticConfig, previous: SemanticRouter | None = None) -> I
 
 class SemanticRouter:
     __slots__ = ("cfg", "model", "key", "header", "inspect_bytes", "json_fields", "batcher",
-                 "domains", "decisions", "failures", "explicit", "native", "top_k", "threshold", "_lines")
+                 "domains", "decisions", "failures", "explicit", "native", "top_k", "threshold",
+                 "decision_lines")
 
     def __init__(self, cfg: SemanticConfig, model: IntentModel) -> None:
         self.cfg = cfg
@@ -64,21 +65,9 @@ class SemanticRouter:
         self.decisions: dict[str, int] = {}  # by domain, for /metrics
         self.failures = 0
         self.explicit = 0
-        self._lines: dict[tuple[str, str | None], bytes] = {}
-
-    def decision_lines(self, intent: str, domain: str | None, confidence: float) -> bytes:
-        """The x-aiproxy-intent* fields of an HTTP/1.1 upstream request head. The lines
-        of an (intent, domain) are made once: a model has a few hundred labels (explicit
-        intents from clients are not cached past 4,096)."""
-        lines = self._lines.get((intent, domain))
-        if lines is None:
-            lines = b"x-aiproxy-intent: " + intent.encode() + b"\r\n"
-            if domain:
-                lines += b"x-aiproxy-intent-domain: " + domain.encode() + b"\r\n"
-            lines += b"x-aiproxy-intent-confidence: "
-            if len(self._lines) < 4096:
-                self._lines[(intent, domain)] = lines
-        return lines + confidence_text(confidence) + b"\r\n"
+        # (intent, domain, confidence) -> the x-aiproxy-intent* lines of an HTTP/1.1
+        # upstream request head
+        self.decision_lines = DecisionLines()
 
     @staticmethod
     def decision_fields(intent: str, domain: str | None,
