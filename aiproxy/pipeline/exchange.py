@@ -799,8 +799,12 @@ class Exchange(ExchangeBase):
         if up is not None:
             up.send_body(parts)
         elif not self.finished:
-            self.pending.extend(map(bytes, parts))
-            self.pending_size += sum(map(len, parts))
+            if len(parts) == 1:  # the usual case: no map objects
+                self.pending.append(bytes(parts[0]))
+                self.pending_size += len(parts[0])
+            else:
+                self.pending.extend(map(bytes, parts))
+                self.pending_size += sum(map(len, parts))
             if self.pending_size > PENDING_LIMIT:
                 self.down.pause(P_PENDING)
             if self.inspecting and self.pending_size >= self.inspect_limit:
