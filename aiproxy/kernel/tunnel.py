@@ -365,6 +365,11 @@ class TunnelSplice:
             self.kernel.spliced_bytes += ab + ba
             self.released = (ab, ba)
             self.pair = None
+            if self.copied[0] or self.copied[1]:  # the fast path did not take it all
+                log.info("spliced tunnel: the kernel carried %d + %d bytes (client to "
+                         "upstream + back), %d + %d were handed to the proxy to copy, "
+                         "%d + %d read before the splice", ab, ba, *self.copied,
+                         *self.drained)
         self._close_socks()
 
     def _close_socks(self) -> None:
