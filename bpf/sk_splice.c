@@ -6,7 +6,7 @@
  * The stream verdict program runs for every skb a member socket receives and
  * redirects it to the egress of the peer socket: the bytes never reach user
  * space. A socket in splice_socks without a splice_peers entry gets SK_PASS: its
- * bytes are queued for recv() as usual. So does a socket whose pair is not armed yet
+ * bytes are queued for recv() as usual. So does a socket whose peer is not armed yet
  * (include/splice.h: splice_armed).
  */
 #include <linux/bpf.h>
@@ -52,8 +52,9 @@ int sk_splice_verdict(struct __sk_buff *skb)
 		return SK_DROP;
 	if (!peer)
 		return SK_PASS;
-	/* The verdicts of one socket run one at a time, so `passed` cannot change under us. */
-	if (!bpf_map_lookup_elem(&splice_armed, &cookie) || peer->passed) {
+	/* The verdicts of one socket run one at a time, so `passed` cannot change under us.
+	 * The peer's armed entry says the peer is in splice_socks, so a redirect finds it. */
+	if (peer->passed || !bpf_map_lookup_elem(&splice_armed, &peer->peer)) {
 		__sync_fetch_and_add(&peer->passed, skb->len);
 		return SK_PASS;
 	}

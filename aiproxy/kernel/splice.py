@@ -24,7 +24,8 @@ before the second has joined cannot be redirected (the kernel would drop them), 
 verdict passes them to user space, and with them every later byte of that socket:
 :meth:`Splicer.passed` says which direction that happened to, and the caller copies
 that direction itself (recv() returns its bytes, in order) while the kernel carries the
-other.
+other. The second socket joins with the first armed (in the map) already, so its own
+bytes are always redirected.
 
 Limits: the kernel queues redirected bytes for the peer without TCP back-pressure on
 the sender beyond the socket buffers; a peer that stops reading makes the kernel hold
@@ -129,17 +130,19 @@ class Splicer:
             peers = self._obj.map("splice_peers")
             ca, cb = socket_cookie(a), socket_cookie(b)
             pair = SplicedPair(a, b, ca, cb, bytes_written(a), bytes_written(b))
-            # Peers first, sockets second, arming last: until both sockets are in
-            # splice_socks a redirect could find no peer and drop the bytes, so the
-            # verdict passes them to user space instead (see passed()).
+            # Peers first, then each socket joins and is armed: a socket's bytes are
+            # redirected once its peer is armed (in splice_socks); before that a redirect
+            # could find no peer and drop them, so the verdict passes them to user space
+            # instead (see passed()). b joins with a armed already: its bytes (an echo
+            # of a's, say) are never passed.
             peers.update(_key(ca), bytes(SplicePeer(cb)))
             peers.update(_key(cb), bytes(SplicePeer(ca)))
+            armed = self._obj.map("splice_armed")
             try:
                 self._join(socks, ca, a)
+                self._arm(armed, ca)
                 self._join(socks, cb, b)
-                armed = self._obj.map("splice_armed")
-                armed.update(_key(ca), b"\1\0\0\0")
-                armed.update(_key(cb), b"\1\0\0\0")
+                self._arm(armed, cb)
             except BPFError:
                 self._forget(pair)
                 raise
@@ -152,6 +155,9 @@ class Splicer:
 
     def _join(self, socks, cookie: int, sock: socket.socket) -> None:
         socks.update(_key(cookie), sock.fileno().to_bytes(8, "little"))
+
+    def _arm(self, armed, cookie: int) -> None:
+        armed.update(_key(cookie), b"\1\0\0\0")
 
     def _peer_entries(self, pair: SplicedPair) -> tuple[SplicePeer | None, SplicePeer | None]:
         peers = self._obj.map("splice_peers") if self._obj else None
@@ -255,11 +261,12 @@ class Splicer:
     def _forget(self, pair: SplicedPair) -> None:
         if self._obj is None:
             return
-        for cookie in (pair.cookie_a, pair.cookie_b):
-            key = _key(cookie)
-            for name in ("splice_socks", "splice_armed", "splice_peers"):
+        # Disarm both first: a socket whose peer is still armed after the peer left
+        # splice_socks would have its bytes redirected nowhere, and dropped.
+        for name in ("splice_armed", "splice_socks", "splice_peers"):
+            for cookie in (pair.cookie_a, pair.cookie_b):
                 try:
-                    self._obj.map(name).delete(key)
+                    self._obj.map(name).delete(_key(cookie))
                 except BPFError:
                     pass
         self._pairs.pop(pair.cookie_a, None)

@@ -15,9 +15,12 @@ struct splice_peer {
 	__u64 passed; /* bytes handed to user space instead (see splice_armed) */
 };
 
-/* splice_armed[cookie of a socket] exists once both sockets of its pair are in
- * splice_socks. Until then its bytes are passed to user space (a redirect to a peer not
- * yet in the map would drop them); once any byte was passed, every later byte is
- * passed too, so user space copies that direction in order. */
+/* splice_armed[cookie of a socket] exists once that socket is in splice_socks (user
+ * space writes it right after the socket joins). A socket's bytes are redirected once
+ * its peer has the entry; until then they are passed to user space (a redirect to a
+ * peer not yet in the map would drop them), and once any byte was passed, every later
+ * byte is passed too, so user space copies that direction in order. The socket that
+ * joins second finds its peer armed already, so only the first has such a window.
+ * Teardown deletes both entries before either socket leaves. */
 
 #endif /* AIPROXY_SPLICE_H */

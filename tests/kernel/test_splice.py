@@ -156,6 +156,50 @@ def test_bytes_before_the_peer_joins_are_copied_in_order(splicer):
         t.close()
 
 
+class SecondJoinRace(Splicer):
+    """A Splicer that lets the upstream's bytes (an echo of the client's, say) reach the
+    second socket right after it joined the kernel's map, before anything else happens.
+    It waits until the verdict has handled them, so the race is certain."""
+
+    def __init__(self, server: socket.socket, payload: bytes) -> None:
+        super().__init__()
+        self.server, self.payload, self.joined = server, payload, 0
+
+    def _join(self, socks, cookie, sock) -> None:
+        super()._join(socks, cookie, sock)
+        self.joined += 1
+        if self.joined == 2:
+            self.server.sendall(self.payload)
+            peers = self._obj.map("splice_peers")
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                entry = SplicePeer.from_buffer_copy(peers.lookup(cookie.to_bytes(8, "little")))
+                if entry.bytes + entry.passed >= len(self.payload):
+                    return
+                time.sleep(0.001)
+            raise AssertionError("the verdict never saw the bytes sent after the join")
+
+
+def test_the_second_socket_is_redirected_from_its_join(splicer):
+    """Its peer is in the map already: the upstream's bytes that arrive the moment its
+    socket joins are redirected, not handed to user space (which would leave that whole
+    direction to be copied; CI saw it on echo tests)."""
+    t = Tunnel()
+    racer = SecondJoinRace(t.server, b"an early echo")
+    try:
+        assert racer.available()
+        pair = racer.splice(t.a, t.b)
+        assert racer.passed(pair) == (0, 0)
+        assert racer.redirected(pair) == (0, 13)
+        assert recv_exact(t.client, 13, 5) == b"an early echo"
+        t.client.sendall(b"and on")
+        assert recv_exact(t.server, 6, 5) == b"and on"
+        racer.unsplice(pair)
+    finally:
+        racer.close()
+        t.close()
+
+
 def test_unsplice_returns_sockets_to_user_space(splicer):
     t = Tunnel()
     try:
