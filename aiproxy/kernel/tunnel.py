@@ -178,9 +178,15 @@ class TunnelSplice:
 
     def _let_go(self, side: int) -> None:
         self.held[side] = False
-        t = self.down if side == 0 else self.up
-        if not t.is_closing():
-            t.resume_reading()
+        t, peer = (self.down, self.up) if side == 0 else (self.up, self.down)
+        if t.is_closing():
+            return
+        if not peer.is_closing() and (peer.get_write_buffer_size()
+                                      > peer.get_write_buffer_limits()[1]):
+            # The peer is over its high-water mark (the drain's writes, say): its
+            # protocol's resume_writing resumes this side, now that holds() is False.
+            return
+        t.resume_reading()
 
     def moved(self) -> tuple[int, int]:
         """Bytes (down->up, up->down) carried outside the transports: read while draining
