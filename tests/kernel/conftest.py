@@ -19,7 +19,9 @@ from contextlib import contextmanager
 
 import pytest
 
+from aiproxy.config.schema import KernelConfig
 from aiproxy.kernel.libbpf import BpfObject, BPFUnavailable, object_path, probe
+from aiproxy.kernel.lifecycle import ProxyKernel
 
 _reason: str | None = None
 _probed = False
@@ -41,6 +43,17 @@ def bpf_ok() -> None:
     reason = bpf_skip_reason()
     if reason:
         pytest.skip(f"kernel fast paths unavailable: {reason}")
+
+
+@pytest.fixture
+def kernel(bpf_ok):
+    """A started ProxyKernel with tunnel splicing on (stopped after the test)."""
+    k = ProxyKernel()
+    k.start(KernelConfig(splice_tunnels=True))
+    if not k.splice_on:
+        pytest.skip(f"socket splicing unavailable: {k.splicer.reason}")
+    yield k
+    k.stop()  # a no-op once the test stopped it on its loop
 
 
 def load(name: str, **kwargs) -> BpfObject:

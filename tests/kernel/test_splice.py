@@ -106,6 +106,19 @@ def test_16mib_both_ways(mode, request):
         t.close()
 
 
+def wait_for_verdict(splicer: Splicer, cookie: int, size: int) -> None:
+    """Until the verdict program has handled `size` bytes of the socket (redirected or
+    passed), so a race a test sets up is certain."""
+    peers = splicer._obj.map("splice_peers")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        entry = SplicePeer.from_buffer_copy(peers.lookup(cookie.to_bytes(8, "little")))
+        if entry.bytes + entry.passed >= size:
+            return
+        time.sleep(0.001)
+    raise AssertionError("the verdict never saw the bytes sent in the window")
+
+
 class JoinRace(Splicer):
     """A Splicer that lets the client's bytes reach the first socket after it joined the
     kernel's map and before its peer has: the window where a redirect would find no
@@ -121,15 +134,8 @@ class JoinRace(Splicer):
         self.joined += 1
         if self.joined == 1:
             self.client.sendall(self.payload)
-            peers = self._obj.map("splice_peers")
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                entry = SplicePeer.from_buffer_copy(peers.lookup(cookie.to_bytes(8, "little")))
-                if entry.passed >= len(self.payload):
-                    self.after_window()
-                    return
-                time.sleep(0.001)
-            raise AssertionError("the verdict never saw the bytes sent in the window")
+            wait_for_verdict(self, cookie, len(self.payload))
+            self.after_window()
 
 
 def test_bytes_before_the_peer_joins_are_copied_in_order(splicer):
@@ -170,14 +176,7 @@ class SecondJoinRace(Splicer):
         self.joined += 1
         if self.joined == 2:
             self.server.sendall(self.payload)
-            peers = self._obj.map("splice_peers")
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                entry = SplicePeer.from_buffer_copy(peers.lookup(cookie.to_bytes(8, "little")))
-                if entry.bytes + entry.passed >= len(self.payload):
-                    return
-                time.sleep(0.001)
-            raise AssertionError("the verdict never saw the bytes sent after the join")
+            wait_for_verdict(self, cookie, len(self.payload))
 
 
 def test_the_second_socket_is_redirected_from_its_join(splicer):

@@ -15,11 +15,8 @@ import socket
 import threading
 import time
 
-import pytest
 import uvloop
 
-from aiproxy.config.schema import KernelConfig
-from aiproxy.kernel.lifecycle import ProxyKernel
 from aiproxy.kernel.tunnel import TunnelSplice
 
 FILL = 32 << 20  # well past what the client's socket buffers absorb
@@ -60,16 +57,6 @@ class Pair:
 
     def other(self, side: FlowSide) -> FlowSide:
         return self.up if side is self.down else self.down
-
-
-@pytest.fixture
-def kernel(bpf_ok):
-    k = ProxyKernel()
-    k.start(KernelConfig(splice_tunnels=True))
-    if not k.splice_on:
-        pytest.skip(f"socket splicing unavailable: {k.splicer.reason}")
-    yield k
-    k.stop()
 
 
 def test_a_side_stays_paused_while_its_peer_is_over_its_mark(kernel):

@@ -16,10 +16,8 @@ import os
 import socket
 import threading
 
-import pytest
 import uvloop
 
-from aiproxy.config.schema import KernelConfig
 from aiproxy.kernel.lifecycle import ProxyKernel
 from aiproxy.kernel.tunnel import DOWN_TO_UP, UP_TO_DOWN, TunnelSplice
 from tests.kernel.test_splice import JoinRace
@@ -94,16 +92,6 @@ def _receive(sock: socket.socket, out: dict, key: str) -> None:
         h.update(chunk)
         n += len(chunk)
     out[key] = (n, h.hexdigest())
-
-
-@pytest.fixture
-def kernel(bpf_ok):
-    k = ProxyKernel()
-    k.start(KernelConfig(splice_tunnels=True))
-    if not k.splice_on:
-        pytest.skip(f"socket splicing unavailable: {k.splicer.reason}")
-    yield k
-    k.stop()  # a no-op once the test stopped it on its loop
 
 
 def test_passed_direction_is_copied_in_order(kernel):
