@@ -321,7 +321,7 @@ cdef struct Members:
 cdef inline int _next_member(cstr s, Py_ssize_t n, Members *m) noexcept nogil:
     """Step to an object's next member: 1 found (key and value noted), 0 the end, -1 a
     key with an escape in it (not compared here)."""
-    cdef Py_ssize_t i = m.i, j, o
+    cdef Py_ssize_t i = m.i, j
     if s[i] == 125:
         return 0
     j = i + 1
@@ -338,10 +338,9 @@ cdef inline int _next_member(cstr s, Py_ssize_t n, Members *m) noexcept nogil:
     return 1
 
 
-cdef inline int _open(cstr s, Py_ssize_t n, Py_ssize_t i, Members *m) noexcept nogil:
+cdef inline void _open(cstr s, Py_ssize_t n, Py_ssize_t i, Members *m) noexcept nogil:
     """Start walking the object or array at s[i]."""
     m.i = _ws(s, i + 1, n)
-    return 0
 
 
 cdef inline int _next_item(cstr s, Py_ssize_t n, Members *m) noexcept nogil:
@@ -422,13 +421,12 @@ cdef int _content(cstr s, Py_ssize_t n, Py_ssize_t i, Out *out) noexcept nogil:
             if r == 0:
                 break
             if _is(s, p.key, p.key_len, b"type", 4):
-                if s[p.value] == 34:
-                    if _has_escape(s, p.value):
-                        return -1
-                    kind = (_is(s, p.value + 1, _raw_len(s, p.value), b"text", 4)
-                            or _is(s, p.value + 1, _raw_len(s, p.value), b"input_text", 10))
-                else:
-                    kind = False
+                r = _string_is(s, p.value, b"text", 4)
+                if r == 0:
+                    r = _string_is(s, p.value, b"input_text", 10)
+                if r < 0:
+                    return -1
+                kind = r == 1
             elif _is(s, p.key, p.key_len, b"text", 4):
                 text = p.value
         if kind and text >= 0 and s[text] == 34:
@@ -436,12 +434,18 @@ cdef int _content(cstr s, Py_ssize_t n, Py_ssize_t i, Out *out) noexcept nogil:
     return 0
 
 
-cdef inline Py_ssize_t _raw_len(cstr s, Py_ssize_t i) noexcept nogil:
-    """The bytes between the quotes of the string at s[i] (one without escapes)."""
-    cdef Py_ssize_t j = i + 1
+cdef inline int _string_is(cstr s, Py_ssize_t i, const char *w, Py_ssize_t k) noexcept nogil:
+    """Is the (checked) value at s[i] the string w: 1 yes, 0 no (or not a string), -1 a
+    string with an escape in it (not compared here)."""
+    cdef Py_ssize_t j
+    if s[i] != 34:
+        return 0
+    if _has_escape(s, i):
+        return -1
+    j = i + 1
     while s[j] != 34:
         j += 1
-    return j - i - 1
+    return _is(s, i + 1, j - i - 1, w, k)
 
 
 cdef inline bint _has_escape(cstr s, Py_ssize_t i) noexcept nogil:
@@ -479,12 +483,11 @@ cdef int _messages(cstr s, Py_ssize_t n, Py_ssize_t i, Out *out) noexcept nogil:
             if r == 0:
                 break
             if _is(s, t.key, t.key_len, b"role", 4):
-                is_user = False
-                if s[t.value] == 34:
-                    if _has_escape(s, t.value):
-                        result = -1
-                        break
-                    is_user = _is(s, t.value + 1, _raw_len(s, t.value), b"user", 4)
+                r = _string_is(s, t.value, b"user", 4)
+                if r < 0:
+                    result = -1
+                    break
+                is_user = r == 1
             elif _is(s, t.key, t.key_len, b"content", 7):
                 c = t.value
         if result < 0:
