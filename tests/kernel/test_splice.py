@@ -106,36 +106,32 @@ def test_16mib_both_ways(mode, request):
         t.close()
 
 
-def wait_for_verdict(splicer: Splicer, cookie: int, size: int) -> None:
-    """Until the verdict program has handled `size` bytes of the socket (redirected or
-    passed), so a race a test sets up is certain."""
-    peers = splicer._obj.map("splice_peers")
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        entry = SplicePeer.from_buffer_copy(peers.lookup(cookie.to_bytes(8, "little")))
-        if entry.bytes + entry.passed >= size:
-            return
-        time.sleep(0.001)
-    raise AssertionError("the verdict never saw the bytes sent in the window")
-
-
 class JoinRace(Splicer):
-    """A Splicer that lets the client's bytes reach the first socket after it joined the
-    kernel's map and before its peer has: the window where a redirect would find no
-    peer. It waits until the verdict has handled them, so the race is certain."""
+    """A Splicer that sends `payload` from `sender` (the client, to the first socket; or
+    the upstream, to the second) right after the `join`-th socket joined the kernel's
+    map, and waits until the verdict has handled those bytes, so the race is certain.
+    join=1 is the window where a redirect would find no peer."""
 
-    def __init__(self, client: socket.socket, payload: bytes) -> None:
+    def __init__(self, sender: socket.socket, payload: bytes, join: int = 1) -> None:
         super().__init__()
-        self.client, self.payload, self.joined = client, payload, 0
+        self.sender, self.payload, self.join, self.joined = sender, payload, join, 0
         self.after_window = lambda: None
 
     def _join(self, socks, cookie, sock) -> None:
         super()._join(socks, cookie, sock)
         self.joined += 1
-        if self.joined == 1:
-            self.client.sendall(self.payload)
-            wait_for_verdict(self, cookie, len(self.payload))
-            self.after_window()
+        if self.joined != self.join:
+            return
+        self.sender.sendall(self.payload)
+        peers = self._obj.map("splice_peers")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            entry = SplicePeer.from_buffer_copy(peers.lookup(cookie.to_bytes(8, "little")))
+            if entry.bytes + entry.passed >= len(self.payload):
+                self.after_window()
+                return
+            time.sleep(0.001)
+        raise AssertionError("the verdict never saw the bytes sent in the window")
 
 
 def test_bytes_before_the_peer_joins_are_copied_in_order(splicer):
@@ -162,29 +158,12 @@ def test_bytes_before_the_peer_joins_are_copied_in_order(splicer):
         t.close()
 
 
-class SecondJoinRace(Splicer):
-    """A Splicer that lets the upstream's bytes (an echo of the client's, say) reach the
-    second socket right after it joined the kernel's map, before anything else happens.
-    It waits until the verdict has handled them, so the race is certain."""
-
-    def __init__(self, server: socket.socket, payload: bytes) -> None:
-        super().__init__()
-        self.server, self.payload, self.joined = server, payload, 0
-
-    def _join(self, socks, cookie, sock) -> None:
-        super()._join(socks, cookie, sock)
-        self.joined += 1
-        if self.joined == 2:
-            self.server.sendall(self.payload)
-            wait_for_verdict(self, cookie, len(self.payload))
-
-
 def test_the_second_socket_is_redirected_from_its_join(splicer):
     """Its peer is in the map already: the upstream's bytes that arrive the moment its
     socket joins are redirected, not handed to user space (which would leave that whole
     direction to be copied; CI saw it on echo tests)."""
     t = Tunnel()
-    racer = SecondJoinRace(t.server, b"an early echo")
+    racer = JoinRace(t.server, b"an early echo", join=2)
     try:
         assert racer.available()
         pair = racer.splice(t.a, t.b)
