@@ -63,6 +63,30 @@ def test_domain_routes_and_headers_upstream(start_proxy, bank_and_general, runti
     assert "aiproxy_stage_semantic_classify_seconds_count" in metrics
 
 
+def test_explicit_intent_is_utf8_both_ways(start_proxy, bank_and_general):
+    """A non-ASCII intent in the header matches a route written with it in the config and
+    reaches the upstream as the bytes the client sent; one that is not UTF-8 is a 400."""
+    bank, general = bank_and_general
+    config = semantic_config(bank, general).replace(
+        '[[routes]]\nname = "banking"',
+        '[[routes]]\nname = "transfer-de"\n'
+        'match = { path_prefix = "/echo", intent = "\u00fcberweisung" }\ncluster = "bank"\n\n'
+        '[[routes]]\nname = "banking"', 1)
+    proxy = start_proxy(config)
+    with httpx.Client(base_url=proxy.url) as client:
+        r = client.post("/echo", content=chat("tell me a joke"),
+                        headers={"content-type": "application/json",
+                                 "x-model-intent": "\u00fcberweisung".encode()})
+        assert r.status_code == 200
+        assert r.headers["x-upstream"] == "bank"
+        assert r.json()["headers"]["x-aiproxy-intent"] == "\u00fcberweisung"
+        r = client.post("/echo", content=chat("tell me a joke"),
+                        headers={"content-type": "application/json",
+                                 "x-model-intent": b"\xfcberweisung"})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "x-model-intent is not UTF-8"
+
+
 def test_large_body_streams_untouched(start_proxy, bank_and_general):
     proxy = start_proxy(semantic_config(*bank_and_general))
     prefix = b'{"model": "m", "messages": [{"role": "user", "content": "transfer money to my savings"}], "pad": "'

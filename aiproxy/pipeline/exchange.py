@@ -267,7 +267,13 @@ class Exchange(ExchangeBase):
         if sem is not None and self.rt.table.uses_intent:
             explicit = head.get(sem.header)
             if explicit is not None:
-                self.intent = explicit.decode("latin-1")
+                # UTF-8, as the config's intent names are: it matches a route written
+                # in the same characters and goes upstream as the same bytes.
+                try:
+                    self.intent = explicit.decode()
+                except UnicodeDecodeError:
+                    return self.local_reply(
+                        400, f"{sem.header.decode()} is not UTF-8")
                 self.intent_domain = sem.domain_of(self.intent)
                 self.intent_conf = 1.0
                 sem.explicit += 1
