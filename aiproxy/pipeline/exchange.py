@@ -29,9 +29,9 @@ import logging
 import re
 from functools import partial
 from random import random
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from aiproxy._fast.clock import monotonic
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
 from aiproxy.pipeline.ends import ExchangeBase, forwarded_lines
@@ -179,10 +179,10 @@ class Exchange(ExchangeBase):
         self.grpc = False
         self.deadline_at = INFINITY
         self.up_chunked = False
-        # Stage stamps use perf_counter: the loop clock has millisecond resolution.
-        self.t_parsed = perf_counter()
-        waited = self.loop.time() - now
-        self.t_start_pc = self.t_parsed - waited if waited > 0.0 else self.t_parsed
+        # Stage stamps use the fine clock (_fast/clock.pyx); `now`, when the head began to
+        # arrive, is on the same clock, at millisecond steps where it is a loop.time().
+        self.t_parsed = monotonic()
+        self.t_start_pc = now if now < self.t_parsed else self.t_parsed
         self.t_routed = 0.0
         self.t_connect = 0.0
         self.t_connected = 0.0
@@ -325,7 +325,7 @@ class Exchange(ExchangeBase):
 
     def _classify(self, body: bytes) -> None:
         sem = self.rt.semantic
-        t0 = perf_counter()
+        t0 = monotonic()
         head = self.head
         q = self.up_target.find(b"?")
         try:
@@ -337,7 +337,7 @@ class Exchange(ExchangeBase):
             sem.failures += 1
             text = ""
         if not text:
-            self.t_classify = perf_counter() - t0
+            self.t_classify = monotonic() - t0
             return self._route()
         cache = self.rt.decision_cache
         if cache is not None:  # the embedding cache: a prompt seen before skips the model
@@ -379,7 +379,7 @@ class Exchange(ExchangeBase):
             decisions = self.rt.semantic.decisions  # by domain, for /metrics
             domain = decision.domain or "none"
             decisions[domain] = decisions.get(domain, 0) + 1
-        self.t_classify = perf_counter() - t0
+        self.t_classify = monotonic() - t0
         self._route()
 
     def _route(self) -> None:
@@ -463,7 +463,7 @@ class Exchange(ExchangeBase):
         self.reading_body = False
         self.status = result.head.status
         self.head_sent = True
-        self.t_first = perf_counter()
+        self.t_first = monotonic()
         resp = self._filter_head(result.head)
         if resp is None:
             return
@@ -550,7 +550,7 @@ class Exchange(ExchangeBase):
                             else cluster.cfg.request_timeout_ms / 1000)
         if route.prefix_rewrite is not None:
             self.up_target = route.prefix_rewrite + self.up_target[len(route.path_prefix):]
-        self.t_routed = perf_counter()
+        self.t_routed = monotonic()
         if self.reading_body:
             self._send_continue()
         if route.model is not None and self._model_body(head):
@@ -728,7 +728,7 @@ class Exchange(ExchangeBase):
             # The upstream gets the time left, not the client's whole budget.
             fields = [f for f in fields if f[0] != b"grpc-timeout"]
             fields.append((b"grpc-timeout",
-                           grpc_timeout_value(self.deadline_at - self.loop.time())))
+                           grpc_timeout_value(self.deadline_at - monotonic())))
         return fields
 
     def request_trailers(self) -> list[tuple[bytes, bytes]] | None:
@@ -744,7 +744,7 @@ class Exchange(ExchangeBase):
     def feed_body(self, data: bytes | memoryview) -> int:
         """HTTP/1.1: take request body bytes from data; returns how many were body.
         data may be a view of the connection's read buffer (see _forward)."""
-        self.body_activity = self.loop.time()
+        self.body_activity = monotonic()
         if self.req_mode == REQ_LENGTH:
             n = len(data)
             rem = self.req_remaining
@@ -778,7 +778,7 @@ class Exchange(ExchangeBase):
 
     def body_data(self, data: bytes) -> None:
         """HTTP/2: one DATA frame's payload."""
-        self.body_activity = self.loop.time()
+        self.body_activity = monotonic()
         self.req_bytes += len(data)
         max_body = self.rt.max_body
         if max_body and self.req_bytes > max_body:
@@ -819,7 +819,7 @@ class Exchange(ExchangeBase):
     def _request_complete(self) -> None:
         self.reading_body = False
         self.req_done = True
-        self.req_done_at = self.loop.time()
+        self.req_done_at = monotonic()
         pool = self.hold
         if pool is not None and not self.finished:
             self.hold = None
@@ -873,7 +873,7 @@ class Exchange(ExchangeBase):
             self._new_connection(pool)
 
     def _new_connection(self, pool: Pool) -> None:
-        self.t_connect = perf_counter()
+        self.t_connect = monotonic()
         if not self.pending_conn:
             self.pending_conn = True
             self.cluster.pending += 1
@@ -895,7 +895,7 @@ class Exchange(ExchangeBase):
             return
         self.connect_task = None
         self._unpend()
-        self.t_connected = perf_counter()
+        self.t_connected = monotonic()
         if self.finished:
             pool.release(up)
             return
@@ -967,7 +967,7 @@ class Exchange(ExchangeBase):
     def _attach(self, up: Any, reused: bool) -> None:
         self.upstream = up
         self.reused = reused
-        self.t_sent = perf_counter()
+        self.t_sent = monotonic()
         up.start(self)
         if self.pending:
             up.send_body(self.pending)
@@ -1023,7 +1023,7 @@ class Exchange(ExchangeBase):
 
     def on_upstream_head(self, resp: Any, mode: int) -> None:
         status = resp.status
-        t_first = perf_counter()
+        t_first = monotonic()
         cluster = self.cluster
         pool = self.pool
         stats = pool.stats
@@ -1060,7 +1060,7 @@ class Exchange(ExchangeBase):
             return
         self.status = status
         self.head_sent = True
-        self.activity = self.loop.time()
+        self.activity = monotonic()
         self.t_first = t_first
         if mode == BODY_TUNNEL:
             return self._start_tunnel(resp)
@@ -1079,7 +1079,7 @@ class Exchange(ExchangeBase):
         self.resp_bytes += len(data)
         if self.tok_tail is not None:
             self.tok_tail = (self.tok_tail + data)[-TOKEN_TAIL:]
-        self.activity = self.loop.time()
+        self.activity = monotonic()
         self.down.send_body(data)
 
     def flush(self) -> None:
@@ -1178,7 +1178,7 @@ class Exchange(ExchangeBase):
         self.down.pause(P_UPSTREAM)
 
     def on_upstream_resume_writing(self) -> None:
-        self.body_activity = self.loop.time()
+        self.body_activity = monotonic()
         splice = self.splice
         if splice is not None and splice.holds(0):
             # The splice keeps the client from reading and resumes it itself.
@@ -1193,7 +1193,7 @@ class Exchange(ExchangeBase):
             self.upstream.pause()
 
     def on_client_resume_writing(self) -> None:
-        self.activity = self.loop.time()
+        self.activity = monotonic()
         up = self.upstream
         if up is not None:
             splice = self.splice
@@ -1386,7 +1386,7 @@ class Exchange(ExchangeBase):
     def timings(self) -> dict[str, float]:
         """Seconds per stage, for metrics, the access log and Server-Timing."""
         out = {"accept_to_headers": self.t_parsed - self.t_start_pc,
-               "total": perf_counter() - self.t_start_pc}
+               "total": monotonic() - self.t_start_pc}
         if self.t_routed:
             out["route_decision"] = self.t_routed - self.t_parsed - self.t_classify
         if self.t_classify:

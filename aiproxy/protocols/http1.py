@@ -23,6 +23,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
+from aiproxy._fast.clock import monotonic
 from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
 from aiproxy.pipeline.ends import Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange, serialize_without
@@ -116,7 +117,7 @@ class H1ConnectionCore(Downstream):
             self.scheme = b"https"
         self.forwarded = forwarded_lines(self.peer, self.scheme)
         self.server.connections.add(self)
-        self.head_started = self.idle_since = self.loop.time()
+        self.head_started = self.idle_since = monotonic()
         self._arm(self.server.runtime.min_timeout)
 
     def get_buffer(self, sizehint: int) -> bytearray:
@@ -134,7 +135,7 @@ class H1ConnectionCore(Downstream):
                     and not self.tunnel and not self.lingering
                     and not (self.h2c and not self.served)):
                 # A new request head: parsed in place, only the rest is copied.
-                self.head_started = self.loop.time()
+                self.head_started = monotonic()
                 self.in_process = True
                 try:
                     started = self._start_exchange(slab, nbytes)
@@ -180,7 +181,7 @@ class H1ConnectionCore(Downstream):
                 self._process()
             return
         if ex is None and not self.buf:
-            self.head_started = self.loop.time()
+            self.head_started = monotonic()
         self.buf += data
         self._process()
 
@@ -339,7 +340,7 @@ class H1ConnectionCore(Downstream):
         if self.pause_mask:
             self.pause_mask = 0
             self.transport.resume_reading()
-        self.idle_since = self.head_started = self.loop.time()
+        self.idle_since = self.head_started = monotonic()
         if self.buf:
             self._process()
         elif not rt.keepalive_timeout_ms:
@@ -560,7 +561,7 @@ class H1ConnectionCore(Downstream):
             return
         rt = self.server.runtime
         http = rt.http
-        now = self.loop.time()
+        now = monotonic()
         ex = self.exchange
         left: float | None
         if ex is not None:

@@ -6,6 +6,7 @@ import asyncio
 import ssl
 from typing import TYPE_CHECKING
 
+from aiproxy._fast.clock import monotonic
 from aiproxy.config import ClusterConfig, Endpoint, UpstreamTlsConfig
 from aiproxy.protocols.h1_upstream import H1UpstreamConnection
 from aiproxy.protocols.h2_upstream import H2UpstreamConnection, H2UpstreamStream
@@ -152,7 +153,7 @@ class Pool(EndpointPool):
                     and c.requests >= cfg.max_requests_per_connection)):
             c.close()
             return
-        c.park(self.loop.time())
+        c.park(monotonic())
         self.idle.append(c)
         if self._sweep is None:
             self._sweep = self.loop.call_later(cfg.idle_timeout_ms / 1000, self._expire)
@@ -166,7 +167,7 @@ class Pool(EndpointPool):
     def _expire(self) -> None:
         self._sweep = None
         timeout = self.cluster_cfg.idle_timeout_ms / 1000
-        deadline = self.loop.time() - timeout
+        deadline = monotonic() - timeout
         keep = []
         for conn in self.idle:
             if conn.idle_since <= deadline:
@@ -175,7 +176,7 @@ class Pool(EndpointPool):
                 keep.append(conn)
         self.idle = keep
         if keep:
-            wait = keep[0].idle_since + timeout - self.loop.time()
+            wait = keep[0].idle_since + timeout - monotonic()
             self._sweep = self.loop.call_later(max(wait, 0.001), self._expire)
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
 # Compiled by Cython in pure-Python mode (setup.py): recorder.py is the source.
+from aiproxy._fast.clock cimport monotonic
 from aiproxy.pipeline.exchange cimport Exchange
 from aiproxy.telemetry.access_log cimport iso_now, ms
 from aiproxy.telemetry.metrics cimport Metrics

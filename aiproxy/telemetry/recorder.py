@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from aiproxy._fast.clock import monotonic
 from aiproxy.telemetry.access_log import AccessLog, iso_now, ms
 from aiproxy.telemetry.metrics import Metrics
 
@@ -35,7 +35,7 @@ class Telemetry:
         cluster = ex.cluster.name if ex.cluster is not None else ""
         status = ex.status if not (ex.client_lost and not ex.head_sent) else CLIENT_CLOSED
         self.metrics.exchange_stamps(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
-                                     ex, perf_counter())
+                                     ex, monotonic())
         log = self.access_log
         if log is None:
             return
