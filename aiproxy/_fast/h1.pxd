@@ -13,6 +13,9 @@ cdef enum:
     F_NAMED_BY_CONNECTION = 512
 
 
+cpdef Py_ssize_t find_query(bytes target) except -2
+
+
 cdef class Head:
     cdef readonly bytes raw
     cdef readonly Py_ssize_t consumed

@@ -12,7 +12,7 @@ errors in upstream responses to 502.
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.string cimport memcpy
+from libc.string cimport memchr, memcpy
 
 
 class ParseError(Exception):
@@ -252,6 +252,15 @@ cdef class RequestHead(Head):
     def __repr__(self):
         version = "2" if self.version == 20 else f"1.{self.version % 10}"
         return f"<RequestHead {self.method!r} {self.target!r} HTTP/{version}>"
+
+
+cpdef Py_ssize_t find_query(bytes target) except -2:
+    """Where the '?' of a request target is, or -1: target.find(b"?") as a C call."""
+    if target is None:
+        raise TypeError("find_query() needs bytes, not None")
+    cdef const char *p = PyBytes_AS_STRING(target)
+    cdef const char *hit = <const char *>memchr(p, 63, len(target))  # '?'
+    return -1 if hit == NULL else hit - p
 
 
 def fields_request_head(list items, list flags, long long content_length, bytes method,

@@ -1,7 +1,18 @@
 # Compiled by Cython in pure-Python mode (setup.py): ends.py is the source.
 
+cdef class Reporter:
+    cpdef exchange_done(self, ex)
+
+
+cdef class ServerCore:
+    cdef public object runtime  # a server.runtime.Runtime, swapped on reload
+    cdef public Reporter telemetry
+    cdef public bint draining
+
+
 cdef class Downstream:
-    cdef public object loop, server
+    cdef public object loop
+    cdef public ServerCore server
     cdef public bytes peer, scheme
     cdef public bytes forwarded  # X-Forwarded-For/-Proto lines for this client
 

@@ -21,6 +21,22 @@ def forwarded_lines(peer: bytes, scheme: bytes) -> bytes:
     return b"X-Forwarded-For: " + peer + b"\r\nX-Forwarded-Proto: " + scheme + b"\r\n"
 
 
+class ServerCore:
+    """What the per-request path reads of the server (app.ProxyServer is the subclass):
+    C fields, so a connection or exchange reads them without an attribute lookup."""
+
+    __slots__ = ("runtime", "telemetry", "draining")
+
+
+class Reporter:
+    """What ends an exchange's life: telemetry.recorder.Telemetry is the subclass."""
+
+    __slots__ = ()
+
+    def exchange_done(self, ex: Any) -> None:
+        raise NotImplementedError
+
+
 class Downstream:
     """The client side: an HTTP/1.1 connection or one HTTP/2 stream."""
 

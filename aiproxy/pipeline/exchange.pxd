@@ -3,7 +3,7 @@
 cimport cython
 
 from aiproxy._fast.clock cimport monotonic
-from aiproxy._fast.h1 cimport RequestHead
+from aiproxy._fast.h1 cimport RequestHead, find_query
 from aiproxy.pipeline.ends cimport Downstream, ExchangeBase, Upstream
 from aiproxy.routing.cluster cimport Cluster
 from aiproxy.routing.pool cimport EndpointPool
@@ -42,7 +42,7 @@ cdef class Exchange(ExchangeBase):
     @cython.locals(head=RequestHead)
     cpdef start(self)
     cpdef _send_continue(self)
-    @cython.locals(head=RequestHead)
+    @cython.locals(head=RequestHead, route=Route)
     cpdef _route(self)
     cpdef _dispatch(self)
     cpdef _inspect(self, int kind, long long limit)

@@ -32,7 +32,7 @@ from random import random
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.clock import monotonic
-from aiproxy._fast.h1 import ChunkedDecoder, ParseError
+from aiproxy._fast.h1 import ChunkedDecoder, ParseError, find_query
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
 from aiproxy.pipeline.ends import ExchangeBase, forwarded_lines
 from aiproxy.pipeline.filters import (
@@ -139,11 +139,12 @@ class Exchange(ExchangeBase):
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
+        # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
-        self.loop = down.loop
-        self.rt = down.server.runtime
+        self.loop = self.down.loop
+        self.rt = self.down.server.runtime
         self.head = head
-        self.method = head.method
+        self.method = self.head.method
         self.route: Route | None = None
         self.pool: Pool | None = None
         self.upstream: Any = None
@@ -242,7 +243,7 @@ class Exchange(ExchangeBase):
         elif target[:1] == b"/":
             if target.find(b"#") >= 0:  # not `in`: see needs_normalizing()
                 return self.local_reply(400, "fragment in request target")
-            q = target.find(b"?")
+            q = find_query(target)
             self.path = target if q < 0 else target[:q]
             self.up_target = target
         elif target == b"*" and method == b"OPTIONS":
@@ -327,7 +328,7 @@ class Exchange(ExchangeBase):
         sem = self.rt.semantic
         t0 = monotonic()
         head = self.head
-        q = self.up_target.find(b"?")
+        q = find_query(self.up_target)
         try:
             text = extract_text(head.get(b"content-type") or b"", body,
                                 self.up_target[q + 1:] if q >= 0 else b"", sem.json_fields,
@@ -387,7 +388,7 @@ class Exchange(ExchangeBase):
         method = self.method
         host = head.host if not self.host_line else self.host_line[6:-2]
         up_target = self.up_target
-        q = up_target.find(b"?")
+        q = find_query(up_target)
         route = self.rt.table.match(method, self.path, host, head,
                                     up_target[q + 1:] if q >= 0 else b"",
                                     (self.intent, self.intent_domain))
@@ -535,7 +536,7 @@ class Exchange(ExchangeBase):
         head = self.head
         route = self.route
         cluster = self.cluster
-        if cluster.cfg.max_requests:
+        if cluster.max_requests:
             why = cluster.overflow()
             if why is not None:
                 return self.local_reply(503, why, "upstream_overflow")
@@ -546,8 +547,7 @@ class Exchange(ExchangeBase):
         cluster.active += 1
         self.counted = True
         timeout = route.timeout
-        self.req_timeout = (timeout if timeout is not None
-                            else cluster.cfg.request_timeout_ms / 1000)
+        self.req_timeout = timeout if timeout is not None else cluster.request_timeout
         if route.prefix_rewrite is not None:
             self.up_target = route.prefix_rewrite + self.up_target[len(route.path_prefix):]
         self.t_routed = monotonic()

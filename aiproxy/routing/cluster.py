@@ -279,7 +279,7 @@ BALANCER_TYPES = {"round_robin": RoundRobin, "least_request": LeastRequest,
 class Cluster:
     __slots__ = ("name", "cfg", "pools", "loop", "balancer", "active", "pending",
                  "retries_active", "overflows", "checker", "track_tokens", "score_alpha",
-                 "limits_connections", "poller")
+                 "limits_connections", "poller", "max_requests", "request_timeout")
 
     def __init__(self, cfg: ClusterConfig, http: HttpConfig, loop: asyncio.AbstractEventLoop,
                  reuse: dict[tuple, Pool | H2Pool] | None = None) -> None:
@@ -306,6 +306,8 @@ class Cluster:
         self.retries_active = 0
         self.overflows = 0  # requests refused by a circuit breaker
         self.limits_connections = bool(cfg.max_pending or cfg.max_connections)
+        self.max_requests = cfg.max_requests  # circuit breaker; 0: none
+        self.request_timeout = cfg.request_timeout_ms / 1000
         self.track_tokens = cfg.balancer == "llm_score"
         self.score_alpha = cfg.llm_score.ewma_alpha
         self.balancer: Balancer = BALANCER_TYPES[cfg.balancer](self)

@@ -18,6 +18,7 @@ from aiproxy.admin.server import AdminServer, LocalBackend
 from aiproxy.config import Config, ConfigError, ListenerConfig, load_config, load_config_text
 from aiproxy.config.schema import KernelConfig
 from aiproxy.kernel.lifecycle import KernelStartError, ProxyKernel
+from aiproxy.pipeline.ends import ServerCore
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
 from aiproxy.protocols.tcp_proxy import TcpProxyConnection
@@ -41,7 +42,7 @@ def worker_config(config: Config, slot: int | None) -> Config:
     return dataclasses.replace(config, audit=audit)
 
 
-class ProxyServer:
+class ProxyServer(ServerCore):
     def __init__(self, config: Config, loop: asyncio.AbstractEventLoop,
                  model: Any = None) -> None:
         self.loop = loop

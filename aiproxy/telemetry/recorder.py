@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.clock import monotonic
+from aiproxy.pipeline.ends import Reporter
 from aiproxy.telemetry.access_log import AccessLog, iso_now, ms
 from aiproxy.telemetry.metrics import Metrics
 
@@ -22,14 +23,15 @@ def trace_id(traceparent: bytes | None) -> str | None:
     return traceparent[3:35].decode("ascii", "replace")
 
 
-class Telemetry:
+class Telemetry(Reporter):
     __slots__ = ("metrics", "access_log")
 
     def __init__(self, metrics: Metrics, access_log: AccessLog | None) -> None:
         self.metrics = metrics
         self.access_log = access_log
 
-    def exchange_done(self, ex: Exchange) -> None:
+    def exchange_done(self, exchange: Exchange) -> None:
+        ex = exchange
         route = ex.route
         route_name = route.name if route is not None else ""
         cluster = ex.cluster.name if ex.cluster is not None else ""
