@@ -8,6 +8,7 @@ from aiproxy._fast.h1 cimport ResponseHead
 from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
 
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
+cdef Py_ssize_t SMALL_COPY
 
 
 cdef class H1UpstreamCore(Upstream):
@@ -16,7 +17,7 @@ cdef class H1UpstreamCore(Upstream):
     cdef public bytearray buf, slab
     cdef public int state, mode
     cdef public long long remaining, requests
-    cdef public bint no_body, keep_alive, broken, received, reading_paused, chunked
+    cdef public bint no_body, keep_alive, broken, received, reading_paused, chunked, viewed
     cdef public double idle_since
 
     @cython.locals(ex=ExchangeBase)

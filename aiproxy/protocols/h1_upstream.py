@@ -41,6 +41,12 @@ _BODY = 2
 _TUNNEL = 3
 _CLOSED = 4
 
+# Body bytes up to this size go to the client as a copy, not as a view of the read slab:
+# uvloop queues a write until the end of the loop pass, so a slab with a view in a
+# transport is parked and checked again later (bufpool.pyx), which costs more than
+# copying a small body.
+SMALL_COPY = 2048
+
 
 class H1UpstreamCore(Upstream):
     """The protocol's state and code (compiled as a C class: h1_upstream.pxd); the
@@ -48,7 +54,7 @@ class H1UpstreamCore(Upstream):
 
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
-                 "received", "reading_paused", "chunked", "slab", "views_to")
+                 "received", "reading_paused", "chunked", "slab", "views_to", "viewed")
 
     # send_body() hands what it gets to the transport at once and keeps no reference:
     # the client connection may pass views of its read slab.
@@ -74,6 +80,7 @@ class H1UpstreamCore(Upstream):
         self.slab: bytearray | None = None
         # The downstream transport body views go to, or None: body as bytes.
         self.views_to: asyncio.Transport | None = None
+        self.viewed = False  # whether _head passed on a view of the slab it parsed
 
     # -- driven by the exchange -------------------------------------------------
 
@@ -173,16 +180,21 @@ class H1UpstreamCore(Upstream):
         views_to = self.views_to
         try:
             if state == _BODY:
-                if views_to is None:
+                if views_to is None or nbytes <= SMALL_COPY:
+                    views_to = None
                     self._body(copy_out(slab, 0, nbytes))
                 else:
                     self._body(memoryview(slab)[:nbytes])
             elif state == _HEAD:
                 if self.buf:
+                    views_to = None  # copied into buf
                     self.buf += memoryview(slab)[:nbytes]
                     self._head(None, 0)
                 else:
+                    self.viewed = False
                     self._head(slab, nbytes)
+                    if not self.viewed:
+                        views_to = None
             elif state == _TUNNEL:
                 views_to = None
                 self.exchange.on_upstream_tunnel_data(copy_out(slab, 0, nbytes))
@@ -298,9 +310,10 @@ class H1UpstreamCore(Upstream):
             self.buf.clear()
         elif start == nbytes:
             rest = b""
-        elif mode == BODY_TUNNEL or self.views_to is None:
+        elif mode == BODY_TUNNEL or self.views_to is None or nbytes - start <= SMALL_COPY:
             rest = copy_out(slab, start, nbytes)
         else:
+            self.viewed = True
             rest = memoryview(slab)[start:nbytes]
         ex = self.exchange
         if mode == BODY_TUNNEL:
