@@ -587,6 +587,17 @@ def test_serialize_drop_by_mask():
     assert h.serialize(b"S\r\n", b"E: 1\r\n", 0xFFFF) == b"S\r\nAccept:   */*  \r\nE: 1\r\n\r\n"
     assert h.serialize(b"", b"", 0xFFFF) == b"Accept:   */*  \r\n\r\n"
 
+    # compose(): the same bytes from the start line and the added lines as pieces
+    for mask in (0, F_HOP | F_XFF | F_XFP, F_NAMED_BY_CONNECTION, F_HOST, 0xFFFF):
+        for start, extra in (([b"POST", b" ", b"/p", b" HTTP/1.1\r\n"], [b"E: 1\r\n", b"F: 2\r\n"]),
+                             ([], []), ([b"S\r\n"], [b""])):
+            assert h.compose(start, extra, mask) == h.serialize(b"".join(start),
+                                                               b"".join(extra), mask)
+    with pytest.raises(TypeError):
+        h.compose([b"S\r\n", "not bytes"], [], 0)
+    with pytest.raises(TypeError):
+        h.compose([], [bytearray(b"E: 1\r\n")], 0)
+
 
 def test_serialize_without_fields():
     h = check_valid_request(b"GET / HTTP/1.0\r\n\r\n")

@@ -669,7 +669,6 @@ class Exchange(ExchangeBase):
             upgrade = forwarded_upgrade(head.upgrade)
             if upgrade is not None:
                 extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
-        start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
         route = self.route
         remove = None
         if route.has_policy:
@@ -682,8 +681,9 @@ class Exchange(ExchangeBase):
             names = frozenset([n for n, _ in up_headers])
             remove = remove | names if remove else names
         if remove:
+            start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
             return serialize_without(head, start_line, b"".join(extra), drop, remove)
-        return head.serialize(start_line, b"".join(extra), drop)
+        return head.compose([self.method, b" ", self.up_target, b" HTTP/1.1\r\n"], extra, drop)
 
     def h2_request_headers(self, pool: Pool) -> list[tuple[bytes, bytes]]:
         """The request fields for an HTTP/2 upstream (RFC 9113 8.3.1 pseudo-fields first)."""

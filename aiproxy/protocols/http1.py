@@ -424,7 +424,7 @@ class H1ConnectionCore(Downstream):
                                                   route.resp_remove)
                 return keep
         if r is not None:
-            self.head_out = r.serialize(status_line, b"".join(extra), drop)
+            self.head_out = r.compose([status_line], extra, drop)
         else:
             self.head_out = resp.serialize(status_line, b"".join(extra), drop)
         return keep
