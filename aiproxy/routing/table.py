@@ -293,7 +293,8 @@ def _scan(bucket: _Bucket, best: Route | None, method: bytes, path: bytes,
         prefixes = bucket.prefixes
         for length in bucket.prefix_lens:
             if length <= n:
-                routes = prefixes[length].get(path[:length])
+                by_prefix = prefixes[length]
+                routes = by_prefix.get(path[:length])
                 if routes is not None:
                     best = _first(routes, best, method, path, head, query, sem)
     if bucket.other:
