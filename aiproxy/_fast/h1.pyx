@@ -222,27 +222,10 @@ cdef class Head:
 
     cpdef bytes serialize(self, bytes start_line, bytes extra, unsigned int drop_mask):
         """start_line + every field line whose flags miss drop_mask + extra + CRLF."""
-        cdef Py_ssize_t total = len(start_line) + len(extra) + 2, i, ln
-        cdef int *o
-        for i in range(self.header_count):
-            if not (self.flags[i] & drop_mask):
-                o = self.offs + 5 * i
-                total += o[4] - o[0]
-        cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
-        cdef char *dst = PyBytes_AS_STRING(out)
-        cdef const char *r = PyBytes_AS_STRING(self.raw)
-        ln = len(start_line)
-        memcpy(dst, PyBytes_AS_STRING(start_line), ln)
-        dst += ln
-        for i in range(self.header_count):
-            if not (self.flags[i] & drop_mask):
-                o = self.offs + 5 * i
-                ln = o[4] - o[0]
-                memcpy(dst, r + o[0], ln)
-                dst += ln
-        ln = len(extra)
-        memcpy(dst, PyBytes_AS_STRING(extra), ln)
-        dst += ln
+        cdef bytes out = PyBytes_FromStringAndSize(
+            NULL, len(start_line) + _kept_size(self, drop_mask) + len(extra) + 2)
+        cdef char *dst = _put(PyBytes_AS_STRING(out), start_line)
+        dst = _put(_copy_kept(self, dst, drop_mask), extra)
         dst[0] = 13
         dst[1] = 10
         return out
@@ -250,38 +233,53 @@ cdef class Head:
     cpdef bytes compose(self, list start, list extra, unsigned int drop_mask):
         """serialize(b"".join(start), b"".join(extra), drop_mask) in one allocation: the
         proxy's start line and added field lines come as pieces (bytes each)."""
-        cdef Py_ssize_t total = 2, i, ln
-        cdef int *o
+        cdef Py_ssize_t total = _kept_size(self, drop_mask) + 2
         cdef object piece
         for piece in start:
             total += len(<bytes?>piece)
         for piece in extra:
             total += len(<bytes?>piece)
-        for i in range(self.header_count):
-            if not (self.flags[i] & drop_mask):
-                o = self.offs + 5 * i
-                total += o[4] - o[0]
         cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
         cdef char *dst = PyBytes_AS_STRING(out)
-        cdef const char *r = PyBytes_AS_STRING(self.raw)
         for piece in start:
-            ln = len(<bytes>piece)
-            memcpy(dst, PyBytes_AS_STRING(piece), ln)
-            dst += ln
-        for i in range(self.header_count):
-            if not (self.flags[i] & drop_mask):
-                o = self.offs + 5 * i
-                ln = o[4] - o[0]
-                memcpy(dst, r + o[0], ln)
-                dst += ln
+            dst = _put(dst, <bytes>piece)
+        dst = _copy_kept(self, dst, drop_mask)
         for piece in extra:
-            ln = len(<bytes>piece)
-            memcpy(dst, PyBytes_AS_STRING(piece), ln)
-            dst += ln
+            dst = _put(dst, <bytes>piece)
         dst[0] = 13
         dst[1] = 10
         return out
 
+
+cdef inline Py_ssize_t _kept_size(Head h, unsigned int drop_mask):
+    """Bytes of the field lines (CRLF included) whose flags miss drop_mask."""
+    cdef Py_ssize_t total = 0, i
+    cdef int *o
+    for i in range(h.header_count):
+        if not (h.flags[i] & drop_mask):
+            o = h.offs + 5 * i
+            total += o[4] - o[0]
+    return total
+
+
+cdef inline char *_copy_kept(Head h, char *dst, unsigned int drop_mask):
+    """Copy those field lines to dst, as they arrived; returns the end."""
+    cdef const char *r = PyBytes_AS_STRING(h.raw)
+    cdef Py_ssize_t i, ln
+    cdef int *o
+    for i in range(h.header_count):
+        if not (h.flags[i] & drop_mask):
+            o = h.offs + 5 * i
+            ln = o[4] - o[0]
+            memcpy(dst, r + o[0], ln)
+            dst += ln
+    return dst
+
+
+cdef inline char *_put(char *dst, bytes piece):
+    cdef Py_ssize_t ln = len(piece)
+    memcpy(dst, PyBytes_AS_STRING(piece), ln)
+    return dst + ln
 
 cdef class RequestHead(Head):
     def __repr__(self):
