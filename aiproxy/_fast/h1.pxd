@@ -14,6 +14,11 @@ cdef enum:
 
 
 cpdef Py_ssize_t find_query(bytes target) except -2
+# C calls from the connections (no argument boxing): defaults are in h1.pyx.
+cpdef object parse_request(object buf, Py_ssize_t max_head=*, Py_ssize_t max_line=*,
+                           Py_ssize_t max_headers=*, Py_ssize_t length=*)
+cpdef object parse_response(object buf, Py_ssize_t max_head=*, Py_ssize_t max_headers=*,
+                            Py_ssize_t length=*)
 
 
 cdef class Head:

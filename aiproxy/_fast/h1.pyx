@@ -587,9 +587,9 @@ cdef int _parse_version(const unsigned char *p, Py_ssize_t a, Py_ssize_t n, int 
     return 1
 
 
-def parse_request(object buf, Py_ssize_t max_head=32768,
-                  Py_ssize_t max_line=8192, Py_ssize_t max_headers=100,
-                  Py_ssize_t length=-1):
+cpdef object parse_request(object buf, Py_ssize_t max_head=32768,
+                          Py_ssize_t max_line=8192, Py_ssize_t max_headers=100,
+                          Py_ssize_t length=-1):
     """Parse a request head at the start of buf (its first `length` bytes when given:
     a read buffer filled in part). None when incomplete."""
     # A plain buffer request: a typed memoryview costs more than the parse of a
@@ -731,8 +731,8 @@ cdef _finish_framing(Head h, FieldState *st, bint is_request):
         h.upgrade = PyBytes_FromStringAndSize(PyBytes_AS_STRING(h.raw) + o[2], o[3] - o[2])
 
 
-def parse_response(object buf, Py_ssize_t max_head=32768,
-                   Py_ssize_t max_headers=100, Py_ssize_t length=-1):
+cpdef object parse_response(object buf, Py_ssize_t max_head=32768,
+                           Py_ssize_t max_headers=100, Py_ssize_t length=-1):
     """Parse a response head at the start of buf (its first `length` bytes when given).
     None when incomplete."""
     cdef Py_buffer view

@@ -4,7 +4,7 @@
 cimport cython
 
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
-from aiproxy._fast.h1 cimport ResponseHead
+from aiproxy._fast.h1 cimport ResponseHead, parse_response
 from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
 
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
@@ -19,6 +19,7 @@ cdef class H1UpstreamCore(Upstream):
     cdef public long long remaining, requests
     cdef public bint no_body, keep_alive, broken, received, reading_paused, chunked, viewed
     cdef public double idle_since
+    cdef public Py_ssize_t max_head, max_headers  # the pool's, read per response
 
     @cython.locals(ex=ExchangeBase)
     cpdef start(self, exchange)
@@ -29,7 +30,8 @@ cdef class H1UpstreamCore(Upstream):
     cpdef pause(self)
     cpdef resume(self)
     cpdef close(self)
-    @cython.locals(resp=ResponseHead, ex=ExchangeBase)
+    @cython.locals(resp=ResponseHead, ex=ExchangeBase, start=Py_ssize_t, status=cython.int,
+                   mode=cython.int, max_head=Py_ssize_t)
     cpdef _head(self, bytearray slab, Py_ssize_t nbytes)
     @cython.locals(ex=ExchangeBase)
     cpdef _body(self, data)

@@ -54,7 +54,8 @@ class H1UpstreamCore(Upstream):
 
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
-                 "received", "reading_paused", "chunked", "slab", "views_to", "viewed")
+                 "received", "reading_paused", "chunked", "slab", "views_to", "viewed",
+                 "max_head", "max_headers")
 
     # send_body() hands what it gets to the transport at once and keeps no reference:
     # the client connection may pass views of its read slab.
@@ -81,6 +82,8 @@ class H1UpstreamCore(Upstream):
         # The downstream transport body views go to, or None: body as bytes.
         self.views_to: asyncio.Transport | None = None
         self.viewed = False  # whether _head passed on a view of the slab it parsed
+        self.max_head = pool.max_head
+        self.max_headers = pool.max_headers
 
     # -- driven by the exchange -------------------------------------------------
 
@@ -259,24 +262,24 @@ class H1UpstreamCore(Upstream):
 
     def _head(self, slab: bytearray | None, nbytes: int) -> None:
         """Parse from self.buf, or (self.buf empty) in place from slab[:nbytes]."""
-        pool = self.pool
+        max_head = self.max_head
         start = 0
         while True:
             try:
                 if slab is None:
-                    resp = parse_response(self.buf, pool.max_head, pool.max_headers)
+                    resp = parse_response(self.buf, max_head, self.max_headers)
                 elif start:
-                    resp = parse_response(memoryview(slab)[start:nbytes], pool.max_head,
-                                          pool.max_headers)
+                    resp = parse_response(memoryview(slab)[start:nbytes], max_head,
+                                          self.max_headers)
                 else:
-                    resp = parse_response(slab, pool.max_head, pool.max_headers, nbytes)
+                    resp = parse_response(slab, max_head, self.max_headers, nbytes)
             except ParseError as exc:
                 self._fail("upstream_bad_response", exc.message)
                 return
             if resp is None:
                 if slab is not None:
                     self.buf += memoryview(slab)[start:nbytes]
-                if len(self.buf) > pool.max_head:
+                if len(self.buf) > max_head:
                     self._fail("upstream_bad_response", "upstream response head too large")
                 return
             if slab is None:
@@ -297,7 +300,7 @@ class H1UpstreamCore(Upstream):
             mode = BODY_NONE
         elif resp.chunked:
             mode = BODY_CHUNKED
-            self.decoder = ChunkedDecoder(pool.max_head)
+            self.decoder = ChunkedDecoder(max_head)
         elif resp.content_length >= 0:
             mode = BODY_LENGTH
             self.remaining = resp.content_length

@@ -3,7 +3,7 @@ cimport cython
 
 from aiproxy._fast.clock cimport monotonic
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
-from aiproxy._fast.h1 cimport RequestHead, ResponseHead
+from aiproxy._fast.h1 cimport RequestHead, ResponseHead, parse_request
 from aiproxy.pipeline.ends cimport Downstream
 from aiproxy.pipeline.exchange cimport Exchange
 from aiproxy.routing.table cimport Route
