@@ -1,5 +1,5 @@
 """aiproxy/_fast/histogram.pyx against the reference it replaced (bisect_left over the
-bucket bounds)."""
+bucket bounds), and the per-status request counters of telemetry/metrics.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from bisect import bisect_left
 import pytest
 from aiproxy._fast.histogram import Histogram
 
-from aiproxy.telemetry.metrics import BUCKETS
+from aiproxy.telemetry.metrics import BUCKETS, StatusCounts
 
 
 def test_same_buckets_as_bisect() -> None:
@@ -41,3 +41,12 @@ def test_rejects_bad_bounds() -> None:
         Histogram((1.0, 0.5))
     with pytest.raises(ValueError):
         Histogram(tuple(float(i) for i in range(65)))
+
+
+def test_status_counts_in_order_with_odd_statuses() -> None:
+    counts = StatusCounts()
+    for status in (200, 200, 499, 101, 0, 599, 600, 999, -1, 200):
+        counts.add(status)
+    assert counts.items() == [(-1, 1), (0, 1), (101, 1), (200, 3), (499, 1), (599, 1),
+                              (600, 1), (999, 1)]
+    assert StatusCounts().items() == []

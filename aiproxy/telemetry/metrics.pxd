@@ -1,6 +1,19 @@
 # Compiled by Cython in pure-Python mode (setup.py): metrics.py is the source.
+cimport cython
+
 from aiproxy._fast.histogram cimport Histogram
 from aiproxy.pipeline.exchange cimport Exchange
+
+
+cdef int STATUS_SLOTS
+
+
+cdef class StatusCounts:
+    cdef long long slots[600]  # STATUS_SLOTS
+    cdef public dict other
+
+    cpdef add(self, int status)
+    cpdef list items(self)
 
 
 cdef class Metrics:
@@ -9,5 +22,6 @@ cdef class Metrics:
     cdef public long long bytes_in, bytes_out, reloads, reload_failures
     cdef public object last_reload_ok, last_reload_time
 
+    @cython.locals(by_cluster=dict, counts=StatusCounts)
     cpdef exchange_stamps(self, route, cluster, int status, long long bytes_in,
                           long long bytes_out, Exchange ex, double now)

@@ -30,11 +30,34 @@ STAGES = ("accept_to_headers", "route_decision", "semantic_classify", "upstream_
           "upstream_ttfb", "total")
 
 
-class Metrics:
-    """Counters of one process. Keys are plain tuples; nothing is formatted here."""
+STATUS_SLOTS = 600  # statuses 0-599 are counted in a C array; others (none expected) in a dict
+
+
+class StatusCounts:
+    """Requests of one route and cluster by status: bumped in place, no int objects."""
 
     def __init__(self) -> None:
-        self.requests: dict[tuple[str, str, int], int] = {}
+        self.other: dict[int, int] = {}
+
+    def add(self, status: int) -> None:
+        if 0 <= status < STATUS_SLOTS:
+            self.slots[status] += 1
+        else:
+            self.other[status] = self.other.get(status, 0) + 1
+
+    def items(self) -> list[tuple[int, int]]:
+        """(status, count) for every status seen, in order."""
+        found = [(status, self.slots[status]) for status in range(STATUS_SLOTS)
+                 if self.slots[status]]
+        return sorted(found + list(self.other.items()))
+
+
+class Metrics:
+    """Counters of one process; nothing is formatted here."""
+
+    def __init__(self) -> None:
+        # route name -> cluster name -> StatusCounts: two lookups by interned str, no tuple.
+        self.requests: dict[str, dict[str, StatusCounts]] = {}
         self.stages = stages = {name: Histogram(BUCKETS) for name in STAGES}
         self.h_accept = stages["accept_to_headers"]
         self.h_route = stages["route_decision"]
@@ -54,9 +77,13 @@ class Metrics:
         """Count one finished exchange and observe its stages from the exchange's
         perf_counter stamps (the stages of Exchange.timings), without building the
         timings dict: this runs once per request, access log on or off."""
-        key = (route, cluster, status)
-        requests = self.requests
-        requests[key] = requests.get(key, 0) + 1
+        by_cluster = self.requests.get(route)
+        if by_cluster is None:
+            by_cluster = self.requests[route] = {}
+        counts = by_cluster.get(cluster)
+        if counts is None:
+            counts = by_cluster[cluster] = StatusCounts()
+        counts.add(status)
         self.bytes_in += bytes_in
         self.bytes_out += bytes_out
         start = ex.t_start_pc
@@ -86,8 +113,10 @@ class ProxyCollector:
         requests = CounterMetricFamily(
             "aiproxy_requests", "Requests answered, by route, cluster and status",
             labels=["route", "cluster", "status"])
-        for (route, cluster, status), count in sorted(m.requests.items()):
-            requests.add_metric([route, cluster, str(status)], count)
+        for route, by_cluster in sorted(m.requests.items()):
+            for cluster, counts in sorted(by_cluster.items()):
+                for status, count in counts.items():
+                    requests.add_metric([route, cluster, str(status)], count)
         yield requests
         for name, hist in m.stages.items():
             family = HistogramMetricFamily(
