@@ -10,6 +10,15 @@ from aiproxy.routing.pool cimport EndpointPool
 from aiproxy.routing.table cimport Route
 from aiproxy.server.runtime cimport Runtime
 
+# The module's constants, as C values (exchange.py assigns them).
+cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST, F_XFF, F_XFP
+cdef int P_UPSTREAM, P_PENDING, REQ_NONE, REQ_LENGTH, REQ_CHUNKED, REQ_STREAM
+cdef int INSPECT_SEMANTIC, INSPECT_FILTERS
+cdef long long PENDING_LIMIT, REPLAY_LIMIT
+cdef Py_ssize_t TOKEN_TAIL
+cdef bytes CRLF
+cdef double INFINITY
+
 # Not final: Cython refuses a final class overriding its base's cpdef methods.
 cdef class Exchange(ExchangeBase):
     # down, method and up_chunked are ExchangeBase's (ends.pxd).
@@ -73,7 +82,7 @@ cdef class Exchange(ExchangeBase):
     cpdef _drop_upstream(self)
     cpdef _finish(self, keep_alive)
     cpdef timings(self)
-    @cython.locals(rt=Runtime, head=RequestHead)
+    @cython.locals(rt=Runtime, head=RequestHead, drop=cython.uint, extra=list)
     cpdef h1_request_head(self, pool)
     cpdef _report(self)
     cpdef _release_cluster(self)

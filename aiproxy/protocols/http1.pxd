@@ -9,6 +9,11 @@ from aiproxy.pipeline.exchange cimport Exchange
 from aiproxy.routing.table cimport Route
 from aiproxy.server.runtime cimport Runtime
 
+cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST  # the module's constants, as C values
+cdef bytes CRLF, LAST_CHUNK, STATUS_200
+cdef int P_PIPELINE
+cdef Py_ssize_t SMALL_BODY, CONTENT_LENGTH_CACHE
+cdef dict CONTENT_LENGTH_LINES
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
 
 
@@ -33,7 +38,8 @@ cdef class H1ConnectionCore(Downstream):
     cpdef pause(self, int reason)
     cpdef resume(self, int reason)
     @cython.locals(head=RequestHead, rt=Runtime, e=Exchange, r=ResponseHead, route=Route,
-                   status=cython.int, length=cython.longlong, chunked=cython.bint)
+                   status=cython.int, length=cython.longlong, chunked=cython.bint,
+                   drop=cython.uint, extra=list)
     cpdef send_response(self, ex, resp, int mode)
     cpdef send_body(self, data)
     cpdef flush(self)
