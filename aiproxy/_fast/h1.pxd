@@ -35,6 +35,7 @@ cdef class Head:
     cdef unsigned short *flags
     cdef Py_ssize_t start_line_end
 
+    cdef int _alloc(self, Py_ssize_t nh) except -1
     cdef _store(self, const unsigned char *p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t nh)
     cpdef object get(self, bytes lname)
     cpdef list get_all(self, bytes lname)

@@ -10,9 +10,9 @@ errors in upstream responses to 502.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.string cimport memchr, memcpy
+from libc.string cimport memchr, memcmp, memcpy
 
 
 class ParseError(Exception):
@@ -144,19 +144,21 @@ cdef class Head:
         self.upgrade = None
 
     def __dealloc__(self):
-        if self.offs != NULL:
-            PyMem_Free(self.offs)
-        if self.flags != NULL:
-            PyMem_Free(self.flags)
+        PyMem_Free(self.offs)  # flags live in the same block
+
+    cdef int _alloc(self, Py_ssize_t nh) except -1:
+        # One block: the offsets, then the flags (ints first keeps them aligned).
+        self.offs = <int *>PyMem_Malloc(nh * (5 * sizeof(int) + sizeof(unsigned short)))
+        if self.offs == NULL:
+            raise MemoryError()
+        self.flags = <unsigned short *>(self.offs + nh * 5)
+        return 0
 
     cdef _store(self, const unsigned char *p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t nh):
         self.raw = PyBytes_FromStringAndSize(<const char *>p + start, end - start)
         self.header_count = nh
         if nh:
-            self.offs = <int *>PyMem_Malloc(nh * 5 * sizeof(int))
-            self.flags = <unsigned short *>PyMem_Malloc(nh * sizeof(unsigned short))
-            if self.offs == NULL or self.flags == NULL:
-                raise MemoryError()
+            self._alloc(nh)
             memcpy(self.offs, _offs, nh * 5 * sizeof(int))
             memcpy(self.flags, _flags, nh * sizeof(unsigned short))
 
@@ -309,10 +311,7 @@ def fields_request_head(list items, list flags, long long content_length, bytes 
         raise ValueError("one flag per field")
     cdef RequestHead h = RequestHead.__new__(RequestHead)
     if nh:
-        h.offs = <int *>PyMem_Malloc(nh * 5 * sizeof(int))
-        h.flags = <unsigned short *>PyMem_Malloc(nh * sizeof(unsigned short))
-        if h.offs == NULL or h.flags == NULL:
-            raise MemoryError()
+        h._alloc(nh)
     cdef list parts = []
     for i in range(nh):
         name, value = items[i]
@@ -587,6 +586,19 @@ cdef int _parse_version(const unsigned char *p, Py_ssize_t a, Py_ssize_t n, int 
     return 1
 
 
+# Shared objects for the values most heads carry: no allocation for them per message.
+cdef tuple METHODS = (b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS", b"PATCH")
+cdef tuple REASONS = (b"OK", b"No Content", b"Not Modified", b"Not Found")
+
+
+cdef inline bytes _known_bytes(const unsigned char *p, Py_ssize_t n, tuple known):
+    cdef bytes b
+    for b in known:
+        if PyBytes_GET_SIZE(b) == n and memcmp(PyBytes_AS_STRING(b), p, n) == 0:
+            return b
+    return PyBytes_FromStringAndSize(<const char *>p, n)
+
+
 cpdef object parse_request(object buf, Py_ssize_t max_head=32768,
                           Py_ssize_t max_line=8192, Py_ssize_t max_headers=100,
                           Py_ssize_t length=-1):
@@ -663,7 +675,7 @@ cdef object _parse_request(const unsigned char *p, Py_ssize_t n, Py_ssize_t max_
     h.consumed = end
     h.start_line_end = line_end + 2 - start
     h.version = version
-    h.method = PyBytes_FromStringAndSize(<const char *>p + start, i - start)
+    h.method = _known_bytes(p + start, i - start, METHODS)
     h.target = PyBytes_FromStringAndSize(<const char *>p + i + 1, j - i - 1)
     _scan_target(h, p + i + 1, j - i - 1)
     _finish_framing(h, &st, 1)
@@ -797,7 +809,7 @@ cdef object _parse_response(const unsigned char *p, Py_ssize_t n, Py_ssize_t max
     h.start_line_end = line_end + 2
     h.version = version
     h.status = status
-    h.reason = PyBytes_FromStringAndSize(<const char *>p + rs, line_end - rs)
+    h.reason = _known_bytes(p + rs, line_end - rs, REASONS)
     try:
         _finish_framing(h, &st, 0)
     except ParseError as exc:
