@@ -7,8 +7,8 @@ from aiproxy.routing.stats cimport EndpointStats
 
 
 cdef class EndpointPool:
-    cdef public object loop, endpoint, host, port, cluster_cfg
-    cdef public long long max_head, opened, reused, open_count
+    cdef public object loop, endpoint, host, port, _cfg  # _cfg: the cluster_cfg property's
+    cdef public long long max_head, opened, reused, open_count, max_idle, max_requests
     cdef public bint closed
     cdef public EndpointStats stats
 

@@ -88,8 +88,8 @@ class EndpointPool:
     """What every pool of one endpoint carries: where it is, its cluster's settings
     (replaced on reload), counters for /metrics and the balancer's statistics."""
 
-    __slots__ = ("loop", "endpoint", "host", "port", "cluster_cfg", "max_head", "opened",
-                 "reused", "closed", "open_count", "stats")
+    __slots__ = ("loop", "endpoint", "host", "port", "_cfg", "max_head", "opened",
+                 "reused", "closed", "open_count", "stats", "max_idle", "max_requests")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
@@ -104,6 +104,17 @@ class EndpointPool:
         self.open_count = 0
         self.closed = False
         self.stats = EndpointStats()
+
+    @property
+    def cluster_cfg(self) -> ClusterConfig:
+        return self._cfg
+
+    @cluster_cfg.setter
+    def cluster_cfg(self, cfg: ClusterConfig) -> None:
+        # Replaced on reload; the limits read per request are kept as C fields.
+        self._cfg = cfg
+        self.max_idle = cfg.max_idle_connections
+        self.max_requests = cfg.max_requests_per_connection
 
     @property
     def scheme(self) -> bytes:
@@ -147,16 +158,14 @@ class Pool(EndpointPool):
 
     def release(self, conn: H1UpstreamConnection) -> None:
         c = conn
-        cfg = self.cluster_cfg
-        if (self.closed or not c.usable() or len(self.idle) >= cfg.max_idle_connections
-                or (cfg.max_requests_per_connection
-                    and c.requests >= cfg.max_requests_per_connection)):
+        if (self.closed or not c.usable() or len(self.idle) >= self.max_idle
+                or (self.max_requests and c.requests >= self.max_requests)):
             c.close()
             return
         c.park(monotonic())
         self.idle.append(c)
         if self._sweep is None:
-            self._sweep = self.loop.call_later(cfg.idle_timeout_ms / 1000, self._expire)
+            self._sweep = self.loop.call_later(self._cfg.idle_timeout_ms / 1000, self._expire)
 
     def discard(self, conn: H1UpstreamConnection) -> None:
         try:
