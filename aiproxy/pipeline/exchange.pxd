@@ -48,6 +48,7 @@ cdef class Exchange(ExchangeBase):
     cdef public object done_filters, splice, intent_decision, gov
 
     # The per-request path: C calls between them (no attribute lookup per call).
+    cpdef setup(self, down, RequestHead head, double now)
     @cython.locals(head=RequestHead)
     cpdef start(self)
     cpdef _send_continue(self)
@@ -72,7 +73,7 @@ cdef class Exchange(ExchangeBase):
     cpdef _unpend(self)
     cpdef _attach(self, Upstream up, reused)
     cpdef check_deadline(self, now, body_timeout)
-    @cython.locals(up=Upstream)
+    @cython.locals(up=Upstream, status=cython.int, route=Route)
     cpdef on_upstream_head(self, resp, mode)
     cpdef on_upstream_body(self, data)
     @cython.locals(up=Upstream)

@@ -139,6 +139,11 @@ class Exchange(ExchangeBase):
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
+        self.setup(down, head, now)
+
+    def setup(self, down: Any, head: Any, now: float) -> None:
+        """What __init__ does; HTTP/1.1 calls it on Exchange.__new__(Exchange), a C call
+        without the argument tuple of a constructor call."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -1047,7 +1052,7 @@ class Exchange(ExchangeBase):
                         pass
                     break
         route = self.route
-        if ((status in route.retry_statuses
+        if (((route.retry_statuses and status in route.retry_statuses)
              or (route.retry_unavailable and self.grpc and resp.get(b"grpc-status") == b"14"))
                 and self._may_retry(route.retries)):
             up = self.upstream

@@ -9,6 +9,7 @@ from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
 
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
 cdef Py_ssize_t SMALL_COPY
+cdef int _IDLE, _HEAD, _BODY, _TUNNEL, _CLOSED  # the connection's states, as C values
 
 
 cdef class H1UpstreamCore(Upstream):
