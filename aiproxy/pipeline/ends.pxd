@@ -15,6 +15,7 @@ cdef class Downstream:
     cdef public ServerCore server
     cdef public bytes peer, scheme
     cdef public bytes forwarded  # X-Forwarded-For/-Proto lines for this client
+    cdef public object views_to  # the transport that takes views of a read slab, or None
 
     cpdef send_response(self, ex, resp, int mode)
     cpdef send_body(self, data)

@@ -40,7 +40,9 @@ class Reporter:
 class Downstream:
     """The client side: an HTTP/1.1 connection or one HTTP/2 stream."""
 
-    __slots__ = ("loop", "server", "peer", "scheme", "forwarded")
+    # views_to: the client transport an HTTP/1.1 upstream may write views of its read
+    # slab to (send_body() writes what it gets at once), or None: body as bytes.
+    __slots__ = ("loop", "server", "peer", "scheme", "forwarded", "views_to")
 
     def send_response(self, ex: Any, resp: Any, mode: int) -> bool:
         raise NotImplementedError

@@ -7,8 +7,8 @@ chunked, or read-until-close) and hands the pieces to its exchange:
   on_upstream_tunnel_data(data), on_upstream_pause_writing(), on_upstream_resume_writing().
 
 Reads land in a slab of the process's buffer pool (aiproxy/_fast/bufpool.pyx) and
-are parsed there. When the exchange's downstream says it takes views (an HTTP/1.1
-client connection: `takes_views`), on_upstream_body gets a memoryview of the slab,
+are parsed there. When the exchange's downstream takes views (an HTTP/1.1 client
+connection: its `views_to` transport), on_upstream_body gets a memoryview of the slab,
 valid only during the call: whoever keeps body bytes past it must copy them. The
 slab goes back to the pool with lend() once the downstream's transport has sent
 what it took from it. Other downstreams (HTTP/2 streams queue DATA under flow
@@ -95,7 +95,7 @@ class H1UpstreamCore(Upstream):
         self.received = False
         self.requests += 1
         down = ex.down
-        self.views_to = down.transport if getattr(down, "takes_views", False) else None
+        self.views_to = down.views_to
         self.transport.write(ex.h1_request_head(self.pool))
 
     def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:

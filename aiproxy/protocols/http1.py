@@ -11,7 +11,7 @@ requests) are copied to `buf`; request body bytes leave as bytes (the exchange
 keeps them for replay) unless they go to an HTTP/1.1 upstream: then as views of
 the slab, which returns to the pool once that upstream's transport has sent them.
 Response body bytes from an HTTP/1.1 upstream arrive as views of the upstream's
-slab (`takes_views`) and go straight to the transport.
+slab (this connection's transport is its `views_to`) and go straight to it.
 """
 
 from __future__ import annotations
@@ -77,10 +77,6 @@ class H1ConnectionCore(Downstream):
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
                  "head_out", "chunked_out", "h2c", "switched", "slab")
 
-    # send_body() writes what it gets at once and keeps no reference to it: an HTTP/1.1
-    # upstream may pass views of its read buffer (aiproxy/protocols/h1_upstream.py).
-    takes_views = True
-
     def __init__(self, server: ProxyServer, h2c: bool = False) -> None:
         self.server = server
         self.h2c = h2c
@@ -110,7 +106,7 @@ class H1ConnectionCore(Downstream):
     # -- asyncio.Protocol -------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = self.views_to = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = peer[0].encode() if peer else b""
         if transport.get_extra_info("sslcontext") is not None:
@@ -277,7 +273,8 @@ class H1ConnectionCore(Downstream):
             self.buf += memoryview(slab)[head.consumed:nbytes]  # body or pipelined requests
         if self.h2c and head.upgrade is not None and self._upgrade_h2c(head):
             return False
-        self.exchange = ex = Exchange(self, head, self.head_started)
+        self.exchange = ex = Exchange.__new__(Exchange)
+        ex.setup(self, head, self.head_started)
         ex.start()
         return True
 

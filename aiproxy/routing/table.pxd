@@ -31,5 +31,5 @@ cdef class RouteTable:
 
 @cython.locals(route=Route, limit=cython.longlong)
 cpdef _first(list routes, Route best, method, path, head, query, sem)
-@cython.locals(by_prefix=dict)
-cpdef _scan(_Bucket bucket, Route best, method, path, head, query, sem)
+@cython.locals(by_prefix=dict, n=Py_ssize_t, length=Py_ssize_t)
+cpdef _scan(_Bucket bucket, Route best, method, bytes path, head, query, sem)
