@@ -1353,3 +1353,31 @@ def test_target_scan_matches_the_exchange_rules(target: bytes) -> None:
     expected = (target[:1] == b"/" and target.find(b"#") < 0
                 and not needs_normalizing(path))
     assert head.target_plain == expected
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 15, 16, 17, 31])
+def test_every_byte_at_every_value_position(length: int) -> None:
+    """Field values are scanned eight bytes at a time: each byte value, at each position
+    of values around the word size, is taken or refused as FVCHAR says (RFC 9110 5.5:
+    VCHAR, obs-text, SP and HTAB; any other control byte is refused)."""
+    allowed = set(range(0x20, 0x7F)) | set(range(0x80, 0x100)) | {0x09}
+    for pos in range(length):
+        for byte in range(256):
+            if byte in (0x0D, 0x0A):
+                continue  # line ends: covered by the framing tests
+            value = bytearray(b"v" * length)
+            value[pos] = byte
+            msg = b"GET / HTTP/1.1\r\nHost: a\r\nX-Test: " + bytes(value) + b"\r\n\r\n"
+            stripped = bytes(value).strip(b" \t")
+            if byte in allowed:
+                head = parse_request(msg)
+                assert head is not None and head.get(b"x-test") == stripped, (pos, byte)
+                resp = parse_response(b"HTTP/1.1 200 OK\r\nX-Test: " + bytes(value) + b"\r\n\r\n")
+                assert resp.get(b"x-test") == stripped, (pos, byte)
+            else:
+                with pytest.raises(ParseError) as exc:
+                    parse_request(msg)
+                assert exc.value.status == 400, (pos, byte)
+                with pytest.raises(ParseError) as exc:
+                    parse_response(b"HTTP/1.1 200 OK\r\nX-Test: " + bytes(value) + b"\r\n\r\n")
+                assert exc.value.status == 502, (pos, byte)

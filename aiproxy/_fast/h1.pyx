@@ -12,6 +12,7 @@ errors in upstream responses to 502.
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
 
@@ -78,6 +79,24 @@ cdef void _init_tables():
 
 
 _init_tables()
+
+
+cdef inline Py_ssize_t _fv_run(const unsigned char *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
+    """The first index at or after i whose byte is not FVCHAR (n if none). Eight bytes
+    at a time while a word holds no control byte (< 0x20 or 0x7f): then byte by byte,
+    so HTAB, the one control byte FVCHAR allows, takes the slow way."""
+    cdef uint64_t x, y
+    while i + 8 <= n:
+        memcpy(&x, p + i, 8)
+        y = x ^ 0x7f7f7f7f7f7f7f7fULL
+        # Has a byte below 0x20 / a zero byte in y (exact as to "any", Bit Twiddling Hacks).
+        if (((x - 0x2020202020202020ULL) & ~x) | ((y - 0x0101010101010101ULL) & ~y)) \
+                & 0x8080808080808080ULL:
+            break
+        i += 8
+    while i < n and FVCHAR[p[i]]:
+        i += 1
+    return i
 
 
 cdef inline bint _ieq(const unsigned char *a, Py_ssize_t n, const char *lit, Py_ssize_t m) noexcept:
@@ -232,24 +251,38 @@ cdef class Head:
         dst[1] = 10
         return out
 
-    cpdef bytes compose(self, list start, list extra, unsigned int drop_mask):
-        """serialize(b"".join(start), b"".join(extra), drop_mask) in one allocation: the
-        proxy's start line and added field lines come as pieces (bytes each)."""
+    cpdef bytes compose(self, list start, list extra, unsigned int drop_mask,
+                        object tail=None):
+        """serialize(b"".join(start), b"".join(extra), drop_mask) + tail in one
+        allocation: the proxy's start line and added field lines come as pieces (bytes
+        each); tail (any buffer, or None) is body bytes to send behind the head."""
         cdef Py_ssize_t total = _kept_size(self, drop_mask) + 2
         cdef object piece
         for piece in start:
             total += len(<bytes?>piece)
         for piece in extra:
             total += len(<bytes?>piece)
-        cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
-        cdef char *dst = PyBytes_AS_STRING(out)
-        for piece in start:
-            dst = _put(dst, <bytes>piece)
-        dst = _copy_kept(self, dst, drop_mask)
-        for piece in extra:
-            dst = _put(dst, <bytes>piece)
-        dst[0] = 13
-        dst[1] = 10
+        cdef char *dst
+        cdef Py_buffer view
+        view.len = 0
+        if tail is not None:
+            PyObject_GetBuffer(tail, &view, PyBUF_SIMPLE)
+        cdef bytes out
+        try:
+            out = PyBytes_FromStringAndSize(NULL, total + view.len)
+            dst = PyBytes_AS_STRING(out)
+            for piece in start:
+                dst = _put(dst, <bytes>piece)
+            dst = _copy_kept(self, dst, drop_mask)
+            for piece in extra:
+                dst = _put(dst, <bytes>piece)
+            dst[0] = 13
+            dst[1] = 10
+            if view.len:
+                memcpy(dst + 2, view.buf, view.len)
+        finally:
+            if tail is not None:
+                PyBuffer_Release(&view)
         return out
 
 
@@ -446,8 +479,7 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
         while v < n and (p[v] == 32 or p[v] == 9):
             v += 1
         vs = v
-        while v < n and FVCHAR[p[v]]:
-            v += 1
+        v = _fv_run(p, v, n)
         if v >= n or (p[v] == 13 and v + 1 >= n):
             if v - start > max_head:
                 raise ParseError(431, "request header section too large")

@@ -22,6 +22,9 @@ cdef class H1ConnectionCore(Downstream):
     cdef public bytearray buf, slab
     cdef public Exchange exchange
     cdef public bytes head_out
+    cdef public ResponseHead held
+    cdef public list held_start, held_extra
+    cdef public unsigned int held_drop
     cdef public long long served
     cdef public int pause_mask
     cdef public bint writing_paused, closed, lingering, tunnel, in_process, client_eof
@@ -41,6 +44,7 @@ cdef class H1ConnectionCore(Downstream):
                    status=cython.int, length=cython.longlong, chunked=cython.bint,
                    drop=cython.uint, extra=list)
     cpdef send_response(self, ex, resp, int mode)
+    cpdef bytes _take_head(self, tail=*)
     cpdef send_body(self, data)
     cpdef flush(self)
     cpdef send_end(self, trailers)

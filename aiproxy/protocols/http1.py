@@ -75,7 +75,8 @@ class H1ConnectionCore(Downstream):
     __slots__ = ("transport", "buf", "exchange", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
-                 "head_out", "chunked_out", "h2c", "switched", "slab")
+                 "head_out", "chunked_out", "h2c", "switched", "slab", "held", "held_start",
+                 "held_extra", "held_drop")
 
     def __init__(self, server: ProxyServer, h2c: bool = False) -> None:
         self.server = server
@@ -99,7 +100,11 @@ class H1ConnectionCore(Downstream):
         self.in_process = False
         self.client_eof = False
         self.scheme = b"http"
-        self.head_out = b""
+        self.head_out = b""  # a response head not sent yet, as bytes; or held:
+        self.held: ResponseHead | None = None  # held.compose(held_start, held_extra, held_drop)
+        self.held_start: list[bytes] | None = None
+        self.held_extra: list[bytes] | None = None
+        self.held_drop = 0
         self.chunked_out = False
         self.slab: bytearray | None = None
 
@@ -421,34 +426,45 @@ class H1ConnectionCore(Downstream):
                                                   route.resp_remove)
                 return keep
         if r is not None:
-            self.head_out = r.compose([status_line], extra, drop)
+            # Composed with the first body bytes behind it: one buffer (_take_head).
+            self.held = r
+            self.held_start = [status_line]
+            self.held_extra = extra
+            self.held_drop = drop
         else:
             self.head_out = resp.serialize(status_line, b"".join(extra), drop)
         return keep
 
-    def send_body(self, data: bytes) -> None:
+    def _take_head(self, tail: Any = None) -> bytes:
+        """The response head not sent yet (with tail, body bytes, behind it)."""
+        r = self.held
+        if r is not None:
+            self.held = None
+            return r.compose(self.held_start, self.held_extra, self.held_drop, tail)
         head = self.head_out
+        self.head_out = b""
+        return head if tail is None else head + tail
+
+    def send_body(self, data: bytes) -> None:
+        head_pending = self.held is not None or self.head_out
         if self.chunked_out:
-            if head:
-                self.head_out = b""
-                self.transport.writelines((head, b"%x\r\n" % len(data), data, CRLF))
+            if head_pending:
+                self.transport.writelines((self._take_head(), b"%x\r\n" % len(data), data,
+                                           CRLF))
             else:
                 self.transport.writelines((b"%x\r\n" % len(data), data, CRLF))
-        elif head:
-            self.head_out = b""
+        elif head_pending:
             if len(data) <= SMALL_BODY:
                 # One buffer: write() is cheaper than writelines() for a small body.
-                self.transport.write(head + data)
+                self.transport.write(self._take_head(data))
             else:
-                self.transport.writelines((head, data))
+                self.transport.writelines((self._take_head(), data))
         else:
             self.transport.write(data)
 
     def flush(self) -> None:
-        if self.head_out:
-            head = self.head_out
-            self.head_out = b""
-            self.transport.write(head)
+        if self.held is not None or self.head_out:
+            self.transport.write(self._take_head())
 
     def send_end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
         if self.chunked_out:
@@ -457,9 +473,8 @@ class H1ConnectionCore(Downstream):
             ex = self.exchange
             if trailers and ex is not None and b"trailers" in (ex.head.get(b"te") or b""):
                 end = b"0\r\n" + b"".join([b"%s: %s\r\n" % t for t in trailers]) + CRLF
-            self.transport.write(self.head_out + end)
-            self.head_out = b""
-        elif self.head_out:
+            self.transport.write(self._take_head(end))
+        else:
             self.flush()
 
     def send_error(self, ex: Exchange, status: int, message: str, code: str | None,
@@ -467,6 +482,7 @@ class H1ConnectionCore(Downstream):
         head = ex.head
         keep = head.keep_alive and ex.req_done and self.may_keep_alive()
         self.head_out = b""
+        self.held = None
         self.chunked_out = False
         self.transport.write(replies.error_response(
             status, message, code, close=not keep, head_only=ex.method == b"HEAD",
