@@ -45,7 +45,7 @@ cdef class Exchange(ExchangeBase):
     cdef public bint continued
     cdef public object intent, intent_domain, retry_handle, tok_tail, hold
     cdef public object filters, up_headers, gate_task, trace_id, identity, llm
-    cdef public object done_filters, splice, intent_decision, gov
+    cdef public object done_filters, splice, intent_decision, _gov
 
     # The per-request path: C calls between them (no attribute lookup per call).
     cpdef setup(self, down, RequestHead head, double now)

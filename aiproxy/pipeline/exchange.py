@@ -160,7 +160,7 @@ class Exchange(ExchangeBase):
         self.req_remaining = 0
         self.decoder: ChunkedDecoder | None = None
         self.req_bytes = 0
-        self.pending: list[bytes] = []
+        self.pending: list[bytes] | None = None  # made when body bytes must wait
         self.pending_size = 0
         self.pending_end = False
         self.replay: list[bytes] | None = []
@@ -206,7 +206,7 @@ class Exchange(ExchangeBase):
         self.identity: Identity | None = None  # set by the auth filter
         self.llm: Any = None  # what the LLM filter read of an OpenAI-style request/response
         # Governance facts for the audit record: policy decision, guard hits, redactions.
-        self.gov: dict[str, Any] = {}
+        self._gov: dict[str, Any] | None = None  # the gov property makes it when used
         self.done_filters: tuple[Filter, ...] | None = None
         self.gate_task: asyncio.Future | None = None
         self.intent: str | None = None
@@ -224,6 +224,13 @@ class Exchange(ExchangeBase):
         self.tok_tail: bytes | None = None
         self.hold: Pool | None = None  # the pool to use once the held body is rewritten
         self.body_len = -1  # Content-Length of a rewritten body
+
+    @property
+    def gov(self) -> dict[str, Any]:
+        """Governance facts for the audit record (filters.py), made on first use."""
+        if self._gov is None:
+            self._gov = {}
+        return self._gov
 
     # -- request side -------------------------------------------------------------
 
@@ -304,7 +311,7 @@ class Exchange(ExchangeBase):
         kind = self.inspecting
         self.inspecting = 0
         if kind == INSPECT_SEMANTIC:
-            body = b"".join(self.pending)
+            body = b"".join(self.pending or ())
             self._classify(body[:self.rt.semantic.inspect_bytes])
         else:
             self._gate(0)
@@ -317,7 +324,7 @@ class Exchange(ExchangeBase):
     def request_body(self) -> bytes:
         """The request body read so far (filters with inspect_bytes; nothing of it has
         gone upstream yet). Complete when self.req_done."""
-        return b"".join(self.pending)
+        return b"".join(self.pending or ())
 
     def set_upstream_header(self, name: bytes, value: bytes | None) -> None:
         """Add a field (lower-case name) to the upstream request, replacing the
@@ -574,7 +581,7 @@ class Exchange(ExchangeBase):
         return ctype is not None and ctype[:16].lower() == b"application/json"
 
     def _rewrite_model(self) -> None:
-        body = b"".join(self.pending)
+        body = b"".join(self.pending or ())
         try:
             data = json.loads(body)
         except ValueError:
@@ -810,6 +817,8 @@ class Exchange(ExchangeBase):
         if up is not None:
             up.send_body(parts)
         elif not self.finished:
+            if self.pending is None:
+                self.pending = []
             if len(parts) == 1:  # the usual case: no map objects
                 self.pending.append(bytes(parts[0]))
                 self.pending_size += len(parts[0])
@@ -976,7 +985,7 @@ class Exchange(ExchangeBase):
         up.start(self)
         if self.pending:
             up.send_body(self.pending)
-            self.pending = []
+            self.pending = None
             self.pending_size = 0
             self.down.resume(P_PENDING)
         if self.pending_end or (self.req_done and self.req_mode == REQ_NONE):
