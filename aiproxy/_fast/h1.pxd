@@ -31,6 +31,7 @@ cdef class Head:
     cdef readonly bint connection_upgrade
     cdef readonly object upgrade
     cdef readonly Py_ssize_t header_count
+    cdef bytes _index  # the block offs and flags point into
     cdef int *offs
     cdef unsigned short *flags
     cdef Py_ssize_t start_line_end

@@ -11,7 +11,6 @@ errors in upstream responses to 502.
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
@@ -162,14 +161,12 @@ cdef class Head:
         self.content_length = -1
         self.upgrade = None
 
-    def __dealloc__(self):
-        PyMem_Free(self.offs)  # flags live in the same block
-
     cdef int _alloc(self, Py_ssize_t nh) except -1:
-        # One block: the offsets, then the flags (ints first keeps them aligned).
-        self.offs = <int *>PyMem_Malloc(nh * (5 * sizeof(int) + sizeof(unsigned short)))
-        if self.offs == NULL:
-            raise MemoryError()
+        # One block, a bytes object freed with the head (no __dealloc__): the offsets,
+        # then the flags (ints first keeps them aligned).
+        self._index = PyBytes_FromStringAndSize(
+            NULL, nh * (5 * sizeof(int) + sizeof(unsigned short)))
+        self.offs = <int *>PyBytes_AS_STRING(self._index)
         self.flags = <unsigned short *>(self.offs + nh * 5)
         return 0
 
