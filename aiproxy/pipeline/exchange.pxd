@@ -3,7 +3,7 @@
 cimport cython
 
 from aiproxy._fast.clock cimport monotonic
-from aiproxy._fast.h1 cimport RequestHead, find_query
+from aiproxy._fast.h1 cimport RequestHead, ResponseHead, find_query
 from aiproxy.pipeline.ends cimport Downstream, ExchangeBase, Upstream
 from aiproxy.routing.cluster cimport Cluster
 from aiproxy.routing.pool cimport EndpointPool
@@ -17,6 +17,7 @@ cdef int INSPECT_SEMANTIC, INSPECT_FILTERS
 cdef long long PENDING_LIMIT, REPLAY_LIMIT
 cdef Py_ssize_t TOKEN_TAIL
 cdef bytes CRLF
+cdef tuple NO_INTENT
 cdef double INFINITY
 
 # Not final: Cython refuses a final class overriding its base's cpdef methods.
@@ -73,7 +74,7 @@ cdef class Exchange(ExchangeBase):
     cpdef _unpend(self)
     cpdef _attach(self, Upstream up, reused)
     cpdef check_deadline(self, now, body_timeout)
-    @cython.locals(up=Upstream, status=cython.int, route=Route)
+    @cython.locals(up=Upstream, status=cython.int, route=Route, r=ResponseHead)
     cpdef on_upstream_head(self, resp, mode)
     cpdef on_upstream_body(self, data)
     @cython.locals(up=Upstream)

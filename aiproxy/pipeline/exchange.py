@@ -32,7 +32,7 @@ from random import random
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.clock import monotonic
-from aiproxy._fast.h1 import ChunkedDecoder, ParseError, find_query
+from aiproxy._fast.h1 import ChunkedDecoder, ParseError, ResponseHead, find_query
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
 from aiproxy.pipeline.ends import ExchangeBase, forwarded_lines
 from aiproxy.pipeline.filters import (
@@ -79,6 +79,7 @@ PENDING_LIMIT = 256 * 1024
 REPLAY_LIMIT = 64 * 1024
 CRLF = b"\r\n"
 INFINITY = float("inf")
+NO_INTENT = (None, None)  # the route table's `sem` for a request without an intent
 NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 # What the head parser accepts in a Host field (HOSTCHAR in aiproxy/_fast/h1.pyx); an
@@ -401,9 +402,10 @@ class Exchange(ExchangeBase):
         host = head.host if not self.host_line else self.host_line[6:-2]
         up_target = self.up_target
         q = find_query(up_target)
+        intent = self.intent
         route = self.rt.table.match(method, self.path, host, head,
                                     up_target[q + 1:] if q >= 0 else b"",
-                                    (self.intent, self.intent_domain))
+                                    NO_INTENT if intent is None else (intent, self.intent_domain))
         if route is None:
             return self.local_reply(404, "no route matches the request", "no_route")
         self.route = route
@@ -1036,7 +1038,11 @@ class Exchange(ExchangeBase):
             self.down.send_informational(resp)
 
     def on_upstream_head(self, resp: Any, mode: int) -> None:
-        status = resp.status
+        if type(resp) is ResponseHead:  # from an HTTP/1.1 upstream: read in C
+            r = resp
+            status = r.status
+        else:
+            status = resp.status
         t_first = monotonic()
         cluster = self.cluster
         pool = self.pool
