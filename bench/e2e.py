@@ -322,6 +322,28 @@ NGINX_TEMP = """\
     scgi_temp_path {root}/scgi;
 """
 
+# nginx as the reverse proxy under comparison (the http-block part).
+NGINX_PROXY = """\
+access_log off;
+keepalive_timeout 300s;
+keepalive_requests 1000000;
+upstream backend {{
+    server 127.0.0.1:{backend};
+    keepalive 64;
+    keepalive_requests 1000000;
+    keepalive_timeout 300s;
+}}
+server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+        proxy_pass http://backend;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_max_temp_file_size 0;
+    }}
+}}
+"""
+
 
 class Servers:
     """The backend and the three proxies, each on its own free port."""
@@ -339,19 +361,28 @@ class Servers:
         self.proxies: dict[str, Proc] = {}
         self.ports: dict[str, int] = {}
 
-    def _nginx(self, name: str, body: str) -> tuple[Proc, int]:
+    def nginx_config(self, name: str, body: str, master: bool = True) -> tuple[Path, int]:
+        """Write nginx.conf for `body` (an http-block part) under tmp/name: (its path, port).
+        master=False: one process (bench/instr_per_request.py runs it under callgrind)."""
         root = self.tmp / name
         root.mkdir(exist_ok=True)
         port = free_port()
+        common = NGINX_COMMON if master else NGINX_COMMON.replace(
+            "master_process on;", "master_process off;")
         conf = root / "nginx.conf"
         conf.write_text(
-            NGINX_COMMON.format(root=root, nofile=self.nofile,
-                                worker_connections=self.worker_connections)
+            common.format(root=root, nofile=self.nofile,
+                          worker_connections=self.worker_connections)
             + "http {\n" + NGINX_TEMP.format(root=root)
             + textwrap.indent(body.format(port=port, www=self.tmp / "www",
                                           backend=self.backend_port), "    ")
             + "}\n")
-        proc = Proc(name, [self.tools["nginx"], "-p", str(root), "-c", str(conf)], self.tmp)
+        return conf, port
+
+    def _nginx(self, name: str, body: str) -> tuple[Proc, int]:
+        conf, port = self.nginx_config(name, body)
+        proc = Proc(name, [self.tools["nginx"], "-p", str(conf.parent), "-c", str(conf)],
+                    self.tmp)
         wait_port(port, proc)
         return proc, port
 
@@ -387,26 +418,7 @@ server {{
         self.start(name)
 
     def _start_nginx(self) -> None:
-        self.proxies["nginx"], self.ports["nginx"] = self._nginx("nginx", """\
-access_log off;
-keepalive_timeout 300s;
-keepalive_requests 1000000;
-upstream backend {{
-    server 127.0.0.1:{backend};
-    keepalive 64;
-    keepalive_requests 1000000;
-    keepalive_timeout 300s;
-}}
-server {{
-    listen 127.0.0.1:{port} backlog=4096;
-    location / {{
-        proxy_pass http://backend;
-        proxy_http_version 1.1;
-        proxy_set_header Connection "";
-        proxy_max_temp_file_size 0;
-    }}
-}}
-""")
+        self.proxies["nginx"], self.ports["nginx"] = self._nginx("nginx", NGINX_PROXY)
 
     def _start_haproxy(self) -> None:
         port = free_port()

@@ -9,6 +9,9 @@ counted: this measures the proxy's own per-request work, which is what Python co
 
     python bench/instr_per_request.py --trees /work/main,. --cases small,16k
 
+--nginx counts nginx the same way, as a proxy with bench/e2e.py's config run as one
+process (master_process off): the ratio to it does not move with the machine's speed.
+
 Runs under valgrind are ~50x slower: the request counts are small, and the figures are
 for comparing trees on one machine, not absolute speed.
 """
@@ -27,7 +30,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import CASES, Proc, Servers, aiproxy_config, ensure_tools, free_port, log  # noqa: E402
+from e2e import (  # noqa: E402
+    CASES,
+    NGINX_PROXY,
+    Proc,
+    Servers,
+    aiproxy_config,
+    ensure_tools,
+    free_port,
+    log,
+)
 
 
 def get(port: int, path: str) -> int:
@@ -36,21 +48,33 @@ def get(port: int, path: str) -> int:
     return int(out.stdout or 0)
 
 
-def measure(tree: Path, backend: int, path: str, tmp: Path, wrk: str, connections: int,
-            duration: int) -> tuple[int, float]:
+def aiproxy_command(tree: Path, backend: int, tmp: Path) -> tuple[list[str], dict, Path, int]:
+    """aiproxy from `tree` with bench/e2e.py's config: (command, env, cwd, port)."""
     port = free_port()
     conf = tmp / f"aiproxy-{port}.toml"
     conf.write_text(aiproxy_config(port, backend))
+    return [sys.executable, "-m", "aiproxy", "-c", str(conf)], {"PYTHONPATH": str(tree)}, tree, port
+
+
+def nginx_command(servers: Servers) -> tuple[list[str], dict, Path, int]:
+    """nginx with bench/e2e.py's proxy config, as one process (no master to fork a
+    worker under valgrind): (command, env, cwd, port)."""
+    conf, port = servers.nginx_config("nginx-callgrind", NGINX_PROXY, master=False)
+    return [servers.tools["nginx"], "-p", str(conf.parent), "-c", str(conf)], {}, conf.parent, port
+
+
+def measure(name: str, command: tuple[list[str], dict, Path, int], path: str, tmp: Path,
+            wrk: str, connections: int, duration: int) -> tuple[int, float]:
+    args, env, cwd, port = command
     out = tmp / f"callgrind-{port}.out"
-    proc = Proc("aiproxy-callgrind", [
+    proc = Proc(f"{name}-callgrind", [
         "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-        sys.executable, "-m", "aiproxy", "-c", str(conf)], tmp,
-        {"PYTHONPATH": str(tree)}, cwd=tree)
+        *args], tmp, env, cwd=cwd)
     try:
         deadline = time.monotonic() + 300
         while get(port, path) != 200:
             if not proc.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"aiproxy from {tree} did not start:\n{proc.log_tail()}")
+                raise RuntimeError(f"{name} did not start:\n{proc.log_tail()}")
             time.sleep(0.5)
         url = f"http://127.0.0.1:{port}{path}"
         control = ["callgrind_control"]
@@ -79,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (1)")
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--duration", type=int, default=10, help="seconds per run (10)")
+    parser.add_argument("--nginx", action="store_true",
+                        help="count nginx as a proxy too (one process, e2e.py's config)")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         log("valgrind is needed (apt-get install valgrind)")
@@ -89,24 +115,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         servers = Servers(tmp, tools, 0, 4096, trees[0])
         servers.start_backend()
-        results: dict[tuple[str, Path], list[float]] = {}
+        results: dict[tuple[str, Path | str], list[float]] = {}
+        subjects: list[Path | str] = [*trees, *(["nginx"] if args.nginx else [])]
         for r in range(args.rounds):
             for case in args.cases.split(","):
-                for tree in trees:
-                    requests, per = measure(tree, servers.backend_port, CASES[case][0], tmp,
+                for subject in subjects:
+                    if subject == "nginx":
+                        command = nginx_command(servers)
+                    else:
+                        command = aiproxy_command(subject, servers.backend_port, tmp)
+                    requests, per = measure(str(subject), command, CASES[case][0], tmp,
                                             tools["wrk"], args.connections, args.duration)
-                    results.setdefault((case, tree), []).append(per)
-                    log(f"round {r + 1} {case:5s} {tree}: {per / 1000:.1f} K instructions "
+                    results.setdefault((case, subject), []).append(per)
+                    log(f"round {r + 1} {case:5s} {subject}: {per / 1000:.1f} K instructions "
                         f"per request ({requests} requests)")
         print(textwrap.dedent("""
             | case | tree | K instructions/request (median) | vs first tree |
             |------|------|---:|---:|"""))
         for case in args.cases.split(","):
             base = sorted(results[(case, trees[0])])[len(results[(case, trees[0])]) // 2]
-            for tree in trees:
-                vals = sorted(results[(case, tree)])
+            for subject in subjects:
+                vals = sorted(results[(case, subject)])
                 med = vals[len(vals) // 2]
-                print(f"| {case} | {tree} | {med / 1000:.1f} | {med / base:.3f}x |")
+                print(f"| {case} | {subject} | {med / 1000:.1f} | {med / base:.3f}x |")
         return 0
     finally:
         Proc.stop_all()
