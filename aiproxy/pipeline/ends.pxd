@@ -42,7 +42,7 @@ cdef class ExchangeBase:
     cdef public bint up_chunked
 
     cpdef h1_request_head(self, pool)
-    cpdef on_upstream_head(self, resp, mode)
+    cpdef on_upstream_head(self, resp, int mode)
     cpdef on_upstream_body(self, data)
     cpdef on_upstream_end(self, trailers=*)
     cpdef flush(self)

@@ -14,6 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+# How an upstream frames the response body it hands on (on_upstream_head's `mode`).
+BODY_NONE = 0
+BODY_LENGTH = 1
+BODY_CHUNKED = 2
+BODY_UNTIL_CLOSE = 3
+BODY_TUNNEL = 4
+
 
 def forwarded_lines(peer: bytes, scheme: bytes) -> bytes:
     """X-Forwarded-For and X-Forwarded-Proto for a client without an X-Forwarded-For of
@@ -102,7 +109,7 @@ class ExchangeBase:
     def h1_request_head(self, pool: Any) -> bytes:
         raise NotImplementedError
 
-    def on_upstream_head(self, resp: Any, mode: Any) -> None:
+    def on_upstream_head(self, resp: Any, mode: int) -> None:
         raise NotImplementedError
 
     def on_upstream_body(self, data: Any) -> None:

@@ -14,6 +14,7 @@ from aiproxy.server.runtime cimport Runtime
 cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST, F_XFF, F_XFP
 cdef int P_UPSTREAM, P_PENDING, REQ_NONE, REQ_LENGTH, REQ_CHUNKED, REQ_STREAM
 cdef int INSPECT_SEMANTIC, INSPECT_FILTERS
+cdef int BODY_NONE, BODY_LENGTH, BODY_TUNNEL  # ends.py's
 cdef long long PENDING_LIMIT, REPLAY_LIMIT
 cdef Py_ssize_t TOKEN_TAIL
 cdef bytes CRLF
@@ -75,7 +76,7 @@ cdef class Exchange(ExchangeBase):
     cpdef _attach(self, Upstream up, reused)
     cpdef check_deadline(self, now, body_timeout)
     @cython.locals(up=Upstream, status=cython.int, route=Route, r=ResponseHead)
-    cpdef on_upstream_head(self, resp, mode)
+    cpdef on_upstream_head(self, resp, int mode)
     cpdef on_upstream_body(self, data)
     @cython.locals(up=Upstream)
     cpdef on_upstream_end(self, trailers=*)

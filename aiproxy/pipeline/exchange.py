@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from aiproxy._fast.clock import monotonic
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, ResponseHead, find_query
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
-from aiproxy.pipeline.ends import ExchangeBase, forwarded_lines
+from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_TUNNEL, ExchangeBase, forwarded_lines
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
@@ -44,7 +44,6 @@ from aiproxy.pipeline.filters import (
     StoredResponse,
 )
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
-from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_TUNNEL
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
 from aiproxy.semantic.unified import extract_text

@@ -10,10 +10,12 @@ from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
 cdef Py_ssize_t SMALL_COPY
 cdef int _IDLE, _HEAD, _BODY, _TUNNEL, _CLOSED  # the connection's states, as C values
+cdef int BODY_NONE, BODY_LENGTH, BODY_CHUNKED, BODY_UNTIL_CLOSE, BODY_TUNNEL  # ends.py's
 
 
 cdef class H1UpstreamCore(Upstream):
     cdef public object pool, transport, decoder, views_to
+    cdef object tx_write, tx_closing  # the transport's write and is_closing, bound once
     cdef public ExchangeBase exchange
     cdef public bytearray buf, slab
     cdef public int state, mode
@@ -34,7 +36,7 @@ cdef class H1UpstreamCore(Upstream):
     @cython.locals(resp=ResponseHead, ex=ExchangeBase, start=Py_ssize_t, status=cython.int,
                    mode=cython.int, max_head=Py_ssize_t)
     cpdef _head(self, bytearray slab, Py_ssize_t nbytes)
-    @cython.locals(ex=ExchangeBase)
+    @cython.locals(ex=ExchangeBase, mode=cython.int, n=Py_ssize_t)
     cpdef _body(self, data)
     @cython.locals(ex=ExchangeBase)
     cpdef _finish(self)

@@ -22,18 +22,18 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_response
-from aiproxy.pipeline.ends import Upstream
+from aiproxy.pipeline.ends import (
+    BODY_CHUNKED,
+    BODY_LENGTH,
+    BODY_NONE,
+    BODY_TUNNEL,
+    BODY_UNTIL_CLOSE,
+    Upstream,
+)
 from aiproxy.protocols.fields import trailer_fields
 
 if TYPE_CHECKING:
     from aiproxy.routing.pool import Pool
-
-# Response body modes.
-BODY_NONE = 0
-BODY_LENGTH = 1
-BODY_CHUNKED = 2
-BODY_UNTIL_CLOSE = 3
-BODY_TUNNEL = 4
 
 _IDLE = 0
 _HEAD = 1
@@ -55,7 +55,7 @@ class H1UpstreamCore(Upstream):
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
                  "received", "reading_paused", "chunked", "slab", "views_to", "viewed",
-                 "max_head", "max_headers")
+                 "max_head", "max_headers", "tx_write", "tx_closing")
 
     # send_body() hands what it gets to the transport at once and keeps no reference:
     # the client connection may pass views of its read slab.
@@ -96,7 +96,7 @@ class H1UpstreamCore(Upstream):
         self.requests += 1
         down = ex.down
         self.views_to = down.views_to
-        self.transport.write(ex.h1_request_head(self.pool))
+        self.tx_write(ex.h1_request_head(self.pool))
 
     def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:
         if not self.chunked:
@@ -132,7 +132,7 @@ class H1UpstreamCore(Upstream):
     def usable(self) -> bool:
         t = self.transport
         return (self.state == _IDLE and not self.broken and self.keep_alive
-                and t is not None and not t.is_closing())
+                and t is not None and not self.tx_closing())
 
     def park(self, now: float) -> None:
         self.exchange = None
@@ -167,6 +167,9 @@ class H1UpstreamCore(Upstream):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # Bound once: the request path calls them with no lookup by name.
+        self.tx_write = transport.write  # type: ignore[attr-defined]
+        self.tx_closing = transport.is_closing
         self.pool.open_count += 1
 
     def get_buffer(self, sizehint: int) -> bytearray:
@@ -178,17 +181,16 @@ class H1UpstreamCore(Upstream):
     def buffer_updated(self, nbytes: int) -> None:
         slab = self.slab
         self.slab = None
-        state = self.state
         self.received = True
         views_to = self.views_to
         try:
-            if state == _BODY:
+            if self.state == _BODY:
                 if views_to is None or nbytes <= SMALL_COPY:
                     views_to = None
                     self._body(copy_out(slab, 0, nbytes))
                 else:
                     self._body(memoryview(slab)[:nbytes])
-            elif state == _HEAD:
+            elif self.state == _HEAD:
                 if self.buf:
                     views_to = None  # copied into buf
                     self.buf += memoryview(slab)[:nbytes]
@@ -198,7 +200,7 @@ class H1UpstreamCore(Upstream):
                     self._head(slab, nbytes)
                     if not self.viewed:
                         views_to = None
-            elif state == _TUNNEL:
+            elif self.state == _TUNNEL:
                 views_to = None
                 self.exchange.on_upstream_tunnel_data(copy_out(slab, 0, nbytes))
             else:

@@ -32,11 +32,10 @@ import hpack
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
-from aiproxy.pipeline.ends import Downstream, forwarded_lines
+from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_HOP, MalformedHead, h2_request_head
-from aiproxy.protocols.h1_upstream import BODY_NONE
 from aiproxy.protocols.h2_output import OUT_HIGH, OUTPUT_SLOTS, StreamOutput
 from aiproxy.telemetry.recorder import server_timing
 

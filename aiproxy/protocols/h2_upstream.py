@@ -19,10 +19,9 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
-from aiproxy.pipeline.ends import Upstream
+from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upstream
 from aiproxy.protocols import h2_fast
 from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
-from aiproxy.protocols.h1_upstream import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE
 from aiproxy.protocols.h2_output import OUTPUT_SLOTS, StreamOutput
 
 if TYPE_CHECKING:

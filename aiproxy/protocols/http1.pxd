@@ -11,7 +11,7 @@ from aiproxy.server.runtime cimport Runtime
 
 cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST  # the module's constants, as C values
 cdef bytes CRLF, LAST_CHUNK, STATUS_200
-cdef int P_PIPELINE
+cdef int P_PIPELINE, BODY_NONE
 cdef Py_ssize_t SMALL_BODY, CONTENT_LENGTH_CACHE
 cdef dict CONTENT_LENGTH_LINES
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
@@ -19,6 +19,7 @@ cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
 
 cdef class H1ConnectionCore(Downstream):
     cdef public object transport, timer
+    cdef object tx_write  # transport.write, bound once
     cdef public bytearray buf, slab
     cdef public Exchange exchange
     cdef public bytes head_out

@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.clock import monotonic
 from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
-from aiproxy.pipeline.ends import Downstream, forwarded_lines
+from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange, serialize_without
 from aiproxy.protocols import h2_server, replies
 from aiproxy.protocols.fields import MalformedHead, h2_request_head
-from aiproxy.protocols.h1_upstream import BODY_NONE
 from aiproxy.telemetry.recorder import server_timing
 
 if TYPE_CHECKING:
@@ -76,7 +75,7 @@ class H1ConnectionCore(Downstream):
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
                  "head_out", "chunked_out", "h2c", "switched", "slab", "held", "held_start",
-                 "held_extra", "held_drop")
+                 "held_extra", "held_drop", "tx_write")
 
     def __init__(self, server: ProxyServer, h2c: bool = False) -> None:
         self.server = server
@@ -112,6 +111,8 @@ class H1ConnectionCore(Downstream):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = self.views_to = transport  # type: ignore[assignment]
+        # Bound once: the response path calls it with no lookup by name.
+        self.tx_write = transport.write  # type: ignore[attr-defined]
         peer = transport.get_extra_info("peername")
         self.peer = peer[0].encode() if peer else b""
         if transport.get_extra_info("sslcontext") is not None:
@@ -456,15 +457,15 @@ class H1ConnectionCore(Downstream):
         elif head_pending:
             if len(data) <= SMALL_BODY:
                 # One buffer: write() is cheaper than writelines() for a small body.
-                self.transport.write(self._take_head(data))
+                self.tx_write(self._take_head(data))
             else:
                 self.transport.writelines((self._take_head(), data))
         else:
-            self.transport.write(data)
+            self.tx_write(data)
 
     def flush(self) -> None:
         if self.held is not None or self.head_out:
-            self.transport.write(self._take_head())
+            self.tx_write(self._take_head())
 
     def send_end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
         if self.chunked_out:
@@ -473,7 +474,7 @@ class H1ConnectionCore(Downstream):
             ex = self.exchange
             if trailers and ex is not None and b"trailers" in (ex.head.get(b"te") or b""):
                 end = b"0\r\n" + b"".join([b"%s: %s\r\n" % t for t in trailers]) + CRLF
-            self.transport.write(self._take_head(end))
+            self.tx_write(self._take_head(end))
         else:
             self.flush()
 
