@@ -116,6 +116,10 @@ def test_websocket_echo(start_proxy, demo_upstream, mode):
     with ws_connect(f"ws://127.0.0.1:{proxy.port}/ws", max_size=4 * MiB, open_timeout=10,
                     close_timeout=5, compression=None) as ws:
         assert ws.response.headers["x-upstream"] == "demo-a"
+        # A message sent before the pair is armed is passed back to user space, and its
+        # direction is then copied for the tunnel's life (aiproxy/kernel/tunnel.py, step
+        # 3): this test is about the kernel path, so it speaks once that is decided.
+        wait_decided(admin, 1)
         for i in range(20):
             ws.send(f"text message {i} ✓")
             assert ws.recv(timeout=10) == f"text message {i} ✓"
