@@ -22,7 +22,11 @@ cpdef object parse_response(object buf, Py_ssize_t max_head=*, Py_ssize_t max_he
 
 
 cdef class Head:
-    cdef readonly bytes raw
+    # One allocation holds the field index (offs, then flags) and then the head's bytes
+    # (raw: `size` bytes from `base`); the `raw` property copies them out for Python.
+    cdef bytes _block
+    cdef const char *base
+    cdef readonly Py_ssize_t size
     cdef readonly Py_ssize_t consumed
     cdef readonly int version
     cdef readonly long long content_length
@@ -31,12 +35,11 @@ cdef class Head:
     cdef readonly bint connection_upgrade
     cdef readonly object upgrade
     cdef readonly Py_ssize_t header_count
-    cdef bytes _index  # the block offs and flags point into
     cdef int *offs
     cdef unsigned short *flags
     cdef Py_ssize_t start_line_end
 
-    cdef int _alloc(self, Py_ssize_t nh) except -1
+    cdef char *_alloc(self, Py_ssize_t nh, Py_ssize_t size) except NULL
     cdef _store(self, const unsigned char *p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t nh)
     cpdef object get(self, bytes lname)
     cpdef list get_all(self, bytes lname)

@@ -161,26 +161,31 @@ cdef class Head:
         self.content_length = -1
         self.upgrade = None
 
-    cdef int _alloc(self, Py_ssize_t nh) except -1:
-        # One block, a bytes object freed with the head (no __dealloc__): the offsets,
-        # then the flags (ints first keeps them aligned).
-        self._index = PyBytes_FromStringAndSize(
-            NULL, nh * (5 * sizeof(int) + sizeof(unsigned short)))
-        self.offs = <int *>PyBytes_AS_STRING(self._index)
+    cdef char *_alloc(self, Py_ssize_t nh, Py_ssize_t size) except NULL:
+        # One bytes object, freed with the head (no __dealloc__): the offsets, the
+        # flags (ints first keeps them aligned), then room for the head's bytes.
+        cdef Py_ssize_t index = nh * (5 * sizeof(int) + sizeof(unsigned short))
+        self._block = PyBytes_FromStringAndSize(NULL, index + size)
+        self.offs = <int *>PyBytes_AS_STRING(self._block)
         self.flags = <unsigned short *>(self.offs + nh * 5)
-        return 0
+        self.base = PyBytes_AS_STRING(self._block) + index
+        self.size = size
+        self.header_count = nh
+        return <char *>self.base
 
     cdef _store(self, const unsigned char *p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t nh):
-        self.raw = PyBytes_FromStringAndSize(<const char *>p + start, end - start)
-        self.header_count = nh
-        if nh:
-            self._alloc(nh)
-            memcpy(self.offs, _offs, nh * 5 * sizeof(int))
-            memcpy(self.flags, _flags, nh * sizeof(unsigned short))
+        memcpy(self._alloc(nh, end - start), p + start, end - start)
+        memcpy(self.offs, _offs, nh * 5 * sizeof(int))
+        memcpy(self.flags, _flags, nh * sizeof(unsigned short))
+
+    @property
+    def raw(self):
+        """The head as received (HTTP/2: as field lines), a copy."""
+        return PyBytes_FromStringAndSize(self.base, self.size)
 
     cpdef object get(self, bytes lname):
         """First value of the field `lname` (lower case), or None."""
-        cdef const unsigned char *r = <const unsigned char *>PyBytes_AS_STRING(self.raw)
+        cdef const unsigned char *r = <const unsigned char *>self.base
         cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lname)
         cdef Py_ssize_t m = len(lname), i
         cdef int *o
@@ -191,7 +196,7 @@ cdef class Head:
         return None
 
     cpdef list get_all(self, bytes lname):
-        cdef const unsigned char *r = <const unsigned char *>PyBytes_AS_STRING(self.raw)
+        cdef const unsigned char *r = <const unsigned char *>self.base
         cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lname)
         cdef Py_ssize_t m = len(lname), i
         cdef int *o
@@ -204,7 +209,7 @@ cdef class Head:
 
     def headers(self):
         """All fields as (name, value) in arrival order, names as sent."""
-        cdef const char *r = PyBytes_AS_STRING(self.raw)
+        cdef const char *r = self.base
         cdef Py_ssize_t i
         cdef int *o
         out = []
@@ -216,7 +221,7 @@ cdef class Head:
 
     cpdef list fields(self, unsigned int drop_mask):
         """(lower-cased name, value) for every field whose flags miss drop_mask."""
-        cdef const char *r = PyBytes_AS_STRING(self.raw)
+        cdef const char *r = self.base
         cdef Py_ssize_t i, j, n
         cdef int *o
         cdef bytes name
@@ -296,7 +301,7 @@ cdef inline Py_ssize_t _kept_size(Head h, unsigned int drop_mask):
 
 cdef inline char *_copy_kept(Head h, char *dst, unsigned int drop_mask):
     """Copy those field lines to dst, as they arrived; returns the end."""
-    cdef const char *r = PyBytes_AS_STRING(h.raw)
+    cdef const char *r = h.base
     cdef Py_ssize_t i, ln
     cdef int *o
     for i in range(h.header_count):
@@ -334,30 +339,33 @@ def fields_request_head(list items, list flags, long long content_length, bytes 
     or the HTTP/1.1 request of an h2c upgrade, already checked (protocols/fields.py).
     The fields are laid out as HTTP/1.1 field lines, so the head's methods work on it
     as on a parsed one and the exchange handles both kinds of request in C."""
-    cdef Py_ssize_t nh = len(items), i, pos = 0, nlen, vlen
+    cdef Py_ssize_t nh = len(items), i, size = 0
     cdef bytes name, value
     cdef int *o
+    cdef char *dst
     if len(flags) != nh:
         raise ValueError("one flag per field")
-    cdef RequestHead h = RequestHead.__new__(RequestHead)
-    if nh:
-        h._alloc(nh)
-    cdef list parts = []
     for i in range(nh):
         name, value = items[i]
-        nlen = len(name)
-        vlen = len(value)
+        size += len(name) + len(value) + 4
+    cdef RequestHead h = RequestHead.__new__(RequestHead)
+    dst = h._alloc(nh, size)
+    for i in range(nh):
+        name, value = items[i]
         o = h.offs + 5 * i
-        o[0] = <int>pos
-        o[1] = <int>(pos + nlen)
+        o[0] = <int>(dst - h.base)
+        dst = _put(dst, name)
+        o[1] = <int>(dst - h.base)
+        dst[0] = 58  # ':'
+        dst[1] = 32
         o[2] = o[1] + 2
-        o[3] = <int>(o[2] + vlen)
+        dst = _put(dst + 2, value)
+        o[3] = <int>(dst - h.base)
+        dst[0] = 13
+        dst[1] = 10
+        dst += 2
         o[4] = o[3] + 2
-        pos = o[4]
         h.flags[i] = <unsigned short>flags[i]
-        parts += (name, b": ", value, b"\r\n")
-    h.raw = b"".join(parts)
-    h.header_count = nh
     h.version = 20
     h.content_length = content_length
     h.keep_alive = True
@@ -769,7 +777,7 @@ cdef _finish_framing(Head h, FieldState *st, bint is_request):
     cdef int *o
     if st.upgrade_idx >= 0 and st.conn_upgrade and h.version >= 11:
         o = h.offs + 5 * st.upgrade_idx
-        h.upgrade = PyBytes_FromStringAndSize(PyBytes_AS_STRING(h.raw) + o[2], o[3] - o[2])
+        h.upgrade = PyBytes_FromStringAndSize(h.base + o[2], o[3] - o[2])
 
 
 cpdef object parse_response(object buf, Py_ssize_t max_head=32768,

@@ -24,6 +24,7 @@ cdef class Downstream:
     cpdef exchange_done(self, ex, bint keep_alive)
     cpdef pause(self, int reason)
     cpdef resume(self, int reason)
+    cpdef bint output_paused(self) except -1
 
 
 cdef class Upstream:

@@ -72,6 +72,10 @@ class Downstream:
     def resume(self, reason: int) -> None:
         raise NotImplementedError
 
+    def output_paused(self) -> bool:
+        """Whether writes to the client are paused: the exchange then holds its upstream."""
+        raise NotImplementedError
+
 
 class Upstream:
     """The origin side: an HTTP/1.1 connection or one HTTP/2 stream."""

@@ -992,7 +992,7 @@ class Exchange(ExchangeBase):
         if self.pending_end or (self.req_done and self.req_mode == REQ_NONE):
             self.pending_end = False
             up.end_body()
-        if self.down.writing_paused:
+        if self.down.output_paused():
             up.pause()
 
     # -- deadlines (checked by the downstream's timer) ------------------------------------

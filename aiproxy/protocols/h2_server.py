@@ -522,6 +522,9 @@ class H2Stream(StreamOutput, Downstream):
     def writing_paused(self) -> bool:
         return self.conn.writing_paused or self.out_size > OUT_HIGH
 
+    def output_paused(self) -> bool:
+        return self.writing_paused
+
     # -- request body flow control ---------------------------------------------------
 
     def on_data(self, data: bytes, flow_len: int) -> None:

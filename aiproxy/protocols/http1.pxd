@@ -41,6 +41,7 @@ cdef class H1ConnectionCore(Downstream):
     cpdef may_keep_alive(self)
     cpdef pause(self, int reason)
     cpdef resume(self, int reason)
+    cpdef bint output_paused(self) except -1
     @cython.locals(head=RequestHead, rt=Runtime, e=Exchange, r=ResponseHead, route=Route,
                    status=cython.int, length=cython.longlong, chunked=cython.bint,
                    drop=cython.uint, extra=list)

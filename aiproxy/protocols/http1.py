@@ -368,6 +368,9 @@ class H1ConnectionCore(Downstream):
             if not self.pause_mask and not self.closed:
                 self.transport.resume_reading()
 
+    def output_paused(self) -> bool:
+        return self.writing_paused
+
     # -- the downstream side of an Exchange: writing the response --------------------
 
     def send_continue(self) -> None:
