@@ -503,49 +503,59 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
         name = p + pos
         nlen = k - pos
         fl = 0
-        if nlen == 4 and _ieq(name, 4, b"host", 4):
-            fl = F_HOST
-            st.host_count += 1
-            st.host_idx = st.nh
-        elif nlen == 14 and _ieq(name, 14, b"content-length", 14):
-            fl = F_CONTENT_LENGTH
-            st.cl_count += 1
-            cl = _parse_content_length(p, vs, ve)
-            if cl < 0:
-                raise ParseError(400, "invalid Content-Length")
-            if st.content_length != -1 and st.content_length != cl:
-                raise ParseError(400, "conflicting Content-Length values")
-            st.content_length = cl
-        elif nlen == 17 and _ieq(name, 17, b"transfer-encoding", 17):
-            fl = F_TRANSFER_ENCODING | F_HOP
-            st.te_present = 1
-            _scan_list_tokens(p, vs, ve, st, 1)
-        elif nlen == 10 and _ieq(name, 10, b"connection", 10):
-            fl = F_CONNECTION | F_HOP
-            _scan_list_tokens(p, vs, ve, st, 0)
-        elif nlen == 10 and _ieq(name, 10, b"keep-alive", 10):
-            fl = F_HOP
-        elif nlen == 2 and _ieq(name, 2, b"te", 2):
-            fl = F_HOP
-        elif nlen == 7 and _ieq(name, 7, b"trailer", 7):
-            fl = F_HOP
-        elif nlen == 7 and _ieq(name, 7, b"upgrade", 7):
-            fl = F_UPGRADE | F_HOP
-            st.upgrade_idx = st.nh
-        elif nlen == 6 and _ieq(name, 6, b"expect", 6):
-            fl = F_EXPECT | F_HOP
-            if _ieq(p + vs, ve - vs, b"100-continue", 12):
-                st.expect_continue = 1
-            else:
-                st.expect_unknown = 1  # any field with another expectation counts
-        elif nlen == 15 and _ieq(name, 15, b"x-forwarded-for", 15):
-            fl = F_XFF
-            st.has_xff = 1
-        elif nlen == 17 and _ieq(name, 17, b"x-forwarded-proto", 17):
-            fl = F_XFP
-        elif nlen == 5 and _ieq(name, 5, b"proxy", 5):
-            fl = F_HOP  # httpoxy
-        elif nlen > 6 and _ieq(name, 6, b"proxy-", 6):
+        # By length first (a jump table), then one compare per candidate name.
+        if nlen == 4:
+            if _ieq(name, 4, b"host", 4):
+                fl = F_HOST
+                st.host_count += 1
+                st.host_idx = st.nh
+        elif nlen == 14:
+            if _ieq(name, 14, b"content-length", 14):
+                fl = F_CONTENT_LENGTH
+                st.cl_count += 1
+                cl = _parse_content_length(p, vs, ve)
+                if cl < 0:
+                    raise ParseError(400, "invalid Content-Length")
+                if st.content_length != -1 and st.content_length != cl:
+                    raise ParseError(400, "conflicting Content-Length values")
+                st.content_length = cl
+        elif nlen == 17:
+            if _ieq(name, 17, b"transfer-encoding", 17):
+                fl = F_TRANSFER_ENCODING | F_HOP
+                st.te_present = 1
+                _scan_list_tokens(p, vs, ve, st, 1)
+            elif _ieq(name, 17, b"x-forwarded-proto", 17):
+                fl = F_XFP
+        elif nlen == 10:
+            if _ieq(name, 10, b"connection", 10):
+                fl = F_CONNECTION | F_HOP
+                _scan_list_tokens(p, vs, ve, st, 0)
+            elif _ieq(name, 10, b"keep-alive", 10):
+                fl = F_HOP
+        elif nlen == 2:
+            if _ieq(name, 2, b"te", 2):
+                fl = F_HOP
+        elif nlen == 7:
+            if _ieq(name, 7, b"trailer", 7):
+                fl = F_HOP
+            elif _ieq(name, 7, b"upgrade", 7):
+                fl = F_UPGRADE | F_HOP
+                st.upgrade_idx = st.nh
+        elif nlen == 6:
+            if _ieq(name, 6, b"expect", 6):
+                fl = F_EXPECT | F_HOP
+                if _ieq(p + vs, ve - vs, b"100-continue", 12):
+                    st.expect_continue = 1
+                else:
+                    st.expect_unknown = 1  # any field with another expectation counts
+        elif nlen == 15:
+            if _ieq(name, 15, b"x-forwarded-for", 15):
+                fl = F_XFF
+                st.has_xff = 1
+        elif nlen == 5:
+            if _ieq(name, 5, b"proxy", 5):
+                fl = F_HOP  # httpoxy
+        if fl == 0 and nlen > 6 and _ieq(name, 6, b"proxy-", 6):
             fl = F_HOP
         o = _offs + 5 * st.nh
         o[0] = <int>(pos - start)

@@ -1,3 +1,4 @@
+# cython: binding=False
 """HTTP/1.1 client side of the proxy: one upstream connection, driven by an Exchange.
 
 The connection parses the response head and frames the body (Content-Length,

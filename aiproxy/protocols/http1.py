@@ -1,3 +1,4 @@
+# cython: binding=False
 """Downstream HTTP/1.1: one protocol instance per client connection.
 
 It parses request heads (pipelined requests are answered in order, one
