@@ -10,7 +10,8 @@ from bisect import bisect_left
 import pytest
 from aiproxy._fast.histogram import Histogram
 
-from aiproxy.telemetry.metrics import BUCKETS, StatusCounts
+from aiproxy.pipeline.exchange import Exchange
+from aiproxy.telemetry.metrics import BUCKETS, Metrics, StatusCounts
 
 
 def test_same_buckets_as_bisect() -> None:
@@ -50,3 +51,21 @@ def test_status_counts_in_order_with_odd_statuses() -> None:
     assert counts.items() == [(-1, 1), (0, 1), (101, 1), (200, 3), (499, 1), (599, 1),
                               (600, 1), (999, 1)]
     assert StatusCounts().items() == []
+
+
+def test_requests_counted_per_route_and_cluster_across_names() -> None:
+    """exchange_stamps keeps the last (route, cluster) by identity: switching names, and
+    equal names in new str objects (a reload's config), must land in the same counts."""
+    m = Metrics()
+    ex = Exchange.__new__(Exchange)
+    a, b = "route-a", "route-b"
+    a_again = "".join(["route-", "a"])  # equal to a, another object
+    assert a_again == a and a_again is not a
+    for route, cluster, status in ((a, "c1", 200), (a, "c1", 200), (b, "c1", 200),
+                                   (a, "c2", 503), (a_again, "c1", 404), (a, "c1", 200)):
+        m.exchange_stamps(route, cluster, status, 0, 0, ex, 0.0)
+    assert {r: {c: counts.items() for c, counts in by.items()}
+            for r, by in m.requests.items()} == {
+        "route-a": {"c1": [(200, 3), (404, 1)], "c2": [(503, 1)]},
+        "route-b": {"c1": [(200, 1)]},
+    }

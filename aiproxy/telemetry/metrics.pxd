@@ -21,6 +21,8 @@ cdef class Metrics:
     cdef public Histogram h_accept, h_route, h_classify, h_connect, h_ttfb, h_total
     cdef public long long bytes_in, bytes_out, reloads, reload_failures
     cdef public object last_reload_ok, last_reload_time
+    cdef object last_route, last_cluster
+    cdef StatusCounts last_counts
 
     @cython.locals(by_cluster=dict, counts=StatusCounts)
     cpdef exchange_stamps(self, route, cluster, int status, long long bytes_in,

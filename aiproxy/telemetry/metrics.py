@@ -58,6 +58,10 @@ class Metrics:
     def __init__(self) -> None:
         # route name -> cluster name -> StatusCounts: two lookups by interned str, no tuple.
         self.requests: dict[str, dict[str, StatusCounts]] = {}
+        # The last (route, cluster) counted, by identity: most requests repeat it.
+        self.last_route: str | None = None
+        self.last_cluster: str | None = None
+        self.last_counts: StatusCounts | None = None
         self.stages = stages = {name: Histogram(BUCKETS) for name in STAGES}
         self.h_accept = stages["accept_to_headers"]
         self.h_route = stages["route_decision"]
@@ -77,12 +81,17 @@ class Metrics:
         """Count one finished exchange and observe its stages from the exchange's
         perf_counter stamps (the stages of Exchange.timings), without building the
         timings dict: this runs once per request, access log on or off."""
-        by_cluster = self.requests.get(route)
-        if by_cluster is None:
-            by_cluster = self.requests[route] = {}
-        counts = by_cluster.get(cluster)
-        if counts is None:
-            counts = by_cluster[cluster] = StatusCounts()
+        counts = self.last_counts
+        if route is not self.last_route or cluster is not self.last_cluster:
+            by_cluster = self.requests.get(route)
+            if by_cluster is None:
+                by_cluster = self.requests[route] = {}
+            counts = by_cluster.get(cluster)
+            if counts is None:
+                counts = by_cluster[cluster] = StatusCounts()
+            self.last_route = route
+            self.last_cluster = cluster
+            self.last_counts = counts
         counts.add(status)
         self.bytes_in += bytes_in
         self.bytes_out += bytes_out
