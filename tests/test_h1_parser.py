@@ -1355,6 +1355,37 @@ def test_target_scan_matches_the_exchange_rules(target: bytes) -> None:
     assert head.target_plain == expected
 
 
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 15, 16, 17, 25])
+def test_every_byte_at_every_name_position(length: int) -> None:
+    """Field names are scanned eight bytes at a time: each byte value, at each position
+    of names around the word size, is taken or refused as RFC 9110 5.6.2's tchar says.
+    A ':' ends the name there (the rest is value); a name cannot be empty."""
+    tchar = set(b"!#$%&'*+-.^_`|~0123456789") | set(range(ord("a"), ord("z") + 1)) | set(
+        range(ord("A"), ord("Z") + 1))
+    for pos in range(length):
+        for byte in range(256):
+            if byte in (0x0D, 0x0A):
+                continue  # line ends: covered by the framing tests
+            name = bytearray(b"n" * length)
+            name[pos] = byte
+            line = bytes(name) + b": v\r\n"
+            msg = b"GET / HTTP/1.1\r\nHost: a\r\n" + line + b"\r\n"
+            resp_msg = b"HTTP/1.1 200 OK\r\n" + line + b"\r\n"
+            if byte in tchar or (byte == 0x3A and pos > 0):
+                want = (bytes(name).lower(), b"v") if byte in tchar else (
+                    bytes(name[:pos]), bytes(name[pos + 1:]) + b": v")
+                head = parse_request(msg)
+                assert head is not None and head.get(want[0]) == want[1], (pos, byte)
+                assert parse_response(resp_msg).get(want[0]) == want[1], (pos, byte)
+            else:
+                with pytest.raises(ParseError) as exc:
+                    parse_request(msg)
+                assert exc.value.status == 400, (pos, byte)
+                with pytest.raises(ParseError) as exc:
+                    parse_response(resp_msg)
+                assert exc.value.status == 502, (pos, byte)
+
+
 @pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 15, 16, 17, 31])
 def test_every_byte_at_every_value_position(length: int) -> None:
     """Field values are scanned eight bytes at a time: each byte value, at each position
