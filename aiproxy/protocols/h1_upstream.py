@@ -50,8 +50,8 @@ SMALL_COPY = 2048
 
 
 class H1UpstreamCore(Upstream):
-    """The protocol's state and code (compiled as a C class: h1_upstream.pxd); the
-    transport sees H1UpstreamConnection, the BufferedProtocol below."""
+    """The protocol (compiled as a C class: h1_upstream.pxd). uvloop, and its TLS layer,
+    take any protocol with get_buffer() that is not an asyncio.Protocol as a buffered one."""
 
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
@@ -386,5 +386,6 @@ class H1UpstreamCore(Upstream):
             ex.on_upstream_end()
 
 
-class H1UpstreamConnection(H1UpstreamCore, asyncio.BufferedProtocol):
-    __slots__ = ()
+# The C class itself, not a Python subclass mixing in asyncio.BufferedProtocol: on an
+# exact C type a cpdef method does not check for a Python override on every call.
+H1UpstreamConnection = H1UpstreamCore

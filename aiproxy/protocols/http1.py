@@ -69,8 +69,8 @@ def valid_h2_settings(value: bytes) -> bool:
 
 
 class H1ConnectionCore(Downstream):
-    """The protocol's state and code (compiled as a C class: http1.pxd); uvloop and
-    asyncio's TLS layer see H1Connection, the BufferedProtocol below."""
+    """The protocol (compiled as a C class: http1.pxd). uvloop, and its TLS layer, take
+    any protocol with get_buffer() that is not an asyncio.Protocol as a buffered one."""
 
     __slots__ = ("transport", "buf", "exchange", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
@@ -604,5 +604,6 @@ class H1ConnectionCore(Downstream):
         self.timer = self.loop.call_later(left, self._on_timer)
 
 
-class H1Connection(H1ConnectionCore, asyncio.BufferedProtocol):
-    __slots__ = ()
+# The C class itself, not a Python subclass mixing in asyncio.BufferedProtocol: on an
+# exact C type a cpdef method does not check for a Python override on every call.
+H1Connection = H1ConnectionCore
