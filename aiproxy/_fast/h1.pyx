@@ -265,15 +265,19 @@ cdef class Head:
         dst[1] = 10
         return out
 
-    cpdef bytes compose(self, list start, list extra, unsigned int drop_mask,
+    cpdef bytes compose(self, bytes start, bytes target, list extra, unsigned int drop_mask,
                         object tail=None):
-        """serialize(b"".join(start), b"".join(extra), drop_mask) + tail in one
-        allocation: the proxy's start line and added field lines come as pieces (bytes
-        each); tail (any buffer, or None) is body bytes to send behind the head."""
-        cdef Py_ssize_t total = _kept_size(self, drop_mask) + 2
+        """serialize(start_line, b"".join(extra), drop_mask) + tail in one allocation.
+        The start line is `start` as it is (a status line) when target is None, else
+        the request line `start SP target SP HTTP/1.1 CRLF` (start is the method). The
+        added field lines come as pieces (bytes each); tail (any buffer, or None) is
+        body bytes to send behind the head."""
+        if start is None:
+            raise TypeError("compose() needs a start line")
+        cdef Py_ssize_t total = _kept_size(self, drop_mask) + 2 + len(start)
+        if target is not None:
+            total += 1 + len(target) + 11  # SP target, then " HTTP/1.1" CRLF
         cdef object piece
-        for piece in start:
-            total += len(<bytes?>piece)
         for piece in extra:
             total += len(<bytes?>piece)
         cdef char *dst
@@ -284,9 +288,12 @@ cdef class Head:
         cdef bytes out
         try:
             out = PyBytes_FromStringAndSize(NULL, total + view.len)
-            dst = PyBytes_AS_STRING(out)
-            for piece in start:
-                dst = _put(dst, <bytes>piece)
+            dst = _put(PyBytes_AS_STRING(out), start)
+            if target is not None:
+                dst[0] = 32
+                dst = _put(dst + 1, target)
+                memcpy(dst, b" HTTP/1.1\r\n", 11)
+                dst += 11
             dst = _copy_kept(self, dst, drop_mask)
             for piece in extra:
                 dst = _put(dst, <bytes>piece)

@@ -696,7 +696,7 @@ class Exchange(ExchangeBase):
         if remove:
             start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
             return serialize_without(head, start_line, b"".join(extra), drop, remove)
-        return head.compose([self.method, b" ", self.up_target, b" HTTP/1.1\r\n"], extra, drop)
+        return head.compose(self.method, self.up_target, extra, drop)
 
     def h2_request_headers(self, pool: Pool) -> list[tuple[bytes, bytes]]:
         """The request fields for an HTTP/2 upstream (RFC 9113 8.3.1 pseudo-fields first)."""

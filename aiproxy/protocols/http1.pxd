@@ -24,7 +24,8 @@ cdef class H1ConnectionCore(Downstream):
     cdef public Exchange exchange
     cdef public bytes head_out
     cdef public ResponseHead held
-    cdef public list held_start, held_extra
+    cdef public bytes held_status
+    cdef public list held_extra
     cdef public unsigned int held_drop
     cdef public long long served
     cdef public int pause_mask

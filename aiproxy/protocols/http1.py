@@ -75,7 +75,7 @@ class H1ConnectionCore(Downstream):
     __slots__ = ("transport", "buf", "exchange", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
-                 "head_out", "chunked_out", "h2c", "switched", "slab", "held", "held_start",
+                 "head_out", "chunked_out", "h2c", "switched", "slab", "held", "held_status",
                  "held_extra", "held_drop", "tx_write")
 
     def __init__(self, server: ProxyServer, h2c: bool = False) -> None:
@@ -101,8 +101,8 @@ class H1ConnectionCore(Downstream):
         self.client_eof = False
         self.scheme = b"http"
         self.head_out = b""  # a response head not sent yet, as bytes; or held:
-        self.held: ResponseHead | None = None  # held.compose(held_start, held_extra, held_drop)
-        self.held_start: list[bytes] | None = None
+        self.held: ResponseHead | None = None  # held.compose(held_status, None, held_extra, ...)
+        self.held_status: bytes | None = None
         self.held_extra: list[bytes] | None = None
         self.held_drop = 0
         self.chunked_out = False
@@ -433,7 +433,7 @@ class H1ConnectionCore(Downstream):
         if r is not None:
             # Composed with the first body bytes behind it: one buffer (_take_head).
             self.held = r
-            self.held_start = [status_line]
+            self.held_status = status_line
             self.held_extra = extra
             self.held_drop = drop
         else:
@@ -445,7 +445,7 @@ class H1ConnectionCore(Downstream):
         r = self.held
         if r is not None:
             self.held = None
-            return r.compose(self.held_start, self.held_extra, self.held_drop, tail)
+            return r.compose(self.held_status, None, self.held_extra, self.held_drop, tail)
         head = self.head_out
         self.head_out = b""
         return head if tail is None else head + tail
