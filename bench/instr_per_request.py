@@ -91,6 +91,7 @@ def measure(name: str, command: tuple[list[str], dict, Path, int], path: str, tm
     for dump in tmp.glob(f"callgrind-{port}.out*"):
         body = dump.read_text(errors="replace")
         if "Trigger: dump" in body:
+            log(f"{name}: callgrind dump {dump}")
             return requests, int(re.search(r"^summary: (\d+)", body, re.M).group(1)) / requests
     raise RuntimeError("no callgrind dump found")
 
@@ -105,13 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=10, help="seconds per run (10)")
     parser.add_argument("--nginx", action="store_true",
                         help="count nginx as a proxy too (one process, e2e.py's config)")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep the callgrind dumps in DIR (for callgrind_annotate)")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         log("valgrind is needed (apt-get install valgrind)")
         return 1
     tools = ensure_tools(install=False)
     trees = [Path(t).resolve() for t in args.trees.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="aiproxy-instr-"))
+    if args.keep:
+        tmp = Path(args.keep).resolve()
+        tmp.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="aiproxy-instr-"))
     try:
         servers = Servers(tmp, tools, 0, 4096, trees[0])
         servers.start_backend()
@@ -141,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         Proc.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

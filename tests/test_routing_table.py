@@ -8,7 +8,7 @@ import pytest
 from aiproxy._fast.h1 import parse_request
 
 from aiproxy.config import load_config_text
-from aiproxy.routing.table import Route, RouteTable
+from aiproxy.routing.table import LINEAR_PREFIXES, Route, RouteTable
 
 CLUSTER = """
 [[listeners]]
@@ -21,9 +21,10 @@ endpoints = ["127.0.0.1:2"]
 """
 
 
-def table(routes: str) -> RouteTable:
+def table(routes: str, linear_prefixes: int = LINEAR_PREFIXES) -> RouteTable:
     cfg = load_config_text(CLUSTER + routes, "t.toml")
-    return RouteTable(Route(r, {"c": object()}, i) for i, r in enumerate(cfg.routes))
+    return RouteTable((Route(r, {"c": object()}, i) for i, r in enumerate(cfg.routes)),
+                      linear_prefixes)
 
 
 def lookup(tbl: RouteTable, target: bytes, host: bytes = b"example.com", method: bytes = b"GET",
@@ -118,8 +119,11 @@ cluster = "c"
     assert lookup(tbl, b"/pkg.Svc/Stop", method=b"POST") is None
 
 
+# Few prefixes are compared one by one, many are looked up by length: both ways, here
+# by forcing the table's threshold (0: always by length).
+@pytest.mark.parametrize("linear_prefixes", [LINEAR_PREFIXES, 0])
 @pytest.mark.parametrize("seed", range(5))
-def test_index_agrees_with_linear_scan(seed):
+def test_index_agrees_with_linear_scan(seed, linear_prefixes):
     rng = random.Random(seed)
     hosts = ["a.example.com", "*.example.com", "b.test", "*.test", None]
     prefixes = ["/", "/v1", "/v1/", "/v1/chat", "/v2/", "/svc1", "/svc10/"]
@@ -141,7 +145,9 @@ def test_index_agrees_with_linear_scan(seed):
         if rng.random() < 0.2:
             m.append('headers = { x-k = "1" }')
         lines.append(f'[[routes]]\nname = "r{i}"\ncluster = "c"\nmatch = {{ {", ".join(m)} }}\n')
-    tbl = table("".join(lines))
+    tbl = table("".join(lines), linear_prefixes)
+    mode = "prefix_list" if linear_prefixes else "prefix_groups"
+    assert getattr(tbl.any_host, mode)
     for _ in range(400):
         path = rng.choice(prefixes) + rng.choice(["", "x", "/y", "chat/z"])
         host = rng.choice(["a.example.com", "z.a.example.com", "b.test", "c.test", "other"])

@@ -15,7 +15,7 @@ cdef class Route:
 
 cdef class _Bucket:
     cdef public dict exact, prefixes
-    cdef public tuple prefix_lens
+    cdef public tuple prefix_list, prefix_groups
     cdef public list other
 
 
@@ -31,5 +31,5 @@ cdef class RouteTable:
 
 @cython.locals(route=Route, limit=cython.longlong)
 cpdef _first(list routes, Route best, method, path, head, query, sem)
-@cython.locals(by_prefix=dict, n=Py_ssize_t, length=Py_ssize_t)
+@cython.locals(by_prefix=dict, n=Py_ssize_t, length=Py_ssize_t, prefix=bytes, routes=list)
 cpdef _scan(_Bucket bucket, Route best, method, bytes path, head, query, sem)

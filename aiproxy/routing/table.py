@@ -202,15 +202,24 @@ class Route:
         return {"cluster": self.cluster.name}
 
 
+# Up to this many distinct path prefixes in a bucket are compared one by one; more are
+# looked up in a dict per prefix length. A compare needs no key: slicing the path for a
+# dict key costs about as much as sixteen compares.
+LINEAR_PREFIXES = 16
+
+
 class _Bucket:
     """Routes of one host key, indexed by literal path."""
 
-    __slots__ = ("exact", "prefix_lens", "prefixes", "other")
+    __slots__ = ("exact", "prefixes", "prefix_list", "prefix_groups", "other")
 
     def __init__(self) -> None:
         self.exact: dict[bytes, list[Route]] = {}
-        self.prefix_lens: tuple[int, ...] = ()
-        self.prefixes: dict[int, dict[bytes, list[Route]]] = {}
+        self.prefixes: dict[bytes, list[Route]] = {}
+        # Set by finish(): ((prefix, routes), ...) when there are few prefixes, else
+        # ((length, {prefix: routes}), ...); longest first either way.
+        self.prefix_list: tuple = ()
+        self.prefix_groups: tuple = ()
         self.other: list[Route] = []
 
     def add(self, route: Route) -> None:
@@ -219,17 +228,29 @@ class _Bucket:
                 self.exact.setdefault(route.path, []).append(route)
             # else the route can never match: leave it out
         elif route.path_prefix is not None:
-            n = len(route.path_prefix)
-            self.prefixes.setdefault(n, {}).setdefault(route.path_prefix, []).append(route)
+            self.prefixes.setdefault(route.path_prefix, []).append(route)
         else:
             self.other.append(route)
+
+    def finish(self, linear_prefixes: int) -> None:
+        # Longest first: a deep, specific prefix is likely the first match.
+        ordered = sorted(self.prefixes.items(), key=lambda kv: len(kv[0]), reverse=True)
+        if len(ordered) <= linear_prefixes:
+            self.prefix_list = tuple(ordered)
+            self.prefix_groups = ()
+            return
+        groups: dict[int, dict[bytes, list[Route]]] = {}
+        for prefix, routes in ordered:
+            groups.setdefault(len(prefix), {})[prefix] = routes
+        self.prefix_list = ()
+        self.prefix_groups = tuple(groups.items())
 
 
 class RouteTable:
     __slots__ = ("routes", "by_host", "by_suffix", "any_host", "has_suffix", "max_dots",
                  "uses_intent")
 
-    def __init__(self, routes: Iterable[Route]) -> None:
+    def __init__(self, routes: Iterable[Route], linear_prefixes: int = LINEAR_PREFIXES) -> None:
         self.routes = tuple(routes)
         self.uses_intent = any(r.intent is not None or r.intent_domain is not None
                                for r in self.routes)
@@ -246,8 +267,7 @@ class RouteTable:
                 bucket = self.by_host.setdefault(route.host, _Bucket())
             bucket.add(route)
         for bucket in (self.any_host, *self.by_host.values(), *self.by_suffix.values()):
-            # Longest first: a deep, specific prefix is likely the first match.
-            bucket.prefix_lens = tuple(sorted(bucket.prefixes, reverse=True))
+            bucket.finish(linear_prefixes)
         self.has_suffix = bool(self.by_suffix)
 
     def match(self, method: bytes, path: bytes, host: bytes | None,
@@ -288,12 +308,13 @@ def _scan(bucket: _Bucket, best: Route | None, method: bytes, path: bytes,
     routes = bucket.exact.get(path) if bucket.exact else None
     if routes is not None:
         best = _first(routes, best, method, path, head, query, sem)
-    if bucket.prefix_lens:
+    for prefix, routes in bucket.prefix_list:
+        if path.startswith(prefix):
+            best = _first(routes, best, method, path, head, query, sem)
+    if bucket.prefix_groups:
         n = len(path)
-        prefixes = bucket.prefixes
-        for length in bucket.prefix_lens:
+        for length, by_prefix in bucket.prefix_groups:
             if length <= n:
-                by_prefix = prefixes[length]
                 routes = by_prefix.get(path[:length])
                 if routes is not None:
                     best = _first(routes, best, method, path, head, query, sem)
