@@ -591,19 +591,23 @@ def test_serialize_drop_by_mask():
     # target, and the added lines as pieces; with body bytes behind the head
     for mask in (0, F_HOP | F_XFF | F_XFP, F_NAMED_BY_CONNECTION, F_HOST, 0xFFFF):
         for start, target, line, extra in (
-                (b"POST", b"/p?q=1", b"POST /p?q=1 HTTP/1.1\r\n", [b"E: 1\r\n", b"F: 2\r\n"]),
-                (b"GET", b"", b"GET  HTTP/1.1\r\n", []),
-                (b"HTTP/1.1 200 OK\r\n", None, b"HTTP/1.1 200 OK\r\n", [b""]),
-                (b"", None, b"", [])):
-            want = h.serialize(line, b"".join(extra), mask)
+                (b"POST", b"/p?q=1", b"POST /p?q=1 HTTP/1.1\r\n",
+                 (b"E: 1\r\n", None, b"F: 2\r\n", None)),
+                (b"GET", b"", b"GET  HTTP/1.1\r\n", ()),
+                (b"HTTP/1.1 200 OK\r\n", None, b"HTTP/1.1 200 OK\r\n", (b"", None)),
+                (b"", None, b"", (None,))):
+            # None pieces are empty slots: left out
+            want = h.serialize(line, b"".join(p for p in extra if p is not None), mask)
             assert h.compose(start, target, extra, mask) == want
             assert h.compose(start, target, extra, mask, memoryview(b"body")) == want + b"body"
     with pytest.raises(TypeError):
-        h.compose(b"S\r\n", None, [b"E: 1\r\n", "not bytes"], 0)
+        h.compose(b"S\r\n", None, (b"E: 1\r\n", "not bytes"), 0)
     with pytest.raises(TypeError):
-        h.compose(b"S\r\n", None, [bytearray(b"E: 1\r\n")], 0)
+        h.compose(b"S\r\n", None, (bytearray(b"E: 1\r\n"),), 0)
     with pytest.raises(TypeError):
-        h.compose(None, None, [], 0)
+        h.compose(b"S\r\n", None, [b"E: 1\r\n"], 0)  # a tuple of slots, not a list
+    with pytest.raises(TypeError):
+        h.compose(None, None, (), 0)
 
 
 def test_serialize_without_fields():

@@ -44,7 +44,7 @@ cdef class Head:
     cpdef object get(self, bytes lname)
     cpdef list get_all(self, bytes lname)
     cpdef bytes serialize(self, bytes start_line, bytes extra, unsigned int drop_mask)
-    cpdef bytes compose(self, bytes start, bytes target, list extra, unsigned int drop_mask,
+    cpdef bytes compose(self, bytes start, bytes target, tuple extra, unsigned int drop_mask,
                         object tail=*)
     cpdef list fields(self, unsigned int drop_mask)
 

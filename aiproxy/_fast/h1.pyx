@@ -265,13 +265,14 @@ cdef class Head:
         dst[1] = 10
         return out
 
-    cpdef bytes compose(self, bytes start, bytes target, list extra, unsigned int drop_mask,
+    cpdef bytes compose(self, bytes start, bytes target, tuple extra, unsigned int drop_mask,
                         object tail=None):
         """serialize(start_line, b"".join(extra), drop_mask) + tail in one allocation.
         The start line is `start` as it is (a status line) when target is None, else
         the request line `start SP target SP HTTP/1.1 CRLF` (start is the method). The
-        added field lines come as pieces (bytes each); tail (any buffer, or None) is
-        body bytes to send behind the head."""
+        added field lines come as pieces, bytes or None (skipped): a tuple with a slot
+        per kind of line costs no list growth. tail (any buffer, or None) is body bytes
+        to send behind the head."""
         if start is None:
             raise TypeError("compose() needs a start line")
         cdef Py_ssize_t total = _kept_size(self, drop_mask) + 2 + len(start)
@@ -279,7 +280,8 @@ cdef class Head:
             total += 1 + len(target) + 11  # SP target, then " HTTP/1.1" CRLF
         cdef object piece
         for piece in extra:
-            total += len(<bytes?>piece)
+            if piece is not None:
+                total += len(<bytes?>piece)
         cdef char *dst
         cdef Py_buffer view
         view.len = 0
@@ -296,7 +298,8 @@ cdef class Head:
                 dst += 11
             dst = _copy_kept(self, dst, drop_mask)
             for piece in extra:
-                dst = _put(dst, <bytes>piece)
+                if piece is not None:
+                    dst = _put(dst, <bytes>piece)
             dst[0] = 13
             dst[1] = 10
             if view.len:

@@ -651,51 +651,52 @@ class Exchange(ExchangeBase):
         head = self.head
         rt = self.rt
         drop = F_HOP | F_CONTENT_LENGTH
-        extra = []
+        # The added field lines, one slot each (None: not sent): see Head.compose.
+        host = fwd = decision = framing = upgrade_lines = added = None
         if self.host_line:
             drop |= F_HOST
-            extra.append(self.host_line)
+            host = self.host_line
         elif head.version == 20 and head.host is not None:
             # RFC 9113 8.3.1: :authority becomes the Host field of an HTTP/1.1 request.
             drop |= F_HOST
-            extra.append(b"Host: " + head.host + CRLF)
+            host = b"Host: " + head.host + CRLF
         elif head.host is None:
-            extra.append(b"Host: " + pool.endpoint.address.encode() + CRLF)
+            host = b"Host: " + pool.endpoint.address.encode() + CRLF
         if rt.x_forwarded:
             drop |= F_XFF | F_XFP
             if head.has_xff:
-                extra.append(forwarded_lines(self._xff(), self.down.scheme))
+                fwd = forwarded_lines(self._xff(), self.down.scheme)
             else:
-                extra.append(self.down.forwarded)  # forwarded_lines() of the connection
-        if rt.via_line:
-            extra.append(rt.via_line)
+                fwd = self.down.forwarded  # forwarded_lines() of the connection
         if self.intent is not None:  # only set where rt.semantic is
-            extra.append(rt.semantic.decision_lines(self.intent, self.intent_domain,
-                                                    self.intent_conf))
+            decision = rt.semantic.decision_lines(self.intent, self.intent_domain,
+                                                  self.intent_conf)
         if self.up_chunked:
-            extra.append(b"Transfer-Encoding: chunked\r\n")
+            framing = b"Transfer-Encoding: chunked\r\n"
         elif self.body_len >= 0:
-            extra.append(b"Content-Length: %d\r\n" % self.body_len)
+            framing = b"Content-Length: %d\r\n" % self.body_len
         elif head.content_length >= 0:
-            extra.append(b"Content-Length: %d\r\n" % head.content_length)
+            framing = b"Content-Length: %d\r\n" % head.content_length
         if head.upgrade is not None:
             upgrade = forwarded_upgrade(head.upgrade)
             if upgrade is not None:
-                extra.append(b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF)
+                upgrade_lines = b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF
         route = self.route
         remove = None
         if route.has_policy:
             if route.req_add_lines:
-                extra.append(route.req_add_lines)
+                added = route.req_add_lines
             remove = route.req_remove
         up_headers = self.up_headers
         if up_headers:
-            extra.extend([b"%s: %s\r\n" % h for h in up_headers if h[1] is not None])
+            set_lines = b"".join([b"%s: %s\r\n" % h for h in up_headers if h[1] is not None])
+            added = set_lines if added is None else added + set_lines
             names = frozenset([n for n, _ in up_headers])
             remove = remove | names if remove else names
+        extra = (host, fwd, rt.via_line, decision, framing, upgrade_lines, added)
         if remove:
             start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
-            return serialize_without(head, start_line, b"".join(extra), drop, remove)
+            return serialize_without(head, start_line, joined(extra), drop, remove)
         return head.compose(self.method, self.up_target, extra, drop)
 
     def h2_request_headers(self, pool: Pool) -> list[tuple[bytes, bytes]]:
@@ -1447,6 +1448,11 @@ class Exchange(ExchangeBase):
                 tokens = int(m.group(1)) if m is not None else self.resp_bytes // 4
                 pool.stats.add_tokens(tokens, self.loop.time())
 
+
+
+def joined(pieces: tuple) -> bytes:
+    """The field-line pieces of a Head.compose() tuple as one bytes (None skipped)."""
+    return b"".join([p for p in pieces if p is not None])
 
 
 def serialize_without(head: Any, start_line: bytes, extra: bytes, drop: int,

@@ -25,7 +25,7 @@ cdef class H1ConnectionCore(Downstream):
     cdef public bytes head_out
     cdef public ResponseHead held
     cdef public bytes held_status
-    cdef public list held_extra
+    cdef public tuple held_extra
     cdef public unsigned int held_drop
     cdef public long long served
     cdef public int pause_mask
@@ -45,7 +45,7 @@ cdef class H1ConnectionCore(Downstream):
     cpdef bint output_paused(self) except -1
     @cython.locals(head=RequestHead, rt=Runtime, e=Exchange, r=ResponseHead, route=Route,
                    status=cython.int, length=cython.longlong, chunked=cython.bint,
-                   drop=cython.uint, extra=list)
+                   drop=cython.uint, extra=tuple)
     cpdef send_response(self, ex, resp, int mode)
     cpdef bytes _take_head(self, tail=*)
     cpdef send_body(self, data)

@@ -27,7 +27,7 @@ from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.clock import monotonic
 from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
 from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
-from aiproxy.pipeline.exchange import Exchange, serialize_without
+from aiproxy.pipeline.exchange import Exchange, joined, serialize_without
 from aiproxy.protocols import h2_server, replies
 from aiproxy.protocols.fields import MalformedHead, h2_request_head
 from aiproxy.telemetry.recorder import server_timing
@@ -103,7 +103,7 @@ class H1ConnectionCore(Downstream):
         self.head_out = b""  # a response head not sent yet, as bytes; or held:
         self.held: ResponseHead | None = None  # held.compose(held_status, None, held_extra, ...)
         self.held_status: bytes | None = None
-        self.held_extra: list[bytes] | None = None
+        self.held_extra: tuple | None = None
         self.held_drop = 0
         self.chunked_out = False
         self.slab: bytearray | None = None
@@ -397,7 +397,8 @@ class H1ConnectionCore(Downstream):
             r = None
             status, reason = resp.status, resp.reason
             length, chunked = resp.content_length, resp.chunked
-        extra = [rt.via_line] if rt.via_line else []
+        # The added field lines, one slot each (None: not sent): see Head.compose.
+        framing = timing = conn = None
         # The connection closes after this response if the request body is still arriving
         # (the rest of it is not read) or this is the last request allowed on it: say so.
         keep = head.keep_alive and e.req_done and self.may_keep_alive()
@@ -406,30 +407,33 @@ class H1ConnectionCore(Downstream):
         else:
             drop = F_HOP | F_CONTENT_LENGTH
             if length >= 0 and not chunked:
-                line = CONTENT_LENGTH_LINES.get(length)
-                extra.append(line if line is not None else content_length_line(length))
+                framing = CONTENT_LENGTH_LINES.get(length)
+                if framing is None:
+                    framing = content_length_line(length)
             elif head.version >= 11:
                 self.chunked_out = True
-                extra.append(b"Transfer-Encoding: chunked\r\n")
+                framing = b"Transfer-Encoding: chunked\r\n"
             else:
                 keep = False  # HTTP/1.0 client: the end of the body is the close
         if rt.server_timing:
-            extra.append(b"Server-Timing: " + server_timing(e) + CRLF)
+            timing = b"Server-Timing: " + server_timing(e) + CRLF
         if not keep:
-            extra.append(b"Connection: close\r\n")
+            conn = b"Connection: close\r\n"
         elif head.version < 11:
-            extra.append(b"Connection: keep-alive\r\n")
+            conn = b"Connection: keep-alive\r\n"
         if status == 200 and reason == b"OK":
             status_line = STATUS_200
         else:
             status_line = b"HTTP/1.1 %d %s\r\n" % (status, reason)
         route = e.route
         if route is not None and route.resp_edit:
-            extra.append(route.resp_add_lines)
+            extra = (rt.via_line, framing, timing, conn, route.resp_add_lines)
             if route.resp_remove:
-                self.head_out = serialize_without(resp, status_line, b"".join(extra), drop,
+                self.head_out = serialize_without(resp, status_line, joined(extra), drop,
                                                   route.resp_remove)
                 return keep
+        else:
+            extra = (rt.via_line, framing, timing, conn)
         if r is not None:
             # Composed with the first body bytes behind it: one buffer (_take_head).
             self.held = r
@@ -437,7 +441,7 @@ class H1ConnectionCore(Downstream):
             self.held_extra = extra
             self.held_drop = drop
         else:
-            self.head_out = resp.serialize(status_line, b"".join(extra), drop)
+            self.head_out = resp.serialize(status_line, joined(extra), drop)
         return keep
 
     def _take_head(self, tail: Any = None) -> bytes:
