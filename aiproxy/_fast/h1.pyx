@@ -11,8 +11,16 @@ errors in upstream responses to 502.
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memchr, memcmp, memcpy
+
+cdef extern from *:
+    """
+    #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+    #error "h1.pyx reads bytes eight at a time and needs a little-endian machine"
+    #endif
+    """
+    int __builtin_ctzll(unsigned long long) nogil
 
 
 class ParseError(Exception):
@@ -81,18 +89,24 @@ _init_tables()
 
 
 cdef inline Py_ssize_t _fv_run(const unsigned char *p, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
-    """The first index at or after i whose byte is not FVCHAR (n if none). Eight bytes
-    at a time while a word holds no control byte (< 0x20 or 0x7f): then byte by byte,
-    so HTAB, the one control byte FVCHAR allows, takes the slow way."""
-    cdef uint64_t x, y
+    """The first index at or after i whose byte is not FVCHAR (n if none), eight bytes
+    at a time. A word with a control byte (< 0x20 or 0x7f) flags it; the lowest flag is
+    always a real one (a false one needs a borrow from a real one below it), so it is
+    where the run ends, unless it is HTAB, the one control byte FVCHAR allows."""
+    cdef uint64_t x, y, m
     while i + 8 <= n:
         memcpy(&x, p + i, 8)
         y = x ^ 0x7f7f7f7f7f7f7f7fULL
-        # Has a byte below 0x20 / a zero byte in y (exact as to "any", Bit Twiddling Hacks).
-        if (((x - 0x2020202020202020ULL) & ~x) | ((y - 0x0101010101010101ULL) & ~y)) \
-                & 0x8080808080808080ULL:
-            break
-        i += 8
+        # A byte below 0x20 / a zero byte in y (Bit Twiddling Hacks).
+        m = (((x - 0x2020202020202020ULL) & ~x) | ((y - 0x0101010101010101ULL) & ~y)) \
+            & 0x8080808080808080ULL
+        if m:
+            i += __builtin_ctzll(m) >> 3
+            if p[i] != 9:
+                return i
+            i += 1
+        else:
+            i += 8
     while i < n and FVCHAR[p[i]]:
         i += 1
     return i
@@ -111,11 +125,34 @@ cdef inline Py_ssize_t _tchar_run(const unsigned char *p, Py_ssize_t i, Py_ssize
 
 
 cdef inline bint _ieq(const unsigned char *a, Py_ssize_t n, const char *lit, Py_ssize_t m) noexcept:
-    # `lit` is lower case letters and '-'; OR-ing 0x20 folds only A-Z onto them
-    # for token characters, so this is an exact case-insensitive compare.
+    # `lit` is lower case letters, digits and '-'; OR-ing 0x20 folds only A-Z onto them
+    # for token and field value characters (it would also fold CR onto '-', and control
+    # bytes onto digits, which neither can hold), so this is an exact case-insensitive
+    # compare. Eight or four bytes a step; the last step overlaps the one before.
+    cdef uint64_t x, y
+    cdef uint32_t u, w
     cdef Py_ssize_t i
     if n != m:
         return 0
+    if n >= 8:
+        i = 0
+        while i + 8 < n:
+            memcpy(&x, a + i, 8)
+            memcpy(&y, lit + i, 8)
+            if (x | 0x2020202020202020ULL) != y:
+                return 0
+            i += 8
+        memcpy(&x, a + n - 8, 8)
+        memcpy(&y, lit + n - 8, 8)
+        return (x | 0x2020202020202020ULL) == y
+    if n >= 4:
+        memcpy(&u, a, 4)
+        memcpy(&w, lit, 4)
+        if (u | 0x20202020U) != w:
+            return 0
+        memcpy(&u, a + n - 4, 4)
+        memcpy(&w, lit + n - 4, 4)
+        return (u | 0x20202020U) == w
     for i in range(n):
         if (a[i] | 0x20) != <unsigned char>lit[i]:
             return 0
