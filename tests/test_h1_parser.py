@@ -577,6 +577,16 @@ def test_serialize_drop_by_mask():
                    b"Accept:   */*  \r\n"
                    b"X-Forwarded-For: 1.1.1.1, 2.2.2.2\r\n"
                    b"\r\n")
+    # Runs of kept lines are copied as one piece: every mask over these flags keeps
+    # exactly the lines whose flags miss it, whatever runs that makes.
+    lines = data.split(b"\r\n")[1:-2]
+    flags = h.header_flags()
+    for mask in range(1024):
+        kept = b"".join(line + b"\r\n" for line, f in zip(lines, flags, strict=True)
+                        if not f & mask)
+        assert h.serialize(b"S\r\n", b"E\r\n", mask) == b"S\r\n" + kept + b"E\r\n\r\n"
+        assert h.compose(b"S\r\n", None, (b"E\r\n",), mask, b"B") == (
+            b"S\r\n" + kept + b"E\r\n\r\nB")
     # mask 0 keeps everything; a different start line replaces the original
     assert h.serialize(b"POST /p HTTP/1.0\r\n", b"", 0) == (
         b"POST /p HTTP/1.0\r\n" + data[len(b"POST /p HTTP/1.1\r\n"):])

@@ -381,8 +381,12 @@ cdef class Head:
         cdef char *dst
         cdef Py_buffer view
         view.len = 0
-        if tail is not None:
+        cdef bint held = tail is not None and type(tail) is not bytes
+        if held:
             PyObject_GetBuffer(tail, &view, PyBUF_SIMPLE)
+        elif tail is not None:
+            view.buf = PyBytes_AS_STRING(tail)  # no buffer to take and release
+            view.len = PyBytes_GET_SIZE(tail)
         cdef bytes out
         try:
             out = PyBytes_FromStringAndSize(NULL, total + view.len)
@@ -401,7 +405,7 @@ cdef class Head:
             if view.len:
                 memcpy(dst + 2, view.buf, view.len)
         finally:
-            if tail is not None:
+            if held:
                 PyBuffer_Release(&view)
         return out
 
@@ -418,17 +422,23 @@ cdef inline Py_ssize_t _kept_size(Head h, unsigned int drop_mask):
 
 
 cdef inline char *_copy_kept(Head h, char *dst, unsigned int drop_mask):
-    """Copy those field lines to dst, as they arrived; returns the end."""
+    """Copy those field lines to dst, as they arrived; returns the end. Lines lie back
+    to back in the head, so each run of kept ones is one copy."""
     cdef const char *r = h.base
-    cdef Py_ssize_t i, ln
+    cdef Py_ssize_t i, a = 0, b = 0
     cdef int *o
     for i in range(h.header_count):
-        if not (h.flags[i] & drop_mask):
-            o = h.offs + 5 * i
-            ln = o[4] - o[0]
-            memcpy(dst, r + o[0], ln)
-            dst += ln
-    return dst
+        if h.flags[i] & drop_mask:
+            continue
+        o = h.offs + 5 * i
+        if o[0] != b:
+            if b > a:
+                memcpy(dst, r + a, b - a)
+                dst += b - a
+            a = o[0]
+        b = o[4]
+    memcpy(dst, r + a, b - a)
+    return dst + (b - a)
 
 
 cdef inline char *_put(char *dst, bytes piece):
