@@ -38,7 +38,6 @@ from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_TUNNEL, ExchangeB
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
-    Identity,
     LocalReply,
     ResponseRefused,
     StoredResponse,
@@ -50,9 +49,7 @@ from aiproxy.semantic.unified import extract_text
 
 if TYPE_CHECKING:
     from aiproxy.config import RetryPolicy
-    from aiproxy.routing.cluster import Cluster
     from aiproxy.routing.pool import Pool
-    from aiproxy.routing.table import Route
 
 log = logging.getLogger("aiproxy.exchange")
 
@@ -143,86 +140,40 @@ class Exchange(ExchangeBase):
 
     def setup(self, down: Any, head: Any, now: float) -> None:
         """What __init__ does; HTTP/1.1 calls it on Exchange.__new__(Exchange), a C call
-        without the argument tuple of a constructor call."""
+        without the argument tuple of a constructor call.
+
+        Only what differs from a new object's fields is set: the rest start as None,
+        0, 0.0 or False (exchange.pxd declares them all). Among those: route, pool,
+        cluster, upstream, connect_task, decoder, pending (made when body bytes must
+        wait), splice (a kernel.tunnel.TunnelSplice), the stage stamps t_routed ..
+        t_first and t_classify, trace_id (set by the tracing filter), identity (the
+        auth filter), llm (what the LLM filter read), _gov (the gov property makes
+        it), intent/intent_domain/intent_decision, retry_handle, hold (the pool to
+        use once a held body is rewritten)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
         self.rt = self.down.server.runtime
         self.head = head
         self.method = self.head.method
-        self.route: Route | None = None
-        self.pool: Pool | None = None
-        self.upstream: Any = None
-        self.connect_task: asyncio.Task | None = None
-        self.reading_body = False
-        self.req_done = False
-        self.req_mode = REQ_NONE
-        self.req_remaining = 0
-        self.decoder: ChunkedDecoder | None = None
-        self.req_bytes = 0
-        self.pending: list[bytes] | None = None  # made when body bytes must wait
-        self.pending_size = 0
-        self.pending_end = False
-        self.replay: list[bytes] | None = []
-        self.replay_size = 0
-        self.tried: tuple[Pool, ...] = ()
+        # Body bytes kept for a retry: a tuple until the first ones arrive (no list
+        # per request), None once there are too many to keep.
+        self.replay = ()
+        self.tried = ()
         self.reused = False
         self.path = b""
         self.up_target = b""
         self.host_line = b""
-        self.head_sent = False
-        self.finished = False
-        self.keep_alive = False
-        self.status = 0
-        self.resp_bytes = 0
         self.activity = now
         self.body_activity = now
         self.req_done_at = now
-        self.tunnel = False
-        self.tunnel_up_eof = False
-        self.splice: Any = None  # aiproxy.kernel.tunnel.TunnelSplice of a spliced tunnel
         self.t_start = now
-        self.grpc = False
         self.deadline_at = INFINITY
-        self.up_chunked = False
         # Stage stamps use the fine clock (_fast/clock.pyx); `now`, when the head began to
         # arrive, is on the same clock, at millisecond steps where it is a loop.time().
         self.t_parsed = monotonic()
         self.t_start_pc = now if now < self.t_parsed else self.t_parsed
-        self.t_routed = 0.0
-        self.t_connect = 0.0
-        self.t_connected = 0.0
-        self.t_sent = 0.0
-        self.t_first = 0.0
-        self.reported = False
-        self.client_lost = False
-        self.replayed = False
-        self.inspecting = 0  # INSPECT_*: what runs once inspect_limit body bytes are here
-        self.inspect_limit = 0
-        self.continued = False
-        self.filters: tuple[Filter, ...] = ()
-        self.up_headers: list[tuple[bytes, bytes | None]] | None = None
-        self.trace_id: str | None = None  # set by the tracing filter
-        self.identity: Identity | None = None  # set by the auth filter
-        self.llm: Any = None  # what the LLM filter read of an OpenAI-style request/response
-        # Governance facts for the audit record: policy decision, guard hits, redactions.
-        self._gov: dict[str, Any] | None = None  # the gov property makes it when used
-        self.done_filters: tuple[Filter, ...] | None = None
-        self.gate_task: asyncio.Future | None = None
-        self.intent: str | None = None
-        self.intent_domain: str | None = None
-        self.intent_conf = 0.0
-        self.intent_decision: Any = None  # the model's Decision (with its embedding)
-        self.t_classify = 0.0
-        self.cluster: Cluster | None = None
-        self.counted = False
-        self.pending_conn = False
-        self.attempts = 0
-        self.is_retry = False
-        self.retry_handle: asyncio.TimerHandle | None = None
-        self.req_timeout = 0.0
-        self.tok_tail: bytes | None = None
-        self.hold: Pool | None = None  # the pool to use once the held body is rewritten
+        self.filters = ()
         self.body_len = -1  # Content-Length of a rewritten body
 
     @property
@@ -814,6 +765,8 @@ class Exchange(ExchangeBase):
             if self.replay_size > REPLAY_LIMIT:
                 self.replay = None
             else:
+                if type(self.replay) is tuple:
+                    self.replay = []
                 self.replay.extend(map(bytes, parts))
         up = self.upstream
         if up is not None:
