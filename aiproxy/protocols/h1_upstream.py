@@ -43,9 +43,8 @@ _TUNNEL = 3
 _CLOSED = 4
 
 # Body bytes up to this size go to the client as a copy, not as a view of the read slab:
-# a slab with a view still in a transport (a TLS client's writes wait for the end of
-# uvloop's loop pass; a plain-TCP client's wait when the kernel does not take them
-# whole) is parked and checked again later (bufpool.pyx), which costs more than
+# uvloop queues a write until the end of the loop pass, so a slab with a view in a
+# transport is parked and checked again later (bufpool.pyx), which costs more than
 # copying a small body.
 SMALL_COPY = 2048
 

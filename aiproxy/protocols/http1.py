@@ -118,13 +118,6 @@ class H1ConnectionCore(Downstream):
         self.peer = peer[0].encode() if peer else b""
         if transport.get_extra_info("sslcontext") is not None:
             self.scheme = b"https"
-        else:
-            # A response goes out as one write (head and first body bytes composed), so
-            # there is nothing to gather: write it at once, as nginx does, instead of
-            # queueing it for uvloop's pass over all transports at the end of the loop
-            # iteration. The client counts as slow (pause_writing, and the upstream stops
-            # being read) when the kernel does not take a write whole.
-            transport.set_write_buffer_limits(0)  # type: ignore[attr-defined]
         self.forwarded = forwarded_lines(self.peer, self.scheme)
         self.server.connections.add(self)
         self.head_started = self.idle_since = monotonic()
