@@ -17,7 +17,7 @@ cdef int INSPECT_SEMANTIC, INSPECT_FILTERS
 cdef int BODY_NONE, BODY_LENGTH, BODY_TUNNEL  # ends.py's
 cdef long long PENDING_LIMIT, REPLAY_LIMIT
 cdef Py_ssize_t TOKEN_TAIL
-cdef bytes CRLF
+cdef bytes CRLF, DECISION_PREFIX
 cdef tuple NO_INTENT
 cdef double INFINITY
 
@@ -37,7 +37,8 @@ cdef class Exchange(ExchangeBase):
     cdef public long long inspect_limit, body_len
     cdef public object decoder, pending, replay, tried, reused
     cdef public bint pending_end
-    cdef public object path, up_target, host_line
+    cdef public object path, up_target
+    cdef public bytes host_line
     cdef public bint head_sent, finished, keep_alive, tunnel, tunnel_up_eof, grpc
     cdef public int status, inspecting, attempts
     cdef public double activity, body_activity, req_done_at, t_start, deadline_at
@@ -46,7 +47,8 @@ cdef class Exchange(ExchangeBase):
     cdef public bint reported, client_lost, counted, pending_conn, is_retry, replayed
     cdef public bint continued
     cdef public object intent, intent_domain, retry_handle, tok_tail, hold
-    cdef public object filters, up_headers, gate_task, trace_id, identity, llm
+    cdef public tuple filters  # tested for truth per request: a size check in C
+    cdef public object up_headers, gate_task, trace_id, identity, llm
     cdef public object done_filters, splice, intent_decision, _gov
 
     # The per-request path: C calls between them (no attribute lookup per call).

@@ -3,12 +3,15 @@ cimport cython
 
 
 cdef class Route:
-    cdef public object name, cfg, clusters, cum_weights, total_weight, sticky_header
+    cdef public object name, cfg, clusters, total_weight, sticky_header
     cdef public object path, path_prefix, host, methods, headers, header_rules, query
     cdef public object path_regex, grpc_service, grpc_method, intent, intent_domain
     cdef public object timeout, retries, req_add, req_remove, resp_add, resp_remove
-    cdef public object prefix_rewrite, model, retry_statuses, req_add_lines, resp_add_lines
-    cdef public object filters, filter_inspect, cluster
+    cdef public object prefix_rewrite, model, req_add_lines, resp_add_lines
+    cdef public object filter_inspect, cluster
+    # Tested for truth per request: typed, that is a size check in C.
+    cdef public tuple cum_weights, filters
+    cdef public frozenset retry_statuses
     cdef public long long index
     cdef public bint has_rest, has_policy, resp_edit, retry_unavailable
 
