@@ -538,6 +538,11 @@ def test_get_and_get_all_case_insensitive():
     assert h.get(b"accepts") is None
     assert h.get(b"") is None
     assert h.get_all(b"") == []
+    # A name that starts with a prefix, in any case; the whole name counts too.
+    assert h.has_name_prefix(b"x-forwarded-")
+    assert h.has_name_prefix(b"x-d") and h.has_name_prefix(b"x-dup")
+    assert h.has_name_prefix(b"acc") and h.has_name_prefix(b"")
+    assert not h.has_name_prefix(b"x-dupe") and not h.has_name_prefix(b"x-aiproxy-")
     # names are returned as sent, in arrival order
     assert [n for n, _ in h.headers()] == [b"Host", b"Accept", b"X-Dup", b"accept", b"x-dup",
                                           b"ACCEPT", b"X-Forwarded-For"]

@@ -42,6 +42,7 @@ cdef class Head:
     cdef char *_alloc(self, Py_ssize_t nh, Py_ssize_t size) except NULL
     cdef _store(self, const unsigned char *p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t nh)
     cpdef object get(self, bytes lname)
+    cpdef bint has_name_prefix(self, bytes lprefix) except -1
     cpdef list get_all(self, bytes lname)
     cpdef bytes serialize(self, bytes start_line, bytes extra, unsigned int drop_mask)
     cpdef bytes compose(self, bytes start, bytes target, tuple extra, unsigned int drop_mask,

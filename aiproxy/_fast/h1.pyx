@@ -303,6 +303,19 @@ cdef class Head:
                 return PyBytes_FromStringAndSize(<const char *>r + o[2], o[3] - o[2])
         return None
 
+    cpdef bint has_name_prefix(self, bytes lprefix) except -1:
+        """Whether a field's name starts with `lprefix` (lower case): one pass where a
+        family of names is looked for."""
+        cdef const unsigned char *r = <const unsigned char *>self.base
+        cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lprefix)
+        cdef Py_ssize_t m = len(lprefix), i
+        cdef int *o
+        for i in range(self.header_count):
+            o = self.offs + 5 * i
+            if o[1] - o[0] >= m and _ieq2(r + o[0], q, m):
+                return True
+        return False
+
     cpdef list get_all(self, bytes lname):
         cdef const unsigned char *r = <const unsigned char *>self.base
         cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lname)

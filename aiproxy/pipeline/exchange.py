@@ -88,6 +88,7 @@ TOKEN_TAIL = 4096  # bytes of the response end searched for usage
 # The semantic decision the proxy passes upstream; a client's own copies are dropped.
 DECISION_HEADERS = (b"x-aiproxy-intent", b"x-aiproxy-intent-confidence",
                     b"x-aiproxy-intent-domain")
+DECISION_PREFIX = b"x-aiproxy-intent"  # what all of them start with
 GRPC_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
@@ -222,9 +223,10 @@ class Exchange(ExchangeBase):
             self.path = path
         if head.expect_unknown:
             return self.local_reply(417, "unsupported expectation")
-        for name in DECISION_HEADERS:
-            if head.get(name) is not None:  # only the proxy may state its decision
-                self.set_upstream_header(name, None)
+        if head.has_name_prefix(DECISION_PREFIX):
+            for name in DECISION_HEADERS:
+                if head.get(name) is not None:  # only the proxy may state its decision
+                    self.set_upstream_header(name, None)
         if not self._framing():
             return
         sem = self.rt.semantic
