@@ -41,6 +41,8 @@ cdef class Head:
 
     cdef char *_alloc(self, Py_ssize_t nh, Py_ssize_t size) except NULL
     cdef _store(self, const unsigned char *p, Py_ssize_t start, Py_ssize_t end, Py_ssize_t nh)
+    cdef Py_ssize_t _find(self, bytes lname, Py_ssize_t i, bint prefix) except -2
+    cdef bytes _value(self, Py_ssize_t i)
     cpdef object get(self, bytes lname)
     cpdef bint has_name_prefix(self, bytes lprefix) except -1
     cpdef list get_all(self, bytes lname)

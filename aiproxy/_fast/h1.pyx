@@ -291,41 +291,43 @@ cdef class Head:
         """The head as received (HTTP/2: as field lines), a copy."""
         return PyBytes_FromStringAndSize(self.base, self.size)
 
-    cpdef object get(self, bytes lname):
-        """First value of the field `lname` (lower case), or None."""
+    cdef Py_ssize_t _find(self, bytes lname, Py_ssize_t i, bint prefix) except -2:
+        """The index of the first field from i on named `lname` (lower case), or whose
+        name starts with it (prefix); -1 if none."""
+        if lname is None:
+            raise TypeError("a field name is bytes, not None")
         cdef const unsigned char *r = <const unsigned char *>self.base
         cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lname)
-        cdef Py_ssize_t m = len(lname), i
+        cdef Py_ssize_t m = PyBytes_GET_SIZE(lname), n
         cdef int *o
-        for i in range(self.header_count):
+        while i < self.header_count:
             o = self.offs + 5 * i
-            if o[1] - o[0] == m and _ieq2(r + o[0], q, m):
-                return PyBytes_FromStringAndSize(<const char *>r + o[2], o[3] - o[2])
-        return None
+            n = o[1] - o[0]
+            if (n == m or (prefix and n > m)) and _ieq2(r + o[0], q, m):
+                return i
+            i += 1
+        return -1
+
+    cdef bytes _value(self, Py_ssize_t i):
+        cdef int *o = self.offs + 5 * i
+        return PyBytes_FromStringAndSize(self.base + o[2], o[3] - o[2])
+
+    cpdef object get(self, bytes lname):
+        """First value of the field `lname` (lower case), or None."""
+        cdef Py_ssize_t i = self._find(lname, 0, False)
+        return None if i < 0 else self._value(i)
 
     cpdef bint has_name_prefix(self, bytes lprefix) except -1:
         """Whether a field's name starts with `lprefix` (lower case): one pass where a
         family of names is looked for."""
-        cdef const unsigned char *r = <const unsigned char *>self.base
-        cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lprefix)
-        cdef Py_ssize_t m = len(lprefix), i
-        cdef int *o
-        for i in range(self.header_count):
-            o = self.offs + 5 * i
-            if o[1] - o[0] >= m and _ieq2(r + o[0], q, m):
-                return True
-        return False
+        return self._find(lprefix, 0, True) >= 0
 
     cpdef list get_all(self, bytes lname):
-        cdef const unsigned char *r = <const unsigned char *>self.base
-        cdef const unsigned char *q = <const unsigned char *>PyBytes_AS_STRING(lname)
-        cdef Py_ssize_t m = len(lname), i
-        cdef int *o
         cdef list out = []
-        for i in range(self.header_count):
-            o = self.offs + 5 * i
-            if o[1] - o[0] == m and _ieq2(r + o[0], q, m):
-                out.append(PyBytes_FromStringAndSize(<const char *>r + o[2], o[3] - o[2]))
+        cdef Py_ssize_t i = self._find(lname, 0, False)
+        while i >= 0:
+            out.append(self._value(i))
+            i = self._find(lname, i + 1, False)
         return out
 
     def headers(self):
