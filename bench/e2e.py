@@ -67,6 +67,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# --pin: the CPUs this script may use, the last for the proxy under test.
+ALL_CPUS = os.sched_getaffinity(0)
+LAST_CPU = max(ALL_CPUS)
+OTHER_CPUS = ALL_CPUS - {LAST_CPU}
 PROXIES = ("nginx", "haproxy", "aiproxy")
 BASELINE = "aiproxy-base"  # --baseline-tree: a second aiproxy build for A/B runs
 IDLE_CONCURRENCY = 256  # idle connections being opened at once
@@ -482,11 +486,25 @@ server {{
 
 # -- load ----------------------------------------------------------------------------------
 
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of these processes onto `cpus` (sched_setaffinity is per thread)."""
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, cpus)
+
+
 def run_wrk(wrk: str, script: Path, port: int, path: str, duration: int,
-            connections: int) -> dict:
+            connections: int, cpus: set[int] | None = None) -> dict:
     args = [wrk, "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "5s",
             "-s", str(script), f"http://127.0.0.1:{port}{path}"]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=duration + 60)
+    out = subprocess.run(args, capture_output=True, text=True, timeout=duration + 60,
+                         preexec_fn=None if cpus is None else
+                         (lambda: os.sched_setaffinity(0, cpus)))
     for line in out.stdout.splitlines():
         if line.startswith("WRKJSON "):
             return json.loads(line[8:])
@@ -495,13 +513,18 @@ def run_wrk(wrk: str, script: Path, port: int, path: str, duration: int,
 
 
 def measure_run(servers: Servers, name: str, case: str, duration: int, connections: int,
-                wrk: str, script: Path) -> dict:
+                wrk: str, script: Path, pinned: bool = False) -> dict:
     proc = servers.proxies[name]
     pids = proc.serving_pids()
+    if pinned:  # the proxy alone on the last CPU; wrk (and the backend) on the others
+        pin(pids, {LAST_CPU})
     peak_reset = reset_peak_rss(pids)
     cpu0 = cpu_ticks(pids)
-    w = run_wrk(wrk, script, servers.ports[name], CASES[case][0], duration, connections)
+    w = run_wrk(wrk, script, servers.ports[name], CASES[case][0], duration, connections,
+                OTHER_CPUS if pinned else None)
     cpu1 = cpu_ticks(pids)
+    if pinned:
+        pin(pids, ALL_CPUS)
     if not proc.alive():
         raise RuntimeError(f"{name} exited during the run:\n{proc.log_tail()}")
     seconds = w["duration_us"] / 1e6
@@ -750,6 +773,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run aiproxy from this source tree, with its extensions built in place "
                         "(this repository); e.g. a clone at a fixed commit while the working "
                         "tree is being edited")
+    p.add_argument("--pin", action="store_true",
+                   help="during each measured run, the proxy under test alone on the last "
+                        "CPU, wrk and the backend on the others (steadier rounds; needs 2+ "
+                        "CPUs)")
     p.add_argument("--baseline-tree", type=Path, metavar="DIR",
                    help="also run aiproxy from this tree as 'aiproxy-base', interleaved with "
                         "the others (A/B of two builds in one run)")
@@ -773,6 +800,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for x in a.proxies:
         if x not in PROXIES and x != BASELINE:
             p.error(f"unknown proxy {x!r}")
+    if a.pin and len(ALL_CPUS) < 2:
+        p.error("--pin needs at least 2 CPUs")
     return a
 
 
@@ -796,6 +825,9 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
             "not absolute numbers")
     servers = Servers(tmp, tools, args.idle, nofile, args.aiproxy_tree, args.baseline_tree)
     servers.start_backend()
+    if args.pin:
+        pin(servers.backend.serving_pids(), OTHER_CPUS)
+        info["pinned"] = f"proxy under test on CPU {LAST_CPU}, wrk and backend on the others"
     problems = servers.check("backend")
     for name in args.proxies:
         servers.start(name)
@@ -816,7 +848,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         for case in load_cases:
             for name in rotated(args.proxies, rnd):
                 r = measure_run(servers, name, case, args.duration, args.connections,
-                                tools["wrk"], script)
+                                tools["wrk"], script, args.pin)
                 runs[case][name].append(r)
                 log(f"round {rnd + 1}/{args.rounds} {case:5} {name:12} {r['rps']:>10,.0f} req/s "
                     f"{r['cpu_us_per_req']:6.1f} us/req (user {r['user_us_per_req']:.1f}, "
@@ -852,6 +884,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     print(f"wrk -t1 -c{args.connections}, HTTP/1.1 keep-alive, {args.rounds} interleaved round(s) "
           f"x {args.duration} s; medians, (ratio to nginx); 1-minute load average "
           f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    if args.pin:
+        print(f"pinned: {info['pinned']}")
     for case in load_cases:
         print(f"\n{CASES[case][2]}\n")
         print(case_table(case, results[case]))
