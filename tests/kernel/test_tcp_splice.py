@@ -111,15 +111,18 @@ class HashingPeer:
 
 class HashingServer(ThreadServer):
     """Every connection is a HashingPeer sending `size` bytes, started `delay` seconds
-    after the accept; `upstream()` is the one that received bytes (wait_port's probe
-    connects too)."""
+    after the accept (and once `go` is set, if given); `upstream()` is the one that
+    received bytes (wait_port's probe connects too)."""
 
-    def __init__(self, size: int, delay: float = 0.0) -> None:
+    def __init__(self, size: int, delay: float = 0.0,
+                 go: threading.Event | None = None) -> None:
         self.peers: list[HashingPeer] = []
         self.done = threading.Event()
 
         def handler(conn: socket.socket) -> None:
             time.sleep(delay)
+            if go is not None:
+                go.wait(60)
             peer = HashingPeer(size)
             self.peers.append(peer)
             peer.run(conn)
@@ -135,7 +138,8 @@ class HashingServer(ThreadServer):
 
 @pytest.mark.timeout(300)
 def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
-    server = HashingServer(BIG)
+    go = threading.Event()
+    server = HashingServer(BIG, go=go)
     try:
         proxy, admin = start(start_proxy, mode, server.port)
         client = HashingPeer(BIG)
@@ -143,6 +147,14 @@ def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
         # proves this transfer was spliced is the spliced byte count it added.
         before = tunnel_metrics(admin) if mode == "spliced" else {}
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=60) as s:
+            if mode == "spliced":
+                # A byte that reaches its socket before the pair is armed sends that
+                # direction through user space for the tunnel's life (aiproxy/kernel/
+                # tunnel.py, step 3; test_tcp_client_first_to_a_late_reader covers
+                # early bytes). This test measures the kernel path both ways, so both
+                # ends speak once the splice is in place.
+                assert wait_for(lambda: tunnel_metrics(admin)["active"] >= 1, timeout=20)
+            go.set()
             cpu0, t0 = tree_cpu_seconds(proxy.proc.pid), time.monotonic()
             client.run(s)
             upstream = server.upstream()
