@@ -1,0 +1,10 @@
+# cimport this for C calls to Sender; sendnow.pyx says when a write goes out at once.
+
+cdef class Sender:
+    cdef int fd
+    cdef object _write, _writelines, _queued, _closing
+    cdef readonly unsigned long long sent_now, sent_queued
+
+    cpdef detach(self)
+    cpdef write(self, object data)
+    cpdef writelines(self, object pieces)
