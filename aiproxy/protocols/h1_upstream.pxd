@@ -5,6 +5,7 @@ cimport cython
 
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
 from aiproxy._fast.h1 cimport ResponseHead, parse_response
+from aiproxy._fast.sendnow cimport Sender
 from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
 
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
@@ -15,7 +16,8 @@ cdef int BODY_NONE, BODY_LENGTH, BODY_CHUNKED, BODY_UNTIL_CLOSE, BODY_TUNNEL  # 
 
 cdef class H1UpstreamCore(Upstream):
     cdef public object pool, transport, decoder, views_to
-    cdef object tx_write, tx_closing  # the transport's write and is_closing, bound once
+    cdef Sender tx  # writes to the upstream (sendnow.pyx)
+    cdef object tx_closing  # transport.is_closing, bound once
     cdef public ExchangeBase exchange
     cdef public bytearray buf, slab
     cdef public int state, mode

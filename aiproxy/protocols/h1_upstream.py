@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_response
+from aiproxy._fast.sendnow import Sender
 from aiproxy.pipeline.ends import (
     BODY_CHUNKED,
     BODY_LENGTH,
@@ -43,9 +44,8 @@ _TUNNEL = 3
 _CLOSED = 4
 
 # Body bytes up to this size go to the client as a copy, not as a view of the read slab:
-# uvloop queues a write until the end of the loop pass, so a slab with a view in a
-# transport is parked and checked again later (bufpool.pyx), which costs more than
-# copying a small body.
+# copying a small body costs less than making and releasing a memoryview, and a write
+# the client's socket cannot take at once then parks no slab (bufpool.pyx).
 SMALL_COPY = 2048
 
 
@@ -56,7 +56,7 @@ class H1UpstreamCore(Upstream):
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
                  "received", "reading_paused", "chunked", "slab", "views_to", "viewed",
-                 "max_head", "max_headers", "tx_write", "tx_closing")
+                 "max_head", "max_headers", "tx", "tx_closing")
 
     # send_body() hands what it gets to the transport at once and keeps no reference:
     # the client connection may pass views of its read slab.
@@ -97,26 +97,26 @@ class H1UpstreamCore(Upstream):
         self.requests += 1
         down = ex.down
         self.views_to = down.views_to
-        self.tx_write(ex.h1_request_head(self.pool))
+        self.tx.write(ex.h1_request_head(self.pool))
 
     def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:
         if not self.chunked:
-            self.transport.writelines(pieces)
+            self.tx.writelines(pieces)
             return
         out = []
         for piece in pieces:
             out += (b"%x\r\n" % len(piece), piece, b"\r\n")
-        self.transport.writelines(out)
+        self.tx.writelines(out)
 
     def end_body(self) -> None:
         if self.chunked:
             # An HTTP/2 client's request trailers go in the chunked trailer section.
             trailers = trailer_fields(self.exchange.request_trailers())
             if trailers:
-                self.transport.write(b"0\r\n" + b"".join(
+                self.tx.write(b"0\r\n" + b"".join(
                     [n + b": " + v + b"\r\n" for n, v in trailers]) + b"\r\n")
             else:
-                self.transport.write(b"0\r\n\r\n")
+                self.tx.write(b"0\r\n\r\n")
 
     def tunnel_write(self, data: bytes) -> None:
         if self.transport is not None:
@@ -168,9 +168,9 @@ class H1UpstreamCore(Upstream):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        # Bound once: the request path calls them with no lookup by name.
-        self.tx_write = transport.write  # type: ignore[attr-defined]
-        self.tx_closing = transport.is_closing
+        # Request bytes go to the socket at once when nothing is queued (sendnow.pyx).
+        self.tx = Sender(transport)
+        self.tx_closing = transport.is_closing  # bound once: usable() runs per request
         self.pool.open_count += 1
 
     def get_buffer(self, sizehint: int) -> bytearray:
@@ -223,6 +223,8 @@ class H1UpstreamCore(Upstream):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.tx is not None:
+            self.tx.detach()  # uvloop closes the socket when this returns
         if self.slab is not None:  # get_buffer without buffer_updated: a failed read
             POOL.put(self.slab)
             self.slab = None

@@ -4,6 +4,7 @@ cimport cython
 from aiproxy._fast.clock cimport monotonic
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
 from aiproxy._fast.h1 cimport RequestHead, ResponseHead, parse_request
+from aiproxy._fast.sendnow cimport Sender
 from aiproxy.pipeline.ends cimport Downstream
 from aiproxy.pipeline.exchange cimport Exchange
 from aiproxy.routing.table cimport Route
@@ -19,7 +20,7 @@ cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
 
 cdef class H1ConnectionCore(Downstream):
     cdef public object transport, timer
-    cdef object tx_write  # transport.write, bound once
+    cdef Sender tx  # writes to the client (sendnow.pyx)
     cdef public bytearray buf, slab
     cdef public Exchange exchange
     cdef public bytes head_out

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.clock import monotonic
 from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
+from aiproxy._fast.sendnow import Sender
 from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange, joined, serialize_without
 from aiproxy.protocols import h2_server, replies
@@ -76,7 +77,7 @@ class H1ConnectionCore(Downstream):
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
                  "head_out", "chunked_out", "h2c", "switched", "slab", "held", "held_status",
-                 "held_extra", "held_drop", "tx_write")
+                 "held_extra", "held_drop", "tx")
 
     def __init__(self, server: ProxyServer, h2c: bool = False) -> None:
         self.server = server
@@ -112,8 +113,8 @@ class H1ConnectionCore(Downstream):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = self.views_to = transport  # type: ignore[assignment]
-        # Bound once: the response path calls it with no lookup by name.
-        self.tx_write = transport.write  # type: ignore[attr-defined]
+        # Response bytes go to the socket at once when nothing is queued (sendnow.pyx).
+        self.tx = Sender(transport)
         peer = transport.get_extra_info("peername")
         self.peer = peer[0].encode() if peer else b""
         if transport.get_extra_info("sslcontext") is not None:
@@ -200,6 +201,8 @@ class H1ConnectionCore(Downstream):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.tx is not None:
+            self.tx.detach()  # uvloop closes the socket when this returns
         self._release_slab()
         if self.switched:
             return
@@ -309,6 +312,7 @@ class H1ConnectionCore(Downstream):
         """Hand the socket (and what was read past the HTTP/1.1 part) to HTTP/2."""
         self.switched = True
         self.closed = True
+        self.tx.detach()  # the new protocol writes through the transport
         self._cancel_timer()
         self.server.connections.discard(self)
         data = bytes(self.buf)
@@ -458,22 +462,21 @@ class H1ConnectionCore(Downstream):
         head_pending = self.held is not None or self.head_out
         if self.chunked_out:
             if head_pending:
-                self.transport.writelines((self._take_head(), b"%x\r\n" % len(data), data,
-                                           CRLF))
+                self.tx.writelines((self._take_head(), b"%x\r\n" % len(data), data, CRLF))
             else:
-                self.transport.writelines((b"%x\r\n" % len(data), data, CRLF))
+                self.tx.writelines((b"%x\r\n" % len(data), data, CRLF))
         elif head_pending:
             if len(data) <= SMALL_BODY:
                 # One buffer: write() is cheaper than writelines() for a small body.
-                self.tx_write(self._take_head(data))
+                self.tx.write(self._take_head(data))
             else:
-                self.transport.writelines((self._take_head(), data))
+                self.tx.writelines((self._take_head(), data))
         else:
-            self.tx_write(data)
+            self.tx.write(data)
 
     def flush(self) -> None:
         if self.held is not None or self.head_out:
-            self.tx_write(self._take_head())
+            self.tx.write(self._take_head())
 
     def send_end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
         if self.chunked_out:
@@ -482,7 +485,7 @@ class H1ConnectionCore(Downstream):
             ex = self.exchange
             if trailers and ex is not None and b"trailers" in (ex.head.get(b"te") or b""):
                 end = b"0\r\n" + b"".join([b"%s: %s\r\n" % t for t in trailers]) + CRLF
-            self.tx_write(self._take_head(end))
+            self.tx.write(self._take_head(end))
         else:
             self.flush()
 
