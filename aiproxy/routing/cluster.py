@@ -425,28 +425,68 @@ def _uneject(s: EndpointStats) -> None:
 
 # -- active health checks ---------------------------------------------------------------------
 
-class HealthChecker:
-    """HTTP/1.1 GET <path> to every endpoint each interval; 2xx is a pass."""
+# Checker tasks stopped while a request was in flight, left to finish it (finish_checks).
+_FINISHING: set[asyncio.Task] = set()
+
+
+class _PerPool:
+    """One task per endpoint that makes a request each interval (health checks, load
+    polls). stop() cancels a task waiting for its turn; a task with a request in flight
+    finishes it (within the request's timeout) and then ends: cancelling a TLS connect
+    midway leaves uvloop to report the handshake's outcome on a future nobody awaits
+    ("Future exception was never retrieved" in the log)."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
-        self.cfg = cluster.cfg.health_check
-        loop = cluster.loop
-        self.tasks = [loop.create_task(self._run(pool)) for pool in cluster.pools]
+        self.stopping = False
+        self.busy: set[asyncio.Task] = set()
+        self.tasks = [cluster.loop.create_task(self._run(pool)) for pool in cluster.pools]
 
     def stop(self) -> None:
+        self.stopping = True
         for task in self.tasks:
-            task.cancel()
+            if task in self.busy:
+                _FINISHING.add(task)
+                task.add_done_callback(_FINISHING.discard)
+            else:
+                task.cancel()
         self.tasks = []
+
+    async def _request(self, coro: Any) -> Any:
+        task = asyncio.current_task()
+        self.busy.add(task)
+        try:
+            return await coro
+        finally:
+            self.busy.discard(task)
+
+    async def _run(self, pool: Pool) -> None:
+        raise NotImplementedError
+
+
+async def finish_checks(timeout: float) -> None:
+    """Wait (up to `timeout`) for stopped checks to finish their last request."""
+    if _FINISHING:
+        await asyncio.wait(list(_FINISHING), timeout=timeout)
+
+
+class HealthChecker(_PerPool):
+    """HTTP/1.1 GET <path> to every endpoint each interval; 2xx is a pass."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cfg = cluster.cfg.health_check
+        super().__init__(cluster)
 
     async def _run(self, pool: Pool) -> None:
         cfg = self.cfg
         s = pool.stats
-        while True:
+        while not self.stopping:
             try:
-                ok, detail = await self.probe(pool)
+                ok, detail = await self._request(self.probe(pool))
             except Exception as exc:  # a check must never die: report it as a failure
                 ok, detail = False, f"check failed: {exc!r}"
+            if self.stopping:
+                return
             s.hc_last = detail
             if ok:
                 s.hc_fail = 0
@@ -532,30 +572,27 @@ def gauge_value(text: bytes, name: bytes) -> float | None:
     return best
 
 
-class LoadPoller:
+class LoadPoller(_PerPool):
     """Polls every endpoint's metrics for the configured gauge; the value becomes the
     endpoint's reported load (llm_score), like an x-backend-load response header."""
 
     def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
         self.cfg = cluster.cfg.load_metrics
-        self.tasks = [cluster.loop.create_task(self._run(pool)) for pool in cluster.pools]
-
-    def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        self.tasks = []
+        super().__init__(cluster)
 
     async def _run(self, pool: Pool) -> None:
         cfg = self.cfg
         name = cfg.gauge.encode()
         loop = self.cluster.loop
-        while True:
+        while not self.stopping:
             try:
-                status, text = await http_get(pool, cfg.path, cfg.timeout_ms / 1000, True)
+                status, text = await self._request(
+                    http_get(pool, cfg.path, cfg.timeout_ms / 1000, True))
             except Exception as exc:  # keep polling whatever went wrong
                 log.debug("load poll of %s failed: %r", pool.endpoint.address, exc)
             else:
+                if self.stopping:
+                    return
                 value = gauge_value(text, name) if status == 200 else None
                 if value is not None:
                     s = pool.stats

@@ -22,6 +22,7 @@ from aiproxy.pipeline.ends import ServerCore
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
 from aiproxy.protocols.tcp_proxy import TcpProxyConnection
+from aiproxy.routing.cluster import finish_checks
 from aiproxy.semantic.classifier import ModelError
 from aiproxy.server import sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
@@ -204,6 +205,8 @@ class ProxyServer(ServerCore):
         if self.admin is not None:
             await self.admin.stop()
         self.runtime.close()
+        # A health check or load poll in flight ends within its own timeout.
+        await finish_checks(timeout)
         await self.loop.run_in_executor(None, self.kernel.stop)  # nothing stays attached
         if self.access_log is not None:
             self.access_log.close()
