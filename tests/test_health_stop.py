@@ -15,7 +15,7 @@ from pathlib import Path
 
 import uvloop
 
-from aiproxy.config import load_config_text
+from aiproxy.config import Config, load_config_text
 from aiproxy.routing import cluster as cluster_mod
 from aiproxy.routing.cluster import Cluster, finish_checks
 from tests.h2_support import make_pki
@@ -47,10 +47,10 @@ def late_tls_server(pki, delay: float) -> tuple[int, threading.Event]:
     return listener.getsockname()[1], handshakes
 
 
-def test_stop_lets_a_tls_check_in_flight_finish(tmp_path: Path) -> None:
-    pki = make_pki(tmp_path / "pki")
-    port, handshakes = late_tls_server(pki, delay=0.3)
-    cfg = load_config_text(f"""
+def checked_cluster(port: int) -> Config:
+    """One TLS cluster on `port` (no CA given: the default trust store) with health
+    checks a minute apart, so a test sees exactly one."""
+    return load_config_text(f"""
 [[listeners]]
 name = "l"
 address = "127.0.0.1:1"
@@ -60,6 +60,12 @@ endpoints = ["127.0.0.1:{port}"]
 tls = true
 health_check = {{ path = "/", interval_ms = 60000, timeout_ms = 5000 }}
 """, "t.toml")
+
+
+def test_stop_lets_a_tls_check_in_flight_finish(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki")
+    port, handshakes = late_tls_server(pki, delay=0.3)
+    cfg = checked_cluster(port)
     loop = uvloop.new_event_loop()
     reported: list[dict] = []
     loop.set_exception_handler(lambda _loop, context: reported.append(context))
@@ -93,16 +99,7 @@ health_check = {{ path = "/", interval_ms = 60000, timeout_ms = 5000 }}
 def test_stop_cancels_a_check_waiting_for_its_turn(tmp_path: Path) -> None:
     pki = make_pki(tmp_path / "pki")
     port, _ = late_tls_server(pki, delay=0)
-    cfg = load_config_text(f"""
-[[listeners]]
-name = "l"
-address = "127.0.0.1:1"
-[[clusters]]
-name = "c"
-endpoints = ["127.0.0.1:{port}"]
-tls = true
-health_check = {{ path = "/", interval_ms = 60000, timeout_ms = 5000 }}
-""", "t.toml")
+    cfg = checked_cluster(port)
     loop = uvloop.new_event_loop()
 
     async def main() -> None:
