@@ -120,3 +120,51 @@ def test_stop_cancels_a_check_waiting_for_its_turn(tmp_path: Path) -> None:
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+def test_a_load_poll_stopped_midway_ends_without_waiting_its_interval() -> None:
+    """The endpoint closes the poll's connection without an answer; the poller, stopped
+    meanwhile, ends then rather than sleeping out interval_ms first (shutdown waits
+    for it)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            time.sleep(0.3)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    cfg = load_config_text(f"""
+[[listeners]]
+name = "l"
+address = "127.0.0.1:1"
+[[clusters]]
+name = "c"
+endpoints = ["127.0.0.1:{listener.getsockname()[1]}"]
+balancer = "llm_score"
+load_metrics = {{ path = "/metrics", interval_ms = 5000, timeout_ms = 2000, gauge = "load" }}
+""", "t.toml")
+    loop = uvloop.new_event_loop()
+
+    async def main() -> None:
+        c = Cluster(cfg.clusters[0], cfg.http, loop)
+        c.start()
+        poller = c.poller
+        deadline = time.monotonic() + 5
+        while not poller.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        (task,) = poller.busy
+        c.close()
+        await finish_checks(3)  # less than interval_ms
+        assert task.done() and not task.cancelled()
+        assert not cluster_mod._FINISHING
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        listener.close()

@@ -590,12 +590,12 @@ class LoadPoller(_PerPool):
                     http_get(pool, cfg.path, cfg.timeout_ms / 1000, True))
             except Exception as exc:  # keep polling whatever went wrong
                 log.debug("load poll of %s failed: %r", pool.endpoint.address, exc)
-            else:
-                if self.stopping:
-                    return
-                value = gauge_value(text, name) if status == 200 else None
-                if value is not None:
-                    s = pool.stats
-                    s.reported_load = min(100.0, max(0.0, value / cfg.full * 100))
-                    s.reported_at = loop.time()
+                status, text = 0, b""
+            if self.stopping:
+                return  # stopped during the poll: no sleep before the task ends
+            value = gauge_value(text, name) if status == 200 else None
+            if value is not None:
+                s = pool.stats
+                s.reported_load = min(100.0, max(0.0, value / cfg.full * 100))
+                s.reported_at = loop.time()
             await asyncio.sleep(cfg.interval_ms / 1000)
