@@ -21,13 +21,10 @@ from aiproxy.routing.cluster import Cluster, finish_checks
 from tests.h2_support import make_pki
 
 
-def late_tls_server(pki, delay: float) -> tuple[int, threading.Event]:
-    """Accepts one connection at a time; waits `delay` s before its side of the TLS
-    handshake. Its certificate is signed by a CA the check is not given."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(pki.cert, pki.key)
+def serve_late(delay: float, handle) -> socket.socket:
+    """A listener on 127.0.0.1 that takes one connection at a time and calls
+    handle(conn) `delay` s after accepting it, in a thread of its own."""
     listener = socket.create_server(("127.0.0.1", 0))
-    handshakes = threading.Event()
 
     def serve() -> None:
         while True:
@@ -36,15 +33,28 @@ def late_tls_server(pki, delay: float) -> tuple[int, threading.Event]:
             except OSError:
                 return
             time.sleep(delay)
-            try:
-                with ctx.wrap_socket(conn, server_side=True):
-                    pass
-            except (OSError, ssl.SSLError):
-                pass  # the client rejects the certificate: expected
-            handshakes.set()
+            handle(conn)
 
     threading.Thread(target=serve, daemon=True).start()
-    return listener.getsockname()[1], handshakes
+    return listener
+
+
+def late_tls_server(pki, delay: float) -> tuple[int, threading.Event]:
+    """Waits `delay` s before its side of the TLS handshake. Its certificate is signed
+    by a CA the check is not given."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(pki.cert, pki.key)
+    handshakes = threading.Event()
+
+    def handshake(conn: socket.socket) -> None:
+        try:
+            with ctx.wrap_socket(conn, server_side=True):
+                pass
+        except (OSError, ssl.SSLError):
+            pass  # the client rejects the certificate: expected
+        handshakes.set()
+
+    return serve_late(delay, handshake).getsockname()[1], handshakes
 
 
 def checked_cluster(port: int) -> Config:
@@ -62,6 +72,16 @@ health_check = {{ path = "/", interval_ms = 60000, timeout_ms = 5000 }}
 """, "t.toml")
 
 
+async def in_flight(checks) -> asyncio.Task:
+    """The one task of `checks` (a cluster's checker or poller) once its request is in
+    flight."""
+    deadline = time.monotonic() + 5
+    while not checks.busy and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    (task,) = checks.busy
+    return task
+
+
 def test_stop_lets_a_tls_check_in_flight_finish(tmp_path: Path) -> None:
     pki = make_pki(tmp_path / "pki")
     port, handshakes = late_tls_server(pki, delay=0.3)
@@ -73,11 +93,7 @@ def test_stop_lets_a_tls_check_in_flight_finish(tmp_path: Path) -> None:
     async def main() -> None:
         c = Cluster(cfg.clusters[0], cfg.http, loop)
         c.start()
-        checker = c.checker
-        deadline = time.monotonic() + 5
-        while not checker.busy and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        (task,) = checker.busy  # the check is waiting for the handshake
+        task = await in_flight(c.checker)  # the check is waiting for the handshake
         c.close()
         assert c.checker is None and not task.cancelled()
         await finish_checks(10)
@@ -126,18 +142,7 @@ def test_a_load_poll_stopped_midway_ends_without_waiting_its_interval() -> None:
     """The endpoint closes the poll's connection without an answer; the poller, stopped
     meanwhile, ends then rather than sleeping out interval_ms first (shutdown waits
     for it)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            time.sleep(0.3)
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
+    listener = serve_late(0.3, socket.socket.close)
     cfg = load_config_text(f"""
 [[listeners]]
 name = "l"
@@ -153,11 +158,7 @@ load_metrics = {{ path = "/metrics", interval_ms = 5000, timeout_ms = 2000, gaug
     async def main() -> None:
         c = Cluster(cfg.clusters[0], cfg.http, loop)
         c.start()
-        poller = c.poller
-        deadline = time.monotonic() + 5
-        while not poller.busy and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        (task,) = poller.busy
+        task = await in_flight(c.poller)
         c.close()
         await finish_checks(3)  # less than interval_ms
         assert task.done() and not task.cancelled()
