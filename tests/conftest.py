@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +86,14 @@ class Proxy:
 
     def log(self) -> str:
         return process_log(self.proc)
+
+    def workers(self, timeout: float = 10) -> int:
+        """How many workers serve, once all of them do (the port opens with the first)."""
+        deadline = time.monotonic() + timeout
+        while (m := re.search(r"aiproxy ready: (\d+) workers", self.log())) is None:
+            assert time.monotonic() < deadline, self.log()
+            time.sleep(0.02)
+        return int(m.group(1))
 
 
 @pytest.fixture

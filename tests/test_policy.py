@@ -144,16 +144,20 @@ subjects = ["alice"]
 def test_idle_proxy_picks_up_a_changed_policy_file(policy_proxy):
     """No request comes: a timer still re-reads the files (the kernel deny map follows
     them, see tests/test_policy_xdp.py)."""
+    # Every worker holds its own policy and its own timer: change the file once all of
+    # them have read it, and wait for each to re-read it.
+    workers = policy_proxy.workers()
     pf = policy_proxy.policy_file
     tmp = pf.with_suffix(".new")
     tmp.write_text(POLICY + '\n[[rules]]\nid = "idle"\neffect = "deny"\nmethods = ["PUT"]\n')
     tmp.replace(pf)
     deadline = time.monotonic() + 5
-    while "policy reloaded from" not in policy_proxy.log():
+    while policy_proxy.log().count("policy reloaded from") < workers:
         assert time.monotonic() < deadline, policy_proxy.log()
         time.sleep(0.05)
-    with httpx.Client(timeout=10) as c:
-        _assert_403(_req(c, policy_proxy, "ops", method="PUT"), "idle")
+    for _ in range(workers * 4):  # new connections spread over the workers
+        with httpx.Client(timeout=10) as c:
+            _assert_403(_req(c, policy_proxy, "ops", method="PUT"), "idle")
 
 
 def test_dry_run_logs_would_deny(start_proxy, demo_upstream, tmp_path):
@@ -166,6 +170,30 @@ def test_dry_run_logs_would_deny(start_proxy, demo_upstream, tmp_path):
     while "dry-run: would deny DELETE /echo for alice (rule no-delete)" not in proxy.log():
         assert time.monotonic() < deadline, proxy.log()
         time.sleep(0.05)
+
+
+def test_a_file_replaced_while_a_worker_starts_is_picked_up(tmp_path, monkeypatch):
+    """A worker that reads the old file while it is being replaced must not stamp the new
+    one as seen (CI caught worker 0 of 2 keeping the old rules for good)."""
+    from aiproxy.governance import policy as policy_mod
+
+    pf = tmp_path / "policy.toml"
+    pf.write_text(POLICY)
+    real_load = policy_mod.load_policy_files
+
+    def load_then_replace(files):
+        loaded = real_load(files)
+        tmp = pf.with_suffix(".new")
+        tmp.write_text(POLICY + '\n[[rules]]\nid = "late"\neffect = "deny"\nmethods = ["PUT"]\n')
+        tmp.replace(pf)
+        monkeypatch.setattr(policy_mod, "load_policy_files", real_load)
+        return loaded
+
+    monkeypatch.setattr(policy_mod, "load_policy_files", load_then_replace)
+    state = policy_mod.PolicyState((str(pf),), dry_run=False, poll_ms=50)
+    assert [r.id for r in state.policy.rules][-1] == "rbac"
+    state.watch.checked = float("-inf")  # the next poll is due
+    assert [r.id for r in state.current().rules][-1] == "late"
 
 
 def test_time_limited_grants_and_conditions():

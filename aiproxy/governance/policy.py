@@ -474,8 +474,10 @@ class PolicyState:
     def __init__(self, files: tuple[str, ...], dry_run: bool, poll_ms: int) -> None:
         self.files = files
         self.dry_run = dry_run
-        self.policy = load_policy_files(files)
+        # Stamp before reading: a file replaced while it is read then looks changed at
+        # the next poll. The other order keeps the old rules under the new stamp.
         self.watch = FileWatch(files, poll_ms / 1000)
+        self.policy = load_policy_files(files)
         self.reloads = 0
         self.reload_errors = 0
         self.decisions: dict[tuple[str, str], int] = {}  # (result, rule) -> count
