@@ -228,6 +228,17 @@ def cpu_ticks(pids: list[int]) -> tuple[int, int]:
     return user, system
 
 
+def steal_ticks(cpus: set[int]) -> int:
+    """Clock ticks the hypervisor gave to others while these CPUs wanted to run (the
+    8th value of their /proc/stat lines): noise this machine cannot see otherwise."""
+    total = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            total += int(values[7])
+    return total
+
+
 def status_kib(pids: list[int], key: str) -> int:
     total = 0
     for pid in pids:
@@ -519,10 +530,13 @@ def measure_run(servers: Servers, name: str, case: str, duration: int, connectio
     if pinned:  # the proxy alone on the last CPU; wrk (and the backend) on the others
         pin(pids, {LAST_CPU})
     peak_reset = reset_peak_rss(pids)
+    watched = {LAST_CPU} if pinned else ALL_CPUS
+    steal0 = steal_ticks(watched)
     cpu0 = cpu_ticks(pids)
     w = run_wrk(wrk, script, servers.ports[name], CASES[case][0], duration, connections,
                 OTHER_CPUS if pinned else None)
     cpu1 = cpu_ticks(pids)
+    steal1 = steal_ticks(watched)
     if pinned:
         pin(pids, ALL_CPUS)
     if not proc.alive():
@@ -542,6 +556,8 @@ def measure_run(servers: Servers, name: str, case: str, duration: int, connectio
         "user_us_per_req": user_s * 1e6 / n,
         "sys_us_per_req": sys_s * 1e6 / n,
         "cpu_util": cpu_s / seconds,
+        # of the proxy's CPU when pinned, else of all CPUs on average
+        "steal_pct": (steal1 - steal0) / CLK_TCK / seconds / len(watched) * 100,
         "peak_rss_mib": status_kib(pids, "VmHWM") / 1024,
         "peak_since_start": not peak_reset,
         "errors": {k: w[k] for k in ("connect_errors", "read_errors", "write_errors",
@@ -687,11 +703,45 @@ def case_table(case: str, result: dict[str, dict]) -> str:
         for _, key, fmt in cols:
             row.append(f"{fmt.format(med[key])} ({ratio(med[key], base.get(key, 0))})")
         row.append(f"{med['cpu_util'] * 100:.0f}%")
+        row.append(f"{med.get('steal_pct', 0):.1f}%")
         errors = sum(med["errors"].values())
         row.append(str(errors) if errors else "0")
         rows.append(row)
-    headers = ["proxy", *(h for h, _, _ in cols), "CPU busy", "errors"]
+    headers = ["proxy", *(h for h, _, _ in cols), "CPU busy", "steal", "errors"]
     return table(headers, rows)
+
+
+def paired(result: dict[str, dict]) -> dict[str, dict[str, list[float]]]:
+    """Each proxy's figures over nginx's from the same round (runs next to each other, so
+    a slow spell of the machine mostly hits both): per key, the sorted ratios."""
+    if "nginx" not in result:
+        return {}
+    base = result["nginx"]["rounds"]
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, res in result.items():
+        if name == "nginx":
+            continue
+        out[name] = {key: sorted(r[key] / b[key] for r, b in zip(res["rounds"], base, strict=True)
+                                 if b[key])
+                     for key in ("rps", "cpu_us_per_req", "user_us_per_req")}
+    return out
+
+
+def paired_lines(result: dict[str, dict]) -> str:
+    lines = []
+    for name, ratios in paired(result).items():
+        cells = []
+        for label, key in (("req/s", "rps"), ("CPU/req", "cpu_us_per_req"),
+                           ("user/req", "user_us_per_req")):
+            vals = ratios[key]
+            if vals:
+                cells.append(f"{label} {statistics.median(vals):.2f}x "
+                             f"({vals[0]:.2f}-{vals[-1]:.2f})")
+        lines.append(f"  {name}: " + ", ".join(cells))
+    if not lines:
+        return ""
+    return ("\nratio to nginx in the same round, median of rounds (lowest-highest):\n"
+            + "\n".join(lines))
 
 
 def idle_table(result: dict[str, dict]) -> str:
@@ -889,6 +939,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     for case in load_cases:
         print(f"\n{CASES[case][2]}\n")
         print(case_table(case, results[case]))
+        print(paired_lines(results[case]))
     if idle:
         print(f"\n{args.idle:,} idle keep-alive connections (one request each, then idle; "
               "RSS of the serving processes)\n")
@@ -920,6 +971,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                          "connections": args.connections, "idle_connections": args.idle,
                          "wrk_threads": 1},
             "cases": results,
+            "paired_ratios": {c: paired(results[c]) for c in load_cases},
             "idle": idle,
             "ok": ok,
         }

@@ -12,6 +12,10 @@ counted: this measures the proxy's own per-request work, which is what Python co
 --nginx counts nginx the same way, as a proxy with bench/e2e.py's config run as one
 process (master_process off): the ratio to it does not move with the machine's speed.
 
+--sim adds callgrind's cache and branch simulation and prints, per request, L1/LL
+misses and mispredicted branches: when instructions are at parity but CPU time is not,
+this is where the cost per instruction shows (the VM has no hardware counters).
+
 Runs under valgrind are ~50x slower: the request counts are small, and the figures are
 for comparing trees on one machine, not absolute speed.
 """
@@ -63,13 +67,24 @@ def nginx_command(servers: Servers) -> tuple[list[str], dict, Path, int]:
     return [servers.tools["nginx"], "-p", str(conf.parent), "-c", str(conf)], {}, conf.parent, port
 
 
+SIM = ("--cache-sim=yes", "--branch-sim=yes")
+# Derived per-request figures from callgrind's events (with --sim).
+SIM_FIGURES = {
+    "L1 miss": ("I1mr", "D1mr", "D1mw"),
+    "LL miss": ("ILmr", "DLmr", "DLmw"),
+    "branch mispredict": ("Bcm", "Bim"),
+}
+
+
 def measure(name: str, command: tuple[list[str], dict, Path, int], path: str, tmp: Path,
-            wrk: str, connections: int, duration: int) -> tuple[int, float]:
+            wrk: str, connections: int, duration: int,
+            sim: bool = False) -> tuple[int, dict[str, float]]:
+    """Per-request event counts (Ir, and with `sim` the cache/branch events)."""
     args, env, cwd, port = command
     out = tmp / f"callgrind-{port}.out"
     proc = Proc(f"{name}-callgrind", [
         "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-        *args], tmp, env, cwd=cwd)
+        *(SIM if sim else ()), *args], tmp, env, cwd=cwd)
     try:
         deadline = time.monotonic() + 300
         while get(port, path) != 200:
@@ -92,7 +107,9 @@ def measure(name: str, command: tuple[list[str], dict, Path, int], path: str, tm
         body = dump.read_text(errors="replace")
         if "Trigger: dump" in body:
             log(f"{name}: callgrind dump {dump}")
-            return requests, int(re.search(r"^summary: (\d+)", body, re.M).group(1)) / requests
+            events = re.search(r"^events: (.+)$", body, re.M).group(1).split()
+            totals = re.search(r"^(?:summary|totals): ([\d ]+)$", body, re.M).group(1).split()
+            return requests, {e: int(v) / requests for e, v in zip(events, totals, strict=False)}
     raise RuntimeError("no callgrind dump found")
 
 
@@ -106,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=int, default=10, help="seconds per run (10)")
     parser.add_argument("--nginx", action="store_true",
                         help="count nginx as a proxy too (one process, e2e.py's config)")
+    parser.add_argument("--sim", action="store_true",
+                        help="also simulate caches and branches (slower): misses per request")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep the callgrind dumps in DIR (for callgrind_annotate)")
     args = parser.parse_args(argv)
@@ -122,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         servers = Servers(tmp, tools, 0, 4096, trees[0])
         servers.start_backend()
-        results: dict[tuple[str, Path | str], list[float]] = {}
+        results: dict[tuple[str, Path | str], list[dict[str, float]]] = {}
         subjects: list[Path | str] = [*trees, *(["nginx"] if args.nginx else [])]
         for r in range(args.rounds):
             for case in args.cases.split(","):
@@ -132,19 +151,31 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         command = aiproxy_command(subject, servers.backend_port, tmp)
                     requests, per = measure(str(subject), command, CASES[case][0], tmp,
-                                            tools["wrk"], args.connections, args.duration)
+                                            tools["wrk"], args.connections, args.duration,
+                                            args.sim)
                     results.setdefault((case, subject), []).append(per)
-                    log(f"round {r + 1} {case:5s} {subject}: {per / 1000:.1f} K instructions "
-                        f"per request ({requests} requests)")
+                    log(f"round {r + 1} {case:5s} {subject}: {per['Ir'] / 1000:.1f} K "
+                        f"instructions per request ({requests} requests)")
         print(textwrap.dedent("""
             | case | tree | K instructions/request (median) | vs first tree |
             |------|------|---:|---:|"""))
+        def median(case: str, subject: Path | str, events: tuple[str, ...]) -> float:
+            vals = sorted(sum(per.get(e, 0) for e in events) for per in results[(case, subject)])
+            return vals[len(vals) // 2]
+
         for case in args.cases.split(","):
-            base = sorted(results[(case, trees[0])])[len(results[(case, trees[0])]) // 2]
+            base = median(case, trees[0], ("Ir",))
             for subject in subjects:
-                vals = sorted(results[(case, subject)])
-                med = vals[len(vals) // 2]
+                med = median(case, subject, ("Ir",))
                 print(f"| {case} | {subject} | {med / 1000:.1f} | {med / base:.3f}x |")
+        if args.sim:
+            print("\n| case | tree | " + " | ".join(f"{f} /request" for f in SIM_FIGURES)
+                  + " |\n|------|------|" + "---:|" * len(SIM_FIGURES))
+            for case in args.cases.split(","):
+                for subject in subjects:
+                    cells = " | ".join(f"{median(case, subject, ev):.0f}"
+                                       for ev in SIM_FIGURES.values())
+                    print(f"| {case} | {subject} | {cells} |")
         return 0
     finally:
         Proc.stop_all()

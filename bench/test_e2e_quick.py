@@ -58,3 +58,16 @@ def test_e2e_quick(tmp_path: Path) -> None:
     assert sum(line.startswith("| proxy ") for line in lines) == 4, report
     for name in PROXIES:
         assert sum(line.startswith(f"| {name} ") for line in lines) == 4, (name, report)
+
+    # Each proxy against nginx round by round, printed under each case's table.
+    rounds = doc["settings"]["rounds"]
+    for case in doc["cases"]:
+        ratios = doc["paired_ratios"][case]
+        assert set(ratios) == set(PROXIES) - {"nginx"}, (case, report)
+        for name, by_key in ratios.items():
+            assert len(by_key["rps"]) == rounds, (case, name, report)
+            assert all(r > 0 for r in by_key["cpu_us_per_req"]), (case, name, report)
+        for run in doc["cases"][case]["aiproxy"]["rounds"]:
+            assert run["steal_pct"] >= 0, (case, report)
+    assert sum(line.startswith("ratio to nginx in the same round") for line in lines) == 3, report
+    assert sum(line.startswith("  aiproxy: req/s ") for line in lines) == 3, report
