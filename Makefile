@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 E2E_ARGS ?=
 
-.PHONY: run test lint bench bench-e2e clean
+.PHONY: run test lint bench bench-e2e pgo clean
 
 # Two demo upstreams in the background, the proxy in the foreground. The trap stops the
 # upstreams when the proxy exits or on Ctrl-C; the proxy is not exec'ed because that would
@@ -45,6 +45,13 @@ bench:
 bench-e2e:
 	scripts/bootstrap.sh --test
 	$(VENV)/bin/python bench/e2e.py $(E2E_ARGS)
+
+# The extensions rebuilt profile-guided (GCC): built with counters, trained on the bundled
+# config and demo upstreams, built again with the profile (scripts/pgo_build.sh).
+# scripts/bootstrap.sh does this after each install; this target redoes it on demand.
+pgo:
+	AIPROXY_PGO_BUILD=0 scripts/bootstrap.sh
+	scripts/pgo_build.sh
 
 # BPF objects for the kernel fast paths (the package build also runs this).
 .PHONY: bpf

@@ -3,6 +3,9 @@
 Knobs from the environment:
   AIPROXY_ANNOTATE=1   write Cython HTML annotation next to each .pyx
   AIPROXY_DEBUG=1      build with -O0 -g and Cython line tracing off
+  AIPROXY_PGO=generate:DIR | use:DIR
+                       a profile-guided build (GCC), driven by scripts/pgo_build.sh:
+                       counters written to DIR by a training run, then built with them
   CFLAGS               passed through by setuptools as usual
 """
 
@@ -28,6 +31,34 @@ FAST_MODULES = ["h1", "intent", "intent_head", "bufpool", "histogram", "chat_jso
 
 NUMPY_MODULES = {"intent_head"}  # cimport numpy (its C API)
 
+# target_clones makes ifunc resolvers, which the loader runs before relocating the
+# module; instrumented ones read their counters through the GOT and crash there. These
+# modules build without counters, and so without a profile.
+PGO_SKIP = {"aiproxy._fast.intent_head"}
+
+
+def _pgo(module: str) -> tuple[list[str], list[str]]:
+    """(compile, link) flags for AIPROXY_PGO."""
+    setting = os.environ.get("AIPROXY_PGO", "")
+    mode, _, directory = setting.partition(":")
+    if not setting or module in PGO_SKIP:
+        return [], []
+    if mode == "generate" and directory:
+        flags = [f"-fprofile-generate={directory}", "-fprofile-update=single"]
+        return flags, flags
+    if mode == "use" and directory:
+        # partial-training: code the training run never reached keeps its -O3 build
+        # rather than being optimized for size as if it were cold.
+        return [f"-fprofile-use={directory}", "-fprofile-partial-training",
+                "-Wno-missing-profile", "-Wno-error=coverage-mismatch"], []
+    raise SystemExit(f"AIPROXY_PGO: expected generate:DIR or use:DIR, got {setting!r}")
+
+
+def _extension(module: str, sources: list[str], **kw) -> Extension:
+    compile_pgo, link_pgo = _pgo(module)
+    return Extension(module, sources, extra_compile_args=extra_compile_args + compile_pgo,
+                     extra_link_args=link_pgo, **kw)
+
 
 def _include_dirs(name: str) -> list[str]:
     if name not in NUMPY_MODULES:
@@ -38,13 +69,12 @@ def _include_dirs(name: str) -> list[str]:
 
 
 extensions = [
-    Extension(
+    _extension(
         f"aiproxy._fast.{name}",
         [f"aiproxy/_fast/{name}.pyx"],
         include_dirs=_include_dirs(name),
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
         if name in NUMPY_MODULES else [],
-        extra_compile_args=extra_compile_args,
     )
     for name in FAST_MODULES
 ]
@@ -58,10 +88,7 @@ COMPILED_PY = sorted(
     for pxd in glob.glob("aiproxy/**/*.pxd", recursive=True)
     if os.path.exists(pxd[:-4] + ".py")
 )
-compiled_py = [
-    Extension(name, [name.replace(".", "/") + ".py"], extra_compile_args=extra_compile_args)
-    for name in COMPILED_PY
-]
+compiled_py = [_extension(name, [name.replace(".", "/") + ".py"]) for name in COMPILED_PY]
 
 
 

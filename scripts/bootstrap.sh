@@ -153,6 +153,23 @@ up_to_date() {
     fi
 }
 
+# The extensions are rebuilt profile-guided where the compiler is GCC (scripts/pgo_build.sh:
+# two more builds and a training run, about 5 minutes on 2 cores); AIPROXY_PGO_BUILD=0
+# keeps the plain build. A failed PGO build falls back to the plain one: it can cost time,
+# never the install.
+pgo_build() {
+    [ "${AIPROXY_PGO_BUILD:-1}" = 0 ] && return 0
+    local rc=0
+    PYTHON=$VENV/bin/python scripts/pgo_build.sh || rc=$?
+    case $rc in
+        0) ;;
+        3) log "profile-guided build skipped: the compiler is not GCC" ;;
+        *) log "the profile-guided build failed (exit $rc): building the extensions plain"
+           AIPROXY_BPF=0 "$VENV/bin/python" setup.py -q build_ext --inplace --force \
+               --parallel "$(nproc)" ;;
+    esac
+}
+
 if ! up_to_date; then
     log "installing aiproxy into $VENV${extras:+ with [$extras]}"
     # Build requirements go into the venv and the build reuses them (--no-build-isolation),
@@ -163,5 +180,6 @@ with open("pyproject.toml", "rb") as f:
     print("\n".join(tomllib.load(f)["build-system"]["requires"]))')
     "$VENV/bin/python" -m pip install -q "${build_reqs[@]}"
     "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".${extras:+[$extras]}"
+    pgo_build
     printf '%s %s\n' "$fingerprint" "$extras" >"$STAMP"
 fi
