@@ -157,3 +157,31 @@ def test_swapped_model_takes_effect_on_sighup(start_proxy, upstreams, second_mod
     proxy.proc.send_signal(signal.SIGHUP)
     _wait_for(lambda: _reloads(admin)[0] >= 2, "the second reload")
     assert _ask(proxy) == ("bank", "balance")
+
+
+def test_a_model_replaced_while_it_loads_is_loaded_again(tmp_path, second_model, monkeypatch):
+    """The file stamp that decides "same model, reuse it" on reload is the one taken before
+    the load: a file swapped during the load is not vouched for (as policy files)."""
+    from aiproxy.config import load_config_text
+    from aiproxy.semantic import router as router_mod
+
+    model = tmp_path / "intent.onnx"
+    shutil.copyfile(BUILTINS["clinc150"], model)
+    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:1"\n' + _config(model, 1, 2, 3)
+    cfg = load_config_text(text, str(tmp_path / "aiproxy.toml")).semantic
+    real = router_mod.IntentModel
+
+    def load_then_swap(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        _swap(model, second_model.read_bytes(), keep_mtime=True)
+        monkeypatch.setattr(router_mod, "IntentModel", real)
+        return loaded
+
+    monkeypatch.setattr(router_mod, "IntentModel", load_then_swap)
+    first = router_mod.SemanticRouter(cfg, router_mod.load_model(cfg))
+    assert "balance" in first.model.labels
+    again = router_mod.load_model(cfg, first)
+    assert again is not first.model
+    assert set(again.labels) == set(SECOND)
+    # and with nothing changed since, the reload reuses it
+    assert router_mod.load_model(cfg, router_mod.SemanticRouter(cfg, again)) is again

@@ -34,10 +34,14 @@ def model_key(cfg: SemanticConfig) -> tuple:
 def load_model(cfg: SemanticConfig, previous: SemanticRouter | None = None) -> IntentModel:
     """Load (or reuse, when the file and threshold are unchanged) the configured model.
     Raises ModelError naming the file. Blocking: call it off the event loop."""
+    # The key is taken before the file is read: one replaced while it is read then looks
+    # changed at the next reload. Taken after, it would vouch for a file never loaded.
     key = model_key(cfg)
     if previous is not None and previous.key == key:
         return previous.model
-    return IntentModel(cfg.model, threshold=cfg.threshold, native=cfg.runtime == "auto")
+    model = IntentModel(cfg.model, threshold=cfg.threshold, native=cfg.runtime == "auto")
+    model.source_key = key
+    return model
 
 
 class SemanticRouter:
@@ -48,7 +52,7 @@ class SemanticRouter:
     def __init__(self, cfg: SemanticConfig, model: IntentModel) -> None:
         self.cfg = cfg
         self.model = model
-        self.key = model_key(cfg)
+        self.key = getattr(model, "source_key", None) or model_key(cfg)
         self.header = cfg.intent_header.encode()
         self.inspect_bytes = cfg.inspect_bytes
         self.json_fields = cfg.json_fields
