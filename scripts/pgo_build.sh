@@ -32,7 +32,8 @@ build() {
 echo "pgo_build: 1/3 build with counters"
 build "generate:$PROFILE"
 echo "pgo_build: 2/3 training run"
-"$PYTHON" scripts/pgo_train.py "${PGO_SCALE:-10}"
+# It takes seconds; the bound is there so a hung run cannot hold up an install.
+timeout 600 "$PYTHON" scripts/pgo_train.py "${PGO_SCALE:-10}"
 count=$(find "$PROFILE" -name '*.gcda' | wc -l)
 if [ "$count" -eq 0 ]; then
     echo "pgo_build: the training run wrote no counters to $PROFILE" >&2

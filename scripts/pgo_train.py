@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -123,6 +124,9 @@ def malformed(port: int) -> None:
 
 def main() -> int:
     scale = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    # SIGTERM (pgo_build.sh's timeout) unwinds through the finally below, which stops the
+    # processes this started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     upstreams = [start_demo_upstream(name) for name in ("demo-a", "demo-b")]
     proxy = None
     try:
