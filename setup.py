@@ -31,9 +31,9 @@ FAST_MODULES = ["h1", "intent", "intent_head", "bufpool", "histogram", "chat_jso
 
 NUMPY_MODULES = {"intent_head"}  # cimport numpy (its C API)
 
-# target_clones makes ifunc resolvers, which the loader runs before relocating the
-# module; instrumented ones read their counters through the GOT and crash there. These
-# modules build without counters, and so without a profile.
+# target_clones makes ifunc resolvers, which the loader runs while it relocates the
+# module; instrumented, they crashed it there (SIGSEGV in the resolver, seen under gdb).
+# These modules build without counters, and so without a profile.
 PGO_SKIP = {"aiproxy._fast.intent_head"}
 
 

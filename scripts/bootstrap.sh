@@ -154,7 +154,7 @@ up_to_date() {
 }
 
 # The extensions are rebuilt profile-guided where the compiler is GCC (scripts/pgo_build.sh:
-# two more builds and a training run, about 5 minutes on 2 cores); AIPROXY_PGO_BUILD=0
+# two more builds and a training run, about 4 minutes on 2 cores); AIPROXY_PGO_BUILD=0
 # keeps the plain build. A failed PGO build falls back to the plain one: it can cost time,
 # never the install.
 pgo_build() {
