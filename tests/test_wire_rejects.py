@@ -558,6 +558,16 @@ HEAD_REJECTS = {
     "host-with-space": (400, b"GET / HTTP/1.1\r\nHost: exa mple.test\r\n\r\n"),
     "host-with-slash": (400, b"GET / HTTP/1.1\r\nHost: example.test/admin\r\n\r\n"),
     "host-with-userinfo": (400, b"GET / HTTP/1.1\r\nHost: user@example.test\r\n\r\n"),
+    # Host = uri-host [ ":" port ] (RFC 9112 3.2, RFC 3986 3.2.2): not just its characters.
+    "host-port-not-digits": (400, b"GET / HTTP/1.1\r\nHost: example.test:8x\r\n\r\n"),
+    "host-two-ports": (400, b"GET / HTTP/1.1\r\nHost: example.test:1:2\r\n\r\n"),
+    "host-port-only": (400, b"GET / HTTP/1.1\r\nHost: :80\r\n\r\n"),
+    "host-unclosed-ipv6": (400, b"GET / HTTP/1.1\r\nHost: [::1\r\n\r\n"),
+    "host-ipv6-without-brackets-closed": (400, b"GET / HTTP/1.1\r\nHost: a]b[\r\n\r\n"),
+    "host-bad-percent": (400, b"GET / HTTP/1.1\r\nHost: %zz\r\n\r\n"),
+    "absolute-target-port-not-digits": (
+        400, b"GET http://example.test:xx/ HTTP/1.1\r\n" + H + b"\r\n"),
+    "absolute-target-unclosed-ipv6": (400, b"GET http://[::1/ HTTP/1.1\r\n" + H + b"\r\n"),
     # -- request line (RFC 9112 3) --
     "trailing-space-request-line": (400, b"GET / HTTP/1.1 \r\n" + H + b"\r\n"),
     "fragment-in-target": (400, b"GET /page#frag HTTP/1.1\r\n" + H + b"\r\n"),
@@ -733,6 +743,14 @@ BODY_REJECTS = {
     "last-chunk-bare-lf": (400, b"5\r\nhello\r\n0\n\n" + SMUGGLED),
     "last-chunk-bare-cr": (400, b"5\r\nhello\r\n0\r\r\n\r\n" + SMUGGLED),
     "chunk-ext-with-ctl": (400, b"5;a=\x01\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    # chunk-ext grammar (RFC 9112 7.1.1): ";" ext-name [ "=" token / quoted-string ]
+    "chunk-ext-unterminated-quote": (400, b'5;a="open\r\nhello\r\n0\r\n\r\n' + SMUGGLED),
+    "chunk-ext-empty-names": (400, b"5;;;\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    "chunk-ext-only-semicolon": (400, b"5 ;\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    "chunk-ext-no-name": (400, b"5; =v\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    "chunk-ext-no-value": (400, b"5;a=\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    "chunk-ext-space-in-value": (400, b"5;a=b c\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    "chunk-ext-junk-after-quote": (400, b'5;a="b"c\r\nhello\r\n0\r\n\r\n' + SMUGGLED),
     "trailer-obs-fold": (400, b"5\r\nhello\r\n0\r\nX-T: a\r\n b\r\n\r\n" + SMUGGLED),
     "chunk-size-plus-sign": (400, b"+5\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
 }
@@ -760,11 +778,12 @@ def test_chunked_body_rejected_after_head_forwarded(proxy: Proxy, rec: Recorder,
 
 @pytest.mark.parametrize(
     "body",
-    [b"5 ;\r\nhello\r\n0\r\n\r\n", b"5 ;ext=1\r\nhello\r\n0\r\n\r\n",
+    [b"5 ;e\r\nhello\r\n0\r\n\r\n", b"5 ;ext=1\r\nhello\r\n0\r\n\r\n",
      b"5;a=b;c=\"d e\"\r\nhello\r\n0\r\n\r\n", b"5\t;x\r\nhello\r\n0\r\nX-Trailer: t\r\n\r\n",
-     b"00000000000005\r\nhello\r\n0\r\n\r\n"],
+     b"00000000000005\r\nhello\r\n0\r\n\r\n", b"5 ; a = b ; c\r\nhello\r\n0\r\n\r\n",
+     b'5;q="a\\"b\\\\c"\r\nhello\r\n0\r\n\r\n'],
     ids=["ws-then-semicolon", "ws-then-extension", "extensions", "tab-ext-and-trailer",
-         "leading-zeros"],
+         "leading-zeros", "bws-around-ext", "quoted-pairs"],
 )
 def test_chunked_body_accepted(proxy: Proxy, rec: Recorder, body: bytes) -> None:
     with connect(proxy.port) as sock:
@@ -825,11 +844,25 @@ def test_absolute_form_host_comes_from_target(proxy: Proxy, rec: Recorder) -> No
     assert b"wrong.test" not in req.raw
 
 
+@pytest.mark.parametrize("host", [
+    b"example.test", b"example.test:8080", b"example.test:", b"127.0.0.1:80", b"[::1]",
+    b"[::1]:8443", b"[v1.fe]", b"ex%41mple.test", b"a-b_c~d!$&'()*+,;=", b""])
+def test_valid_host_forms_are_forwarded(proxy: Proxy, rec: Recorder, host: bytes) -> None:
+    """Every form of RFC 3986 host [":" port] passes as it came, and so does an empty
+    Host (RFC 9112 3.2: what a client sends when the target has no authority)."""
+    with connect(proxy.port) as sock:
+        sock.sendall(b"GET /h HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        [resp] = read_responses(sock, 1)
+    assert (resp.status, resp.body) == (200, b"ok")
+    [req] = rec.requests()
+    assert req.header(b"host") == [host]
+
+
 @pytest.mark.parametrize(
     "fields",
     [b"Content-Length: 5\r\nContent-Length: 5\r\n", b"Content-Length: 5, 5\r\n",
-     b"Content-Length: 005\r\n"],
-    ids=["duplicate-identical", "list-identical", "leading-zeros"],
+     b"Content-Length: 005\r\n", b"Content-Length: 0000000000000000000000005\r\n"],
+    ids=["duplicate-identical", "list-identical", "leading-zeros", "many-leading-zeros"],
 )
 def test_content_length_forwarded_once(proxy: Proxy, rec: Recorder, fields: bytes) -> None:
     """Equivalent Content-Length forms are accepted and reach the upstream as exactly one

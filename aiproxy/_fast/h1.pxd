@@ -74,6 +74,7 @@ cdef class ChunkedDecoder:
     cdef unsigned long long remaining
     cdef int digits
     cdef Py_ssize_t ext_len
+    cdef int ext_state  # where in the chunk-ext grammar (X_* in h1.pyx)
     cdef Py_ssize_t trailer_len
     cdef Py_ssize_t max_trailer
     cdef bytearray _trailers
@@ -81,4 +82,5 @@ cdef class ChunkedDecoder:
     cdef readonly Py_ssize_t tail
 
     cdef int _trailer_byte(self, unsigned char c) except -1
+    cdef int _ext_byte(self, unsigned char c) except -1
     cdef list _feed(self, object data, const unsigned char *p, Py_ssize_t n)

@@ -94,7 +94,7 @@ cdef enum:
 cdef unsigned char TCHAR[256]
 cdef unsigned char FVCHAR[256]
 cdef unsigned char TARGET[256]
-cdef unsigned char HOSTCHAR[256]
+cdef unsigned char REGNAME[256]
 cdef signed char HEXVAL[256]
 
 cdef int _offs[MAX_HEADERS_CAP * 5]
@@ -105,29 +105,29 @@ cdef Py_ssize_t _ctok[MAX_CONN_TOKENS * 2]
 cdef void _init_tables():
     cdef int c
     cdef bytes tspecial = b"!#$%&'*+-.^_`|~"
-    cdef bytes hostextra = b"-._~!$&'()*+,;=:[]%"
+    cdef bytes regextra = b"-._~!$&'()*+,;="  # RFC 3986 unreserved and sub-delims
     for c in range(256):
         TCHAR[c] = 0
         FVCHAR[c] = 0
         TARGET[c] = 0
-        HOSTCHAR[c] = 0
+        REGNAME[c] = 0
         HEXVAL[c] = -1
     for c in range(ord("0"), ord("9") + 1):
         TCHAR[c] = 1
-        HOSTCHAR[c] = 1
+        REGNAME[c] = 1
         HEXVAL[c] = c - ord("0")
     for c in range(ord("a"), ord("z") + 1):
         TCHAR[c] = 1
         TCHAR[c - 32] = 1
-        HOSTCHAR[c] = 1
-        HOSTCHAR[c - 32] = 1
+        REGNAME[c] = 1
+        REGNAME[c - 32] = 1
     for c in range(6):
         HEXVAL[ord("a") + c] = 10 + c
         HEXVAL[ord("A") + c] = 10 + c
     for c in tspecial:
         TCHAR[c] = 1
-    for c in hostextra:
-        HOSTCHAR[c] = 1
+    for c in regextra:
+        REGNAME[c] = 1
     for c in range(0x21, 0x7F):
         FVCHAR[c] = 1
         TARGET[c] = 1
@@ -233,19 +233,21 @@ cdef inline bint _ieq2(const unsigned char *a, const unsigned char *b, Py_ssize_
 cdef long long _parse_content_length(const unsigned char *p, Py_ssize_t a, Py_ssize_t b):
     """1*DIGIT, or a list of identical values (RFC 9110 8.6). -1 on any error."""
     cdef long long value = -1, cur
-    cdef Py_ssize_t i = a, digits
+    cdef Py_ssize_t i = a, start, digits
     while True:
         while i < b and (p[i] == 32 or p[i] == 9):
             i += 1
         cur = 0
-        digits = 0
+        start = i
+        digits = 0  # significant ones: any number of leading zeros is still 1*DIGIT
         while i < b and 48 <= p[i] <= 57:
             cur = cur * 10 + (p[i] - 48)
-            digits += 1
+            if cur:
+                digits += 1
+                if digits > MAX_CL_DIGITS:
+                    return -1
             i += 1
-            if digits > MAX_CL_DIGITS:
-                return -1
-        if digits == 0:
+        if i == start:
             return -1
         if value != -1 and cur != value:
             return -1
@@ -877,15 +879,77 @@ cdef object _parse_request(const unsigned char *p, Py_ssize_t n, Py_ssize_t max_
         h.host = None
     else:
         o = h.offs + 5 * st.host_idx
-        for k in range(o[2], o[3]):
-            if not HOSTCHAR[p[start + k]]:
-                raise ParseError(400, "invalid Host field")
+        # RFC 9112 3.2: an invalid value is a 400; an empty one is what a client sends
+        # for a target without an authority, and valid.
+        if o[3] > o[2] and not _authority_ok(p + start + o[2], o[3] - o[2]):
+            raise ParseError(400, "invalid Host field")
         h.host = PyBytes_FromStringAndSize(<const char *>p + start + o[2], o[3] - o[2])
     # RFC 9110 10.1.1: a 100-continue expectation in HTTP/1.0 MUST be ignored.
     h.expect_continue = st.expect_continue and version >= 11
     h.expect_unknown = st.expect_unknown
     h.has_xff = st.has_xff
     return h
+
+
+cdef bint _authority_ok(const unsigned char *p, Py_ssize_t n) noexcept:
+    """RFC 3986 3.2 authority without userinfo (RFC 9110 4.2.1, RFC 9113 8.3.1):
+    host [":" port]. host is an IP-literal in brackets (IPv6: hex digits, ':' and '.';
+    or IPvFuture), or a reg-name (which covers IPv4) of unreserved, sub-delims and
+    %XX; port is digits. Not empty."""
+    cdef Py_ssize_t i = 0, j
+    if n == 0:
+        return 0
+    if p[0] == 91:  # '['
+        i = 1
+        if i < n and (p[i] == 118 or p[i] == 86):  # IPvFuture: "v" 1*HEXDIG "." 1*(...)
+            i += 1
+            j = i
+            while i < n and HEXVAL[p[i]] >= 0:
+                i += 1
+            if i == j or i >= n or p[i] != 46:
+                return 0
+            i += 1
+            j = i
+            while i < n and (REGNAME[p[i]] or p[i] == 58):
+                i += 1
+            if i == j:
+                return 0
+        else:
+            j = 0  # colons seen: an IPv6 address has at least two
+            while i < n and (HEXVAL[p[i]] >= 0 or p[i] == 58 or p[i] == 46):
+                j += p[i] == 58
+                i += 1
+            if j < 2:
+                return 0
+        if i >= n or p[i] != 93:  # ']'
+            return 0
+        i += 1
+    else:
+        while i < n and p[i] != 58:
+            if p[i] == 37:  # '%' HEXDIG HEXDIG
+                if i + 2 >= n or HEXVAL[p[i + 1]] < 0 or HEXVAL[p[i + 2]] < 0:
+                    return 0
+                i += 3
+            elif REGNAME[p[i]]:
+                i += 1
+            else:
+                return 0
+        if i == 0:
+            return 0
+    if i == n:
+        return 1
+    if p[i] != 58:
+        return 0
+    for j in range(i + 1, n):
+        if not 48 <= p[j] <= 57:
+            return 0
+    return 1
+
+
+cpdef bint valid_authority(bytes value):
+    """Whether value is host [":" port] (see _authority_ok): a Host field, an :authority,
+    or the authority of an absolute-form target."""
+    return _authority_ok(<const unsigned char *>PyBytes_AS_STRING(value), len(value))
 
 
 cdef void _scan_target(RequestHead h, const unsigned char *t, Py_ssize_t n) noexcept:
@@ -1023,6 +1087,19 @@ cdef enum:
     C_TRAILER_NAME = 12
 
 
+# chunk-ext = *( BWS ";" BWS ext-name [ BWS "=" BWS ext-val ] ), ext-name = token,
+# ext-val = token / quoted-string (RFC 9112 7.1.1): where C_EXT is in it.
+cdef enum:
+    X_NAME_START = 0  # after ';', BWS, then a token
+    X_NAME = 1
+    X_AFTER_NAME = 2  # BWS, then '=', ';' or CR
+    X_VALUE_START = 3  # after '=', BWS, then a token or '"'
+    X_TOKEN = 4
+    X_QUOTED = 5
+    X_QUOTED_PAIR = 6  # after '\\' in a quoted string
+    X_AFTER_VALUE = 7  # BWS, then ';' or CR
+
+
 cdef class ChunkedDecoder:
     """Incremental, validating chunked decoder.
 
@@ -1048,6 +1125,54 @@ cdef class ChunkedDecoder:
             return self._feed(data, <const unsigned char *>view.buf, view.len)
         finally:
             PyBuffer_Release(&view)
+
+    cdef int _ext_byte(self, unsigned char c) except -1:
+        """One byte of a chunk-ext (state C_EXT); CR where the grammar allows the line
+        to end moves on to C_SIZE_LF."""
+        cdef int x = self.ext_state
+        if x == X_QUOTED:
+            if c == 34:  # '"'
+                self.ext_state = X_AFTER_VALUE
+            elif c == 92:  # '\\'
+                self.ext_state = X_QUOTED_PAIR
+            elif not FVCHAR[c]:  # qdtext: HTAB, SP, VCHAR but '"' and '\\', obs-text
+                raise ParseError(400, "invalid chunk extension")
+            return 0
+        if x == X_QUOTED_PAIR:
+            if not FVCHAR[c]:
+                raise ParseError(400, "invalid chunk extension")
+            self.ext_state = X_QUOTED
+            return 0
+        if TCHAR[c]:
+            if x == X_NAME_START or x == X_NAME:
+                self.ext_state = X_NAME
+            elif x == X_VALUE_START or x == X_TOKEN:
+                self.ext_state = X_TOKEN
+            else:
+                raise ParseError(400, "invalid chunk extension")
+        elif c == 32 or c == 9:
+            if x == X_NAME:
+                self.ext_state = X_AFTER_NAME
+            elif x == X_TOKEN:
+                self.ext_state = X_AFTER_VALUE
+        elif c == 61:  # '='
+            if x != X_NAME and x != X_AFTER_NAME:
+                raise ParseError(400, "invalid chunk extension")
+            self.ext_state = X_VALUE_START
+        elif c == 34:
+            if x != X_VALUE_START:
+                raise ParseError(400, "invalid chunk extension")
+            self.ext_state = X_QUOTED
+        elif c == 59 or c == 13:
+            if x != X_NAME and x != X_AFTER_NAME and x != X_TOKEN and x != X_AFTER_VALUE:
+                raise ParseError(400, "invalid chunk extension")
+            if c == 59:
+                self.ext_state = X_NAME_START
+            else:
+                self.state = C_SIZE_LF
+        else:
+            raise ParseError(400, "invalid chunk extension")
+        return 0
 
     cdef list _feed(self, object data, const unsigned char *p, Py_ssize_t n):
         cdef Py_ssize_t i = 0, take, ts
@@ -1086,6 +1211,7 @@ cdef class ChunkedDecoder:
                     self.state = C_SIZE_LF
                 elif c == 59:  # ';'
                     self.state = C_EXT
+                    self.ext_state = X_NAME_START
                 elif c == 32 or c == 9:
                     self.state = C_SIZE_WS
                 else:
@@ -1093,17 +1219,14 @@ cdef class ChunkedDecoder:
             elif self.state == C_SIZE_WS:
                 if c == 59:
                     self.state = C_EXT
+                    self.ext_state = X_NAME_START
                 elif c != 32 and c != 9:
                     raise ParseError(400, "invalid chunk size line")
             elif self.state == C_EXT:
-                if c == 13:
-                    self.state = C_SIZE_LF
-                elif FVCHAR[c]:
-                    self.ext_len += 1
-                    if self.ext_len > MAX_CHUNK_EXT:
-                        raise ParseError(400, "chunk extension too long")
-                else:
-                    raise ParseError(400, "invalid chunk extension")
+                self.ext_len += 1
+                if self.ext_len > MAX_CHUNK_EXT:
+                    raise ParseError(400, "chunk extension too long")
+                self._ext_byte(c)
             elif self.state == C_SIZE_LF:
                 if c != 10:
                     raise ParseError(400, "bare CR in chunk size line")

@@ -32,7 +32,7 @@ from random import random
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.clock import monotonic
-from aiproxy._fast.h1 import ChunkedDecoder, ParseError, ResponseHead, find_query
+from aiproxy._fast.h1 import ChunkedDecoder, ParseError, ResponseHead, find_query, valid_authority
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_TUNNEL, ExchangeBase, forwarded_lines
 from aiproxy.pipeline.filters import (
@@ -78,10 +78,6 @@ INFINITY = float("inf")
 NO_INTENT = (None, None)  # the route table's `sem` for a request without an intent
 NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
-# What the head parser accepts in a Host field (HOSTCHAR in aiproxy/_fast/h1.pyx); an
-# absolute-form authority becomes the upstream Host field, so it must pass the same check.
-HOST_CHARS = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-              b"-._~!$&'()*+,;=:[]%")
 # OpenAI-style usage in a JSON body or the final SSE event (llm_score token accounting).
 USAGE_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d{1,9})')
 TOKEN_TAIL = 4096  # bytes of the response end searched for usage
@@ -564,8 +560,10 @@ class Exchange(ExchangeBase):
             if 0 <= i < end:
                 end = i
         authority = rest[:end]
-        if not authority or authority.translate(None, HOST_CHARS) or b"#" in rest:
-            return False  # also rejects userinfo ('@' is not a host character)
+        # It becomes the upstream Host field: the head parser's check of a Host field
+        # (which also rules out userinfo, RFC 9112 3.2.1).
+        if not valid_authority(authority) or b"#" in rest:
+            return False
         path = rest[end:] or b"/"
         if path[:1] == b"?":
             path = b"/" + path
