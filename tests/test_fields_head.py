@@ -31,7 +31,11 @@ def test_h2_head_is_a_request_head_with_the_h2_facts() -> None:
     assert h.has_xff and h.body_streamed and not h.target_plain and h.query_at == -1
     assert not h.expect_continue and not h.expect_unknown
     assert repr(h) == "<RequestHead b'POST' b'/v1/chat?x=1' HTTP/2>"
-    assert not h2_request_head(H2, end_stream=True).body_streamed
+    without_length = [f for f in H2 if f[0] != b"content-length"]
+    assert not h2_request_head(without_length, end_stream=True).body_streamed
+    # RFC 9113 8.1.1: END_STREAM on the HEADERS frame, so no body, yet 12 announced.
+    with pytest.raises(MalformedHead, match="content-length"):
+        h2_request_head(H2, end_stream=True)
 
 
 def test_h2_head_fields_answer_like_a_parsed_head() -> None:

@@ -7,6 +7,7 @@ a fresh, well-behaved client still gets 200 afterwards."""
 
 from __future__ import annotations
 
+import json
 import select
 import signal
 import socket
@@ -28,6 +29,7 @@ from hyperframe.frame import (
 
 from tests.h2_support import (
     FrameClient,
+    H2Response,
     ProxyProc,
     RssMonitor,
     h2_get,
@@ -243,6 +245,28 @@ MALFORMED = {
     "name_with_space": [("x a", "1")],
     "value_with_newline": [("x-a", "1\r\nx-b: 2")],
     "authority_host_mismatch": [("host", "other.example")],
+    # Fields HTTP/2 allows but HTTP/1.1 does not: the request goes upstream as HTTP/1.1.
+    "name_not_a_token": [("x(a)", "1")],
+    "value_with_control_byte": [("x-a", "a\x01b")],
+    "value_with_del": [("x-a", "a\x7fb")],
+}
+
+# Pseudo-fields that would put something else than a request line and a Host field on
+# the wire to an HTTP/1.1 upstream (RFC 9113 8.3.1, RFC 9110 9.1 and 4.2.1).
+BAD_PSEUDO = {
+    "path_with_space_and_version": {":path": "/x HTTP/1.0"},
+    "path_with_tab": {":path": "/a\tb"},
+    "path_with_control_byte": {":path": "/a\x01b"},
+    "path_with_del": {":path": "/a\x7fb"},
+    "method_with_tab": {":method": "GE\tT"},
+    "method_not_a_token": {":method": "G(T"},
+    "authority_with_space": {":authority": "a b"},
+    "authority_with_userinfo": {":authority": "user@a"},
+    "authority_with_slash": {":authority": "a/b"},
+    "authority_empty": {":authority": ""},
+    "authority_bad_port": {":authority": "a:8x"},
+    "authority_unclosed_ipv6": {":authority": "[::1"},
+    "scheme_not_a_scheme": {":scheme": "ht tp"},
 }
 
 
@@ -262,6 +286,87 @@ def test_malformed_request_rejected(port: int, demo_upstream: int, case: str) ->
         if isinstance(last, RstStreamFrame):
             c.send(c.request(3, "/echo"))
             assert c.response(3).status == 200
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PSEUDO))
+def test_request_that_is_not_http11_rejected(port: int, case: str) -> None:
+    fields = {":method": "GET", ":scheme": "http", ":path": "/echo", ":authority": "test"}
+    fields.update(BAD_PSEUDO[case])
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.headers(1, list(fields.items())))
+        expect_reset(c, 1, (ErrorCodes.PROTOCOL_ERROR,))
+        c.send(c.request(3, "/echo"))
+        assert c.response(3).status == 200
+
+
+def _echoed(resp: H2Response) -> dict:
+    assert resp.status == 200, resp
+    return json.loads(resp.body)
+
+
+@pytest.mark.parametrize("shape", ["headers_end_stream", "data_then_trailers",
+                                   "trailers_only"])
+def test_body_shorter_than_content_length(port: int, shape: str) -> None:
+    """RFC 9113 8.1.1: content-length says 10, the stream ends after fewer bytes.
+    Forwarded with Content-Length: 10, the upstream connection would wait for bytes that
+    the next request on it (another client's) then supplies: request smuggling."""
+    with FrameClient(port) as c:
+        c.handshake()
+        head = c.request(1, "/echo", "POST", [("content-length", "10")],
+                         end_stream=shape == "headers_end_stream")
+        frames: list = [head]
+        if shape == "data_then_trailers":
+            frames.append(raw_frame(DATA, 0, 1, b"12345"))
+        if shape != "headers_end_stream":
+            frames.append(c.headers(1, [("x-trailer", "1")]))
+        c.send(*frames)
+        frames = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
+                                or (f.stream_id == 1 and "END_STREAM" in f.flags))
+        last = frames[-1] if frames else None
+        assert isinstance(last, (RstStreamFrame, GoAwayFrame)), frames
+        assert last.error_code == ErrorCodes.PROTOCOL_ERROR
+    # Requests after it (on any client connection) reach the upstream whole.
+    for _ in range(3):
+        echoed = _echoed(h2_get(port, "/echo?after"))
+        assert (echoed["method"], echoed["path"], echoed["query"]) == ("GET", "/echo", "after")
+
+
+def test_connect_answered_501(port: int) -> None:
+    """RFC 9113 8.5: a well-formed CONNECT (:method and :authority only) is a request
+    like any other; the proxy does not tunnel, so it answers 501, as over HTTP/1.1."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.headers(1, [(":method", "CONNECT"), (":authority", "example.com:443")]))
+        assert c.response(1).status == 501
+        # With :path and :scheme it is malformed (a connection error is allowed, 5.4.1).
+        c.send(c.headers(3, [(":method", "CONNECT"), (":authority", "example.com:443"),
+                             (":path", "/"), (":scheme", "http")]))
+        frames = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame)))
+        assert frames and frames[-1].error_code == ErrorCodes.PROTOCOL_ERROR, frames
+
+
+def test_preface_must_be_followed_by_settings(port: int) -> None:
+    """RFC 9113 3.4: the client preface ends with a SETTINGS frame."""
+    with FrameClient(port) as c:
+        c.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", PingFrame(0, opaque_data=b"12345678"))
+        expect_goaway(c, ErrorCodes.PROTOCOL_ERROR)
+
+
+def test_window_update_reserved_bit_is_ignored(port: int) -> None:
+    """RFC 9113 6.9: the increment is 31 bits; the reserved bit must be ignored."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(raw_frame(WINDOW_UPDATE, 0, 0, (0x80000001).to_bytes(4, "big")),
+               c.request(1, "/echo"))
+        assert c.response(1).status == 200
+
+
+def test_no_rfc7540_priorities_must_be_0_or_1(port: int) -> None:
+    """RFC 9218 2.1: SETTINGS_NO_RFC7540_PRIORITIES (0x9) other than 0 or 1."""
+    with FrameClient(port) as c:
+        c.handshake({0x9: 2})
+        expect_goaway(c, ErrorCodes.PROTOCOL_ERROR)
 
 
 def test_content_length_mismatch(port: int) -> None:
@@ -454,6 +559,49 @@ def test_empty_continuation_flood(port: int) -> None:
         if not cut:
             cut = _peek_closed(c, 5)
     assert cut, f"still connected after {sent / MiB:.1f} MiB of empty CONTINUATION frames"
+
+
+def _idle_flood_unit(c: FrameClient, kind: str) -> bytes:
+    """Open what the flood needs, and return one frame of it."""
+    if kind == "empty_data":  # CVE-2019-9518
+        c.send(c.request(1, "/echo", "POST", end_stream=False))
+        return raw_frame(DATA, 0, 1, b"")
+    if kind == "priority":  # CVE-2019-9513
+        return raw_frame(PRIORITY, 0, 3, (1).to_bytes(4, "big") + b"\x10")
+    if kind == "unknown":
+        return raw_frame(0xFA, 0, 0, b"")
+    if kind == "window_update":
+        return raw_frame(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big"))
+    # CVE-2019-9514: DATA on a finished stream, each answered with RST_STREAM.
+    c.send(c.request(1, "/echo"))
+    assert c.response(1).status == 200
+    return raw_frame(DATA, 0, 1, b"x")
+
+
+@pytest.mark.parametrize("kind", ["empty_data", "priority", "unknown", "window_update",
+                                  "data_on_closed_stream"])
+def test_flood_of_frames_that_carry_no_request(proxy: ProxyProc, port: int, kind: str) -> None:
+    """Cheap frames that cost the proxy work and move no request along: the connection is
+    cut (GOAWAY ENHANCE_YOUR_CALM) instead of holding the worker busy for as long as the
+    client keeps sending."""
+    with FrameClient(port) as c:
+        c.handshake()
+        unit = _idle_flood_unit(c, kind)
+        sent, cut = flood(c, unit, 256 * MiB, 20)
+        if not cut:
+            cut = _peek_closed(c, 5)
+    assert cut, f"still connected after {sent / MiB:.1f} MiB of {kind} frames"
+    assert sent < 32 * MiB, f"took {sent / MiB:.1f} MiB of {kind} frames"
+
+
+def test_window_updates_for_a_long_download_are_not_a_flood(port: int) -> None:
+    """A client with a 1 KiB stream window that answers every DATA frame with two
+    WINDOW_UPDATEs (stream and connection) gets its whole response."""
+    with FrameClient(port) as c:
+        c.handshake({0x4: 1024})
+        c.send(c.request(1, "/bytes/2000000"))
+        resp = c.response(1, timeout=30)
+        assert resp.status == 200 and len(resp.body) == 2_000_000 and resp.reset is None
 
 
 # -- flow-control stalls ------------------------------------------------------------------------

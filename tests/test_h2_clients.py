@@ -5,6 +5,7 @@ HTTP/2 clients to the HTTP/1.1 demo upstream, HTTP/1.1 clients to an HTTP/2 upst
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import re
@@ -765,6 +766,32 @@ def test_h2c_upgrade_never_forwarded(proxy: ProxyProc, upgrader: UpgradeUpstream
     assert b"SMUGGLED" not in raw
     seen = upgrader.heads[before:]
     assert len(seen) == 1 and b"h2c" not in seen[0].lower(), seen
+
+
+def _settings64(*pairs: tuple[int, int]) -> bytes:
+    raw = b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in pairs)
+    return base64.urlsafe_b64encode(raw).rstrip(b"=")
+
+
+@pytest.mark.parametrize("fields", [
+    b"HTTP2-Settings: " + _settings64((2, 2)) + b"\r\n",  # ENABLE_PUSH 2
+    b"HTTP2-Settings: " + _settings64((4, 2**31)) + b"\r\n",  # window over 2^31-1
+    b"HTTP2-Settings: " + _settings64((5, 100)) + b"\r\n",  # MAX_FRAME_SIZE under 16384
+    b"HTTP2-Settings: " + _settings64((9, 2)) + b"\r\n",  # NO_RFC7540_PRIORITIES 2
+    b"HTTP2-Settings: AAMAAABk***\r\n",  # not base64url
+    b"HTTP2-Settings: AAMAAABkAAQAAP__\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n",
+], ids=["enable_push_2", "window_too_big", "frame_size_too_small", "priorities_2",
+        "not_base64url", "two_fields"])
+def test_h2c_upgrade_with_bad_settings_stays_http11(proxy: ProxyProc, fields: bytes) -> None:
+    """RFC 7540 3.2.1: exactly one HTTP2-Settings field, holding a valid SETTINGS
+    payload; otherwise the request is answered over HTTP/1.1, not upgraded."""
+    req = (b"GET /echo HTTP/1.1\r\nHost: upgrade.test\r\nConnection: Upgrade, HTTP2-Settings, "
+           b"close\r\nUpgrade: h2c\r\n" + fields + b"\r\n")
+    raw = raw_exchange(proxy.ports["mixed"], req)
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+    good = req.replace(fields, b"HTTP2-Settings: " + _settings64((3, 100)) + b"\r\n")
+    assert raw_exchange(proxy.ports["mixed"], good, until=b"\r\n\r\n").startswith(
+        b"HTTP/1.1 101")
 
 
 def test_unsolicited_101_for_h2c_is_not_tunnelled(proxy: ProxyProc) -> None:

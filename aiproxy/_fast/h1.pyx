@@ -479,6 +479,22 @@ cpdef Py_ssize_t find_query(bytes target) except -2:
     return -1 if hit == NULL else hit - p
 
 
+cdef bint _all_in(bytes s, const unsigned char *table) noexcept:
+    cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(s)
+    cdef Py_ssize_t i
+    for i in range(PyBytes_GET_SIZE(s)):
+        if not table[p[i]]:
+            return 0
+    return 1
+
+
+cpdef bint valid_field_line(bytes name, bytes value):
+    """Whether name is a token and value field-content an HTTP/1.1 head may carry
+    (RFC 9110 5.1, 5.5): for fields that arrived over HTTP/2."""
+    return (PyBytes_GET_SIZE(name) > 0 and _all_in(name, TCHAR)
+            and _all_in(value, FVCHAR))
+
+
 def fields_request_head(list items, list flags, long long content_length, bytes method,
                         bytes target, object host, bint has_xff, bint body_streamed):
     """A RequestHead (version 20) for a request that arrived as a field list: HTTP/2,
@@ -491,8 +507,18 @@ def fields_request_head(list items, list flags, long long content_length, bytes 
     cdef char *dst
     if len(flags) != nh:
         raise ValueError("one flag per field")
+    # What HTTP/1.1 allows, since the head is written as HTTP/1.1 (upstream, and the
+    # request line): HTTP/2 itself only rules out NUL, CR and LF (RFC 9113 8.2.1).
+    if not _all_in(method, TCHAR) or not method:
+        raise ValueError("invalid :method")
+    if not _all_in(target, TARGET):
+        raise ValueError("invalid :path")
     for i in range(nh):
         name, value = items[i]
+        if not name or not _all_in(name, TCHAR):
+            raise ValueError("invalid field name")
+        if not _all_in(value, FVCHAR):
+            raise ValueError("invalid field value")
         size += len(name) + len(value) + 4
     cdef RequestHead h = RequestHead.__new__(RequestHead)
     dst = h._alloc(nh, size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from aiproxy._fast.h1 import RequestHead, fields_request_head
+from aiproxy._fast.h1 import RequestHead, fields_request_head, valid_authority, valid_field_line
 
 # Flags, as in aiproxy/_fast/h1.pxd.
 F_HOP = 1
@@ -35,7 +35,8 @@ def trailer_fields(fields: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes
     if not fields:
         return []
     return [(n, v) for n, v in fields
-            if n not in _NOT_IN_TRAILERS and n[:1] != b":" and n[:6] != b"proxy-"]
+            if n not in _NOT_IN_TRAILERS and n[:1] != b":" and n[:6] != b"proxy-"
+            and valid_field_line(n, v)]
 
 
 class MalformedHead(Exception):
@@ -43,6 +44,7 @@ class MalformedHead(Exception):
 
 
 _NAME_FLAGS = {**_FLAGS, **dict.fromkeys(_HOP, F_HOP)}
+_SCHEME_CHARS = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-."
 
 
 def _content_length(values: list[bytes]) -> int:
@@ -139,24 +141,40 @@ def h2_request_head(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Req
     method = pseudo.get(b":method")
     if not method:
         raise MalformedHead("missing :method")
-    if method == b"CONNECT":
-        raise MalformedHead("CONNECT is not supported")
     path = pseudo.get(b":path")
     scheme = pseudo.get(b":scheme")
-    if not path or not scheme:
+    if method == b"CONNECT":
+        # RFC 9113 8.5: :authority only. Well formed, it reaches the exchange, which
+        # answers 501 as it does for HTTP/1.1.
+        if path is not None or scheme is not None or not pseudo.get(b":authority"):
+            raise MalformedHead("CONNECT needs :authority and no :path or :scheme")
+        path = pseudo[b":authority"]
+    elif not path or not scheme:
         raise MalformedHead("missing :path or :scheme")
-    if path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"):
+    elif path[:1] != b"/" and not (path == b"*" and method == b"OPTIONS"):
         raise MalformedHead("invalid :path")
+    elif not scheme[:1].isalpha() or scheme.translate(None, _SCHEME_CHARS):
+        raise MalformedHead("invalid :scheme")  # RFC 3986 3.1
     unknown = set(pseudo) - {b":method", b":path", b":scheme", b":authority"}
     if unknown:
         raise MalformedHead("unknown pseudo-header")
     flags, length = field_flags(items)
+    if end_stream and length > 0:
+        # RFC 9113 8.1.1: no DATA can follow, so the body cannot be the declared length.
+        raise MalformedHead("content-length but no body")
     authority = pseudo.get(b":authority")
     if authority is not None and host is not None and host != authority:
         raise MalformedHead(":authority and host differ")
-    return fields_request_head(items, flags, length, method, path,
-                               authority if authority is not None else host,
-                               F_XFF in flags, not end_stream)
+    if authority is None:
+        authority = host
+    # RFC 9113 8.3.1: not empty, no userinfo; it becomes the upstream's Host field.
+    if authority is not None and not valid_authority(authority):
+        raise MalformedHead("invalid :authority or host")
+    try:
+        return fields_request_head(items, flags, length, method, path, authority,
+                                   F_XFF in flags, not end_stream)
+    except ValueError as exc:
+        raise MalformedHead(str(exc)) from None
 
 
 class H2ResponseHead(FieldsHead):
@@ -174,6 +192,9 @@ class H2ResponseHead(FieldsHead):
                 items.append((name, value))
         if status is None or len(status) != 3 or not status.isdigit():
             raise MalformedHead("missing or invalid :status")
+        for name, value in items:
+            if not valid_field_line(name, value):  # it may be written as HTTP/1.1
+                raise MalformedHead("invalid field")
         super().__init__(items)
         self.status = int(status)
         try:

@@ -185,6 +185,7 @@ def send_data(conn: Any, stream: Any, data: bytes | memoryview, end_stream: bool
         sm.process_input(StreamInputs.SEND_END_STREAM)
     stream.outbound_flow_control_window -= n
     conn.outbound_flow_control_window -= n
+    conn.data_frames_sent += 1
     out = conn._data_to_send
     out += _frame_head(n, T_DATA, END_STREAM if end_stream else 0, stream.stream_id)
     out += data
@@ -377,15 +378,21 @@ class _Stream(h2.stream.H2Stream):
 
 
 class _FrameBuffer(h2.frame_buffer.FrameBuffer):
-    """h2's FrameBuffer, but RFC 9113 6.5: a SETTINGS frame with ACK and a payload is a
-    FRAME_SIZE_ERROR (hyperframe calls it invalid data, which h2 makes PROTOCOL_ERROR).
-    Checked on the frame header, before h2 parses anything."""
+    """h2's FrameBuffer, checked on the frame header before h2 parses anything:
+    - RFC 9113 6.5: a SETTINGS frame with ACK and a payload is a FRAME_SIZE_ERROR
+      (hyperframe calls it invalid data, which h2 makes PROTOCOL_ERROR);
+    - RFC 9113 6.9: a WINDOW_UPDATE's reserved bit is ignored (hyperframe takes it as
+      part of the increment, which is then out of range)."""
 
     def __next__(self) -> Any:
         data = self._data
-        if (len(data) >= 9 and data[3] == 0x4 and data[4] & 0x1 and data[0:3] != b"\0\0\0"
-                and data[5:9] == b"\0\0\0\0"):  # on a stream: h2's PROTOCOL_ERROR stands
-            raise h2.exceptions.FrameTooLargeError("SETTINGS ACK frame with a payload")
+        if len(data) >= 9:
+            kind = data[3]
+            if (kind == 0x4 and data[4] & 0x1 and data[0:3] != b"\0\0\0"
+                    and data[5:9] == b"\0\0\0\0"):  # on a stream: PROTOCOL_ERROR stands
+                raise h2.exceptions.FrameTooLargeError("SETTINGS ACK frame with a payload")
+            if kind == 0x8 and len(data) >= 13 and data[0:3] == b"\0\0\x04":
+                data[9] &= 0x7F
         return super().__next__()
 
 
@@ -403,6 +410,8 @@ class FastReceive:
 
     refuse_excess = False
     refused = 0
+    closed_frames = 0     # frames on closed streams, each answered with RST_STREAM
+    data_frames_sent = 0  # by send_data
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -421,6 +430,7 @@ class FastReceive:
                 f = RstStreamFrame(e.stream_id)
                 f.error_code = e.error_code
                 self._prepare_for_sending([f])
+                self.closed_frames += 1
                 events = e._events
             else:
                 raise
@@ -429,6 +439,7 @@ class FastReceive:
                 f = RstStreamFrame(e.stream_id)
                 f.error_code = ErrorCodes.STREAM_CLOSED
                 self._prepare_for_sending([f])
+                self.closed_frames += 1
                 events = []
             elif self._stream_is_closed_by_end(e.stream_id):
                 raise h2.exceptions.StreamClosedError(e.stream_id) from e
@@ -438,6 +449,10 @@ class FastReceive:
             if frames:
                 self._prepare_for_sending(frames)
         return events
+
+    def _handle_data_on_closed_stream(self, events: list, exc: Any, frame: Any) -> tuple:
+        self.closed_frames += 1  # answered with RST_STREAM (and a WINDOW_UPDATE)
+        return super()._handle_data_on_closed_stream(events, exc, frame)
 
     def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> Any:
         stream = super()._begin_new_stream(stream_id, allowed_ids)

@@ -30,12 +30,12 @@ import h2.exceptions
 import h2.settings
 import hpack
 from h2.errors import ErrorCodes
-from hyperframe.frame import GoAwayFrame
+from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
-from aiproxy.protocols.fields import F_HOP, MalformedHead, h2_request_head
+from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, MalformedHead, h2_request_head
 from aiproxy.protocols.h2_output import OUT_HIGH, OUTPUT_SLOTS, StreamOutput
 from aiproxy.telemetry.recorder import server_timing
 
@@ -52,6 +52,15 @@ RESET_BUDGET = 200.0        # client stream resets (and refused streams) allowed
 RESET_REFILL = 100.0        # ... and per second after it
 CONTROL_BUDGET = 1000.0     # PING and SETTINGS frames (each owed an ACK) allowed in a burst ...
 CONTROL_REFILL = 100.0      # ... and per second after it (CVE-2019-9512, CVE-2019-9515)
+# Frames that move no request along cost from one more budget (CVE-2019-9513 PRIORITY,
+# 9514 frames on closed streams, each answered with RST_STREAM, 9518 empty DATA; unknown
+# frame types; WINDOW_UPDATE): a burst, a refill per second, and a refill per request
+# received and per DATA frame sent (a client answers DATA with WINDOW_UPDATEs).
+IDLE_BUDGET = 2000.0
+IDLE_REFILL = 500.0
+IDLE_PER_REQUEST = 8.0
+IDLE_PER_DATA_SENT = 4.0
+SETTINGS_NO_RFC7540_PRIORITIES = 0x9  # RFC 9218 2.1: 0 or 1, else PROTOCOL_ERROR
 LINGER_SECONDS = 2.0        # how long a closing connection may take to flush its output
 EARLY_RESET_SECONDS = 5.0   # a stream answered early is reset this long after at the latest
 EARLY_PING = 0xA1 << 56     # PING opaque data: this tag | stream id (see end_early)
@@ -78,8 +87,14 @@ class _ServerH2(h2_fast.FastReceive, h2.connection.H2Connection):
       (h2 would refuse to send another frame)."""
 
     refuse_excess = True
+    settings_seen = False
 
     def _receive_frame(self, frame: Any) -> list:
+        if not self.settings_seen:
+            # RFC 9113 3.4: the client preface is the magic and then a SETTINGS frame.
+            if type(frame) is not SettingsFrame or "ACK" in frame.flags:
+                raise h2.exceptions.ProtocolError("the preface is not followed by SETTINGS")
+            self.settings_seen = True
         try:
             return super()._receive_frame(frame)
         except h2.exceptions.ProtocolError as exc:
@@ -87,6 +102,11 @@ class _ServerH2(h2_fast.FastReceive, h2.connection.H2Connection):
                                                                         HPACK_ERRORS):
                 exc.error_code = ErrorCodes.COMPRESSION_ERROR
             raise
+
+    def _receive_settings_frame(self, frame: Any) -> tuple[list, list]:
+        if frame.settings.get(SETTINGS_NO_RFC7540_PRIORITIES, 0) > 1:
+            raise h2.exceptions.ProtocolError("SETTINGS_NO_RFC7540_PRIORITIES not 0 or 1")
+        return super()._receive_settings_frame(frame)
 
     def _receive_goaway_frame(self, frame: Any) -> tuple[list, list]:
         state = self.state_machine.state
@@ -119,6 +139,11 @@ class H2ServerConnection(asyncio.Protocol):
         self.reset_at = 0.0
         self.control_budget = CONTROL_BUDGET
         self.control_at = 0.0
+        self.idle_budget = IDLE_BUDGET
+        self.idle_at = 0.0
+        self.idle_frames = 0      # charged at the end of data_received
+        self.requests_seen = 0    # refills the idle budget
+        self.data_sent_seen = 0   # h2.data_frames_sent when last refilled
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
         # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
         # some clients (curl 7.x) cannot take more than a small buffer's worth of bytes
@@ -148,7 +173,7 @@ class H2ServerConnection(asyncio.Protocol):
         conn.decoder.max_header_list_size = http.max_header_bytes
         self.h2 = conn
         h2_fast.quiet_hpack_logging()
-        self.idle_since = self.reset_at = self.control_at = self.loop.time()
+        self.idle_since = self.reset_at = self.control_at = self.idle_at = self.loop.time()
         if self.upgrade is not None:
             head, settings = self.upgrade
             conn.initiate_upgrade_connection(settings)
@@ -184,13 +209,39 @@ class H2ServerConnection(asyncio.Protocol):
                     return
         finally:
             self.receiving = False
-        if self.h2.refused:
+        conn = self.h2
+        if conn.refused:
             # Streams refused over the concurrency limit cost like client resets
             # (a rapid-reset variant that needs no RST_STREAM from the client).
-            n, self.h2.refused = self.h2.refused, 0
+            n, conn.refused = conn.refused, 0
             if self._charge_resets(n):
                 return
+        if self.idle_frames or conn.closed_frames:
+            if self._charge_idle():
+                return
         self._flush()
+
+    def _charge_idle(self) -> bool:
+        """Spend the frames counted since the last call from the idle-frame budget; True
+        (and GOAWAY) once it is exhausted."""
+        conn = self.h2
+        n = self.idle_frames + conn.closed_frames
+        self.idle_frames = conn.closed_frames = 0
+        now = self.loop.time()
+        sent = conn.data_frames_sent
+        refill = ((now - self.idle_at) * IDLE_REFILL + self.requests_seen * IDLE_PER_REQUEST
+                  + (sent - self.data_sent_seen) * IDLE_PER_DATA_SENT)
+        self.idle_at = now
+        self.requests_seen = 0
+        self.data_sent_seen = sent
+        self.idle_budget = min(IDLE_BUDGET, self.idle_budget + refill) - n
+        if self.idle_budget < 0:
+            log.warning("client %s floods frames that carry no request (empty DATA, "
+                        "PRIORITY, WINDOW_UPDATE, unknown or on closed streams): GOAWAY",
+                        self.peer.decode())
+            self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
+            return True
+        return False
 
     def eof_received(self) -> bool:
         return False
@@ -227,6 +278,7 @@ class H2ServerConnection(asyncio.Protocol):
     # -- events -----------------------------------------------------------------------
 
     def _on_request(self, ev: h2.events.RequestReceived) -> None:
+        self.requests_seen += 1
         if self.goaway_sent:
             self.h2.reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
@@ -250,6 +302,8 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_data(self, ev: h2.events.DataReceived) -> None:
         sid = ev.stream_id
+        if not ev.data and ev.stream_ended is None:
+            self.idle_frames += 1
         stream = self.streams.get(sid)
         if stream is None or stream.exchange is None or stream.exchange.finished:
             if sid in self.early:
@@ -266,9 +320,21 @@ class H2ServerConnection(asyncio.Protocol):
         handle = self.early.pop(ev.stream_id, None)
         if handle is not None:
             handle.cancel()  # the client finished its request after all: nothing to reset
-        stream = self.streams.get(ev.stream_id)
+        sid = ev.stream_id
+        stream = self.streams.get(sid)
         if stream is not None and stream.exchange is not None:
-            stream.exchange.body_end()
+            ex = stream.exchange
+            if 0 <= ex.head.content_length != ex.req_bytes and not ex.finished:
+                # RFC 9113 8.1.1: malformed. h2 checks the sum at a DATA frame with
+                # END_STREAM, not when trailers end the stream; what went upstream stops
+                # short of its Content-Length, so that connection goes too (lost()).
+                log.info("stream %d ended after %d of %d content-length bytes", sid,
+                         ex.req_bytes, ex.head.content_length)
+                stream.lost()
+                self.h2.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+                self.stream_done(stream)
+                return
+            ex.body_end()
 
     def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
         stream = self.streams.get(ev.stream_id)
@@ -343,7 +409,11 @@ class H2ServerConnection(asyncio.Protocol):
             return  # closed meanwhile
         self.want_flush()
 
+    def _on_idle_frame(self, ev: Any) -> None:
+        self.idle_frames += 1
+
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
+        self.idle_frames += 1
         if ev.stream_id == 0:
             for stream in list(self.streams.values()):
                 stream.try_send()
@@ -491,6 +561,8 @@ _HANDLERS = {
     h2.events.ConnectionTerminated: H2ServerConnection._on_terminated,
     h2.events.PingReceived: H2ServerConnection._on_control,
     h2.events.PingAckReceived: H2ServerConnection._on_ping_ack,
+    h2.events.PriorityUpdated: H2ServerConnection._on_idle_frame,
+    h2.events.UnknownFrameReceived: H2ServerConnection._on_idle_frame,
 }
 
 

@@ -60,13 +60,28 @@ def content_length_line(n: int) -> bytes:
     return line
 
 
+_BASE64URL = (b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
 def valid_h2_settings(value: bytes) -> bool:
-    """HTTP2-Settings: base64url SETTINGS payload, a whole number of 6-byte entries."""
+    """HTTP2-Settings (RFC 7540 3.2.1): a SETTINGS payload in base64url without padding,
+    whose entries are all values a SETTINGS frame may carry (RFC 9113 6.5.2)."""
+    if value.translate(None, _BASE64URL) or len(value) % 4 == 1:
+        return False
     try:
         raw = base64.urlsafe_b64decode(value + b"=" * (-len(value) % 4))
     except (binascii.Error, ValueError):
         return False
-    return len(raw) % 6 == 0
+    if len(raw) % 6:
+        return False
+    for i in range(0, len(raw), 6):
+        ident = int.from_bytes(raw[i:i + 2], "big")
+        n = int.from_bytes(raw[i + 2:i + 6], "big")
+        if ((ident == 0x2 and n > 1) or (ident == 0x4 and n > 0x7FFFFFFF)
+                or (ident == 0x5 and not 0x4000 <= n <= 0xFFFFFF)
+                or (ident == 0x9 and n > 1)):  # RFC 9218 2.1
+            return False
+    return True
 
 
 class H1ConnectionCore(Downstream):
@@ -291,10 +306,12 @@ class H1ConnectionCore(Downstream):
     def _upgrade_h2c(self, head: Any) -> bool:
         """RFC 7540 3.2 `Upgrade: h2c` (bodyless requests; others stay on HTTP/1.1)."""
         tokens = [t.strip().lower() for t in head.upgrade.split(b",")]
-        settings = head.get(b"http2-settings")
-        if (b"h2c" not in tokens or settings is None or head.chunked or head.content_length > 0
-                or not valid_h2_settings(settings)):
+        settings = head.get_all(b"http2-settings")
+        # Exactly one HTTP2-Settings field, or no upgrade (RFC 7540 3.2.1).
+        if (b"h2c" not in tokens or len(settings) != 1 or head.chunked
+                or head.content_length > 0 or not valid_h2_settings(settings[0])):
             return False
+        settings = settings[0]
         fields = [(b":method", head.method), (b":scheme", b"http"), (b":path", head.target)]
         if head.host is not None:
             fields.append((b":authority", head.host))
