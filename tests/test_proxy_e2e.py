@@ -392,6 +392,9 @@ async def scripted_upstream(reader: asyncio.StreamReader, writer: asyncio.Stream
                        fast; replies {"bytes", "sha256"}
     /early             answers 413 right after the head, then reads and drops the body
     /hints             103 Early Hints, then 200
+    /hints-length      103 Early Hints with a Content-Length, then 200
+    /no-content        204 with a Content-Length (RFC 9110 8.6 says it must not have one)
+    /bad-chunked       200 chunked, whose first chunk size is not hex, in the head's write
     /until-close       200 without Content-Length or chunked: the body ends at the close
     /drop-next         200; the next request on this connection is read, then the
                        connection is closed without an answer (a keep-alive race)
@@ -467,6 +470,17 @@ async def scripted_upstream(reader: asyncio.StreamReader, writer: asyncio.Stream
             await writer.drain()
             await asyncio.sleep(0.05)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal")
+            await writer.drain()
+        elif path == "/hints-length":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nContent-Length: 5\r\n\r\n"
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal")
+            await writer.drain()
+        elif path == "/no-content":
+            writer.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n")
+            await writer.drain()
+        elif path == "/bad-chunked":
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"zz\r\nhello\r\n0\r\n\r\n")
             await writer.drain()
         elif path == "/drop-next":
             drop_next = True
@@ -1132,6 +1146,38 @@ def test_early_hints_forwarded_to_http11_only(
         c.send(get("/hints", version="1.0"))
         r = c.read_response()
         assert r.status == 200 and r.body == b"final"
+
+
+def test_no_content_length_on_204_or_1xx(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    """RFC 9110 8.6: a 1xx or 204 response carries no Content-Length; one passed on would
+    tell a client that trusts it to read into the next response."""
+    up = serve(scripted_upstream)
+    proxy = start_proxy(simple_config(up.port))
+    with RawConn(proxy.port) as c:
+        c.send(get("/no-content") + get("/ok"))
+        r = c.read_response()
+        assert r.status == 204 and r.header("content-length") is None and r.body == b""
+        assert c.read_response().status == 200
+        c.send(get("/hints-length"))
+        hints = c.read_response()
+        assert hints.status == 103 and hints.header("content-length") is None
+        final = c.read_response()
+        assert final.status == 200 and final.body == b"final"
+
+
+def test_502_for_a_bad_chunked_body_before_anything_was_sent(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    """The response head is held for the first body bytes; when those are malformed, no
+    byte of the response has gone out, so the client gets a 502 (and keeps its
+    connection) rather than a silent close."""
+    up = serve(scripted_upstream)
+    proxy = start_proxy(simple_config(up.port))
+    with httpx.Client(timeout=10) as client:
+        httpx_error(client.get(proxy.url + "/bad-chunked"), 502, "upstream_bad_response")
+        assert conn_of(client.get(proxy.url + "/ok").text)[1] == 1  # a fresh upstream
 
 
 def test_close_delimited_upstream_body_becomes_chunked(

@@ -222,6 +222,31 @@ retries = { attempts = 1, on = ["reset"], backoff_ms = 1 }
     assert a.requests - before == 3
 
 
+@pytest.mark.parametrize("non_idempotent", [False, True])
+def test_a_post_is_retried_after_a_reset_only_when_allowed(start_proxy, tunable,
+                                                           non_idempotent):
+    """RFC 9112 9.3.1: the upstream may have acted on a POST it got before the reset."""
+    a = tunable("a")
+    flag = str(non_idempotent).lower()
+    proxy = start_proxy(cluster("c", a.port) + f"""
+[[routes]]
+name = "r"
+match = {{ path_prefix = "/" }}
+cluster = "c"
+retries = {{ attempts = 1, on = ["reset"], backoff_ms = 1, non_idempotent = {flag} }}
+""")
+    before = a.requests
+    a.reset_first = 2
+    r = httpx.post(proxy.url + "/charge", content=b"hello")
+    assert r.status_code == 502
+    assert a.requests - before == (2 if non_idempotent else 1)
+    a.reset_first = 1
+    before = a.requests
+    # An idempotent method is retried either way.
+    assert httpx.put(proxy.url + "/charge", content=b"hello").status_code == 200
+    assert a.requests - before == 2
+
+
 def test_retry_on_grpc_unavailable(start_proxy, tunable):
     a = tunable("a")
     proxy = start_proxy(cluster("c", a.port) + """

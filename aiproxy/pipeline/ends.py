@@ -57,6 +57,12 @@ class Downstream:
     def send_body(self, data: Any) -> None:
         raise NotImplementedError
 
+    def take_back_response(self) -> bool:
+        """Drop the response head send_response() took, if no byte of the response
+        has gone out yet (HTTP/1.1 holds the head for the first body bytes): True if
+        so, and the exchange may answer otherwise (a 502, or a retry)."""
+        return False
+
     def flush(self) -> None:
         raise NotImplementedError
 

@@ -1120,9 +1120,14 @@ class Exchange(ExchangeBase):
         if self.finished:
             return
         if self.head_sent:
-            log.warning("upstream failed mid-response on route %s: %s", self.route.name, message)
-            self._abort()
-            return
+            if not self.down.take_back_response():
+                log.warning("upstream failed mid-response on route %s: %s",
+                            self.route.name, message)
+                self._abort()
+                return
+            # Nothing of the response has reached the client (e.g. a malformed chunked
+            # body in the same read as the head): it gets a 502, or a retry, instead.
+            self.head_sent = False
         # RFC 9113 8.7: a refused or GOAWAY'd stream was never processed: always safe.
         never_processed = code in NEVER_PROCESSED and not self.replayed
         if self.replay is not None and (never_processed or (
@@ -1139,7 +1144,9 @@ class Exchange(ExchangeBase):
         if pool is not None:
             self.cluster.record(pool, True)
             policy = self.route.retries
-            if policy is not None and "reset" in policy.on and self._may_retry(policy):
+            if (policy is not None and "reset" in policy.on
+                    and (self.method in IDEMPOTENT or policy.non_idempotent)
+                    and self._may_retry(policy)):
                 self.tried += (pool,)
                 log.info("retrying after %s", message)
                 self._retry(policy)

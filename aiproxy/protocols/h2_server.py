@@ -638,10 +638,13 @@ class H2Stream(StreamOutput, Downstream):
         pass  # HTTP/2 clients send the body without waiting for 100
 
     def send_informational(self, resp: Any) -> None:
-        self._headers([(b":status", b"%d" % resp.status), *resp.fields(F_HOP)], False)
+        # RFC 9110 8.6: no Content-Length in a 1xx or 204 response.
+        fields = resp.fields(F_HOP | F_CONTENT_LENGTH)
+        self._headers([(b":status", b"%d" % resp.status), *fields], False)
 
     def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
-        fields = [(b":status", b"%d" % resp.status), *resp.fields(F_HOP)]
+        drop = F_HOP | F_CONTENT_LENGTH if resp.status == 204 else F_HOP
+        fields = [(b":status", b"%d" % resp.status), *resp.fields(drop)]
         route = ex.route
         if route is not None and route.resp_edit:
             remove = route.resp_remove

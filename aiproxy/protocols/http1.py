@@ -401,8 +401,10 @@ class H1ConnectionCore(Downstream):
     def send_informational(self, resp: Any) -> None:
         ex = self.exchange
         if ex is not None and ex.head.version >= 11:
+            # RFC 9110 8.6: no Content-Length in a 1xx or 204 response.
             self.transport.write(resp.serialize(
-                b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason), b"", F_HOP))
+                b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason), b"",
+                F_HOP | F_CONTENT_LENGTH))
 
     def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
         """Frame the response for this client; returns whether the connection stays open.
@@ -424,7 +426,9 @@ class H1ConnectionCore(Downstream):
         # (the rest of it is not read) or this is the last request allowed on it: say so.
         keep = head.keep_alive and e.req_done and self.may_keep_alive()
         if mode == BODY_NONE:
-            drop = F_HOP
+            # A 304's or a HEAD response's Content-Length is the length the body would
+            # have: kept. A 204 has none (RFC 9110 8.6).
+            drop = F_HOP | F_CONTENT_LENGTH if status == 204 else F_HOP
         else:
             drop = F_HOP | F_CONTENT_LENGTH
             if length >= 0 and not chunked:
@@ -464,6 +468,14 @@ class H1ConnectionCore(Downstream):
         else:
             self.head_out = resp.serialize(status_line, joined(extra), drop)
         return keep
+
+    def take_back_response(self) -> bool:
+        if self.held is None and not self.head_out:
+            return False
+        self.held = None
+        self.head_out = b""
+        self.chunked_out = False
+        return True
 
     def _take_head(self, tail: Any = None) -> bytes:
         """The response head not sent yet (with tail, body bytes, behind it)."""
