@@ -61,7 +61,6 @@ need python3-venv python3 -c 'import ensurepip, venv'
 need python3-dev has_python_headers
 need gcc have gcc
 need make have make
-need patch have patch  # scripts/build_uvloop.sh
 need curl have curl
 # Kernel fast paths (bpf/): the build compiles them when clang and libbpf-dev are there.
 need clang have clang
@@ -171,17 +170,6 @@ pgo_build() {
     esac
 }
 
-# uvloop is rebuilt from source with aiproxy's patch (scripts/build_uvloop.sh: the GIL is
-# held through libuv's callbacks); AIPROXY_UVLOOP_PATCH=0 keeps the stock wheel. A failed
-# build keeps the stock one too: aiproxy runs the same on it, only slower.
-uvloop_tried=0
-patched_uvloop() {
-    [ "${AIPROXY_UVLOOP_PATCH:-1}" = 0 ] || [ "$uvloop_tried" = 1 ] && return 0
-    uvloop_tried=1
-    PYTHON=$VENV/bin/python scripts/build_uvloop.sh ||
-        log "the patched uvloop build failed: staying on the stock uvloop"
-}
-
 if ! up_to_date; then
     log "installing aiproxy into $VENV${extras:+ with [$extras]}"
     # Build requirements go into the venv and the build reuses them (--no-build-isolation),
@@ -192,8 +180,6 @@ with open("pyproject.toml", "rb") as f:
     print("\n".join(tomllib.load(f)["build-system"]["requires"]))')
     "$VENV/bin/python" -m pip install -q "${build_reqs[@]}"
     "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".${extras:+[$extras]}"
-    patched_uvloop  # before the PGO build, so its training runs on the loop that will run
     pgo_build
     printf '%s %s\n' "$fingerprint" "$extras" >"$STAMP"
 fi
-patched_uvloop  # quick when it is installed already
