@@ -34,6 +34,7 @@ from tests.h2_support import (
     RssMonitor,
     h2_get,
     raw_frame,
+    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -563,9 +564,9 @@ def test_empty_continuation_flood(port: int) -> None:
 
 def _idle_flood_unit(c: FrameClient, kind: str) -> bytes:
     """Open what the flood needs, and return one frame of it."""
-    if kind == "empty_data":  # CVE-2019-9518
+    if kind in ("empty_data", "one_byte_data"):  # CVE-2019-9518, and its 1-byte variant
         c.send(c.request(1, "/echo", "POST", end_stream=False))
-        return raw_frame(DATA, 0, 1, b"")
+        return raw_frame(DATA, 0, 1, b"" if kind == "empty_data" else b"x")
     if kind == "priority":  # CVE-2019-9513
         return raw_frame(PRIORITY, 0, 3, (1).to_bytes(4, "big") + b"\x10")
     if kind == "unknown":
@@ -578,12 +579,15 @@ def _idle_flood_unit(c: FrameClient, kind: str) -> bytes:
     return raw_frame(DATA, 0, 1, b"x")
 
 
-@pytest.mark.parametrize("kind", ["empty_data", "priority", "unknown", "window_update",
-                                  "data_on_closed_stream"])
+@pytest.mark.parametrize("kind", ["empty_data", "one_byte_data", "priority", "unknown",
+                                  "window_update", "data_on_closed_stream"])
 def test_flood_of_frames_that_carry_no_request(proxy: ProxyProc, port: int, kind: str) -> None:
     """Cheap frames that cost the proxy work and move no request along: the connection is
     cut (GOAWAY ENHANCE_YOUR_CALM) instead of holding the worker busy for as long as the
-    client keeps sending."""
+    client keeps sending. The proxy says so in its log: the cut is the budget's, not a
+    side effect (an output buffer limit, say)."""
+    said = "floods frames that carry no request"
+    before = proxy.log().count(said)
     with FrameClient(port) as c:
         c.handshake()
         unit = _idle_flood_unit(c, kind)
@@ -592,6 +596,23 @@ def test_flood_of_frames_that_carry_no_request(proxy: ProxyProc, port: int, kind
             cut = _peek_closed(c, 5)
     assert cut, f"still connected after {sent / MiB:.1f} MiB of {kind} frames"
     assert sent < 32 * MiB, f"took {sent / MiB:.1f} MiB of {kind} frames"
+    assert wait_for(lambda: proxy.log().count(said) > before, 5), proxy.log()[-2000:]
+
+
+def test_an_upload_in_small_data_frames_is_not_a_flood(port: int) -> None:
+    """A client that streams its body in many small frames (gRPC messages of 64 bytes
+    and up, say) is sending a body, not flooding: 192 KiB (within the stream's window)
+    in 64-byte DATA frames."""
+    body = bytes(range(64)) * 3072
+    with FrameClient(port) as c:
+        c.handshake(window=len(body))
+        frames: list = [c.request(1, "/echo", "POST", end_stream=False)]
+        frames += [raw_frame(DATA, 0, 1, body[i:i + 64]) for i in range(0, len(body), 64)]
+        frames.append(raw_frame(DATA, END_STREAM, 1, b""))
+        c.send(*frames)
+        resp = c.response(1, timeout=30)
+        assert resp.status == 200 and resp.reset is None, resp
+        assert json.loads(resp.body)["body_bytes"] == len(body)
 
 
 def test_window_updates_for_a_long_download_are_not_a_flood(port: int) -> None:

@@ -60,6 +60,10 @@ IDLE_BUDGET = 2000.0
 IDLE_REFILL = 500.0
 IDLE_PER_REQUEST = 8.0
 IDLE_PER_DATA_SENT = 4.0
+# A DATA frame costs the proxy about the same whatever it carries, so one that carries
+# less than this many bytes is charged the part of a frame it leaves empty: 1-byte
+# frames (each dispatched in Python, about 20 us) cannot keep a worker busy either.
+SMALL_DATA = 64
 SETTINGS_NO_RFC7540_PRIORITIES = 0x9  # RFC 9218 2.1: 0 or 1, else PROTOCOL_ERROR
 LINGER_SECONDS = 2.0        # how long a closing connection may take to flush its output
 EARLY_RESET_SECONDS = 5.0   # a stream answered early is reset this long after at the latest
@@ -141,7 +145,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.control_at = 0.0
         self.idle_budget = IDLE_BUDGET
         self.idle_at = 0.0
-        self.idle_frames = 0      # charged at the end of data_received
+        self.idle_frames = 0.0    # charged at the end of data_received
         self.requests_seen = 0    # refills the idle budget
         self.data_sent_seen = 0   # h2.data_frames_sent when last refilled
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
@@ -226,7 +230,8 @@ class H2ServerConnection(asyncio.Protocol):
         (and GOAWAY) once it is exhausted."""
         conn = self.h2
         n = self.idle_frames + conn.closed_frames
-        self.idle_frames = conn.closed_frames = 0
+        self.idle_frames = 0.0
+        conn.closed_frames = 0
         now = self.loop.time()
         sent = conn.data_frames_sent
         refill = ((now - self.idle_at) * IDLE_REFILL + self.requests_seen * IDLE_PER_REQUEST
@@ -236,8 +241,8 @@ class H2ServerConnection(asyncio.Protocol):
         self.data_sent_seen = sent
         self.idle_budget = min(IDLE_BUDGET, self.idle_budget + refill) - n
         if self.idle_budget < 0:
-            log.warning("client %s floods frames that carry no request (empty DATA, "
-                        "PRIORITY, WINDOW_UPDATE, unknown or on closed streams): GOAWAY",
+            log.warning("client %s floods frames that carry no request (empty or tiny "
+                        "DATA, PRIORITY, WINDOW_UPDATE, unknown or on closed streams): GOAWAY",
                         self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
             return True
@@ -302,8 +307,10 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_data(self, ev: h2.events.DataReceived) -> None:
         sid = ev.stream_id
-        if not ev.data and ev.stream_ended is None:
-            self.idle_frames += 1
+        if ev.stream_ended is None:
+            n = len(ev.data)
+            if n < SMALL_DATA:
+                self.idle_frames += 1 - n / SMALL_DATA
         stream = self.streams.get(sid)
         if stream is None or stream.exchange is None or stream.exchange.finished:
             if sid in self.early:
