@@ -430,7 +430,8 @@ async def default_handler(proto: _UpstreamProtocol, sid: int, path: str,
                           head: dict[bytes, bytes], body: bytes) -> None:
     """/echo: JSON about the request; /bytes/N[?length=1]: pattern bytes; /hang: nothing;
     a path with "stall" in it: nothing, and request DATA is never acknowledged; /sleep/MS: "ok" after MS;
-    /trailers: body then trailers; /status/N: that status; /reset-before-head and
+    /trailers: body then trailers; /status/N: that status; /status-with-body/N: that
+    status with a body that looks like a response; /reset-before-head and
     /reset-after-head: RST_STREAM(INTERNAL_ERROR) before or in the middle of a response."""
     conn = proto.conn
     if path.startswith("/hang") or "stall" in path.lower():
@@ -472,6 +473,10 @@ async def default_handler(proto: _UpstreamProtocol, sid: int, path: str,
         conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"text/plain")])
         await proto.send_data(sid, b"body-before-trailers")
         conn.send_headers(sid, [(b"x-trailer", b"t1"), (b"x-other", b"t2")], end_stream=True)
+        return
+    if path.startswith("/status-with-body/"):  # what no 204/304 may carry (RFC 9113 8.1.1)
+        conn.send_headers(sid, [(b":status", path[18:21].encode())])
+        await proto.send_data(sid, b"HTTP/1.1 200 OK\r\nX-Injected: 1\r\n\r\n", end=True)
         return
     if path.startswith("/status/"):
         code = int(path[8:11])

@@ -585,6 +585,28 @@ def test_h1_client_h2_upstream_statuses_and_head(proxy: ProxyProc) -> None:
     assert res.returncode == 0 and b"content-length: 1000" in res.stdout.lower()
 
 
+@pytest.mark.parametrize("status", [204, 304])
+def test_h2_upstream_content_on_204_or_304_is_not_forwarded(proxy: ProxyProc,
+                                                            status: int) -> None:
+    """RFC 9110 6.4.1: a 204 or 304 ends with its head. DATA an HTTP/2 upstream sends
+    after it is not passed on, so the next response on the client's connection is the
+    next response, not bytes the upstream chose."""
+    req = (f"GET /status-with-body/{status} HTTP/1.1\r\nHost: {H2UP_HOST}\r\n\r\n"
+           f"GET /echo/next HTTP/1.1\r\nHost: {H2UP_HOST}\r\nConnection: close\r\n\r\n")
+    raw = raw_exchange(proxy.ports["h1"], req.encode())
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), raw[:300]
+    assert b"transfer-encoding" not in head.lower() and b"X-Injected" not in raw, raw[:500]
+    assert rest.startswith(b"HTTP/1.1 200 OK"), raw[:500]
+    assert b'"path": "/echo/next"' in rest
+
+
+def test_h2_upstream_status_out_of_range_is_502(proxy: ProxyProc) -> None:
+    res = curl("-o", "/dev/null", "-w", "%{http_code}", "-H", f"Host: {H2UP_HOST}",
+               url(proxy, "h1", "/status/600"))
+    assert res.stdout == b"502"
+
+
 def test_h1_clients_share_one_upstream_h2_connection(proxy: ProxyProc,
                                                      h2up: H2Upstream) -> None:
     before = h2up.connections

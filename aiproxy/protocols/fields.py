@@ -190,7 +190,8 @@ class H2ResponseHead(FieldsHead):
                 raise MalformedHead("unknown response pseudo-header")
             else:
                 items.append((name, value))
-        if status is None or len(status) != 3 or not status.isdigit():
+        if (status is None or len(status) != 3 or not status.isdigit()
+                or not b"100" <= status <= b"599"):  # RFC 9110 15: 100-599
             raise MalformedHead("missing or invalid :status")
         for name, value in items:
             if not valid_field_line(name, value):  # it may be written as HTTP/1.1

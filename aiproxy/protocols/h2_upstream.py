@@ -323,13 +323,20 @@ class H2UpstreamStream(StreamOutput, Upstream):
             self._reset(ErrorCodes.PROTOCOL_ERROR)
             ex.on_upstream_failed(502, "upstream_bad_response", str(exc))
             return
-        if ended:
+        no_content = resp.status in (204, 304) or ex.method == b"HEAD"
+        if ended or no_content:
             mode = BODY_NONE
         elif resp.content_length >= 0:
             mode = BODY_LENGTH
         else:
             mode = BODY_UNTIL_CLOSE
         ex.on_upstream_head(resp, mode)
+        if no_content and not ended and self.exchange is ex:
+            # A 204, 304 or HEAD response ends with its head (RFC 9110 6.4.1); DATA after
+            # it would be forwarded as a body the client does not expect (RFC 9113 8.1.1:
+            # malformed). The response is complete: end it, and cancel the stream.
+            self._reset(ErrorCodes.CANCEL)
+            ex.on_upstream_end(None)
 
     def on_informational(self, headers: list[tuple[bytes, bytes]]) -> None:
         self.received = True
