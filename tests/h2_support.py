@@ -339,6 +339,7 @@ class _UpstreamProtocol(asyncio.Protocol):
             self.transport.write(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.server.record("lost")
         for task in self.tasks:
             task.cancel()
         for ev in self.windows.values():
@@ -426,14 +427,47 @@ class _UpstreamProtocol(asyncio.Protocol):
         return True
 
 
+# One frame of each kind a hostile upstream floods with, for stream `sid`.
+FLOODS: dict[str, Callable[[int], bytes]] = {
+    "ping": lambda sid: raw_frame(0x6, 0, 0, b"\0" * 8),
+    "settings": lambda sid: raw_frame(0x4, 0, 0, b""),
+    "empty_data": lambda sid: raw_frame(0x0, 0, sid, b""),
+    "priority": lambda sid: raw_frame(0x2, 0, sid, b"\0\0\0\0\x10"),
+    "window_update": lambda sid: raw_frame(0x8, 0, 0, (1).to_bytes(4, "big")),
+    "unknown": lambda sid: raw_frame(0xFA, 0, 0, b""),
+}
+
+
 async def default_handler(proto: _UpstreamProtocol, sid: int, path: str,
                           head: dict[bytes, bytes], body: bytes) -> None:
     """/echo: JSON about the request; /bytes/N[?length=1]: pattern bytes; /hang: nothing;
     a path with "stall" in it: nothing, and request DATA is never acknowledged; /sleep/MS: "ok" after MS;
     /trailers: body then trailers; /status/N: that status; /status-with-body/N: that
     status with a body that looks like a response; /reset-before-head and
-    /reset-after-head: RST_STREAM(INTERNAL_ERROR) before or in the middle of a response."""
+    /reset-after-head: RST_STREAM(INTERNAL_ERROR) before or in the middle of a response;
+    /flood/KIND: 20,000 frames of one kind that carry no response (see FLOODS), then the
+    response; /tokens/N: N DATA frames of 6 bytes, as a token stream sends them."""
     conn = proto.conn
+    if path.startswith("/flood/"):
+        kind = path[7:]
+        flood = FLOODS[kind](sid) * 20000
+        if kind == "empty_data":  # DATA may only follow the head
+            conn.send_headers(sid, [(b":status", b"200")])
+            proto.flush()
+        proto.transport.write(flood)
+        if kind != "empty_data":
+            conn.send_headers(sid, [(b":status", b"200")])
+        await proto.send_data(sid, b"the flood went unnoticed", end=True)
+        return
+    if path.startswith("/tokens/"):
+        conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"text/plain")])
+        for i in range(int(path[8:])):
+            if not await proto.send_data(sid, b"tok%03d" % (i % 1000)):
+                return
+            if i % 64 == 63:
+                await asyncio.sleep(0)  # let the frames go out as a stream would send them
+        conn.end_stream(sid)
+        return
     if path.startswith("/hang") or "stall" in path.lower():
         return
     if path.startswith("/sleep/"):

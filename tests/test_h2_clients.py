@@ -110,6 +110,11 @@ name = "fresh"
 endpoints = ["127.0.0.1:{fresh}"]
 protocol = "h2"
 
+[[clusters]]
+name = "hostile"
+endpoints = ["127.0.0.1:{hostile}"]
+protocol = "h2"
+
 [[routes]]
 name = "h2up"
 match = { host = "{h2up_host}" }
@@ -134,6 +139,11 @@ cluster = "latestart"
 name = "fresh"
 match = { host = "fresh.test" }
 cluster = "fresh"
+
+[[routes]]
+name = "hostile"
+match = { host = "hostile.test" }
+cluster = "hostile"
 
 [[routes]]
 name = "all"
@@ -226,14 +236,23 @@ def fresh() -> Iterator[H2Upstream]:
 
 
 @pytest.fixture(scope="module")
+def hostile() -> Iterator[H2Upstream]:
+    """An h2 upstream for the flood tests, which cost it its connections."""
+    up = H2Upstream(name="hostile")
+    yield up
+    up.stop()
+
+
+@pytest.fixture(scope="module")
 def proxy(demo_upstream: int, h2up: H2Upstream, narrow: H2Upstream, pki: Pki,
           upgrader: UpgradeUpstream, latestart: H2Upstream, fresh: H2Upstream,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
+          hostile: H2Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
     text = CONFIG
     for key, value in {"cert": pki.cert, "key": pki.key, "ca": pki.ca, "demo": demo_upstream,
                        "h2up": h2up.port, "h2up_host": H2UP_HOST,
                        "narrow": narrow.port, "upgrader": upgrader.port,
-                       "latestart": latestart.port, "fresh": fresh.port}.items():
+                       "latestart": latestart.port, "fresh": fresh.port,
+                       "hostile": hostile.port}.items():
         text = text.replace("{" + key + "}", str(value))
     p = ProxyProc(tmp_path_factory.mktemp("h2-clients"), text,
                   ("h2c", "mixed", "h1", "tls", "mtls"))
@@ -605,6 +624,45 @@ def test_h2_upstream_status_out_of_range_is_502(proxy: ProxyProc) -> None:
     res = curl("-o", "/dev/null", "-w", "%{http_code}", "-H", f"Host: {H2UP_HOST}",
                url(proxy, "h1", "/status/600"))
     assert res.stdout == b"502"
+
+
+@pytest.mark.parametrize("kind", ["ping", "settings", "empty_data", "priority",
+                                  "window_update", "unknown"])
+def test_h2_upstream_flood_is_cut(proxy: ProxyProc, hostile: H2Upstream, kind: str) -> None:
+    """An upstream that floods frames carrying no response (20,000 of them) overdraws the
+    connection's frame budgets: the proxy says so and closes the connection (GOAWAY), and
+    the request fails (a 502, or a cut response where the head had gone out)."""
+    what = {"ping": "floods PING frames", "settings": "floods SETTINGS frames"}.get(
+        kind, "floods frames that carry no response")
+    before = proxy.log().count(what)
+
+    def lost() -> int:
+        return sum(1 for ev in list(hostile.events) if ev[1] == "lost")
+
+    closed = lost()
+    raw = raw_exchange(proxy.ports["h1"], f"GET /flood/{kind} HTTP/1.1\r\n"
+                       "Host: hostile.test\r\nConnection: close\r\n\r\n".encode())
+    assert b"the flood went unnoticed" not in raw
+    if kind == "empty_data" and raw.startswith(b"HTTP/1.1 200 "):
+        pass  # the head had gone out before the flood arrived: the response is cut
+    else:
+        assert raw.startswith(b"HTTP/1.1 502 "), raw[:300]
+        assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == \
+            "upstream_bad_response"
+    assert wait_for(lambda: proxy.log().count(what) > before, 5), proxy.log()[-2000:]
+    assert wait_for(lambda: lost() > closed, 5)
+    res = curl("-H", "Host: hostile.test", url(proxy, "h1", "/echo/after"))
+    assert json.loads(res.stdout)["path"] == "/echo/after"
+
+
+def test_h2_upstream_token_stream_in_small_frames_is_not_a_flood(proxy: ProxyProc) -> None:
+    """A token stream's frames are small but carry the response: 5,000 DATA frames of 6
+    bytes each reach the client whole."""
+    floods = proxy.log().count("floods")
+    res = curl("-H", "Host: hostile.test", url(proxy, "h1", "/tokens/5000"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == b"".join(b"tok%03d" % (i % 1000) for i in range(5000))
+    assert proxy.log().count("floods") == floods
 
 
 def test_h1_clients_share_one_upstream_h2_connection(proxy: ProxyProc,

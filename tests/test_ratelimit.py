@@ -12,7 +12,7 @@ import pytest
 
 from aiproxy.config import ConfigError, load_config_text
 from aiproxy.llm.openai import read_request
-from aiproxy.ratelimit.bucket import MemoryStore
+from aiproxy.ratelimit.bucket import Budget, MemoryStore
 from aiproxy.ratelimit.watermark import factor_for
 from tests.conftest import simple_config
 from tests.grpc_support import grpc_modules  # noqa: F401 - fixture
@@ -21,6 +21,17 @@ from tests.support import free_port, start_demo_upstream, stop_process
 # In-process buckets are per process: the budgets these tests check are one process's
 # (with workers, use backend = "redis" for one budget; tests/test_ratelimit_redis.py).
 ONE_PROCESS = "[server]\nworkers = 1\n"
+
+
+def test_budget_burst_refill_and_credit():
+    b = Budget(10, 5, now=100.0)
+    assert b.spend(10, 100.0)           # the whole burst at once
+    assert not b.spend(1, 100.0)        # overdrawn: -1
+    assert b.spend(4, 101.0)            # 1 s refills 5: -1 + 5 - 4 = 0
+    assert b.spend(10, 1000.0)          # a long pause refills to the burst, no further
+    assert not b.spend(0.5, 1000.0)
+    b.credit(100)                       # credit is capped at the burst too
+    assert b.spend(10, 1000.0) and not b.spend(0.5, 1000.0)
 
 
 def test_watermark_factor():

@@ -10,9 +10,10 @@ Abuse handling (RFC 9113 and the known CVEs): excess concurrent streams are
 refused with RST_STREAM(REFUSED_STREAM) without killing the connection; client
 resets are budgeted (CVE-2023-44487 rapid reset) and a peer over budget gets
 GOAWAY(ENHANCE_YOUR_CALM); CONTINUATION floods hit h2's frame backlog limit and
-the header list size limit (CVE-2024-27316); a peer that does not read its
+the header list size limit (CVE-2024-27316); PING/SETTINGS and frames that carry
+no request are budgeted too (h2_budgets.py); a peer that does not read its
 socket while sending control frames is cut off once the write buffer passes a
-bound (ping/settings floods).
+bound.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, MalformedHead, h2_request_head
+from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_CLIENT, FrameBudgets
 from aiproxy.protocols.h2_output import OUT_HIGH, OUTPUT_SLOTS, StreamOutput
+from aiproxy.ratelimit.bucket import Budget
 from aiproxy.telemetry.recorder import server_timing
 
 if TYPE_CHECKING:
@@ -49,21 +52,7 @@ STREAM_WINDOW = 256 * 1024
 CONNECTION_WINDOW = 4 * 1024 * 1024
 WRITE_BUFFER_LIMIT = 8 * 1024 * 1024
 RESET_BUDGET = 200.0        # client stream resets (and refused streams) allowed in a burst ...
-RESET_REFILL = 100.0        # ... and per second after it
-CONTROL_BUDGET = 1000.0     # PING and SETTINGS frames (each owed an ACK) allowed in a burst ...
-CONTROL_REFILL = 100.0      # ... and per second after it (CVE-2019-9512, CVE-2019-9515)
-# Frames that move no request along cost from one more budget (CVE-2019-9513 PRIORITY,
-# 9514 frames on closed streams, each answered with RST_STREAM, 9518 empty DATA; unknown
-# frame types; WINDOW_UPDATE): a burst, a refill per second, and a refill per request
-# received and per DATA frame sent (a client answers DATA with WINDOW_UPDATEs).
-IDLE_BUDGET = 2000.0
-IDLE_REFILL = 500.0
-IDLE_PER_REQUEST = 8.0
-IDLE_PER_DATA_SENT = 4.0
-# A DATA frame costs the proxy about the same whatever it carries, so one that carries
-# less than this many bytes is charged the part of a frame it leaves empty: 1-byte
-# frames (each dispatched in Python, about 20 us) cannot keep a worker busy either.
-SMALL_DATA = 64
+RESET_REFILL = 100.0        # ... and per second after it (CVE-2023-44487)
 SETTINGS_NO_RFC7540_PRIORITIES = 0x9  # RFC 9218 2.1: 0 or 1, else PROTOCOL_ERROR
 LINGER_SECONDS = 2.0        # how long a closing connection may take to flush its output
 EARLY_RESET_SECONDS = 5.0   # a stream answered early is reset this long after at the latest
@@ -139,15 +128,8 @@ class H2ServerConnection(asyncio.Protocol):
         self.goaway_sent = False
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
-        self.reset_budget = RESET_BUDGET
-        self.reset_at = 0.0
-        self.control_budget = CONTROL_BUDGET
-        self.control_at = 0.0
-        self.idle_budget = IDLE_BUDGET
-        self.idle_at = 0.0
-        self.idle_frames = 0.0    # charged at the end of data_received
-        self.requests_seen = 0    # refills the idle budget
-        self.data_sent_seen = 0   # h2.data_frames_sent when last refilled
+        self.resets = Budget(RESET_BUDGET, RESET_REFILL)
+        self.budgets = FrameBudgets(SMALL_DATA_CLIENT)  # settled at the end of data_received
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
         # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
         # some clients (curl 7.x) cannot take more than a small buffer's worth of bytes
@@ -220,33 +202,15 @@ class H2ServerConnection(asyncio.Protocol):
             n, conn.refused = conn.refused, 0
             if self._charge_resets(n):
                 return
-        if self.idle_frames or conn.closed_frames:
-            if self._charge_idle():
-                return
-        self._flush()
-
-    def _charge_idle(self) -> bool:
-        """Spend the frames counted since the last call from the idle-frame budget; True
-        (and GOAWAY) once it is exhausted."""
-        conn = self.h2
-        n = self.idle_frames + conn.closed_frames
-        self.idle_frames = 0.0
-        conn.closed_frames = 0
-        now = self.loop.time()
-        sent = conn.data_frames_sent
-        refill = ((now - self.idle_at) * IDLE_REFILL + self.requests_seen * IDLE_PER_REQUEST
-                  + (sent - self.data_sent_seen) * IDLE_PER_DATA_SENT)
-        self.idle_at = now
-        self.requests_seen = 0
-        self.data_sent_seen = sent
-        self.idle_budget = min(IDLE_BUDGET, self.idle_budget + refill) - n
-        if self.idle_budget < 0:
+        budgets = self.budgets
+        if (budgets.idle_frames or conn.closed_frames) and not budgets.settle(
+                conn, self.loop.time()):
             log.warning("client %s floods frames that carry no request (empty or tiny "
                         "DATA, PRIORITY, WINDOW_UPDATE, unknown or on closed streams): GOAWAY",
                         self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
-            return True
-        return False
+            return
+        self._flush()
 
     def eof_received(self) -> bool:
         return False
@@ -283,7 +247,7 @@ class H2ServerConnection(asyncio.Protocol):
     # -- events -----------------------------------------------------------------------
 
     def _on_request(self, ev: h2.events.RequestReceived) -> None:
-        self.requests_seen += 1
+        self.budgets.idle.credit(IDLE_PER_REQUEST)
         if self.goaway_sent:
             self.h2.reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
@@ -308,9 +272,7 @@ class H2ServerConnection(asyncio.Protocol):
     def _on_data(self, ev: h2.events.DataReceived) -> None:
         sid = ev.stream_id
         if ev.stream_ended is None:
-            n = len(ev.data)
-            if n < SMALL_DATA:
-                self.idle_frames += 1 - n / SMALL_DATA
+            self.budgets.data(len(ev.data))
         stream = self.streams.get(sid)
         if stream is None or stream.exchange is None or stream.exchange.finished:
             if sid in self.early:
@@ -360,11 +322,7 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _charge_resets(self, n: int) -> bool:
         """Spend n from the reset budget; True (and GOAWAY) once it is exhausted."""
-        now = self.loop.time()
-        self.reset_budget = min(RESET_BUDGET,
-                                self.reset_budget + (now - self.reset_at) * RESET_REFILL) - n
-        self.reset_at = now
-        if self.reset_budget < 0:
+        if not self.resets.spend(n, self.loop.time()):
             log.warning("client %s reset or overran streams too fast: GOAWAY",
                         self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
@@ -373,11 +331,7 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_control(self, ev: Any) -> None:
         """A PING or SETTINGS frame, which h2 has already answered with an ACK."""
-        now = self.loop.time()
-        self.control_budget = min(CONTROL_BUDGET, self.control_budget
-                                  + (now - self.control_at) * CONTROL_REFILL) - 1
-        self.control_at = now
-        if self.control_budget < 0:
+        if not self.budgets.control.spend(1, self.loop.time()):
             log.warning("client %s floods PING/SETTINGS frames: GOAWAY", self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
 
@@ -417,10 +371,10 @@ class H2ServerConnection(asyncio.Protocol):
         self.want_flush()
 
     def _on_idle_frame(self, ev: Any) -> None:
-        self.idle_frames += 1
+        self.budgets.idle_frames += 1
 
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
-        self.idle_frames += 1
+        self.budgets.idle_frames += 1
         if ev.stream_id == 0:
             for stream in list(self.streams.values()):
                 stream.try_send()

@@ -22,6 +22,7 @@ from h2.errors import ErrorCodes
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upstream
 from aiproxy.protocols import h2_fast
 from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
+from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_UPSTREAM, FrameBudgets
 from aiproxy.protocols.h2_output import OUTPUT_SLOTS, StreamOutput
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ log = logging.getLogger("aiproxy.h2.upstream")
 STREAM_WINDOW = 1024 * 1024
 CONNECTION_WINDOW = 8 * 1024 * 1024
 SWEEP_EVERY = 64
+# Events of frames that carry no response (PING ACKs: the proxy sends no PING).
+_IDLE_EVENTS = frozenset((h2.events.PriorityUpdated, h2.events.UnknownFrameReceived,
+                          h2.events.PingAckReceived, h2.events.SettingsAcknowledged))
 
 
 class _ClientH2(h2_fast.FastReceive, h2.connection.H2Connection):
@@ -61,6 +65,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.max_streams = 100       # the peer's SETTINGS_MAX_CONCURRENT_STREAMS, once known
         self.done_count = 0
         self.idle_since = 0.0
+        self.budgets = FrameBudgets(SMALL_DATA_UPSTREAM)  # settled after each read
         # Done when the peer's first SETTINGS frame has arrived (its stream limit is known).
         self.settings_received: asyncio.Future[None] = pool.loop.create_future()
 
@@ -152,9 +157,34 @@ class H2UpstreamConnection(asyncio.Protocol):
             self._dispatch(events)
         finally:
             self.receiving = False
+        if self.closed:
+            return
+        budgets = self.budgets
+        conn = self.h2
+        if (budgets.idle_frames or conn.closed_frames) and not budgets.settle(
+                conn, self.pool.loop.time()):
+            self._flooded("frames that carry no response (empty DATA, PRIORITY, "
+                          "WINDOW_UPDATE, unknown or on closed streams)")
+            return
         self.flush()
 
+    def _flooded(self, what: str) -> None:
+        """The upstream overdrew a frame budget (h2_budgets.py): GOAWAY, and its streams
+        fail; the pool opens a new connection for the next request."""
+        address = self.pool.endpoint.address
+        log.warning("upstream %s floods %s: GOAWAY", address, what)
+        self.goaway = True
+        self.pool.discard(self)
+        try:
+            self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
+        except h2.exceptions.ProtocolError:
+            pass
+        self.flush()
+        self._fail_all("upstream_bad_response", f"upstream {address} floods {what}")
+        self.close()
+
     def _dispatch(self, events: list) -> None:
+        budgets = self.budgets
         for event in events:
             sid = getattr(event, "stream_id", 0)
             stream = self.streams.get(sid) if sid else None
@@ -171,6 +201,8 @@ class H2UpstreamConnection(asyncio.Protocol):
                     self.h2.acknowledge_received_data(n, sid)
                 if stream is not None:
                     stream.on_data(event.data)
+                if event.stream_ended is None:
+                    budgets.data(len(event.data))
             elif kind is h2.events.ResponseReceived:
                 if stream is not None:
                     stream.on_head(event.headers, bool(event.stream_ended))
@@ -187,12 +219,15 @@ class H2UpstreamConnection(asyncio.Protocol):
                 if stream is not None:
                     stream.on_reset(event.error_code)
             elif kind is h2.events.WindowUpdated:
+                budgets.idle_frames += 1
                 if sid == 0:
                     for s in list(self.streams.values()):
                         s.try_send()
                 elif stream is not None:
                     stream.try_send()
             elif kind is h2.events.RemoteSettingsChanged:
+                if not budgets.control.spend(1, self.pool.loop.time()):
+                    return self._flooded("SETTINGS frames")
                 # Kept here: h2's Settings answer each read through collections.abc.
                 self.max_streams = self.h2.remote_settings.max_concurrent_streams
                 if not self.settings_received.done():
@@ -207,6 +242,13 @@ class H2UpstreamConnection(asyncio.Protocol):
                         # Never processed by the upstream: safe to retry elsewhere.
                         s.fail(503, "upstream_goaway", "upstream sent GOAWAY")
                 self.pool.discard(self)
+            elif kind is h2.events.PingReceived:
+                if not budgets.control.spend(1, self.pool.loop.time()):
+                    return self._flooded("PING frames")
+            elif kind in _IDLE_EVENTS:
+                budgets.idle_frames += 1
+            if self.closed:
+                return
 
     def eof_received(self) -> bool:
         return False
@@ -258,6 +300,7 @@ class H2UpstreamStream(StreamOutput, Upstream):
     def start(self, exchange: Any) -> None:
         conn = self.conn
         self.exchange = exchange
+        conn.budgets.idle.credit(IDLE_PER_REQUEST)
         self.sid = conn.h2.get_next_available_stream_id()
         conn.streams[self.sid] = self
         try:

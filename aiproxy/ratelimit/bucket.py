@@ -33,6 +33,29 @@ class Bucket:
         return self.level
 
 
+class Budget(Bucket):
+    """A bucket of fixed size and refill that a peer's costly-but-harmless actions are
+    charged to (HTTP/2 control frames, resets, informational responses): `burst` units
+    at first, `rate` more per second; overdrawn means the peer is abusing its connection."""
+
+    __slots__ = ("burst", "rate")
+
+    def __init__(self, burst: float, rate: float, now: float = 0.0) -> None:
+        super().__init__(burst, now)
+        self.burst = burst
+        self.rate = rate
+
+    def credit(self, n: float) -> None:
+        """Give back n units (for work the peer did that earns it some slack)."""
+        self.level = min(self.burst, self.level + n)
+
+    def spend(self, n: float, now: float) -> bool:
+        """Take n units at time `now` (seconds); False once the budget is overdrawn."""
+        self.refill(now, self.rate, self.burst, 1.0)
+        self.level -= n
+        return self.level >= 0
+
+
 def shortfall(level: float, spec: Spec) -> float:
     """Seconds until `level` admits spec's need (0: now)."""
     rate, cap, need, factor = spec

@@ -1,0 +1,63 @@
+"""What an HTTP/2 peer, client or upstream, may make the proxy do for nothing.
+
+Every frame costs Python work whatever it carries. Frames that move no request or
+response along are charged to budgets, and a peer that overdraws one gets
+GOAWAY(ENHANCE_YOUR_CALM):
+- PING and SETTINGS, each owed an ACK (CVE-2019-9512 ping flood, 9515 settings flood);
+- frames that carry nothing (9513 PRIORITY, 9518 empty DATA, unknown frame types,
+  WINDOW_UPDATE) and frames on closed streams, each answered with RST_STREAM (9514).
+The idle-frame budget refills with time, and with work the peer asked for: each
+request, and each DATA frame the proxy sent (a peer answers DATA with WINDOW_UPDATEs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiproxy.ratelimit.bucket import Budget
+
+CONTROL_BUDGET = 1000.0     # PING and SETTINGS frames allowed in a burst ...
+CONTROL_REFILL = 100.0      # ... and per second after it
+IDLE_BUDGET = 2000.0
+IDLE_REFILL = 500.0
+IDLE_PER_REQUEST = 8.0
+IDLE_PER_DATA_SENT = 4.0
+# A DATA frame costs the proxy about the same whatever it carries, so a client's frame
+# that carries less than this many bytes is charged the part of a frame it leaves empty:
+# 1-byte frames (each dispatched in Python, about 20 us) cannot keep a worker busy
+# either. An upstream's small frames are response bytes the client asked for (a token
+# stream): only its empty ones are charged.
+SMALL_DATA_CLIENT = 64
+SMALL_DATA_UPSTREAM = 1
+
+
+class FrameBudgets:
+    """The control and idle-frame budgets of one HTTP/2 connection. The caller counts
+    frames as events arrive and settles once per read (`settle`), so a read of many
+    frames costs one refill."""
+
+    __slots__ = ("control", "idle", "idle_frames", "data_sent_seen", "small_data")
+
+    def __init__(self, small_data: int) -> None:
+        self.control = Budget(CONTROL_BUDGET, CONTROL_REFILL)
+        self.idle = Budget(IDLE_BUDGET, IDLE_REFILL)
+        self.idle_frames = 0.0
+        self.data_sent_seen = 0
+        self.small_data = small_data
+
+    def data(self, n: int) -> None:
+        """A DATA frame that did not end its stream, carrying n bytes."""
+        if n < self.small_data:
+            self.idle_frames += 1 - n / self.small_data
+
+    def settle(self, conn: Any, now: float) -> bool:
+        """Charge the idle frames counted since the last call, and the frames on closed
+        streams h2_fast.FastReceive counted on `conn`; False once overdrawn."""
+        n = self.idle_frames + conn.closed_frames
+        self.idle_frames = 0.0
+        conn.closed_frames = 0
+        sent = conn.data_frames_sent
+        if sent != self.data_sent_seen:
+            self.idle.credit((sent - self.data_sent_seen) * IDLE_PER_DATA_SENT)
+            self.data_sent_seen = sent
+        return self.idle.spend(n, now)
