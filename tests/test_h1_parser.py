@@ -717,6 +717,16 @@ def test_head_size_limit():
     assert exc.status == 431
 
 
+def test_response_head_limits_name_the_response():
+    """The scanner is shared with requests; a response's errors must not say "request"."""
+    exc = check_invalid_response(b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 400 + b"\r\n\r\n",
+                                 max_head=256)
+    assert exc.message == "response header section too large"
+    exc = check_invalid_response(b"HTTP/1.1 200 OK\r\n" + b"X-A: 1\r\n" * 5 + b"\r\n",
+                                 max_headers=4)
+    assert exc.message == "too many header fields in response"
+
+
 def test_head_size_limit_not_counting_leading_crlfs():
     head = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
     h = check_valid_request(b"\r\n" * 10 + head, max_head=len(head))

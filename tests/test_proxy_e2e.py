@@ -393,6 +393,8 @@ async def scripted_upstream(reader: asyncio.StreamReader, writer: asyncio.Stream
     /early             answers 413 right after the head, then reads and drops the body
     /hints             103 Early Hints, then 200
     /hints-length      103 Early Hints with a Content-Length, then 200
+    /hints-many/N      N 103 Early Hints in one write, then 200
+    /big-head          200 whose head is larger than any max_header_bytes default
     /no-content        204 with a Content-Length (RFC 9110 8.6 says it must not have one)
     /bad-chunked       200 chunked, whose first chunk size is not hex, in the head's write
     /until-close       200 without Content-Length or chunked: the body ends at the close
@@ -474,6 +476,14 @@ async def scripted_upstream(reader: asyncio.StreamReader, writer: asyncio.Stream
         elif path == "/hints-length":
             writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nContent-Length: 5\r\n\r\n"
                          b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal")
+            await writer.drain()
+        elif path.startswith("/hints-many/"):
+            hint = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+            writer.write(hint * int(path[12:]) + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal")
+            await writer.drain()
+        elif path == "/big-head":
+            writer.write(b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 200_000
+                         + b"\r\nContent-Length: 2\r\n\r\nok")
             await writer.drain()
         elif path == "/no-content":
             writer.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n")
@@ -1146,6 +1156,41 @@ def test_early_hints_forwarded_to_http11_only(
         c.send(get("/hints", version="1.0"))
         r = c.read_response()
         assert r.status == 200 and r.body == b"final"
+
+
+def test_flood_of_informational_responses_is_502(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    """20 Early Hints before a response are passed on; 5,000 (a flood the client would be
+    sent until the request timed out) end in a 502 after the first few dozen."""
+    up = serve(scripted_upstream)
+    proxy = start_proxy(simple_config(up.port))
+
+    def responses(path: str) -> tuple[int, RawResponse]:
+        with RawConn(proxy.port) as c:
+            c.send(get(path))
+            hints = 0
+            while (r := c.read_response()).status == 103:
+                hints += 1
+            return hints, r
+
+    hints, final = responses("/hints-many/20")
+    assert hints == 20 and final.status == 200 and final.body == b"final"
+    hints, final = responses("/hints-many/5000")
+    assert 20 <= hints <= 40 and final.status == 502, (hints, final.status)
+    assert json.loads(final.body)["error"]["message"] == \
+        "upstream sent too many informational (1xx) responses"
+
+
+def test_upstream_head_too_large_is_502_that_says_so(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    up = serve(scripted_upstream)
+    proxy = start_proxy(simple_config(up.port))
+    with httpx.Client(timeout=10) as client:
+        r = client.get(proxy.url + "/big-head")
+        httpx_error(r, 502, "upstream_bad_response")
+        assert r.json()["error"]["message"] == "response header section too large"
 
 
 def test_no_content_length_on_204_or_1xx(

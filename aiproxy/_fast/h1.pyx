@@ -1080,6 +1080,10 @@ cdef object _parse_response(const unsigned char *p, Py_ssize_t n, Py_ssize_t max
     try:
         end = _scan_fields(p, line_end + 2, n, 0, max_head, max_headers, &st)
     except ParseError as exc:
+        if exc.status == 431:  # the scanner's words are a request's
+            raise ParseError(502, "response header section too large"
+                             if exc.message.endswith("too large")
+                             else "too many header fields in response") from None
         raise ParseError(502, "invalid response header section: " + exc.message) from None
     if end < 0:
         return None

@@ -43,6 +43,7 @@ from aiproxy.pipeline.filters import (
     StoredResponse,
 )
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
+from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
 from aiproxy.semantic.unified import extract_text
@@ -76,6 +77,11 @@ REPLAY_LIMIT = 64 * 1024
 CRLF = b"\r\n"
 INFINITY = float("inf")
 NO_INTENT = (None, None)  # the route table's `sem` for a request without an intent
+# 1xx responses one request may get: a burst, then one a second (a 102 Processing
+# every few seconds through a long operation is fine; thousands a second are a flood
+# the client would otherwise be sent until the request times out).
+INFORMATIONAL_BURST = 32.0
+INFORMATIONAL_REFILL = 1.0
 NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 # OpenAI-style usage in a JSON body or the final SSE event (llm_score token accounting).
@@ -130,6 +136,7 @@ class Exchange(ExchangeBase):
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
+        "info_budget",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -987,6 +994,16 @@ class Exchange(ExchangeBase):
     # -- upstream callbacks ---------------------------------------------------------
 
     def on_upstream_informational(self, resp: Any) -> None:
+        budget = self.info_budget
+        if budget is None:
+            budget = self.info_budget = Budget(INFORMATIONAL_BURST, INFORMATIONAL_REFILL)
+        if not budget.spend(1, monotonic()):
+            log.warning("upstream sent informational responses too fast on route %s",
+                        self.route.name)
+            self._drop_upstream()
+            self.fail(502, "upstream_bad_response",
+                      "upstream sent too many informational (1xx) responses")
+            return
         if resp.status != 100:
             self.down.send_informational(resp)
 

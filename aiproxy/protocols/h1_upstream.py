@@ -285,7 +285,7 @@ class H1UpstreamCore(Upstream):
                 if slab is not None:
                     self.buf += memoryview(slab)[start:nbytes]
                 if len(self.buf) > max_head:
-                    self._fail("upstream_bad_response", "upstream response head too large")
+                    self._fail("upstream_bad_response", "response header section too large")
                 return
             if slab is None:
                 del self.buf[:resp.consumed]
