@@ -97,13 +97,13 @@ def _check(path: str) -> int:
     if cfg is None:
         return 2
     if cfg.semantic is not None:
-        from aiproxy.semantic.classifier import ModelError
-        from aiproxy.server.runtime import load_intent_model
+        from aiproxy.config.model_check import load_checked_model
 
-        try:
-            load_intent_model(cfg)
-        except ModelError as exc:
-            print(f"{path}: semantic.model: {exc}", file=sys.stderr)
+        _, problems, warnings = load_checked_model(cfg)
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        if problems:
+            print("\n".join(map(str, problems)), file=sys.stderr)
             return 2
     print(summary(cfg))
     print(f"{path}: ok")

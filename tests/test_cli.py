@@ -343,3 +343,38 @@ def test_run_with_syntax_error_exits_2(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert res.stderr.startswith(f"{path}:{len(text.splitlines())}: "), res.stderr
     assert not _port_accepts(port)
+
+
+def test_check_warns_of_route_intents_the_model_does_not_predict(tmp_path: Path) -> None:
+    """Only the loaded model knows its intents: `check` loads it and warns of a route
+    matching one it never predicts (such a route matches only an explicit intent
+    header); a model that does not load is an error with its line."""
+    text = valid_config().replace('name = "fallback"', 'name = "fallback"\n'
+                                  'match = { intent_domain = "bankng" }') + "\n[semantic]\n"
+    path = write(tmp_path, text)
+    res = aiproxy_cli("check", "-c", str(path))
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == (
+        f"warning: {path}:{line_of(text, 'bankng')}: routes[1].match.intent_domain: the model "
+        "predicts no domain 'bankng' (did you mean 'banking'?): the route matches only "
+        "requests that name it in x-model-intent\n")
+    path = write(tmp_path, text.replace('intent_domain = "bankng"', 'intent = "transfer"'))
+    res = aiproxy_cli("check", "-c", str(path))
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    text += 'model = "builtin:clinc15"\n'
+    path = write(tmp_path, text)
+    assert check_fails(path)[-1] == (
+        str(path), line_of(text, "clinc15"), "semantic.model",
+        "builtin:clinc15: no builtin model 'clinc15' (have: clinc150)")
+
+
+def test_run_names_the_listener_that_cannot_bind(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        path = write(tmp_path, "[server]\nworkers = 1\n" + valid_config(port))
+        res = aiproxy_cli("-c", str(path))
+    assert res.returncode == 1, res.stderr
+    assert (f"{path}: listener 'public': cannot bind 127.0.0.1:{port}: "
+            "Address already in use") in res.stderr, res.stderr

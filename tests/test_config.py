@@ -618,3 +618,159 @@ cluster = "backend"
 match = { path = "/x" }
 prefix_rewrite = "/y"
 """) == ["13: routes[0].prefix_rewrite: needs match.path_prefix"]
+
+
+# -- what `check` must catch so that `run` does not fail later ---------------------------
+
+
+def test_numbers_no_key_can_take(tmp_path):
+    text = BASE + textwrap.dedent("""\
+        [http]
+        max_body_bytes = 1000000000000000000000000000000
+
+        [[ratelimits]]
+        name = "rl"
+        requests_per_second = nan
+        """)
+    assert problems(tmp_path, text) == [
+        "9: http.max_body_bytes: integer beyond TOML's 64-bit range",
+        "13: ratelimits[0].requests_per_second: must be a finite number, got nan",
+    ]
+    text = BASE.replace('8080"', '8080"\nbacklog = 100000000000')
+    assert problems(tmp_path, text) == [
+        "4: listeners[0].backlog: must be between 1 and 65535, got 100000000000"]
+
+
+def test_ipv4_literal_must_be_an_address(tmp_path):
+    text = BASE.replace("127.0.0.1:8080", "256.300.1.1:8080")
+    assert problems(tmp_path, text) == [
+        "3: listeners[0].address: invalid address '256.300.1.1:8080': "
+        "invalid IPv4 address '256.300.1.1'"]
+
+
+def test_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "aiproxy.toml"
+    path.write_bytes(BASE.encode() + b"# caf\xe9\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}:8: cannot read: not UTF-8 (byte 0xe9)"
+
+
+def test_empty_strings_that_would_quietly_mean_the_default(tmp_path):
+    text = BASE + textwrap.dedent("""\
+        [admin]
+        address = "127.0.0.1:9901"
+        token = ""
+
+        [tracing]
+        service_name = ""
+        """)
+    assert problems(tmp_path, text) == [
+        "10: admin.token: must not be empty (leave the key out for no token)",
+        "13: tracing.service_name: must not be empty",
+    ]
+
+
+def test_log_paths_must_be_writable_files(tmp_path):
+    (tmp_path / "adir").mkdir()
+    text = BASE + textwrap.dedent("""\
+        [access_log]
+        path = "adir"
+
+        [audit]
+        path = "adir"
+        """)
+    assert problems(tmp_path, text) == [
+        f"9: access_log.path: '{tmp_path / 'adir'}' is a directory",
+        f"12: audit.path: '{tmp_path / 'adir'}' is a directory",
+    ]
+    text = BASE + '[access_log]\npath = "no/such/dir/access.log"\n'
+    assert problems(tmp_path, text) == [
+        f"9: access_log.path: no such directory '{tmp_path / 'no/such/dir'}'"]
+
+
+def _pem_pair(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_files_are_loaded_at_check_time(tmp_path):
+    _pem_pair(tmp_path, "a")
+    _pem_pair(tmp_path, "b")
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+
+    def tls(cert: str, key: str, ca: str | None = None) -> list[str]:
+        extra = f', ca = "{ca}"' if ca else ""
+        text = BASE.replace('8080"', f'8080"\nprotocols = ["h2"]\n'
+                            f'tls = {{ cert = "{cert}", key = "{key}"{extra} }}')
+        return problems(tmp_path, text)
+
+    load_config(write(tmp_path, BASE.replace(
+        '8080"', '8080"\nprotocols = ["h2"]\ntls = { cert = "a.crt", key = "a.key", '
+        'ca = "b.crt" }')))
+    assert tls("garbage.pem", "a.key")[0].startswith(
+        "5: listeners[0].tls.cert: not a PEM certificate")
+    assert tls("a.crt", "garbage.pem")[0].startswith(
+        "5: listeners[0].tls.key: not an unencrypted PEM private key")
+    assert tls("a.key", "a.crt")[0].startswith("5: listeners[0].tls.cert: not a PEM certificate")
+    assert tls("a.crt", "b.key") == [
+        "5: listeners[0].tls.key: does not fit the certificate (KEY_VALUES_MISMATCH)"]
+    assert tls("a.crt", "a.key", "garbage.pem")[0].startswith(
+        "5: listeners[0].tls.ca: no PEM certificate could be loaded")
+    text = BASE.replace('endpoints = ["127.0.0.1:9000"]',
+                        'endpoints = ["127.0.0.1:9000"]\ntls = { ca = "garbage.pem" }')
+    assert problems(tmp_path, text)[0].startswith(
+        "8: clusters[0].tls.ca: no PEM certificate could be loaded")
+
+
+def test_jwks_file_is_read_at_check_time(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "empty.json").write_text('{"keys": [{"kty": "XX"}]}')
+    text = BASE + textwrap.dedent("""\
+        [auth.jwt]
+        jwks_file = "bad.json"
+        algorithms = ["RS256"]
+        """)
+    found = problems(tmp_path, text)
+    assert len(found) == 1 and found[0].startswith(
+        "9: auth.jwt.jwks_file: cannot load the JWKS: Expecting property name"), found
+    found = problems(tmp_path, text.replace("bad.json", "empty.json"))
+    assert len(found) == 1 and found[0].startswith(
+        "9: auth.jwt.jwks_file: no usable key in the JWKS (key None skipped:"), found
+
+
+def test_a_broken_auth_method_is_not_also_a_missing_one(tmp_path):
+    (tmp_path / "jwks.json").write_text('{"keys": []}')
+    text = BASE + textwrap.dedent("""\
+        [auth.jwt]
+        jwks_file = "missing.json"
+        algorithms = ["RS256"]
+        """)
+    assert problems(tmp_path, text) == ["9: auth.jwt.jwks_file: no such file 'missing.json'"]
+    text = BASE + textwrap.dedent("""\
+        [[ratelimits]]
+        name = "rl"
+        requests_per_second = "5"
+        """)
+    assert problems(tmp_path, text) == [
+        "10: ratelimits[0].requests_per_second: expected a number >= 0"]
+    text = BASE + '[[ratelimits]]\nname = "rl"\nrequests_per_second = 0\n'
+    assert problems(tmp_path, text) == [
+        "8: ratelimits[0]: requests_per_second and tokens_per_minute cannot both be 0"]

@@ -95,6 +95,34 @@ def test_prompt_guard_blocks_and_flags(start_proxy, chat_upstream):
         assert r.json()["echo"] is None
 
 
+def test_guard_regexes_keep_their_own_flags_and_groups(start_proxy, chat_upstream):
+    """Each rule's regexes match on their own: a rule with inline flags, another using
+    the same group name, a backreference, and a rule whose match overlaps an earlier
+    rule's all load and all hit."""
+    rules = """
+[guard]
+[[guard.rules]]
+id = "aws"
+action = "flag"
+regexes = ['(?i)akia[0-9a-z]{16}']
+
+[[guard.rules]]
+id = "key-a"
+action = "flag"
+regexes = ['(?P<k>token=)[a-z]+']
+
+[[guard.rules]]
+id = "key-b"
+action = "flag"
+regexes = ['(?P<k>[a-z]+)=(?P=k)']
+"""
+    proxy = start_proxy(simple_config(chat_upstream) + rules)
+    with httpx.Client(timeout=10) as c:
+        r = _ask(c, proxy, "send akiaabcdefghijklmnop with token=token")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-aiproxy-guard-flags"] == "aws,key-a,key-b"
+
+
 def test_json_response_redacted_and_still_json(start_proxy, chat_upstream):
     admin = free_port()
     proxy = start_proxy(simple_config(chat_upstream) + GUARD

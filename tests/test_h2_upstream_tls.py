@@ -241,8 +241,8 @@ def test_cluster_tls_config_errors(tmp_path: Path, tls: str, message: str) -> No
     assert any(line.startswith(f"{path}:7: ") and message in line for line in lines), lines
 
 
-def test_cluster_tls_config_forms(tmp_path: Path) -> None:
-    (tmp_path / "ca.pem").write_text("x")
+def test_cluster_tls_config_forms(tmp_path: Path, pki: Pki) -> None:
+    (tmp_path / "ca.pem").write_bytes(Path(pki.ca).read_bytes())
     path = tmp_path / "c.toml"
     path.write_text(textwrap.dedent("""\
         [[listeners]]
@@ -264,6 +264,9 @@ def test_cluster_tls_config_forms(tmp_path: Path) -> None:
     t, f = cfg.clusters
     assert t.tls is not None and t.tls.verify and t.tls.ca is None and t.tls.sni is None
     assert f.tls.ca == str(tmp_path / "ca.pem") and f.tls.sni == "api.internal"
+    (tmp_path / "ca.pem").write_text("x")
+    with pytest.raises(ConfigError, match="clusters.1..tls.ca: no PEM certificate"):
+        load_config(path)
 
 
 def test_check_command_accepts_a_tls_cluster(tmp_path: Path, pki: Pki) -> None:

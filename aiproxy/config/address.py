@@ -7,6 +7,7 @@ import re
 
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+_NUMERIC = re.compile(r"[0-9.]+")
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -22,6 +23,11 @@ def parse_address(text: str) -> tuple[str, int]:
         host, sep, port = text.rpartition(":")
         if not sep or not HOSTNAME.fullmatch(host):
             raise ValueError("expected host:port")
+        if _NUMERIC.fullmatch(host):  # no host name is all digits: an IPv4 address
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise ValueError(f"invalid IPv4 address '{host}'") from None
     if not port.isascii() or not port.isdigit():
         raise ValueError("expected host:port")
     number = int(port)

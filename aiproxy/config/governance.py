@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, Problem
+from .files import writable_file_problem
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
 
@@ -220,6 +221,7 @@ def _auth(checker: _Checker, data: dict, listeners: Any) -> AuthConfig | None:
         return None
     path: KeyPath = ("auth",)
     values: dict[str, Any] = {}
+    before = len(checker.problems)
     required = checker.get(table, path, "required", "boolean")
     if required is not None:
         values["required"] = required
@@ -277,11 +279,15 @@ def _auth(checker: _Checker, data: dict, listeners: Any) -> AuthConfig | None:
                     values["upstream_secret"] = fh.read().strip()
             elif secret:
                 values["upstream_secret"] = secret.encode()
-            else:
+            elif "secret" not in up and "secret_file" not in up:
                 checker.error(upath, "needs secret or secret_file")
+            elif secret == "":
+                checker.error(upath + ("secret",), "must not be empty")
             if values.get("upstream_secret") is not None and len(values["upstream_secret"]) < 16:
                 checker.error(upath, "the secret must be at least 16 bytes")
-    if not (values.get("api_keys") or key_file or values.get("jwt") or values.get("mtls")):
+    if (len(checker.problems) == before and not (
+            values.get("api_keys") or key_file or values.get("jwt") or values.get("mtls"))):
+        # (Not after a problem in the section: a broken method is still meant as one.)
         checker.error(path, "no authentication method (api_keys, key_file, jwt or mtls)")
     return AuthConfig(**values)
 
@@ -321,6 +327,20 @@ def _jwt(checker: _Checker, table: dict, path: KeyPath) -> JwtConfig | None:
         else:
             audience = _strings(checker, jwt, path, "audience") or ()
     require = _strings(checker, jwt, path, "require")
+    for claim in ("subject_claim", "roles_claim"):
+        if jwt.get(claim) == "":
+            checker.error(path + (claim,), "must not be empty")
+    if jwks is not None:
+        from aiproxy.governance.auth import read_jwks
+
+        try:
+            keys, _, skipped = read_jwks(jwks)
+        except (OSError, ValueError) as exc:
+            checker.error(path + ("jwks_file",), f"cannot load the JWKS: {exc}")
+        else:
+            if not keys:
+                checker.error(path + ("jwks_file",), "no usable key in the JWKS"
+                              + (f" ({'; '.join(skipped)})" if skipped else ""))
     if jwks is None or not algorithms:
         return None
     return JwtConfig(
@@ -370,8 +390,12 @@ def _audit(checker: _Checker, data: dict) -> AuditConfig | None:
         checker.error(path + ("fsync",), f"one of {', '.join(AUDIT_FSYNC)}, got '{fsync}'")
         fsync = "interval"
     full = os.path.join(_dir(checker), name) if name else ""
-    if name is not None and not os.path.isdir(os.path.dirname(full)):
-        checker.error(path + ("path",), f"no such directory '{os.path.dirname(name)}'")
+    if name == "":
+        checker.error(path + ("path",), "must not be empty")
+    elif name is not None:
+        problem = writable_file_problem(full)
+        if problem:
+            checker.error(path + ("path",), problem)
     return AuditConfig(
         path=full, fsync=fsync,
         fsync_interval_ms=_int(checker, table, path, "fsync_interval_ms", 100, 1, 60_000),

@@ -108,7 +108,10 @@ def ratelimits(ck: _Checker, data: dict[str, Any]) -> tuple[RateLimitConfig, ...
         if url is not None:
             values["redis_url"] = url
         if not values.get("requests_per_second") and not values.get("tokens_per_minute"):
-            ck.error(path, "give requests_per_second or tokens_per_minute (or both)")
+            if "requests_per_second" not in item and "tokens_per_minute" not in item:
+                ck.error(path, "give requests_per_second or tokens_per_minute (or both)")
+            elif len(ck.problems) == before:
+                ck.error(path, "requests_per_second and tokens_per_minute cannot both be 0")
         if len(ck.problems) == before and name is not None:
             out.append(RateLimitConfig(name=name, **values))
     ck.unique_names(names, "ratelimit")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -15,6 +16,7 @@ from typing import Any
 from . import llm_sections
 from .address import HOSTNAME, parse_address
 from .errors import ConfigError, Problem
+from .files import tls_problems, writable_file_problem
 from .governance import GOVERNANCE_KEYS, governance_sections
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
@@ -112,7 +114,10 @@ def read_config_text(filename: str) -> str:
             [Problem(filename, 0, "", f"cannot read: {exc.strerror or exc}")]
         ) from None
     except UnicodeDecodeError as exc:
-        raise ConfigError([Problem(filename, 0, "", f"cannot read: not UTF-8 ({exc})")]) from None
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise ConfigError([Problem(filename, line, "",
+                                   f"cannot read: not UTF-8 (byte 0x{exc.object[exc.start]:02x})")]
+                          ) from None
     return text
 
 
@@ -122,6 +127,7 @@ def load_config_text(text: str, filename: str) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([_syntax_problem(filename, text, exc)]) from None
     checker = _Checker(filename, Locator(text))
+    checker.numbers(data, ())
     config = checker.config(data)
     if checker.problems:
         raise ConfigError(sorted(checker.problems, key=lambda problem: problem.line))
@@ -174,11 +180,30 @@ class _Checker:
         self.locator = locator
         self.problems: list[Problem] = []
 
+    def base_dir(self) -> str:
+        """Where relative paths in the file start from: the file's directory."""
+        return os.path.dirname(os.path.abspath(self.filename))
+
     def error(self, path: KeyPath, message: str) -> None:
         line = self.locator.line(path)
         self.problems.append(Problem(self.filename, line, _format_path(path), message))
 
     # -- generic readers ---------------------------------------------------------------
+
+    def numbers(self, value: Any, path: KeyPath) -> None:
+        """Numbers no key can take, wherever they are: nan and inf (TOML has them, no
+        setting means them), and integers beyond 64 bits (TOML 1.0: an error)."""
+        if isinstance(value, dict):
+            for key, item in value.items():
+                self.numbers(item, path + (key,))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                self.numbers(item, path + (index,))
+        elif isinstance(value, float) and not math.isfinite(value):
+            self.error(path, f"must be a finite number, got {value}")
+        elif isinstance(value, int) and not isinstance(value, bool) and not (
+                -(1 << 63) <= value < 1 << 63):
+            self.error(path, "integer beyond TOML's 64-bit range")
 
     def check_keys(self, data: dict[str, Any], path: KeyPath, allowed: Collection[str]) -> None:
         for key in data:
@@ -422,6 +447,9 @@ class _Checker:
             files[key] = full
         if len(files) < 2 or "cert" not in files or "key" not in files:
             return None
+        if all(os.path.isfile(f) for f in files.values()):
+            for key, message in tls_problems(files["cert"], files["key"], files.get("ca")):
+                self.error(path + (key,), message)
         return TlsConfig(**files)
 
     def choice(
@@ -441,6 +469,8 @@ class _Checker:
         if table is None:
             return None
         token = self.get(table, ("admin",), "token", "string")
+        if token == "":
+            self.error(("admin", "token"), "must not be empty (leave the key out for no token)")
         address = self.address(table, ("admin",))
         if address is None:
             return None
@@ -504,7 +534,9 @@ class _Checker:
         if endpoint is not None and self.parse_address(endpoint, ("tracing", "otlp_endpoint")):
             values["otlp_endpoint"] = endpoint
         name = self.get(table, ("tracing",), "service_name", "string")
-        if name:
+        if name == "":
+            self.error(("tracing", "service_name"), "must not be empty")
+        elif name:
             values["service_name"] = name
         cfg = TracingConfig(**values)
         return cfg if cfg.enabled else None
@@ -518,6 +550,10 @@ class _Checker:
         if path is not None and not path:
             self.error(("access_log", "path"), 'must not be empty (use "-" or "off")')
             path = None
+        elif path not in (None, "-", "off"):
+            problem = writable_file_problem(os.path.join(self.base_dir(), path))
+            if problem:
+                self.error(("access_log", "path"), problem)
         return AccessLogConfig(path=path if path is not None else "-", **extra)
 
     def clusters(self, data: dict[str, Any]) -> tuple[tuple[ClusterConfig, ...], list[str]]:
@@ -566,6 +602,9 @@ class _Checker:
             full = os.path.join(os.path.dirname(os.path.abspath(self.filename)), ca)
             if not os.path.isfile(full):
                 self.error(path + ("ca",), f"no such file '{ca}'")
+            else:
+                for key, message in tls_problems(None, None, full):
+                    self.error(path + (key,), message)
             ca = full
         sni = self.get(value, path, "sni", "string")
         if sni is not None and not HOSTNAME.fullmatch(sni):
@@ -665,6 +704,7 @@ class _Checker:
         return OutlierConfig(**self.scalars(OutlierConfig, table, path))
 
     def endpoints(self, data: dict[str, Any], path: KeyPath) -> tuple[Endpoint, ...]:
+        # An empty list is a drained cluster: its routes answer 503.
         values = self.get(data, path, "endpoints", "array", required=True) or []
         path += ("endpoints",)
         endpoints: list[Endpoint] = []

@@ -78,7 +78,7 @@ class ListenerConfig:
     host: str
     port: int
     protocols: tuple[str, ...] = ("http1",)
-    backlog: int = _bounded(1024, 1)
+    backlog: int = _bounded(1024, 1, 65_535)
     tls: TlsConfig | None = None
     cluster: str | None = None  # protocols = ["tcp"]: raw bytes to this cluster
     idle_timeout_ms: int = _bounded(600_000, 0)  # tcp: close a tunnel idle this long; 0 off

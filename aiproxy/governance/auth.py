@@ -102,6 +102,28 @@ class KeyStore:
         return found
 
 
+def read_jwks(path: str) -> tuple[dict[str | None, jwt.PyJWK], bytes, list[str]]:
+    """The keys of a JWKS file by kid, the file's digest, and why keys were skipped.
+    OSError or ValueError when the file cannot be read or is not a JWKS."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    data = json.loads(raw)
+    if not isinstance(data, dict) or not isinstance(data.get("keys"), list):
+        raise ValueError('not a JWKS (expected {"keys": [...]})')
+    keys = {}
+    skipped = []
+    for item in data["keys"]:
+        try:
+            k = jwt.PyJWK(item)
+        except (jwt.PyJWKError, jwt.InvalidKeyError, TypeError, AttributeError,
+                ValueError) as exc:
+            kid = item.get("kid") if isinstance(item, dict) else None
+            skipped.append(f"key {kid} skipped: {exc}")
+            continue
+        keys[k.key_id] = k
+    return keys, hashlib.sha256(raw).digest(), skipped
+
+
 class Jwks:
     """Verification keys by kid from a JWKS file, re-read on change."""
 
@@ -114,23 +136,14 @@ class Jwks:
 
     def load(self) -> bool:
         try:
-            with open(self.cfg.jwks_file, "rb") as fh:
-                raw = fh.read()
-            data = json.loads(raw)
-            keys = {}
-            for item in data["keys"]:
-                try:
-                    k = jwt.PyJWK(item)
-                except jwt.PyJWKError as exc:
-                    log.warning("JWKS %s: key %s skipped: %s", self.cfg.jwks_file,
-                                item.get("kid"), exc)
-                    continue
-                keys[k.key_id] = k
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            keys, digest, skipped = read_jwks(self.cfg.jwks_file)
+        except (OSError, ValueError) as exc:
             log.error("JWKS %s not loaded, the previous keys stay: %s", self.cfg.jwks_file, exc)
             return False
+        for why in skipped:
+            log.warning("JWKS %s: %s", self.cfg.jwks_file, why)
         self.keys = keys
-        self.digest = hashlib.sha256(raw).digest()
+        self.digest = digest
         return True
 
     def refresh(self) -> bool:

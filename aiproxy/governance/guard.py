@@ -55,22 +55,22 @@ class PromptGuard:
                 auto.add_word(word, (*ids, rid))
             auto.make_automaton()
             self.automaton = auto
-        groups = [(f"g{i}", r.id, rx) for i, (r, rx) in enumerate(
-            (r, rx) for r in cfg.rules for rx in r.regexes)]
-        self.group_rule = {g: rid for g, rid, _ in groups}
-        self.regex = (re.compile("|".join(f"(?P<{g}>{rx})" for g, _, rx in groups))
-                      if groups else None)
+        # One pattern per regex, not one alternation of all: joined, patterns lose their
+        # own flags and group numbers (and may not compile), and a match of one rule
+        # would hide an overlapping match of another.
+        self.patterns = [(r.id, re.compile(rx)) for r in cfg.rules for rx in r.regexes]
 
     def scan(self, text: str) -> list[str]:
-        """Ids of the rules the text hits, in rule order of first hit."""
+        """Ids of the rules the text hits: keyword rules in the order the text hits them,
+        then regex rules in config order."""
         hits: dict[str, None] = {}
         if self.automaton is not None:
             for _, ids in self.automaton.iter(text.casefold()):
                 for rid in ids:
                     hits[rid] = None
-        if self.regex is not None:
-            for m in self.regex.finditer(text):
-                hits[self.group_rule[m.lastgroup]] = None
+        for rid, pattern in self.patterns:
+            if rid not in hits and pattern.search(text):
+                hits[rid] = None
         return list(hits)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -16,6 +17,7 @@ import uvloop
 
 from aiproxy.admin.server import AdminServer, LocalBackend
 from aiproxy.config import Config, ConfigError, ListenerConfig, load_config, load_config_text
+from aiproxy.config.model_check import load_checked_model
 from aiproxy.config.schema import KernelConfig
 from aiproxy.kernel.lifecycle import KernelStartError, ProxyKernel
 from aiproxy.pipeline.ends import ServerCore
@@ -32,6 +34,10 @@ from aiproxy.telemetry.metrics import Metrics
 from aiproxy.telemetry.recorder import Telemetry
 
 log = logging.getLogger("aiproxy.server")
+
+
+class ListenerError(Exception):
+    """A listener that cannot start; the message names it."""
 
 
 def worker_config(config: Config, slot: int | None) -> Config:
@@ -76,10 +82,18 @@ class ProxyServer(ServerCore):
                                         self._policy_cidrs())
         self._watch_policy()
         for listener in self.config.listeners:
-            factory, ctx = self._factory(listener)
-            server = await self.loop.create_server(
-                factory, listener.host, listener.port, ssl=ctx,
-                backlog=listener.backlog, reuse_address=True, reuse_port=reuse_port)
+            try:
+                factory, ctx = self._factory(listener)
+                server = await self.loop.create_server(
+                    factory, listener.host, listener.port, ssl=ctx,
+                    backlog=listener.backlog, reuse_address=True, reuse_port=reuse_port)
+            except ssl.SSLError as exc:
+                raise ListenerError(f"listener '{listener.name}': cannot load its TLS "
+                                    f"certificate or key: {exc}") from exc
+            except OSError as exc:
+                why = os.strerror(exc.errno) if exc.errno else str(exc)
+                raise ListenerError(f"listener '{listener.name}': cannot bind "
+                                    f"{listener.address}: {why}") from exc
             self.servers.append(server)
             for sock in server.sockets:
                 log.info("listener %s on %s", listener.name, _sockname(sock))
@@ -279,10 +293,12 @@ async def start_server(config: Config, setup: Callable[[ProxyServer], None] | No
     (`start`: ProxyServer.start's options). Returns the running server, or the exit code
     after logging why it could not start: 2 for the model or the kernel, 1 for a TLS
     certificate or a listener that cannot bind."""
-    try:
-        model = load_intent_model(config)
-    except ModelError as exc:
-        log.error("%s: semantic.model: %s", config.source, exc)
+    model, problems, warnings = load_checked_model(config)
+    for warning in warnings:
+        log.warning("%s", warning)
+    if problems:
+        for problem in problems:
+            log.error("%s", problem)
         return 2
     server = ProxyServer(config, asyncio.get_running_loop(), model)
     if setup is not None:
@@ -292,11 +308,11 @@ async def start_server(config: Config, setup: Callable[[ProxyServer], None] | No
     except KernelStartError as exc:
         log.error("%s", exc)
         code = 2
-    except ssl.SSLError as exc:
-        log.error("cannot load TLS certificate or key: %s", exc)
+    except ListenerError as exc:
+        log.error("%s: %s", config.source, exc)
         code = 1
-    except OSError as exc:
-        log.error("cannot bind listener: %s", exc)
+    except OSError as exc:  # the admin API's address
+        log.error("%s: cannot bind: %s", config.source, exc)
         code = 1
     else:
         return server
