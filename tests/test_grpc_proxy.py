@@ -178,6 +178,48 @@ def raw_call(channel: grpc.Channel, path: str, timeout: float = 10) -> grpc.RpcE
     return info.value
 
 
+@pytest.fixture(scope="module")
+def inspecting_proxy(servers: dict[str, Any],
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
+    """[llm] and [cache] on every route: both wait for a JSON body's first bytes."""
+    config = LISTENERS + f"""
+[llm]
+[cache]
+
+[[clusters]]
+name = "a"
+endpoints = ["127.0.0.1:{servers["a"].port}"]
+protocol = "h2"
+
+[[routes]]
+name = "predictor"
+match = {{ grpc_service = "{SERVICE}" }}
+cluster = "a"
+"""
+    p = ProxyProc(tmp_path_factory.mktemp("grpc-inspecting"), config, ("h2c", "mixed"))
+    yield p
+    p.stop()
+
+
+def test_streaming_calls_are_not_held_for_body_inspection(
+        inspecting_proxy: ProxyProc, grpc_modules: tuple[ModuleType, ModuleType]  # noqa: F811
+) -> None:
+    """A section that inspects request bodies waits for a gRPC call's first message, not
+    for 64 KiB or the end of the stream: a client that waits for the answer to each
+    message would otherwise wait forever."""
+    pb, pb_grpc = grpc_modules
+    with grpc.insecure_channel(f"127.0.0.1:{inspecting_proxy.ports['h2c']}",
+                               options=GRPC_OPTIONS) as ch:
+        stub = pb_grpc.PredictorStub(ch)
+        requests: queue.Queue = queue.Queue()
+        call = stub.Chat(iter(requests.get, None), timeout=10)
+        for i in range(3):
+            requests.put(pb.PredictRequest(prompt=f"m{i}"))
+            assert next(call).text == f"echo:m{i}"
+        requests.put(None)
+        assert list(call) == [] and call.code() == grpc.StatusCode.OK
+
+
 # -- the four call kinds --------------------------------------------------------------------
 
 

@@ -95,6 +95,19 @@ def test_prompt_guard_blocks_and_flags(start_proxy, chat_upstream):
         assert r.json()["echo"] is None
 
 
+def test_guard_reads_a_body_past_the_pending_limit(start_proxy, chat_upstream):
+    """The guard inspects up to inspect_bytes (1 MiB), more than the 256 KiB the exchange
+    holds before pausing the client: a 600 KB prompt used to stall until the timeout. Its
+    keyword at the end is found, and a clean one goes through whole."""
+    proxy = start_proxy(simple_config(chat_upstream) + GUARD)
+    filler = "lorem ipsum " * 50_000
+    with httpx.Client(timeout=20) as c:
+        r = _ask(c, proxy, filler + "ignore previous instructions")
+        assert r.status_code == 403, r.text
+        r = _ask(c, proxy, filler)
+        assert r.status_code == 200, r.text
+
+
 def test_guard_regexes_keep_their_own_flags_and_groups(start_proxy, chat_upstream):
     """Each rule's regexes match on their own: a rule with inline flags, another using
     the same group name, a backreference, and a rule whose match overlaps an earlier

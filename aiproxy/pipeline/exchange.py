@@ -256,12 +256,22 @@ class Exchange(ExchangeBase):
 
     def _inspect(self, kind: int, limit: int) -> None:
         """Wait for `limit` body bytes (or the whole body) before going on with `kind`."""
-        if self.req_done or self.pending_size >= limit:
-            self.inspecting = kind
-            return self._inspected()
         self.inspecting = kind
         self.inspect_limit = limit
+        if self.req_done or self._inspect_enough():
+            return self._inspected()
         self._send_continue()
+
+    def _inspect_enough(self) -> bool:
+        """Whether the body bytes held are enough to inspect: inspect_limit of them, or
+        for gRPC the first message whole. A streaming call's client may wait for an
+        answer to its first message before it sends more (bidi ping-pong)."""
+        if self.pending_size >= self.inspect_limit:
+            return True
+        if self.grpc and self.pending_size >= 5:
+            first = b"".join(self.pending)
+            return len(first) >= 5 + int.from_bytes(first[1:5], "big")
+        return False
 
     def _inspected(self) -> None:
         kind = self.inspecting
@@ -787,10 +797,15 @@ class Exchange(ExchangeBase):
             else:
                 self.pending.extend(map(bytes, parts))
                 self.pending_size += sum(map(len, parts))
-            if self.pending_size > PENDING_LIMIT:
-                self.down.pause(P_PENDING)
-            if self.inspecting and self.pending_size >= self.inspect_limit:
+            if self.inspecting:
+                # Read on up to the inspection limit (a guard's may pass PENDING_LIMIT):
+                # pausing short of it would wait for bytes that can no longer come.
+                if not self._inspect_enough():
+                    return
                 self._inspected()
+            if self.pending_size > PENDING_LIMIT and not self.finished and (
+                    self.upstream is None and self.pending is not None):
+                self.down.pause(P_PENDING)
 
     def _request_complete(self) -> None:
         self.reading_body = False
