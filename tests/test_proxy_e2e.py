@@ -1140,6 +1140,19 @@ def test_concurrent_requests_do_not_cross(start_proxy: StartProxy, demo_upstream
         assert echo["body_sha256"] == hashlib.sha256(body).hexdigest()
 
 
+def test_upload_to_a_path_no_filter_reads_is_not_held(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    """[llm] reads the bodies of LLM API calls only: an upload elsewhere goes upstream as
+    it arrives (this upstream answers right after the head, before the body's end)."""
+    up = serve(scripted_upstream)
+    proxy = start_proxy(simple_config(up.port) + "\n[llm]\n")
+    with RawConn(proxy.port, timeout=3) as c:
+        c.send(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        assert c.read_response().status == 413
+
+
 def test_early_hints_forwarded_to_http11_only(
     start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
 ) -> None:

@@ -384,6 +384,7 @@ class Exchange(ExchangeBase):
 
     def _start_filters(self, factories: tuple[FilterFactory, ...]) -> None:
         started = []
+        need = 0  # body bytes the filters that run want to see (not the route's maximum)
         for factory in factories:
             try:
                 f = factory.start(self)
@@ -392,8 +393,9 @@ class Exchange(ExchangeBase):
                 return self.local_reply(500, f"filter {factory.name} failed", "filter_error")
             if f is not None:
                 started.append(f)
+                if self.route.filter_inspect and factory.inspect_bytes > need:
+                    need = factory.inspect_bytes
         self.filters = tuple(started)
-        need = self.route.filter_inspect
         if need and self.reading_body:
             return self._inspect(INSPECT_FILTERS, need)
         self._gate(0)
