@@ -128,6 +128,16 @@ def test_api_key_good_and_bad_and_stripped(jwt_proxy):
     r = _get(jwt_proxy, {"x-api-key": KEY, "x-aiproxy-identity": "subject=root",
                          "x-aiproxy-identity-signature": "00"})
     assert "subject=svc-batch" in r.json()["headers"]["x-aiproxy-identity"]
+    # Nor any other x-aiproxy-* field the proxy states (or x_aiproxy_*, the same name to
+    # a CGI-style server), and the API key header is stripped even when a Bearer
+    # credential was the one used.
+    r = _get(jwt_proxy, {"authorization": f"Bearer {KEY}", "x-api-key": "other-key",
+                         "x-aiproxy-guard-flags": "none", "x-aiproxy-policy-rule": "allow",
+                         "x_aiproxy_identity": "subject=root"})
+    seen = r.json()["headers"]
+    assert r.status_code == 200 and "subject=svc-batch" in seen["x-aiproxy-identity"]
+    assert not {"x-api-key", "x-aiproxy-guard-flags", "x-aiproxy-policy-rule",
+                "x_aiproxy_identity"} & set(seen), seen
 
 
 def test_jwt_accepted_rs256_and_es256(jwt_proxy, keys):

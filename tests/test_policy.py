@@ -16,6 +16,7 @@ from aiproxy.config import ConfigError
 from aiproxy.governance.auth import hash_key
 from aiproxy.governance.policy import Request, decide, load_policy_files
 from tests.conftest import simple_config
+from tests.support import raw_exchange
 
 KEYS = {"alice": ("ak_alice_0123456789abcdef", ["analyst"]),
         "bob": ("ak_bob_0123456789abcdefgh", ["intern"]),
@@ -94,6 +95,12 @@ def test_rbac_and_abac_decisions(policy_proxy):
         _assert_403(_req(c, policy_proxy, "bob", model="gpt-4o"), "default")
         _assert_403(_req(c, policy_proxy, "bob", model="tiny-1", body_pad=2000), "big-bodies")
         _assert_403(_req(c, policy_proxy, "alice", method="DELETE"), "no-delete")
+        # Methods are case-sensitive on the wire, but an upstream may upper-case one:
+        # a rule about DELETE covers `delete` too.
+        raw = raw_exchange(policy_proxy.port, (
+            f"delete /echo HTTP/1.1\r\nHost: x\r\nx-api-key: {KEYS['alice'][0]}\r\n"
+            "Content-Length: 0\r\nConnection: close\r\n\r\n").encode())
+        assert raw.startswith(b"HTTP/1.1 403 ") and b"no-delete" in raw, raw[:300]
         # deny overrides allow: admin is not in the deny rule's roles, so only rbac applies
         assert _req(c, policy_proxy, "ops", method="DELETE", model="any").status_code == 200
 

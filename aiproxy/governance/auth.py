@@ -249,6 +249,10 @@ class Authenticator:
         """The request's identity; None when it carries no credentials; AuthError when
         it carries bad ones."""
         head = ex.head
+        header = self.cfg.api_key_header
+        presented = head.get(header)
+        if presented is not None:
+            ex.set_upstream_header(header, None)  # never upstream, whichever was used
         authz = head.get(b"authorization")
         if authz is not None:
             scheme, _, value = authz.partition(b" ")
@@ -259,10 +263,7 @@ class Authenticator:
             if self.jwks is not None and token.count(".") == 2:
                 return self.verify_jwt(token)
             return self._api_key(token)
-        header = self.cfg.api_key_header
-        presented = head.get(header)
         if presented is not None:
-            ex.set_upstream_header(header, None)
             return self._api_key(presented.strip().decode("latin-1"))
         if self.cfg.mtls:
             return self._client_cert(ex)

@@ -460,7 +460,7 @@ def request_of(ex: Exchange, uses_model: bool) -> Request:
         subject=ident.subject if ident is not None else None,
         roles=ident.roles if ident is not None else (),
         claims=ident.claims if ident is not None else {},
-        method=ex.method.decode("latin-1"), path=ex.path.decode("latin-1"),
+        method=ex.method.decode("latin-1").upper(), path=ex.path.decode("latin-1"),
         route=ex.route.name if ex.route is not None else None,
         model=model_of(ex) if uses_model else None,
         intent=ex.intent, domain=ex.intent_domain,

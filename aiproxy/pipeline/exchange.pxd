@@ -17,7 +17,7 @@ cdef int INSPECT_SEMANTIC, INSPECT_FILTERS
 cdef int BODY_NONE, BODY_LENGTH, BODY_TUNNEL  # ends.py's
 cdef long long PENDING_LIMIT, REPLAY_LIMIT
 cdef Py_ssize_t TOKEN_TAIL
-cdef bytes CRLF, DECISION_PREFIX
+cdef bytes CRLF, PROXY_PREFIX, PROXY_PREFIX_CGI
 cdef tuple NO_INTENT
 cdef double INFINITY
 

@@ -87,10 +87,11 @@ IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"
 # OpenAI-style usage in a JSON body or the final SSE event (llm_score token accounting).
 USAGE_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d{1,9})')
 TOKEN_TAIL = 4096  # bytes of the response end searched for usage
-# The semantic decision the proxy passes upstream; a client's own copies are dropped.
-DECISION_HEADERS = (b"x-aiproxy-intent", b"x-aiproxy-intent-confidence",
-                    b"x-aiproxy-intent-domain")
-DECISION_PREFIX = b"x-aiproxy-intent"  # what all of them start with
+# The fields the proxy states its decisions in upstream (identity, intent, guard flags,
+# cache, policy, backpressure) start with this; a client's own are dropped, and so are
+# x_aiproxy_* ones, which CGI-style servers read as the same names.
+PROXY_PREFIX = b"x-aiproxy-"
+PROXY_PREFIX_CGI = b"x_aiproxy_"
 GRPC_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
@@ -226,9 +227,9 @@ class Exchange(ExchangeBase):
             self.path = path
         if head.expect_unknown:
             return self.local_reply(417, "unsupported expectation")
-        if head.has_name_prefix(DECISION_PREFIX):
-            for name in DECISION_HEADERS:
-                if head.get(name) is not None:  # only the proxy may state its decision
+        if head.has_name_prefix(PROXY_PREFIX) or head.has_name_prefix(PROXY_PREFIX_CGI):
+            for name, _ in head.fields(0):  # only the proxy may state its decisions
+                if name.startswith(PROXY_PREFIX) or name.startswith(PROXY_PREFIX_CGI):
                     self.set_upstream_header(name, None)
         if not self._framing():
             return
@@ -256,6 +257,15 @@ class Exchange(ExchangeBase):
 
     def _inspect(self, kind: int, limit: int) -> None:
         """Wait for `limit` body bytes (or the whole body) before going on with `kind`."""
+        coding = self.head.get(b"content-encoding")
+        if coding is not None and coding.strip().lower() not in (b"", b"identity"):
+            if kind == INSPECT_SEMANTIC:
+                return self._classify(b"")  # routed on what can be read: no body
+            # What the filters read decides (guard, policy, token limits): a coded body
+            # would pass unread. RFC 9110 15.5.16: 415, naming what is accepted.
+            return self.local_reply(
+                415, "a request body the proxy inspects must not have a Content-Encoding",
+                "unsupported_content_encoding", [(b"accept-encoding", b"identity")])
         self.inspecting = kind
         self.inspect_limit = limit
         if self.req_done or self._inspect_enough():
