@@ -1271,14 +1271,43 @@ def test_curl_as_forward_proxy_client_absolute_form(
     assert "proxy-connection" not in echo["headers"]
 
 
-def test_half_closed_client_gets_response(start_proxy: StartProxy, demo_upstream: int) -> None:
-    proxy = start_proxy(simple_config(demo_upstream))
+def test_half_closed_client_gets_response_with_ignore_client_abort(
+        start_proxy: StartProxy, demo_upstream: int) -> None:
+    proxy = start_proxy(simple_config(demo_upstream, http="ignore_client_abort = true"))
     with RawConn(proxy.port) as c:
         c.send(get("/echo/half-closed"))
         c.sock.shutdown(socket.SHUT_WR)
         r = c.read_response()
         assert r.status == 200 and r.json()["path"] == "/echo/half-closed"
         assert c.closed_within(5)
+
+
+def test_client_that_closes_while_waiting_cancels_the_upstream(
+        start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]) -> None:
+    """By default a client's FIN while its response is pending is an abort (nginx's
+    proxy_ignore_client_abort off): the upstream connection is closed at once, not when
+    the response comes (an LLM would otherwise generate it for no one), and the access
+    log says 499."""
+    closed = threading.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   conn_id: int) -> None:
+        if await read_request(reader) is None:
+            return
+        if not await reader.read(1):  # nothing comes: this is the proxy letting go
+            closed.set()
+        writer.close()
+
+    up = serve(slow)
+    proxy = start_proxy(simple_config(up.port))
+    with RawConn(proxy.port) as c:
+        c.send(get("/slow"))
+        time.sleep(0.2)
+        c.sock.shutdown(socket.SHUT_WR)
+        assert c.closed_within(5)
+    assert closed.wait(5), "the upstream request was not cancelled"
+    assert wait_for(lambda: '"path":"/slow"' in proxy.log() and '"status":499' in proxy.log(),
+                    5), proxy.log()[-1500:]
 
 
 def test_client_abort_mid_download_releases_upstream(

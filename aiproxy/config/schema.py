@@ -50,6 +50,7 @@ class HttpConfig:
     via: bool = True
     h2_max_concurrent_streams: int = _bounded(100, 1, 10_000)
     server_timing: bool = False
+    ignore_client_abort: bool = False
 
 
 @dataclass(frozen=True, slots=True)
