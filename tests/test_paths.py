@@ -21,14 +21,25 @@ from tests.support import raw_exchange, start_demo_upstream, stop_process
     (b"/a/.b/..c", b"/a/.b/..c"),       # dots inside names are names
     (b"/%61dmin", b"/admin"),           # unreserved characters decoded
     (b"/%2e%2E/admin", b"/admin"),      # encoded dot segments are dot segments
-    (b"/a%2fb", b"/a%2Fb"),             # an encoded slash stays encoded (hex upper-cased)
-    (b"/a%5c..%5cb", b"/a%5C..%5Cb"),
+    (b"/a%2fb", b"/a/b"),               # an encoded slash is decoded (escaped_slashes)
+    (b"/x/..%2Fadmin", b"/admin"),      # ... before dot segments are removed
+    (b"/%2Fadmin", b"/admin"),          # ... and repeated slashes merged
     (b"/caf%c3%a9", b"/caf%C3%A9"),
-    (b"//a//b", b"//a//b"),             # repeated slashes are distinct paths
+    (b"//a//b", b"/a/b"),               # repeated slashes merged (merge_slashes)
     (b"/a/%7euser", b"/a/~user"),
 ])
 def test_normalize_path(raw: bytes, expected: bytes):
     assert normalize_path(raw) == expected
+
+
+def test_slash_options():
+    assert normalize_path(b"//a//b", merge_slashes=False) == b"//a//b"
+    assert normalize_path(b"/a%2fb", escaped_slashes="keep") == b"/a%2Fb"
+    assert normalize_path(b"/a%5c..%5cb", escaped_slashes="keep") == b"/a%5C..%5Cb"
+    for raw, mode in ((b"/a%2fb", "reject"), (b"/a%5cb", "decode"), (b"/a%5cb", "reject"),
+                      (b"/a\\b", "keep"), (b"/a\\b", "decode")):
+        with pytest.raises(BadPath):
+            normalize_path(raw, escaped_slashes=mode)
 
 
 @pytest.mark.parametrize("raw", [b"/a%", b"/a%4", b"/a%zz", b"/%g0"])
@@ -62,6 +73,11 @@ match = {{ path_prefix = "/echo/private/" }}
 cluster = "private"
 
 [[routes]]
+name = "private-host"
+match = {{ host = "private.example" }}
+cluster = "private"
+
+[[routes]]
 name = "public"
 match = {{ path_prefix = "/" }}
 cluster = "public"
@@ -85,12 +101,35 @@ def _echoed(port: int, target: bytes) -> dict:
     b"/echo/./private/x",
     b"/echo/%70rivate/x",
     b"/echo/public/%2e%2e/private/x",
+    b"//echo/private/x",                # nginx merges slashes: so does the proxy
+    b"/echo//private/x",
+    b"/echo/%2Fprivate/x",              # an encoded slash is a slash to most servers
+    b"/echo/public/..%2Fprivate/x",
 ])
 def test_what_is_matched_is_what_is_forwarded(start_proxy, two_upstreams, target):
     proxy = start_proxy(_config(*two_upstreams))
     body = _echoed(proxy.port, target)
     assert body["upstream"] == "private"
     assert body["path"] == "/echo/private/x"
+
+
+def test_backslash_is_400_and_slash_options(start_proxy, two_upstreams):
+    proxy = start_proxy(_config(*two_upstreams))
+    for target in (b"/echo/\\private/x", b"/echo/%5Cprivate/x"):
+        data = _raw(proxy.port, target)
+        assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    proxy = start_proxy(_config(*two_upstreams)
+                        + '[http]\nmerge_slashes = false\nescaped_slashes = "keep"\n')
+    body = _echoed(proxy.port, b"/echo/%2fprivate//x")
+    assert (body["upstream"], body["path"]) == ("public", "/echo/%2Fprivate//x")
+
+
+def test_host_with_a_trailing_dot_is_the_same_host(start_proxy, two_upstreams):
+    """`private.example.` is the fully qualified `private.example`: the same route."""
+    proxy = start_proxy(_config(*two_upstreams))
+    data = raw_exchange(proxy.port, b"GET /echo/x HTTP/1.1\r\nHost: private.example.\r\n"
+                        b"Connection: close\r\n\r\n")
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["upstream"] == "private"
 
 
 def test_query_survives_normalization(start_proxy, two_upstreams):

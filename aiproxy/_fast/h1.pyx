@@ -980,8 +980,9 @@ cpdef bint valid_authority(bytes value):
 
 cdef void _scan_target(RequestHead h, const unsigned char *t, Py_ssize_t n) noexcept:
     # query_at: offset of the first '?' (-1: none). target_plain: origin-form with no '#'
-    # and a path (the part before '?') that needs no normalizing (no '%', no "/."), so
-    # the exchange can take it as is (aiproxy/pipeline/paths.py needs_normalizing).
+    # and a path (the part before '?') that needs no normalizing (no '%', '\\', "/." or
+    # "//"), so the exchange can take it as is (aiproxy/pipeline/paths.py
+    # needs_normalizing).
     cdef Py_ssize_t k, q = -1
     cdef bint plain = n > 0 and t[0] == 47
     for k in range(n):
@@ -990,7 +991,8 @@ cdef void _scan_target(RequestHead h, const unsigned char *t, Py_ssize_t n) noex
         elif q < 0:
             if t[k] == 63:  # '?'
                 q = k
-            elif t[k] == 37 or (t[k] == 47 and k + 1 < n and t[k + 1] == 46):  # '%', "/."
+            elif t[k] == 37 or t[k] == 92 or (  # '%', '\\', "/.", "//"
+                    t[k] == 47 and k + 1 < n and (t[k + 1] == 46 or t[k + 1] == 47)):
                 plain = 0
     h.query_at = q
     h.target_plain = plain

@@ -13,6 +13,8 @@ from collections.abc import Collection
 from datetime import date, datetime, time
 from typing import Any
 
+from aiproxy.pipeline.paths import ESCAPED_SLASHES
+
 from . import llm_sections
 from .address import HOSTNAME, parse_address
 from .errors import ConfigError, Problem
@@ -302,7 +304,7 @@ class _Checker:
         return Config(
             source=self.filename,
             server=self.server(data),
-            http=HttpConfig(**self.scalars(HttpConfig, http or {}, ("http",))),
+            http=self.http(http or {}),
             listeners=listeners,
             admin=self.admin(data, listeners),
             access_log=self.access_log(data),
@@ -316,6 +318,13 @@ class _Checker:
             cache=llm_sections.cache(self, data),
             **governance_sections(self, data, listeners),
         )
+
+    def http(self, table: dict[str, Any]) -> HttpConfig:
+        values = self.scalars(HttpConfig, table, ("http",))
+        if "escaped_slashes" in table:
+            values["escaped_slashes"] = self.choice(table, ("http",), "escaped_slashes",
+                                                    ESCAPED_SLASHES)
+        return HttpConfig(**values)
 
     def server(self, data: dict[str, Any]) -> ServerConfig:
         table = self.section(data, "server", _field_names(ServerConfig)) or {}

@@ -51,6 +51,8 @@ class HttpConfig:
     h2_max_concurrent_streams: int = _bounded(100, 1, 10_000)
     server_timing: bool = False
     ignore_client_abort: bool = False
+    merge_slashes: bool = True
+    escaped_slashes: str = "decode"  # %2F in a path: "decode", "keep" or "reject"
 
 
 @dataclass(frozen=True, slots=True)

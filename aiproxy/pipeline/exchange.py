@@ -219,8 +219,9 @@ class Exchange(ExchangeBase):
         elif not self._absolute_form(target):
             return self.local_reply(400, "invalid request target")
         if not head.target_plain and needs_normalizing(self.path):
+            http = self.rt.http
             try:
-                path = normalize_path(self.path)
+                path = normalize_path(self.path, http.merge_slashes, http.escaped_slashes)
             except BadPath as exc:
                 return self.local_reply(400, str(exc))
             self.up_target = path + self.up_target[len(self.path):]

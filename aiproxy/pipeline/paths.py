@@ -8,15 +8,23 @@ and forwarded:
 
 - percent-encoded unreserved characters (ALPHA DIGIT - . _ ~) are decoded, other
   percent-encodings get upper-case hex; a malformed one (%zz, a trailing %) is an error;
-- "." and ".." segments are removed (remove_dot_segments; ".." never climbs above /).
-
-Encoded "/" (%2F) and "\\" (%5C) stay encoded: decoding them would change the segment
-structure the client sent. Repeated slashes are kept (they are distinct paths).
+- "." and ".." segments are removed (remove_dot_segments; ".." never climbs above /);
+- repeated slashes are merged (`[http] merge_slashes`, on by default as in nginx):
+  `//admin` is `/admin` to nginx and most servers behind the proxy;
+- an encoded "/" (%2F) is decoded (`[http] escaped_slashes = "decode"`, the default),
+  kept ("keep", for APIs whose path segments carry one) or refused ("reject"): kept,
+  `/%2Fadmin` passes a rule about `/admin` and reaches it at a server that decodes;
+- "\\" is not a URI character (RFC 3986 2): a path with one, raw or as %5C, is refused
+  (some servers read it as "/"), unless escaped_slashes = "keep" keeps %5C encoded.
 """
 
 from __future__ import annotations
 
+import re
+
 _HEX = b"0123456789abcdefABCDEF"
+_SLASHES = (0x2F, 0x5C)
+_MERGE = re.compile(rb"//+")
 _UNRESERVED = frozenset(
     b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 
@@ -25,13 +33,17 @@ class BadPath(ValueError):
     """A path with malformed percent-encoding."""
 
 
+ESCAPED_SLASHES = ("decode", "keep", "reject")
+
+
 def needs_normalizing(path: bytes) -> bool:
     # find(), not `in`: CPython's bytes.__contains__ first tries the operand as an int
     # and builds (then drops) a TypeError for a bytes operand, ~10x the cost per request.
-    return path.find(b"%") >= 0 or path.find(b"/.") >= 0
+    return (path.find(b"%") >= 0 or path.find(b"/.") >= 0 or path.find(b"//") >= 0
+            or path.find(b"\\") >= 0)
 
 
-def _decode_unreserved(path: bytes) -> bytes:
+def _decode_unreserved(path: bytes, escaped_slashes: str) -> bytes:
     out = bytearray()
     i = 0
     n = len(path)
@@ -46,6 +58,10 @@ def _decode_unreserved(path: bytes) -> bytes:
             raise BadPath("malformed percent-encoding in path")
         byte = int(pair, 16)
         if byte in _UNRESERVED:
+            out.append(byte)
+        elif byte in _SLASHES and escaped_slashes != "keep":
+            if escaped_slashes == "reject" or byte == 0x5C:
+                raise BadPath("encoded slash or backslash in path")
             out.append(byte)
         else:
             out += b"%" + pair.upper()
@@ -71,10 +87,15 @@ def _remove_dot_segments(path: bytes) -> bytes:
     return b"/" + b"/".join(out)
 
 
-def normalize_path(path: bytes) -> bytes:
+def normalize_path(path: bytes, merge_slashes: bool = True,
+                   escaped_slashes: str = "decode") -> bytes:
     """The normalized form of an origin-form path (starting with "/"). Raises BadPath."""
+    if b"\\" in path:
+        raise BadPath("backslash in path")
     if b"%" in path:
-        path = _decode_unreserved(path)
+        path = _decode_unreserved(path, escaped_slashes)
+    if merge_slashes and b"//" in path:
+        path = _MERGE.sub(b"/", path)
     if b"/." in path:
         path = _remove_dot_segments(path)
     return path

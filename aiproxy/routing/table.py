@@ -32,7 +32,10 @@ def host_without_port(host: bytes) -> bytes:
         end = host.find(b"]")
         return host[: end + 1].lower() if end > 0 else host.lower()
     colon = host.find(b":")
-    return (host[:colon] if colon >= 0 else host).lower()
+    name = (host[:colon] if colon >= 0 else host).lower()
+    # "example.com." is the same name, fully qualified (RFC 1034 3.1): servers behind
+    # the proxy answer it as "example.com", so routes must match it so too.
+    return name[:-1] if name.endswith(b".") else name
 
 
 def _query_values(query: bytes, name: bytes) -> Iterable[bytes | None]:
