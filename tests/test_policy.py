@@ -309,3 +309,23 @@ def test_grpc_permission_denied(start_proxy, demo_upstream, tmp_path):
                 b"x" * 2000, timeout=10, metadata=[("x-api-key", KEYS["bob"][0])])
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
     assert err.value.details() == "denied by policy rule big-bodies"
+
+
+def test_intent_rules_judge_what_the_request_says(start_proxy, demo_upstream, tmp_path):
+    """A rule on domains reads the model's intent for the body: also where no route
+    needed one, and also when the client names another in the intent header (which
+    routes by it, but is only its sender's claim)."""
+    pf = tmp_path / "policy.toml"
+    pf.write_text('default = "allow"\n\n[[rules]]\nid = "no-banking"\neffect = "deny"\n'
+                  'domains = ["banking"]\n')
+    proxy = start_proxy(_config(demo_upstream, pf, extra="[semantic]\n"))
+
+    def ask(text: str, headers: dict[str, str]) -> httpx.Response:
+        return httpx.post(f"{proxy.url}/echo", timeout=10, json={
+            "messages": [{"role": "user", "content": text}]},
+            headers={"x-api-key": KEYS["alice"][0], **headers})
+
+    transfer = "transfer 100 dollars from my checking account to my savings account"
+    _assert_403(ask(transfer, {}), "no-banking")
+    _assert_403(ask(transfer, {"x-model-intent": "greeting"}), "no-banking")
+    assert ask("hello there, how are you today", {}).status_code == 200

@@ -86,6 +86,7 @@ class Policy:
     roles: dict[str, tuple[str, ...]]
     default: str = "deny"
     uses_model: bool = False
+    uses_intent: bool = False  # a rule reads the intent or its domain
 
 
 @dataclass(slots=True)
@@ -191,7 +192,11 @@ def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
             seen.add(rule.id)
             rules.append(rule)
     uses_model = any("models" in r.globs or r.rbac for r in rules)
-    return Policy(tuple(rules), roles, default, uses_model), problems
+    return Policy(tuple(rules), roles, default, uses_model, _uses_intent(rules)), problems
+
+
+def _uses_intent(rules: Any) -> bool:
+    return any("intents" in r.globs or "domains" in r.globs or r.rbac for r in rules)
 
 
 def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
@@ -306,7 +311,7 @@ def load_policy_files(paths: tuple[str, ...] | list[str]) -> Policy:
     if problems:
         raise ConfigError(problems)
     return Policy(tuple(rules), roles, default, any(
-        "models" in r.globs or r.rbac for r in rules))
+        "models" in r.globs or r.rbac for r in rules), _uses_intent(rules))
 
 
 def kernel_deny_cidrs(policy: Policy) -> tuple[str, ...]:
@@ -451,11 +456,19 @@ def model_of(ex: Exchange) -> str | None:
     return route_model.decode("latin-1") if route_model else None
 
 
-def request_of(ex: Exchange, uses_model: bool) -> Request:
+def request_of(ex: Exchange, uses_model: bool, uses_intent: bool = False) -> Request:
     ident = ex.identity
     head = ex.head
     length = head.content_length
     body_bytes = length if length is not None and length >= 0 else ex.pending_size
+    intent, domain = ex.intent, ex.intent_domain
+    sem = ex.rt.semantic
+    if uses_intent and sem is not None and (intent is None
+                                            or head.get(sem.header) is not None):
+        # A rule on intents or domains judges what the request says: the model's reading
+        # of it, also where routing needed none or the client named its intent (the
+        # header routes by it, but is only its sender's claim).
+        intent, domain = _model_intent(ex, sem)
     return Request(
         subject=ident.subject if ident is not None else None,
         roles=ident.roles if ident is not None else (),
@@ -463,8 +476,29 @@ def request_of(ex: Exchange, uses_model: bool) -> Request:
         method=ex.method.decode("latin-1").upper(), path=ex.path.decode("latin-1"),
         route=ex.route.name if ex.route is not None else None,
         model=model_of(ex) if uses_model else None,
-        intent=ex.intent, domain=ex.intent_domain,
+        intent=intent, domain=domain,
         source=ex.down.peer.decode("latin-1"), body_bytes=body_bytes, now=_time.time())
+
+
+def _model_intent(ex: Exchange, sem: Any) -> tuple[str | None, str | None]:
+    """The model's intent and domain for the request body (None, None: no text)."""
+    from aiproxy.semantic.unified import extract_text
+
+    head = ex.head
+    target = ex.up_target
+    q = target.find(b"?")
+    try:
+        text = extract_text(head.get(b"content-type") or b"", ex.request_body(),
+                            target[q + 1:] if q >= 0 else b"", sem.json_fields,
+                            head.content_length if head.content_length >= 0 else None)
+        if not text:
+            return None, None
+        decision = (sem.native.classify(text, sem.top_k, sem.threshold)
+                    if sem.native is not None else sem.model.classify(text))
+    except Exception:  # as routing does: judged without an intent rather than failed
+        log.exception("intent classification for the policy failed")
+        return None, None
+    return decision.label, decision.domain or None
 
 
 class PolicyState:
@@ -531,7 +565,7 @@ class PolicyFilter(Filter):
     def request(self, ex: Exchange) -> LocalReply | None:
         state = self.state
         policy = state.current()
-        decision = decide(policy, request_of(ex, policy.uses_model))
+        decision = decide(policy, request_of(ex, policy.uses_model, policy.uses_intent))
         if decision.allowed:
             ex.gov["policy"] = ("allow", decision.rule)
             state.count("allow", decision.rule)
@@ -554,7 +588,8 @@ class PolicyFactory(FilterFactory):
 
     def __init__(self, state: PolicyState) -> None:
         self.state = state
-        self.inspect_bytes = INSPECT_BYTES if state.policy.uses_model else 0
+        self.inspect_bytes = (INSPECT_BYTES if state.policy.uses_model
+                              or state.policy.uses_intent else 0)
 
     def start(self, ex: Exchange) -> Filter:
         return PolicyFilter(self.state)
