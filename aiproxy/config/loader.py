@@ -370,7 +370,7 @@ class _Checker:
                     )
                 bound.setdefault(key, name or "?")
             protocols = self.protocols(item, path)
-            tls = self.tls(item, path)
+            tls = self.tls(item, path, load="tcp" not in protocols)  # tcp: no TLS at all
             if tls is None and "h2" in protocols:
                 self.error(path + ("protocols",), "'h2' needs TLS: add tls = { cert, key }"
                            " (use 'h2c' for cleartext HTTP/2)")
@@ -433,7 +433,7 @@ class _Checker:
                 result.append(value)
         return tuple(result)
 
-    def tls(self, data: dict[str, Any], path: KeyPath) -> TlsConfig | None:
+    def tls(self, data: dict[str, Any], path: KeyPath, load: bool = True) -> TlsConfig | None:
         if "tls" not in data:
             return None
         table = self.get(data, path, "tls", "table")
@@ -456,7 +456,7 @@ class _Checker:
             files[key] = full
         if len(files) < 2 or "cert" not in files or "key" not in files:
             return None
-        if all(os.path.isfile(f) for f in files.values()):
+        if load and all(os.path.isfile(f) for f in files.values()):
             for key, message in tls_problems(files["cert"], files["key"], files.get("ca")):
                 self.error(path + (key,), message)
         return TlsConfig(**files)

@@ -991,7 +991,16 @@ class Exchange(ExchangeBase):
         if self.finished or self.tunnel:
             return INFINITY
         if now >= self.deadline_at:
-            if self.head_sent:
+            if self.head_sent and self.grpc and self.head.version == 20 and not self.filters:
+                # A gRPC call's deadline is a status, also after its response headers
+                # (grpc-status 4 trailers): a reset would read as INTERNAL to a client
+                # without a deadline timer of its own.
+                self._drop_upstream()
+                self.status = 504
+                self.down.send_end([(b"grpc-status", b"4"),
+                                    (b"grpc-message", b"grpc-timeout expired")])
+                self._finish(False)
+            elif self.head_sent:
                 self._abort()
             else:
                 self.fail(504, "deadline_exceeded", "grpc-timeout expired")

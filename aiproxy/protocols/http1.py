@@ -212,8 +212,10 @@ class H1ConnectionCore(Downstream):
             return True
         ex = self.exchange
         if ex is not None and not ex.reading_body and not self.lingering:
-            if self.server.runtime.http.ignore_client_abort:
-                return True  # half-closed client still gets its response
+            if self.server.runtime.http.ignore_client_abort or ex.head.upgrade is not None:
+                # A half-closed client still gets its response; an Upgrade's FIN is the
+                # end of what it sends through the tunnel to be.
+                return True
             # As nginx (proxy_ignore_client_abort off): a client that closed its side
             # has given up (the openai SDK's stream.close(), say); the upstream is let
             # go now (499) rather than at the next write, which may be minutes away.
