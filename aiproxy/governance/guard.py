@@ -1,8 +1,12 @@
 """Guardrails: a prompt guard over the request's text and redaction of the response.
 
 Prompt guard (`[[guard.rules]]`): keywords (case-insensitive substrings, all rules' in
-one Aho-Corasick automaton) and regexes (one alternation) over the UnifiedRequest text
-the semantic layer extracts (chat messages, prompts, gRPC strings, form values ...).
+one Aho-Corasick automaton) and regexes over the request's text: for a JSON body every
+string in it (all messages and roles, system prompts, instructions, tool definitions
+and call arguments: whatever the model may read), otherwise the UnifiedRequest text the
+semantic layer extracts (gRPC strings, form values, plain text ...). Keywords match
+the text as a reader sees it: compatibility-normalized (NFKC: fullwidth letters are
+letters), without zero-width characters, with each run of whitespace one space.
 A `block` rule answers 403 with its id; a `flag` rule lets the request through with
 x-aiproxy-guard-flags on the upstream request and the response, and in the audit record.
 
@@ -17,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import re
+import unicodedata
 from typing import TYPE_CHECKING, Any
 
 import ahocorasick
+import orjson
 
 from aiproxy.config.governance import GuardConfig, RedactConfig
 from aiproxy.governance.decoding import Decoder, decoder_for
@@ -43,11 +49,45 @@ log = logging.getLogger("aiproxy.guard")
 FLAGS_HEADER = b"x-aiproxy-guard-flags"
 
 
+_INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))
+_SPACES = re.compile(r"\s+")
+MAX_STRINGS = 10_000
+
+
+def json_text(body: bytes) -> str | None:
+    """Every string value of a JSON body, one per line (None: not JSON). Keys are left
+    out; a body cut at the inspection limit is not JSON and is read as text instead."""
+    if body[:1] not in (b"{", b"["):
+        return None
+    try:
+        doc = orjson.loads(body)
+    except ValueError:
+        return None
+    out: list[str] = []
+    stack = [doc]
+    while stack and len(out) < MAX_STRINGS:
+        value = stack.pop()
+        if isinstance(value, str):
+            out.append(value)
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, list):
+            stack.extend(reversed(value))
+    return "\n".join(out)
+
+
+def reader_text(text: str) -> str:
+    """The text as a reader sees it, for keywords: NFKC, no zero-width characters, each
+    run of whitespace one space, case-folded."""
+    text = unicodedata.normalize("NFKC", text).translate(_INVISIBLE)
+    return _SPACES.sub(" ", text).casefold()
+
+
 class PromptGuard:
     def __init__(self, cfg: GuardConfig) -> None:
         self.actions = {r.id: r.action for r in cfg.rules}
         self.automaton: Any = None
-        words = [(kw.casefold(), r.id) for r in cfg.rules for kw in r.keywords]
+        words = [(reader_text(kw), r.id) for r in cfg.rules for kw in r.keywords]
         if words:
             auto = ahocorasick.Automaton()
             for word, rid in words:
@@ -65,7 +105,7 @@ class PromptGuard:
         then regex rules in config order."""
         hits: dict[str, None] = {}
         if self.automaton is not None:
-            for _, ids in self.automaton.iter(text.casefold()):
+            for _, ids in self.automaton.iter(reader_text(text)):
                 for rid in ids:
                     hits[rid] = None
         for rid, pattern in self.patterns:
@@ -91,11 +131,14 @@ class GuardFilter(Filter):
         if self.guard is None:
             return None
         head = ex.head
-        q = ex.up_target.find(b"?")
-        size = head.content_length if head.content_length >= 0 else None
-        text = extract(head.get(b"content-type") or b"", ex.request_body(),
-                       ex.up_target[q + 1:] if q >= 0 else b"", self.json_fields,
-                       body_size=size).text
+        body = ex.request_body()
+        text = json_text(body)
+        if text is None:
+            q = ex.up_target.find(b"?")
+            size = head.content_length if head.content_length >= 0 else None
+            text = extract(head.get(b"content-type") or b"", body,
+                           ex.up_target[q + 1:] if q >= 0 else b"", self.json_fields,
+                           body_size=size).text
         if not text:
             return None
         hits = self.guard.scan(text)
