@@ -138,6 +138,11 @@ def test_api_key_good_and_bad_and_stripped(jwt_proxy):
     assert r.status_code == 200 and "subject=svc-batch" in seen["x-aiproxy-identity"]
     assert not {"x-api-key", "x-aiproxy-guard-flags", "x-aiproxy-policy-rule",
                 "x_aiproxy_identity"} & set(seen), seen
+    # Two credentials of a kind: which one counts would be a guess.
+    for name, value in (("x-api-key", KEY), ("authorization", f"Bearer {KEY}")):
+        r = httpx.get(f"{jwt_proxy.url}/echo", timeout=10,
+                      headers=[(name, value), (name, value + "x")])
+        assert r.status_code == 401 and "more than one" in r.json()["error"]["message"], r.text
 
 
 def test_jwt_accepted_rs256_and_es256(jwt_proxy, keys):

@@ -253,7 +253,12 @@ class Authenticator:
         presented = head.get(header)
         if presented is not None:
             ex.set_upstream_header(header, None)  # never upstream, whichever was used
+            if len(head.get_all(header)) > 1:
+                raise AuthError("invalid_request", "more than one API key")
         authz = head.get(b"authorization")
+        if authz is not None and len(head.get_all(b"authorization")) > 1:
+            # Which one counts would be a guess (and a second one a way to smuggle one).
+            raise AuthError("invalid_request", "more than one Authorization field")
         if authz is not None:
             scheme, _, value = authz.partition(b" ")
             if scheme.lower() != b"bearer" or not value.strip():
