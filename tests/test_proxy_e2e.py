@@ -1153,6 +1153,41 @@ def test_upload_to_a_path_no_filter_reads_is_not_held(
         assert c.read_response().status == 413
 
 
+def test_upload_to_a_route_no_intent_can_change_is_not_held(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    """With intent routes in the table, a streamed upload to a path only a route without
+    an intent can take is not held for classification (this upstream answers right after
+    the head); a small JSON body to an intent route still is classified."""
+    up = serve(scripted_upstream)
+    proxy = start_proxy(f"""
+[semantic]
+
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{up.port}"]
+
+[[routes]]
+name = "bank"
+match = {{ path_prefix = "/v1/", intent_domain = "banking" }}
+cluster = "up"
+
+[[routes]]
+name = "rest"
+cluster = "up"
+""")
+    with RawConn(proxy.port, timeout=3) as c:
+        c.send(b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        assert c.read_response().status == 413
+    body = b'{"messages": [{"role": "user", "content": "transfer 100 dollars to savings"}]}'
+    with RawConn(proxy.port) as c:
+        c.send(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert c.read_response().status == 200
+    assert wait_for(lambda: '"route":"bank"' in proxy.log(), 5), proxy.log()[-1500:]
+
+
 def test_early_hints_forwarded_to_http11_only(
     start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
 ) -> None:

@@ -46,6 +46,7 @@ from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
+from aiproxy.routing.table import ANY_INTENT
 from aiproxy.semantic.unified import extract_text
 
 if TYPE_CHECKING:
@@ -249,12 +250,28 @@ class Exchange(ExchangeBase):
                 self.intent_conf = 1.0
                 sem.explicit += 1
             elif self.reading_body and sem.inspect_bytes:
+                length = head.content_length
+                if (length < 0 or length > sem.inspect_bytes) and not self._intent_may_route():
+                    # A streamed or large body to a route no intent can change: it is not
+                    # held (an upload streams, a gRPC call does not wait on its first
+                    # message); the request is classified by what is known without it.
+                    return self._classify(b"")
                 # Route once inspect_bytes of the body (or all of it) has arrived; the
                 # bytes wait in `pending` and go upstream untouched afterwards.
                 return self._inspect(INSPECT_SEMANTIC, sem.inspect_bytes)
             else:
                 return self._classify(b"")
         self._route()
+
+    def _intent_may_route(self) -> bool:
+        """Whether some intent could pick another route than no intent would."""
+        head = self.head
+        q = find_query(self.up_target)
+        route = self.rt.table.match(
+            self.method, self.path, head.host if not self.host_line else self.host_line[6:-2],
+            head, self.up_target[q + 1:] if q >= 0 else b"", ANY_INTENT)
+        return route is not None and (route.intent is not None
+                                      or route.intent_domain is not None)
 
     def _inspect(self, kind: int, limit: int) -> None:
         """Wait for `limit` body bytes (or the whole body) before going on with `kind`."""

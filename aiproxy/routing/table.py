@@ -27,6 +27,24 @@ if TYPE_CHECKING:
     from aiproxy.routing.cluster import Cluster
 
 
+class _AnyName:
+    """Equal to every intent (and domain) name: a match with ANY_INTENT finds the route
+    some intent could pick, so one that names none shows no intent can matter."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = object.__hash__
+
+
+ANY_INTENT = (_AnyName(), _AnyName())
+
+
 def host_without_port(host: bytes) -> bytes:
     if host.startswith(b"["):
         end = host.find(b"]")
