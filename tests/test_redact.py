@@ -110,6 +110,24 @@ def test_holds_only_what_could_still_match():
     assert r.feed(b'e9"}') == b'\\u00e9"}'
 
 
+def test_escaped_characters_are_read_as_what_they_stand_for():
+    """A serializer that escapes (json.dumps's default for non-ASCII, or one that
+    escapes "@") must not hide a secret: escapes are read as their characters, and one
+    standing for a masked character is masked whole, so the JSON stays valid."""
+    for text, masked in (
+            (b"mail alice.secret\\u0040example.com now",
+             "mail *****.******@******e.com now"),
+            (b"card 4111\\u00a01111\\u00a01111\\u00a01111 ok",
+             "card ****\u00a0****\u00a0****\u00a01111 ok"),
+            (b"ssn 123\\u002d45-6789", "ssn ***-**-6789"),
+            # the escaped "1" is one of the masked digits: its 6 bytes become 6 "*"
+            (b"card 4111\\u003111111111111", "card " + "*" * 17 + "1111")):
+        body = b'{"t": "' + text + b'"}'
+        out, counts = redact_text(body, mode="json")
+        assert len(out) == len(body) and counts, (body, out)
+        assert json.loads(out)["t"] == masked, out
+
+
 def test_escapes_are_never_masked():
     body = json.dumps({"t": "x\n4111111111111111\tand\\u0041 a@b.cd"}).encode()
     out, counts = redact_text(body, mode="json")

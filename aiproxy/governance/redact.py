@@ -4,7 +4,9 @@ masked in place keeping the last 4 letters/digits ("****-****-****-1234").
 
 Masks replace ASCII letters and digits with "*", so a body keeps its length (and its
 Content-Length) and JSON stays JSON: only the insides of JSON strings are searched
-(never numbers or keys' syntax), and escape sequences are never touched.
+(never numbers or keys' syntax). An escape sequence is read as the character it stands
+for (`\u0040` is "@", `\u00a0` a space), and one that stands for a masked character is
+masked whole (`\u0034` becomes `******`).
 
 Streams: an event stream's text arrives split over events (OpenAI-style deltas), so
 the string values of content keys ("content", "text", "delta", "arguments", ...) are
@@ -15,6 +17,7 @@ back from its first byte; everything before it goes out at once. Nothing else wa
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Any
 
 import regex
@@ -38,7 +41,21 @@ PATTERNS: dict[str, bytes] = {
 ORDER = ("card", "iban", "prc_id", "us_ssn", "email", "phone")
 _ALNUM = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 _ESCAPE = regex.compile(rb"\\(?:u[0-9a-fA-F]{4}|[^u])")
+_SIMPLE_ESCAPES = {ord("n"): b"\n", ord("t"): b"\t", ord("r"): b"\r", ord("b"): b" ",
+                   ord("f"): b" ", ord("/"): b"/", ord("\\"): b"\\", ord('"'): b'"'}
+_SPACE_LIKE = frozenset((0xA0, 0x2007, 0x2009, 0x202F, 0x3000))
 _PRC_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
+
+
+def _unescape(seq: bytes) -> bytes:
+    """The one byte a JSON escape reads as here: its ASCII character, a space for the
+    space-like ones (a card written with no-break spaces), else NUL (matches nothing)."""
+    if seq[1] == 0x75:  # \uXXXX
+        cp = int(seq[2:6], 16)
+        if cp < 0x80:
+            return bytes((cp,))
+        return b" " if cp in _SPACE_LIKE else b"\x00"
+    return _SIMPLE_ESCAPES.get(seq[1], b"\x00")
 
 
 def luhn(digits: bytes) -> bool:
@@ -211,22 +228,38 @@ class Redactor:
               open_: bool) -> int:
         """Mask the complete matches of one channel; the buffer position to hold from."""
         pieces = []
-        where = []  # virtual offset -> buffer offset, per segment
+        # Runs of the text searched: (text offset, buffer start, buffer end, escape). A
+        # plain run maps byte for byte; an escape is one text byte for its whole sequence.
+        runs: list[tuple[int, int, int, bool]] = []
         v = 0
         for s, e in segs:
-            piece = _ESCAPE.sub(lambda m: b"\x00" * len(m.group()), buf[s:e])
-            pieces.append(piece)
-            where.append((v, s))
-            v += e - s
+            i = s
+            if buf.find(b"\\", s, e) >= 0:
+                for m in _ESCAPE.finditer(buf, s, e):
+                    ms, me = m.span()
+                    if ms > i:
+                        pieces.append(buf[i:ms])
+                        runs.append((v, i, ms, False))
+                        v += ms - i
+                    pieces.append(_unescape(m.group()))
+                    runs.append((v, ms, me, True))
+                    v += 1
+                    i = me
+            if e > i:
+                pieces.append(buf[i:e])
+                runs.append((v, i, e, False))
+                v += e - i
         text = b"".join(pieces)
         if not text:
             return len(buf)
+        starts = [r[0] for r in runs]
+
+        def run_of(vi: int) -> tuple[int, int, int, bool]:
+            return runs[max(0, bisect_right(starts, vi) - 1)]
 
         def pos(vi: int) -> int:
-            for vs, bs in reversed(where):
-                if vi >= vs:
-                    return bs + vi - vs
-            return where[0][1]
+            vs, bs, _, escaped = run_of(vi)
+            return bs if escaped else bs + vi - vs
 
         end = len(text)
         hold_v = end
@@ -249,7 +282,11 @@ class Redactor:
             self.counts[kind] = self.counts.get(kind, 0) + 1
             alnum = [i for i in range(m.start(), m.end()) if text[i] in _ALNUM]
             for i in alnum[:-4]:
-                out[pos(i)] = 0x2A  # "*"
+                vs, bs, be, escaped = run_of(i)
+                if escaped:
+                    out[bs:be] = b"*" * (be - bs)
+                else:
+                    out[bs + i - vs] = 0x2A  # "*"
         return len(buf) if hold_v >= end else pos(hold_v)
 
 
