@@ -185,6 +185,8 @@ def test_jwt_refusals(jwt_proxy, keys):
         "Signature verification failed": _token(keys["rsa2"], "rsa1"),
         "no sub claim": _token(rsa1, "rsa1", sub=None),
         'missing the "exp" claim': _token(rsa1, "rsa1", exp=None),
+        # A valid token with base64 padding appended: another spelling of the same one.
+        "malformed token (padding)": _token(rsa1, "rsa1") + "==",
     }
     for needle, token in cases.items():
         r = _get(jwt_proxy, {"authorization": f"Bearer {token}"})

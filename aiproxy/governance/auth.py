@@ -266,6 +266,10 @@ class Authenticator:
             ex.set_upstream_header(b"authorization", None)
             token = value.strip().decode("latin-1")
             if self.jwks is not None and token.count(".") == 2:
+                if "=" in token:
+                    # RFC 7515 2: base64url without padding. Decoders that take padding
+                    # would give one token many spellings (and cache entries).
+                    raise AuthError("invalid_token", "malformed token (padding)")
                 return self.verify_jwt(token)
             return self._api_key(token)
         if presented is not None:
