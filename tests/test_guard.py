@@ -27,6 +27,19 @@ def _chunk(text: str) -> bytes:
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
+async def _ollama(request: web.Request) -> web.StreamResponse:
+    """Ollama's /api/chat stream: one JSON object per line (application/x-ndjson)."""
+    resp = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
+    await resp.prepare(request)
+    for part in PARTS:
+        line = {"model": "m", "message": {"role": "assistant", "content": part}, "done": False}
+        await resp.write(json.dumps(line).encode() + b"\n")
+        await asyncio.sleep(0.05)
+    await resp.write(b'{"model": "m", "done": true}\n')
+    await resp.write_eof()
+    return resp
+
+
 async def _chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     if body.get("stream"):
@@ -52,6 +65,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 def chat_upstream() -> Iterator[int]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/api/chat", _ollama)
     with serve_aiohttp(app) as port:
         yield port
 
@@ -224,6 +238,17 @@ def test_card_split_across_three_sse_events(start_proxy, chat_upstream):
         assert "4111" not in text.replace("1111,", "")
         assert "Your card number is **** **** **** 1111, and mail me at " in text, text
         assert text.endswith("***.*****@******e.org"), text
+
+
+def test_card_split_across_ndjson_lines(start_proxy, chat_upstream):
+    """An NDJSON token stream (Ollama's) is read like SSE: content across lines."""
+    proxy = start_proxy(simple_config(chat_upstream) + GUARD)
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{proxy.url}/api/chat", json={"model": "m", "messages": []})
+    lines = [json.loads(line) for line in r.text.splitlines()]
+    text = "".join(line["message"]["content"] for line in lines if "message" in line)
+    assert [len(line["message"]["content"]) for line in lines[:3]] == [len(p) for p in PARTS]
+    assert "Your card number is **** **** **** 1111, and mail me at " in text, text
 
 
 SEEN_ENCODINGS: list[str | None] = []

@@ -105,7 +105,8 @@ REDACT_TYPES = ("email", "phone", "card", "iban", "prc_id", "us_ssn")
 @dataclass(frozen=True, slots=True)
 class RedactConfig:
     types: tuple[str, ...] = REDACT_TYPES
-    content_types: tuple[str, ...] = ("application/json", "text/event-stream", "text/plain")
+    content_types: tuple[str, ...] = ("application/json", "text/event-stream", "text/plain",
+                                      "application/x-ndjson", "application/jsonl")
 
 
 def _dir(checker: _Checker) -> str:
