@@ -78,6 +78,11 @@ match = {{ host = "private.example" }}
 cluster = "private"
 
 [[routes]]
+name = "dotted-host"
+match = {{ host = "dotted.example." }}
+cluster = "private"
+
+[[routes]]
 name = "public"
 match = {{ path_prefix = "/" }}
 cluster = "public"
@@ -130,6 +135,10 @@ def test_host_with_a_trailing_dot_is_the_same_host(start_proxy, two_upstreams):
     data = raw_exchange(proxy.port, b"GET /echo/x HTTP/1.1\r\nHost: private.example.\r\n"
                         b"Connection: close\r\n\r\n")
     assert json.loads(data.split(b"\r\n\r\n", 1)[1])["upstream"] == "private"
+    for host in (b"dotted.example", b"dotted.example."):  # and a route's dot is the same
+        data = raw_exchange(proxy.port, b"GET /echo/x HTTP/1.1\r\nHost: " + host +
+                            b"\r\nConnection: close\r\n\r\n")
+        assert json.loads(data.split(b"\r\n\r\n", 1)[1])["upstream"] == "private", host
 
 
 def test_query_survives_normalization(start_proxy, two_upstreams):

@@ -5,6 +5,7 @@ servers written here that misbehave on purpose). Everything runs on 127.0.0.1.""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import os
@@ -1314,6 +1315,23 @@ def test_half_closed_client_gets_response_with_ignore_client_abort(
         c.sock.shutdown(socket.SHUT_WR)
         r = c.read_response()
         assert r.status == 200 and r.json()["path"] == "/echo/half-closed"
+        assert c.closed_within(5)
+
+
+def test_websocket_client_fin_before_the_101_is_passed_on(
+        start_proxy: StartProxy, demo_upstream: int) -> None:
+    """A WebSocket client that sends its request, a frame and its FIN in one go gets the
+    101 and the echo, and then the end of the tunnel (the FIN went on to the upstream)."""
+    proxy = start_proxy(simple_config(demo_upstream))
+    key = base64.b64encode(os.urandom(16))
+    mask = os.urandom(4)
+    frame = bytes([0x81, 0x85]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(b"hello"))
+    with RawConn(proxy.port) as c:
+        c.send(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n" + frame)
+        c.sock.shutdown(socket.SHUT_WR)
+        assert c.read_head().status == 101
+        assert c.read_exact(7) == b"\x81\x05hello"
         assert c.closed_within(5)
 
 

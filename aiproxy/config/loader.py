@@ -1149,12 +1149,14 @@ class _Checker:
         if value == "*":
             return None
         wild = _WILDCARD_HOST.fullmatch(value)
+        # A trailing dot names the same host, fully qualified: requests are matched
+        # without theirs (routing/table.py host_without_port), so routes are too.
         if wild is not None and HOSTNAME.fullmatch(wild.group(1)):
-            return value.lower().encode("ascii")
+            return value.lower().rstrip(".").encode("ascii")
         if not (HOSTNAME.fullmatch(value) or _BRACKETED_V6.fullmatch(value)):
             hint = ": must not include a port" if _HOST_WITH_PORT.fullmatch(value) else ""
             self.error(path + ("host",), f"invalid host '{value}'{hint}")
-        return value.lower().encode("ascii", "replace")
+        return value.lower().removesuffix(".").encode("ascii", "replace")
 
     def match_headers(
         self, data: dict[str, Any], path: KeyPath

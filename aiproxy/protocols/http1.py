@@ -555,6 +555,10 @@ class H1ConnectionCore(Downstream):
         # Bytes the client sent behind its Upgrade request were held as a pipelined
         # request (reading paused past max_header_bytes); they are tunnel bytes now.
         self.resume(P_PIPELINE)
+        if self.client_eof and self.exchange is not None:
+            # The client's FIN came before the 101: pass it on now, or each side would
+            # wait for the other.
+            self.exchange.tunnel_client_eof()
 
     def tunnel_write(self, data: bytes) -> None:
         self.transport.write(data)
