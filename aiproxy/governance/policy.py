@@ -586,10 +586,12 @@ class PolicyFilter(Filter):
 class PolicyFactory(FilterFactory):
     name = "policy"
 
-    def __init__(self, state: PolicyState) -> None:
+    def __init__(self, state: PolicyState, classifies: bool) -> None:
         self.state = state
-        self.inspect_bytes = (INSPECT_BYTES if state.policy.uses_model
-                              or state.policy.uses_intent else 0)
+        # Intent rules read the body only through a [semantic] model (request_of).
+        policy = state.policy
+        self.inspect_bytes = (INSPECT_BYTES if policy.uses_model
+                              or (policy.uses_intent and classifies) else 0)
 
     def start(self, ex: Exchange) -> Filter:
         return PolicyFilter(self.state)
@@ -608,4 +610,4 @@ def make_state(config: Config, previous: Any) -> Any:
 
 
 def build(config: Config, route: RouteConfig, state: PolicyState) -> FilterFactory:
-    return PolicyFactory(state)
+    return PolicyFactory(state, config.semantic is not None)
