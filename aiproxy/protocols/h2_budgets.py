@@ -12,6 +12,7 @@ request, and each DATA frame the proxy sent (a peer answers DATA with WINDOW_UPD
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiproxy.ratelimit.bucket import Budget
@@ -50,14 +51,17 @@ class FrameBudgets:
         if n < self.small_data:
             self.idle_frames += 1 - n / self.small_data
 
-    def settle(self, conn: Any, now: float) -> bool:
+    def settle(self, conn: Any, clock: Callable[[], float]) -> bool:
         """Charge the idle frames counted since the last call, and the frames on closed
-        streams h2_fast.FastReceive counted on `conn`; False once overdrawn."""
+        streams h2_fast.FastReceive counted on `conn`; False once overdrawn. `clock` is
+        read only when there is something to charge."""
         n = self.idle_frames + conn.closed_frames
+        if not n:
+            return True
         self.idle_frames = 0.0
         conn.closed_frames = 0
         sent = conn.data_frames_sent
         if sent != self.data_sent_seen:
             self.idle.credit((sent - self.data_sent_seen) * IDLE_PER_DATA_SENT)
             self.data_sent_seen = sent
-        return self.idle.spend(n, now)
+        return self.idle.spend(n, clock())

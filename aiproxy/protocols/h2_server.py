@@ -202,9 +202,7 @@ class H2ServerConnection(asyncio.Protocol):
             n, conn.refused = conn.refused, 0
             if self._charge_resets(n):
                 return
-        budgets = self.budgets
-        if (budgets.idle_frames or conn.closed_frames) and not budgets.settle(
-                conn, self.loop.time()):
+        if not self.budgets.settle(conn, self.loop.time):
             log.warning("client %s floods frames that carry no request (empty or tiny "
                         "DATA, PRIORITY, WINDOW_UPDATE, unknown or on closed streams): GOAWAY",
                         self.peer.decode())

@@ -159,10 +159,7 @@ class H2UpstreamConnection(asyncio.Protocol):
             self.receiving = False
         if self.closed:
             return
-        budgets = self.budgets
-        conn = self.h2
-        if (budgets.idle_frames or conn.closed_frames) and not budgets.settle(
-                conn, self.pool.loop.time()):
+        if not self.budgets.settle(self.h2, self.pool.loop.time):
             self._flooded("frames that carry no response (empty DATA, PRIORITY, "
                           "WINDOW_UPDATE, unknown or on closed streams)")
             return
