@@ -245,19 +245,21 @@ def test_out_of_range(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "old,new,bad",
-    [('name = "fallback"', 'name = "fallback', 'name = "fallback'),
-     ('name = "fallback"', 'name = = "fallback"', 'name = = "fallback"'),
-     ("[[routes]]", "[[routes]", "[[routes]"),
-     ('name = "fallback"', 'name = "fallback"\nname = "again"', 'name = "again"')],
+    "old,new,bad,where",
+    [('name = "fallback"', 'name = "fallback', 'name = "fallback', "routes[1].name"),
+     ('name = "fallback"', 'name = = "fallback"', 'name = = "fallback"', "routes[1].name"),
+     ("[[routes]]", "[[routes]", "[[routes]", "routes[0]"),
+     ('name = "fallback"', 'name = "fallback"\nname = "again"', 'name = "again"',
+      "routes[1].name")],
     ids=["unterminated-string", "double-equals", "bad-table-header", "duplicate-key"],
 )
-def test_toml_syntax_error(tmp_path: Path, old: str, new: str, bad: str) -> None:
+def test_toml_syntax_error(tmp_path: Path, old: str, new: str, bad: str,
+                           where: str) -> None:
     text = valid_config().replace(old, new, 1)
     path = write(tmp_path, text)
     [(_, line, key, message)] = check_fails(path)
     assert line == line_of(text, bad)
-    assert key == "syntax", (key, message)
+    assert (key, message.split(":")[0]) == (where, "syntax"), (key, message)
 
 
 def test_several_problems_all_reported_in_line_order(tmp_path: Path) -> None:

@@ -293,13 +293,54 @@ def test_duplicates(tmp_path):
 
 def test_syntax_error(tmp_path):
     text = BASE + "\n[http]\nvia = tru\n"
-    assert problems(tmp_path, text) == ["10: syntax: Invalid value"]
+    assert problems(tmp_path, text) == ["10: http.via: syntax: Invalid value"]
 
 
 def test_syntax_error_at_end_of_document(tmp_path):
-    assert problems(tmp_path, 'a = "x\n') == ["1: syntax: Illegal character '\\n'"]
+    assert problems(tmp_path, 'a = "x\n') == ["1: a: syntax: Illegal character '\\n'"]
     assert problems(tmp_path, '[[listeners]]\nname = "a"\nb = [1,\n') == [
-        "3: syntax: Invalid value"
+        "3: listeners[0].b: syntax: Invalid value"
+    ]
+
+
+def test_syntax_error_names_the_statement_that_opened_a_bracket_or_quote(tmp_path):
+    # tomllib fails where the unclosed value finally stops parsing (a later table
+    # header); the problem points at the key whose value was left open.
+    text = textwrap.dedent("""\
+        [server]
+        workers = 1
+
+        [[clusters]]
+        name = "b"
+        endpoints = ["127.0.0.1:2",
+        # a comment
+
+        [[routes]]
+        name = "r"
+        """)
+    assert problems(tmp_path, text) == [
+        "6: clusters[0].endpoints: syntax: Invalid value at line 9:"
+        " a bracket or quote opened here is not closed"
+    ]
+    text = '[server]\nworkers = """abc\n\nx = 1\n'
+    assert problems(tmp_path, text) == [
+        "2: server.workers: syntax: Unterminated string at line 4:"
+        " a bracket or quote opened here is not closed"
+    ]
+
+
+def test_syntax_error_names_key_and_table(tmp_path):
+    assert problems(tmp_path, "[server]\nworkers = 1 2\n") == [
+        "2: server.workers: syntax: Expected newline or end of document after a statement"
+    ]
+    assert problems(tmp_path, "[server\nworkers = 1\n") == [
+        "1: server: syntax: Expected ']' at the end of a table declaration"
+    ]
+    assert problems(tmp_path, "[http]\nvia = true\nvia = false\n") == [
+        "3: http.via: syntax: Cannot overwrite a value"
+    ]
+    assert problems(tmp_path, "[[clusters]]\nname = 'a'\n[[clusters]]\nname = 1 1\n") == [
+        "4: clusters[1].name: syntax: Expected newline or end of document after a statement"
     ]
 
 

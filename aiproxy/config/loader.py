@@ -86,6 +86,7 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 _HEADER_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 _BRACKETED_V6 = re.compile(r"\[[0-9A-Fa-f:.]+\]")
 _HOST_WITH_PORT = re.compile(r".+:[0-9]+")
+_SYNTAX_LOOKBACK = 2000  # lines
 _SYNTAX_POSITION = re.compile(r"\s*\((?:at line (\d+), column \d+|at end of document)\)\s*$")
 
 _KINDS = (
@@ -139,12 +140,37 @@ def load_config_text(text: str, filename: str) -> Config:
 def _syntax_problem(filename: str, text: str, exc: tomllib.TOMLDecodeError) -> Problem:
     message = str(exc)
     position = _SYNTAX_POSITION.search(message)
+    lines = text.splitlines(keepends=True)
     if position is None:
         line = 1
     else:
         message = message[: position.start()]
-        line = int(position.group(1)) if position.group(1) else len(text.splitlines()) or 1
-    return Problem(filename, line, "", f"syntax: {message}")
+        line = int(position.group(1)) if position.group(1) else len(lines) or 1
+    start = _statement_start(lines, line)
+    path = Locator(text).statement(start)
+    if start < line:
+        # An open bracket or quote: tomllib stops where the value finally fails to
+        # parse, often at a later table; the mistake is in the statement that opened it.
+        message += f" at line {line}: a bracket or quote opened here is not closed"
+    return Problem(filename, start, _format_path(path) if path else "", f"syntax: {message}")
+
+
+def _statement_start(lines: list[str], line: int) -> int:
+    """The line where the statement tomllib failed on (at `line`) begins: the first line
+    with content after the longest prefix of the document that parses on its own. The
+    walk back is bounded (each step parses the prefix); past it, `line` stands."""
+    last = min(line, len(lines)) - 1
+    for keep in range(last, max(last - _SYNTAX_LOOKBACK, -1), -1):
+        try:
+            tomllib.loads("".join(lines[:keep]))
+        except tomllib.TOMLDecodeError:
+            continue
+        for n in range(keep, line):
+            stripped = lines[n].strip()
+            if stripped and not stripped.startswith("#"):
+                return n + 1
+        return line
+    return line
 
 
 def _kind(value: object) -> str:

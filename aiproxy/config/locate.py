@@ -39,6 +39,11 @@ class Locator:
         except (_ScanError, IndexError, ValueError, tomllib.TOMLDecodeError):
             pass
         self._lines = scanner.lines
+        self._statements = scanner.statements
+
+    def statement(self, line: int) -> KeyPath | None:
+        """The key or table whose statement starts on `line`, if one does."""
+        return self._statements.get(line)
 
     def line(self, path: KeyPath) -> int:
         """Line of ``path``, else of its nearest recorded parent, else 1."""
@@ -59,6 +64,7 @@ class _Scanner:
         self.pos = 0
         self.newlines = [m.start() for m in re.finditer("\n", text)]
         self.lines: dict[KeyPath, int] = {}
+        self.statements: dict[int, KeyPath] = {}  # line -> the key or table it starts
         self.table_arrays: dict[KeyPath, int] = {}
 
     def lineno(self) -> int:
@@ -89,11 +95,13 @@ class _Scanner:
         self.lines.setdefault(path, line)
         if brackets == 1:
             self.lines[path] = line
+            self.statements.setdefault(line, path)
             return path
         index = self.table_arrays.get(path, 0)
         self.table_arrays[path] = index + 1
         path += (index,)
         self.lines[path] = line
+        self.statements.setdefault(line, path)
         return path
 
     def descend(self, path: KeyPath, key: str, line: int) -> KeyPath:
@@ -111,6 +119,7 @@ class _Scanner:
             self.lines.setdefault(path, line)
         path += (keys[-1],)
         self.lines[path] = line
+        self.statements.setdefault(line, path)
         if self.text[self.pos] != "=":
             raise _ScanError
         self.pos += 1
