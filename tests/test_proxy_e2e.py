@@ -1318,6 +1318,17 @@ def test_half_closed_client_gets_response_with_ignore_client_abort(
         assert c.closed_within(5)
 
 
+def test_half_closed_client_gets_every_pipelined_response_with_ignore_client_abort(
+        start_proxy: StartProxy, demo_upstream: int) -> None:
+    proxy = start_proxy(simple_config(demo_upstream, http="ignore_client_abort = true"))
+    with RawConn(proxy.port) as c:
+        c.send(get("/echo/1") + get("/echo/2") + get("/echo/3") + b"GET /echo/4 HTTP/1.1\r\n")
+        c.sock.shutdown(socket.SHUT_WR)
+        paths = [c.read_response().json()["path"] for _ in range(3)]
+        assert paths == ["/echo/1", "/echo/2", "/echo/3"]
+        assert c.closed_within(5)  # the unfinished fourth head is dropped with the close
+
+
 def test_websocket_client_fin_before_the_101_is_passed_on(
         start_proxy: StartProxy, demo_upstream: int) -> None:
     """A WebSocket client that sends its request, a frame and its FIN in one go gets the

@@ -363,7 +363,7 @@ class H1ConnectionCore(Downstream):
         if self.closed:
             return
         rt = self.server.runtime
-        if (not keep_alive or self.server.draining or self.client_eof
+        if (not keep_alive or self.server.draining or (self.client_eof and not self.buf)
                 or (rt.max_keepalive_requests and self.served >= rt.max_keepalive_requests)):
             if e.req_done:
                 self.close()
@@ -375,7 +375,12 @@ class H1ConnectionCore(Downstream):
             self.transport.resume_reading()
         self.idle_since = self.head_started = monotonic()
         if self.buf:
+            # Pipelined requests: a client that half-closed behind them (only reaching
+            # here with ignore_client_abort) still gets an answer to each.
             self._process()
+            if (self.client_eof and self.exchange is None and not self.closed
+                    and not self.lingering):
+                self.close()  # what is left is not a whole request, and no more can come
         elif not rt.keepalive_timeout_ms:
             self.close()
 
