@@ -191,12 +191,15 @@ def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
                 error(path + ("id",), f"duplicate rule id '{rule.id}'")
             seen.add(rule.id)
             rules.append(rule)
-    uses_model = any("models" in r.globs or r.rbac for r in rules)
-    return Policy(tuple(rules), roles, default, uses_model, _uses_intent(rules)), problems
+    return _policy(rules, roles, default), problems
 
 
-def _uses_intent(rules: Any) -> bool:
-    return any("intents" in r.globs or "domains" in r.globs or r.rbac for r in rules)
+def _policy(rules: list[Rule], roles: Any, default: Any) -> Policy:
+    """The Policy, with what its rules read of a request (the model, the intent)."""
+    return Policy(tuple(rules), roles, default,
+                  uses_model=any("models" in r.globs or r.rbac for r in rules),
+                  uses_intent=any("intents" in r.globs or "domains" in r.globs or r.rbac
+                                  for r in rules))
 
 
 def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
@@ -310,8 +313,7 @@ def load_policy_files(paths: tuple[str, ...] | list[str]) -> Policy:
         ids.setdefault(rule.id, rule.source)
     if problems:
         raise ConfigError(problems)
-    return Policy(tuple(rules), roles, default, any(
-        "models" in r.globs or r.rbac for r in rules), _uses_intent(rules))
+    return _policy(rules, roles, default)
 
 
 def kernel_deny_cidrs(policy: Policy) -> tuple[str, ...]:
@@ -482,19 +484,11 @@ def request_of(ex: Exchange, uses_model: bool, uses_intent: bool = False) -> Req
 
 def _model_intent(ex: Exchange, sem: Any) -> tuple[str | None, str | None]:
     """The model's intent and domain for the request body (None, None: no text)."""
-    from aiproxy.semantic.unified import extract_text
-
-    head = ex.head
-    target = ex.up_target
-    q = target.find(b"?")
     try:
-        text = extract_text(head.get(b"content-type") or b"", ex.request_body(),
-                            target[q + 1:] if q >= 0 else b"", sem.json_fields,
-                            head.content_length if head.content_length >= 0 else None)
+        text = sem.request_text(ex.head, ex.request_body(), ex.up_target)
         if not text:
             return None, None
-        decision = (sem.native.classify(text, sem.top_k, sem.threshold)
-                    if sem.native is not None else sem.model.classify(text))
+        decision = sem.model.classify(text)
     except Exception:  # as routing does: judged without an intent rather than failed
         log.exception("intent classification for the policy failed")
         return None, None

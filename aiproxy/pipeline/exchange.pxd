@@ -58,6 +58,7 @@ cdef class Exchange(ExchangeBase):
     cpdef _send_continue(self)
     @cython.locals(head=RequestHead, route=Route)
     cpdef _route(self)
+    cdef Route _match(self, tuple intent)
     cpdef _dispatch(self)
     cpdef _inspect(self, int kind, long long limit)
     cpdef _inspected(self)

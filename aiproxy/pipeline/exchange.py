@@ -46,8 +46,7 @@ from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
-from aiproxy.routing.table import ANY_INTENT
-from aiproxy.semantic.unified import extract_text
+from aiproxy.routing.table import ANY_INTENT, Route
 
 if TYPE_CHECKING:
     from aiproxy.config import RetryPolicy
@@ -265,13 +264,17 @@ class Exchange(ExchangeBase):
 
     def _intent_may_route(self) -> bool:
         """Whether some intent could pick another route than no intent would."""
-        head = self.head
-        q = find_query(self.up_target)
-        route = self.rt.table.match(
-            self.method, self.path, head.host if not self.host_line else self.host_line[6:-2],
-            head, self.up_target[q + 1:] if q >= 0 else b"", ANY_INTENT)
+        route = self._match(ANY_INTENT)
         return route is not None and (route.intent is not None
                                       or route.intent_domain is not None)
+
+    def _match(self, intent: tuple) -> Route | None:
+        """The route table's match for this request, with `intent` as (intent, domain)."""
+        up_target = self.up_target
+        q = find_query(up_target)
+        return self.rt.table.match(
+            self.method, self.path, self.head.host if not self.host_line else self.host_line[6:-2],
+            self.head, up_target[q + 1:] if q >= 0 else b"", intent)
 
     def _inspect(self, kind: int, limit: int) -> None:
         """Wait for `limit` body bytes (or the whole body) before going on with `kind`."""
@@ -333,12 +336,8 @@ class Exchange(ExchangeBase):
     def _classify(self, body: bytes) -> None:
         sem = self.rt.semantic
         t0 = monotonic()
-        head = self.head
-        q = find_query(self.up_target)
         try:
-            text = extract_text(head.get(b"content-type") or b"", body,
-                                self.up_target[q + 1:] if q >= 0 else b"", sem.json_fields,
-                                head.content_length if head.content_length >= 0 else None)
+            text = sem.request_text(self.head, body, self.up_target)
         except Exception:  # never fail a request on its content: route without an intent
             log.exception("semantic extraction failed")
             sem.failures += 1
@@ -390,19 +389,12 @@ class Exchange(ExchangeBase):
         self._route()
 
     def _route(self) -> None:
-        head = self.head
-        method = self.method
-        host = head.host if not self.host_line else self.host_line[6:-2]
-        up_target = self.up_target
-        q = find_query(up_target)
         intent = self.intent
-        route = self.rt.table.match(method, self.path, host, head,
-                                    up_target[q + 1:] if q >= 0 else b"",
-                                    NO_INTENT if intent is None else (intent, self.intent_domain))
+        route = self._match(NO_INTENT if intent is None else (intent, self.intent_domain))
         if route is None:
             return self.local_reply(404, "no route matches the request", "no_route")
         self.route = route
-        self.cluster = route.pick_cluster(head) if route.cum_weights else route.cluster
+        self.cluster = route.pick_cluster(self.head) if route.cum_weights else route.cluster
         factories = route.filters
         if factories:
             return self._start_filters(factories)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from aiproxy._fast.intent_head import DecisionLines, confidence_text
 from aiproxy.config import SemanticConfig
 from aiproxy.semantic.classifier import Batcher, IntentModel, ModelError, resolve
+from aiproxy.semantic.unified import extract_text
 
 log = logging.getLogger("aiproxy.semantic")
 
@@ -82,6 +84,14 @@ class SemanticRouter:
         if domain:
             fields.append((b"x-aiproxy-intent-domain", domain.encode()))
         return fields
+
+    def request_text(self, head: Any, body: bytes, target: bytes) -> str:
+        """The text the model reads for a request: the body's fields (json_fields) and the
+        query string of `target`. Raises on content it cannot read."""
+        q = target.find(b"?")
+        return extract_text(head.get(b"content-type") or b"", body,
+                            target[q + 1:] if q >= 0 else b"", self.json_fields,
+                            head.content_length if head.content_length >= 0 else None)
 
     def domain_of(self, label: str) -> str | None:
         return self.domains.get(label)
