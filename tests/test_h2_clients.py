@@ -432,6 +432,18 @@ def test_httpx_http2_prior_knowledge_concurrent(proxy: ProxyProc) -> None:
         assert doc["body_sha256"] == sha(str(i).encode() * i)
 
 
+def test_h2_client_cannot_state_the_proxy_fields(proxy: ProxyProc) -> None:
+    """x-aiproxy-* (and the CGI spelling x_aiproxy_*) are the proxy's to send upstream:
+    an HTTP/2 client's are dropped, as an HTTP/1.1 client's are."""
+    own = {"x-aiproxy-identity": "subject=root", "x-aiproxy-intent": "transfer",
+           "x_aiproxy_policy": "allow", "x-aiproxy-": "bare"}
+    with httpx.Client(http1=False, http2=True, timeout=30) as client:
+        r = client.get(url(proxy, "h2c", "/echo/own"), headers={**own, "x-aiproxyz": "kept"})
+    seen = r.json()["headers"]
+    assert r.http_version == "HTTP/2" and not set(own) & set(seen), seen
+    assert seen["x-aiproxyz"] == "kept"
+
+
 # -- mTLS ---------------------------------------------------------------------------------------
 
 

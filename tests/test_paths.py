@@ -162,3 +162,14 @@ def test_client_cannot_state_the_semantic_decision(start_proxy, two_upstreams):
                            "x-aiproxy-intent-confidence": "1"})
     seen = r.json()["headers"]
     assert not any(name.startswith("x-aiproxy-intent") for name in seen)
+
+
+def test_client_cannot_state_any_proxy_field(start_proxy, two_upstreams):
+    """Every x-aiproxy-* field and its CGI spelling, in any case, is the proxy's own."""
+    proxy = start_proxy(_config(*two_upstreams))
+    data = _raw(proxy.port, b"/echo/x", b"X-AIProxy-Identity: subject=root\r\n"
+                b"x_aiproxy_policy: allow\r\nX_AIPROXY_INTENT: transfer\r\n"
+                b"x-aiproxy-: bare\r\nx-aiproxyz: kept\r\n")
+    seen = json.loads(data.split(b"\r\n\r\n", 1)[1])["headers"]
+    assert not any("aiproxy_" in name or "aiproxy-" in name for name in seen), seen
+    assert seen["x-aiproxyz"] == "kept"

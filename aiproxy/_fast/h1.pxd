@@ -11,6 +11,7 @@ cdef enum:
     F_XFF = 128        # x-forwarded-for: merged with the client address
     F_XFP = 256        # x-forwarded-proto: replaced
     F_NAMED_BY_CONNECTION = 512
+    F_OWN = 1024       # x-aiproxy-* / x_aiproxy_*: the proxy's own, never a client's
 
 
 cpdef Py_ssize_t find_query(bytes target) except -2
@@ -44,7 +45,6 @@ cdef class Head:
     cdef Py_ssize_t _find(self, bytes lname, Py_ssize_t i, bint prefix) except -2
     cdef bytes _value(self, Py_ssize_t i)
     cpdef object get(self, bytes lname)
-    cpdef bint has_name_prefix(self, bytes lprefix) except -1
     cpdef list get_all(self, bytes lname)
     cpdef bytes serialize(self, bytes start_line, bytes extra, unsigned int drop_mask)
     cpdef bytes compose(self, bytes start, bytes target, tuple extra, unsigned int drop_mask,

@@ -319,11 +319,6 @@ cdef class Head:
         cdef Py_ssize_t i = self._find(lname, 0, False)
         return None if i < 0 else self._value(i)
 
-    cpdef bint has_name_prefix(self, bytes lprefix) except -1:
-        """Whether a field's name starts with `lprefix` (lower case): one pass where a
-        family of names is looked for."""
-        return self._find(lprefix, 0, True) >= 0
-
     cpdef list get_all(self, bytes lname):
         cdef list out = []
         cdef Py_ssize_t i = self._find(lname, 0, False)
@@ -728,6 +723,10 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
                 fl = F_HOP  # httpoxy
         if fl == 0 and nlen > 6 and _ieq(name, 6, b"proxy-", 6):
             fl = F_HOP
+        elif (fl == 0 and nlen >= 10 and (name[0] | 0x20) == 120  # x-aiproxy-, x_aiproxy_
+              and (name[1] == 45 or name[1] == 95) and name[9] == name[1]
+              and _ieq(name + 2, 7, b"aiproxy", 7)):
+            fl = F_OWN
         o = _offs + 5 * st.nh
         o[0] = <int>(pos - start)
         o[1] = <int>(k - start)

@@ -11,13 +11,13 @@ from aiproxy.routing.table cimport Route
 from aiproxy.server.runtime cimport Runtime
 
 # The module's constants, as C values (exchange.py assigns them).
-cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST, F_XFF, F_XFP
+cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST, F_XFF, F_XFP, F_OWN
 cdef int P_UPSTREAM, P_PENDING, REQ_NONE, REQ_LENGTH, REQ_CHUNKED, REQ_STREAM
 cdef int INSPECT_SEMANTIC, INSPECT_FILTERS
 cdef int BODY_NONE, BODY_LENGTH, BODY_TUNNEL  # ends.py's
 cdef long long PENDING_LIMIT, REPLAY_LIMIT
 cdef Py_ssize_t TOKEN_TAIL
-cdef bytes CRLF, PROXY_PREFIX, PROXY_PREFIX_CGI
+cdef bytes CRLF
 cdef tuple NO_INTENT
 cdef double INFINITY
 

@@ -60,6 +60,10 @@ F_CONTENT_LENGTH = 2
 F_HOST = 8
 F_XFF = 128
 F_XFP = 256
+# The fields the proxy states its decisions in upstream (identity, intent, guard flags,
+# cache, policy, backpressure) are named x-aiproxy-*: a client's own are dropped, and so
+# are x_aiproxy_* ones, which CGI-style servers read as the same names.
+F_OWN = 1024
 
 P_UPSTREAM = 1  # reasons the downstream stops reading the request body
 P_PENDING = 2
@@ -87,11 +91,6 @@ IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"
 # OpenAI-style usage in a JSON body or the final SSE event (llm_score token accounting).
 USAGE_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d{1,9})')
 TOKEN_TAIL = 4096  # bytes of the response end searched for usage
-# The fields the proxy states its decisions in upstream (identity, intent, guard flags,
-# cache, policy, backpressure) start with this; a client's own are dropped, and so are
-# x_aiproxy_* ones, which CGI-style servers read as the same names.
-PROXY_PREFIX = b"x-aiproxy-"
-PROXY_PREFIX_CGI = b"x_aiproxy_"
 GRPC_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 
 
@@ -228,10 +227,6 @@ class Exchange(ExchangeBase):
             self.path = path
         if head.expect_unknown:
             return self.local_reply(417, "unsupported expectation")
-        if head.has_name_prefix(PROXY_PREFIX) or head.has_name_prefix(PROXY_PREFIX_CGI):
-            for name, _ in head.fields(0):  # only the proxy may state its decisions
-                if name.startswith(PROXY_PREFIX) or name.startswith(PROXY_PREFIX_CGI):
-                    self.set_upstream_header(name, None)
         if not self._framing():
             return
         sem = self.rt.semantic
@@ -640,7 +635,7 @@ class Exchange(ExchangeBase):
         """The request head for an HTTP/1.1 upstream."""
         head = self.head
         rt = self.rt
-        drop = F_HOP | F_CONTENT_LENGTH
+        drop = F_HOP | F_CONTENT_LENGTH | F_OWN
         # The added field lines, one slot each (None: not sent): see Head.compose.
         host = fwd = decision = framing = upgrade_lines = added = None
         if self.host_line:
@@ -697,7 +692,7 @@ class Exchange(ExchangeBase):
             authority = pool.endpoint.address.encode()
         fields = [(b":method", self.method), (b":scheme", pool.scheme),
                   (b":path", self.up_target), (b":authority", authority)]
-        drop = F_HOP | F_HOST
+        drop = F_HOP | F_HOST | F_OWN
         if self.body_len >= 0:
             drop |= F_CONTENT_LENGTH
             fields.append((b"content-length", b"%d" % self.body_len))

@@ -16,6 +16,7 @@ F_TRANSFER_ENCODING = 4
 F_HOST = 8
 F_XFF = 128
 F_XFP = 256
+F_OWN = 1024
 
 # Fields that never cross a hop, whatever the protocol (RFC 9110 7.6.1, RFC 9113 8.2.2).
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade",
@@ -44,6 +45,7 @@ class MalformedHead(Exception):
 
 
 _NAME_FLAGS = {**_FLAGS, **dict.fromkeys(_HOP, F_HOP)}
+_OWN_PREFIXES = (b"x-aiproxy-", b"x_aiproxy_")  # names the proxy sets; see F_OWN
 _SCHEME_CHARS = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-."
 
 
@@ -69,7 +71,12 @@ def field_flags(items: list[tuple[bytes, bytes]]) -> tuple[list[int], int]:
     for name, value in items:
         f = table.get(name)
         if f is None:
-            f = F_HOP if name[:6] == b"proxy-" else 0
+            if name[:6] == b"proxy-":
+                f = F_HOP
+            elif name[:10] in _OWN_PREFIXES:
+                f = F_OWN
+            else:
+                f = 0
         elif f == F_CONTENT_LENGTH:
             if lengths is None:
                 lengths = []
