@@ -573,14 +573,28 @@ def _idle_flood_unit(c: FrameClient, kind: str) -> bytes:
         return raw_frame(0xFA, 0, 0, b"")
     if kind == "window_update":
         return raw_frame(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big"))
-    # CVE-2019-9514: DATA on a finished stream, each answered with RST_STREAM.
+    if kind == "settings_ack":  # unasked for: nothing to answer, nothing to do
+        return raw_frame(SETTINGS, 0x1, 0, b"")
+    if kind == "ping_ack":
+        return raw_frame(PING, 0x1, 0, b"12345678")
+    if kind == "goaway":  # repeated, while a response is still pending
+        c.send(c.request(1, "/delay/30000"))
+        return raw_frame(GOAWAY, 0, 0, (1).to_bytes(4, "big") + (0).to_bytes(4, "big"))
+    # Frames on a finished stream: DATA (CVE-2019-9514, each answered with RST_STREAM),
+    # and RST_STREAM and WINDOW_UPDATE, which h2 drops without an event.
     c.send(c.request(1, "/echo"))
     assert c.response(1).status == 200
+    if kind == "rst_on_closed_stream":
+        return raw_frame(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))
+    if kind == "window_update_on_closed_stream":
+        return raw_frame(WINDOW_UPDATE, 0, 1, (1).to_bytes(4, "big"))
     return raw_frame(DATA, 0, 1, b"x")
 
 
 @pytest.mark.parametrize("kind", ["empty_data", "one_byte_data", "priority", "unknown",
-                                  "window_update", "data_on_closed_stream"])
+                                  "window_update", "data_on_closed_stream", "settings_ack",
+                                  "ping_ack", "goaway", "rst_on_closed_stream",
+                                  "window_update_on_closed_stream"])
 def test_flood_of_frames_that_carry_no_request(proxy: ProxyProc, port: int, kind: str) -> None:
     """Cheap frames that cost the proxy work and move no request along: the connection is
     cut (GOAWAY ENHANCE_YOUR_CALM) instead of holding the worker busy for as long as the

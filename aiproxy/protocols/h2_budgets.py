@@ -5,7 +5,9 @@ response along are charged to budgets, and a peer that overdraws one gets
 GOAWAY(ENHANCE_YOUR_CALM):
 - PING and SETTINGS, each owed an ACK (CVE-2019-9512 ping flood, 9515 settings flood);
 - frames that carry nothing (9513 PRIORITY, 9518 empty DATA, unknown frame types,
-  WINDOW_UPDATE) and frames on closed streams, each answered with RST_STREAM (9514).
+  WINDOW_UPDATE, PING and SETTINGS ACKs, a repeated GOAWAY), frames on closed streams,
+  each answered with RST_STREAM (9514), and any frame that raised no event at all
+  (RST_STREAM or WINDOW_UPDATE on a stream gone).
 The idle-frame budget refills with time, and with work the peer asked for: each
 request, and each DATA frame the proxy sent (a peer answers DATA with WINDOW_UPDATEs).
 """

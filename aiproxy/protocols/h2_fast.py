@@ -406,11 +406,13 @@ class FastReceive:
       enough of them to reach the limit: h2 scans on every HEADERS frame, twice here.
     - RFC 9113 5.1.2 as a stream error (when `refuse_excess`): a HEADERS frame over the
       concurrent stream limit refuses that stream only (h2 itself would end the
-      connection); `refused` counts them, for the caller to budget like client resets."""
+      connection); `refused` counts them, for the caller to budget like client resets.
+    - `closed_frames` counts frames on closed streams and frames that raised no event,
+      for the caller's idle-frame budget (h2_budgets.FrameBudgets.settle)."""
 
     refuse_excess = False
     refused = 0
-    closed_frames = 0     # frames on closed streams, each answered with RST_STREAM
+    closed_frames = 0     # frames on closed streams, and frames that raised no event
     data_frames_sent = 0  # by send_data
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -448,6 +450,10 @@ class FastReceive:
         else:
             if frames:
                 self._prepare_for_sending(frames)
+            if not events:
+                # Nothing for the caller to handle (RST_STREAM or WINDOW_UPDATE on a
+                # stream gone, say), so nothing of its own would charge it.
+                self.closed_frames += 1
         return events
 
     def _handle_data_on_closed_stream(self, events: list, exc: Any, frame: Any) -> tuple:

@@ -334,6 +334,7 @@ class H2ServerConnection(asyncio.Protocol):
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
 
     def _on_ping_ack(self, ev: h2.events.PingAckReceived) -> None:
+        self.budgets.idle_frames += 1  # owed nothing; unasked-for ones are a flood
         (tag,) = struct.unpack(">Q", ev.ping_data)
         if tag & ~0x7FFFFFFF == EARLY_PING:
             self._reset_early(tag & 0x7FFFFFFF)
@@ -391,6 +392,7 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
         # The client is going away: streams it still counts on finish, nothing new starts.
+        self.budgets.idle_frames += 1  # a client may repeat its GOAWAY, but not endlessly
         self.goaway_sent = True
         if not self.streams:
             self.close()
@@ -522,6 +524,7 @@ _HANDLERS = {
     h2.events.PingAckReceived: H2ServerConnection._on_ping_ack,
     h2.events.PriorityUpdated: H2ServerConnection._on_idle_frame,
     h2.events.UnknownFrameReceived: H2ServerConnection._on_idle_frame,
+    h2.events.SettingsAcknowledged: H2ServerConnection._on_idle_frame,
 }
 
 
