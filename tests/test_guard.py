@@ -10,6 +10,7 @@ import zlib
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 from aiohttp import web
 
@@ -341,3 +342,45 @@ def test_compressed_responses_are_decoded_and_redacted_or_refused(start_proxy, g
     metrics = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
     assert 'aiproxy_redactions_total{type="decoded"} 8.0' in metrics, metrics
     assert 'aiproxy_redactions_total{type="refused"} 2.0' in metrics, metrics
+
+
+TWO_CHOICES = (["Card A is 4111 11", "11 1111 1", "111, done"],
+               ["Card B is 5555 5555", " 5555 4444 and mail", " ann@example.org"])
+
+
+async def _two_choices(request: web.Request) -> web.StreamResponse:
+    """A stream of n=2 choices, as OpenAI sends it: events alternate between them."""
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+    for first, second in zip(*TWO_CHOICES, strict=True):
+        for index, text in ((0, first), (1, second)):
+            doc = {"id": "chatcmpl-2", "object": "chat.completion.chunk", "created": 1764460800,
+                   "model": "m", "choices": [{"index": index, "delta": {"content": text},
+                                              "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
+            await asyncio.sleep(0.02)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+@pytest.fixture(scope="module")
+def stream_upstream() -> Iterator[int]:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", _two_choices)
+    with serve_aiohttp(app) as port:
+        yield port
+
+
+def test_secret_split_in_one_of_two_interleaved_choices(start_proxy, stream_upstream):
+    proxy = start_proxy(simple_config(stream_upstream) + GUARD)
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0)
+    deltas: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in client.chat.completions.create(
+            model="m", n=2, stream=True, messages=[{"role": "user", "content": "hi"}]):
+        for choice in chunk.choices:
+            deltas[choice.index].append(choice.delta.content)
+    for index, parts in enumerate(TWO_CHOICES):
+        assert [len(d) for d in deltas[index]] == [len(p) for p in parts]  # boundaries kept
+    assert "".join(deltas[0]) == "Card A is **** **** **** 1111, done"
+    assert "".join(deltas[1]) == "Card B is **** **** **** 4444 and mail ***@******e.org"
