@@ -364,10 +364,27 @@ async def _two_choices(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+PLAIN = [b"data: my card is 4111 11\n\n", b"data: 11 1111 1111, mail me", b" at ann@exa",
+         b"mple.org\n\n", b'data:  he said "hi\n\n', _chunk("then 078-05-"), _chunk("1120 ok"),
+         b"data: [DONE]\n\n"]
+
+
+async def _plain(request: web.Request) -> web.StreamResponse:
+    """An event stream whose data: values are plain text, not JSON (then two JSON ones)."""
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+    for piece in PLAIN:
+        await resp.write(piece)
+        await asyncio.sleep(0.02)
+    await resp.write_eof()
+    return resp
+
+
 @pytest.fixture(scope="module")
 def stream_upstream() -> Iterator[int]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", _two_choices)
+    app.router.add_get("/v1/plain", _plain)
     with serve_aiohttp(app) as port:
         yield port
 
@@ -384,3 +401,19 @@ def test_secret_split_in_one_of_two_interleaved_choices(start_proxy, stream_upst
         assert [len(d) for d in deltas[index]] == [len(p) for p in parts]  # boundaries kept
     assert "".join(deltas[0]) == "Card A is **** **** **** 1111, done"
     assert "".join(deltas[1]) == "Card B is **** **** **** 4444 and mail ***@******e.org"
+
+
+def test_secret_split_across_plain_text_events(start_proxy, stream_upstream):
+    proxy = start_proxy(simple_config(stream_upstream) + GUARD, 'protocols = ["http1", "h2c"]')
+    for http2 in (False, True):
+        with httpx.Client(timeout=10, http2=http2, http1=not http2) as c:
+            with c.stream("GET", f"{proxy.url}/v1/plain") as r:
+                assert r.status_code == 200
+                lines = list(r.iter_lines())
+        assert lines[:6] == ["data: my card is **** **", "",
+                             "data: ** **** 1111, mail me at ***@******e.org", "",
+                             'data:  he said "hi', ""], lines
+        # the JSON events after the stray quote are still read as JSON
+        deltas = [json.loads(line[6:])["choices"][0]["delta"]["content"]
+                  for line in lines if line.startswith("data: {")]
+        assert deltas == ["then ***-**-", "1120 ok"]

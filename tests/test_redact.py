@@ -194,3 +194,28 @@ def test_interleaved_choices_are_each_their_own_text():
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
         assert _run(data, "sse", cuts)[0] == whole, cuts
+
+
+def test_plain_text_data_lines_are_text():
+    """data: values that are not JSON are text: one running text across events (so a
+    card split over two of them is masked), the lines of one event joined with "\n";
+    a stray quote in one never turns the JSON events after it inside out."""
+    data = (b"data: my card is 4111 11\n\n"
+            b"data:  11 1111 1111, thanks\r\n\r\n"
+            b": a comment 4111 1111 1111 1111\n"
+            b"event: note\nid: 7\ndata: he said \"hi, call +44 20\ndata: 7946 0958\n\n"
+            + _choice_chunk(0, "and 078-05-") + _choice_chunk(0, "1120 ok")
+            + b"data: [DONE]\n\n")
+    whole, r, _ = _run(data, "sse", [])
+    assert r.counts == {"card": 1, "us_ssn": 1}
+    assert b"data: my card is **** **\n\ndata:  ** **** 1111, thanks\r\n\r\n" in whole
+    assert b": a comment 4111 1111 1111 1111\n" in whole  # comments are no data
+    # "+44 20" and "7946 0958" are on two lines of one event: not one number
+    assert b'data: he said "hi, call +44 20\ndata: 7946 0958\n' in whole
+    deltas = [json.loads(line[6:])["choices"][0]["delta"]["content"]
+              for line in whole.decode().split("\n") if line.startswith("data: {")]
+    assert deltas == ["and ***-**-", "1120 ok"]
+    rng = random.Random(5)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
+        assert _run(data, "sse", cuts)[0] == whole, cuts

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("aiproxy.guard")
 
 FLAGS_HEADER = b"x-aiproxy-guard-flags"
-# Token streams: content values are read as one text across events (SSE) or lines
-# (NDJSON, as Ollama streams; JSON Lines).
+# Token streams: content values are read as running texts across events (SSE, whose
+# plain-text data: lines are text) or lines (NDJSON, as Ollama streams; JSON Lines).
 STREAMED_JSON = frozenset(("text/event-stream", "application/x-ndjson", "application/jsonl"))
 
 
@@ -192,7 +192,8 @@ class GuardFilter(Filter):
             self.decoder = decoder
             self._count("decoded")
             resp = _decoded_head(resp)
-        mode = ("sse" if ctype in STREAMED_JSON else
+        mode = ("sse" if ctype == "text/event-stream" else
+                "ndjson" if ctype in STREAMED_JSON else
                 "json" if "json" in ctype else "text")
         self.redactor = Redactor(detector, mode)
         return resp

@@ -8,15 +8,19 @@ Content-Length) and JSON stays JSON: only the insides of JSON strings are search
 for (`\u0040` is "@", `\u00a0` a space), and one that stands for a masked character is
 masked whole (`\u0034` becomes `******`).
 
-Streams: an event stream's text arrives split over events (OpenAI-style deltas), so
-the string values of content keys ("content", "text", "delta", "arguments", ...) are
-read as running text across events; other strings are read one by one. There is one
-running text per channel: the values of the "index" keys of the objects around a string
-(OpenAI's choices[].index with n>1, whose events alternate between choices; Anthropic's
-content block index; a tool call's index), so interleaved texts are each read whole.
-What could still become a match (a partial match at the end, or a match that could
-grow) is held back from its first byte; everything before it goes out at once. Nothing
-else waits.
+Streams: a token stream's text arrives split over events (OpenAI-style deltas) or
+lines (NDJSON, as Ollama streams), so the string values of content keys ("content",
+"text", "delta", "arguments", ...) are read as running text across them; other strings
+are read one by one. There is one running text per channel: the values of the "index"
+keys of the objects around a string (OpenAI's choices[].index with n>1, whose events
+alternate between choices; Anthropic's content block index; a tool call's index), so
+interleaved texts are each read whole. An event stream is read line by line: only the
+values of data: fields are read, a value that starts with "{", "[" or '"' as JSON (a
+bare JSON string is content), any other as plain text: the plain data of all events is
+one more running text (the data: lines of one event joined with "\n", as a client
+joins them). What could still become a match (a partial match at the end, or a match
+that could grow) is held back from its first byte; everything before it goes out at
+once. Nothing else waits.
 """
 
 from __future__ import annotations
@@ -123,17 +127,23 @@ def classify(text: bytes, names: tuple[str, ...], first: str) -> str | None:
 
 # Where a JSON string value is read as running text (stream modes): its channel is the
 # "index" values of the objects around it, so choices (OpenAI n>1), content blocks
-# (Anthropic) and tool calls are each their own text.
+# (Anthropic) and tool calls are each their own text. Plain-text data: lines are one more.
 MAX_INDEXES = 8  # "index" keys kept per nesting (more is no real stream)
 MAX_CHANNELS = 64  # channels whose last character is remembered
 TEXT_CHANNEL = None
-_STATE = ("in_str", "content", "last_str", "colon", "depth", "indexes", "num", "key")
+VIRTUAL_NL = -1  # a segment (pos, VIRTUAL_NL): the "\n" that joins two data: lines
+_EOL = regex.compile(rb"[\r\n]")
+# SSE line states
+LINE, FIELD, VALUE, PAYLOAD, JSON, TEXT, SKIP = range(7)
+_STATE = ("in_str", "content", "last_str", "colon", "depth", "indexes", "num", "key",
+          "line", "field", "cr", "pending")
 
 
 class Redactor:
-    """One response body. mode: "json" (every string by itself), "sse" (content
-    strings as running texts across events, one per channel), "text" (the whole body
-    is text)."""
+    """One response body. mode: "json" (every string by itself), "ndjson" (content
+    strings as running texts across lines), "sse" (an event stream: the same across
+    events for data: lines holding JSON; data: lines holding anything else are text),
+    "text" (the whole body is text)."""
 
     __slots__ = ("pattern", "names", "mode", "buf", "counts", "ctx", *_STATE)
 
@@ -149,6 +159,10 @@ class Redactor:
         self.indexes: tuple[tuple[int, bytes], ...] = ()  # (depth, value) of "index" keys
         self.num: bytes | None = None  # an "index" value being read
         self.key: Any = ()  # the channel of the open content string
+        self.line = LINE
+        self.field = b""  # an SSE field name being read
+        self.cr = False  # the last line ended with CR: an LF next is part of it
+        self.pending = False  # a data: line of this event ended: the next one adds "\n"
         self.ctx: dict[Any, bytes] = {}  # channel -> its last character sent
         self.counts: dict[str, int] = {}
 
@@ -169,7 +183,83 @@ class Redactor:
             return {TEXT_CHANNEL: [(0, n)]}, [], None
         content: dict[Any, list[tuple[int, int]]] = {}
         others: list[list[tuple[int, int]]] = []
-        return content, others, self._json(buf, 0, n, content, others)
+        if self.mode != "sse":
+            return content, others, self._json(buf, 0, n, content, others)
+        i = 0
+        while i < n:
+            if self.cr:
+                self.cr = False
+                if buf[i] == 0x0A:
+                    i += 1
+                    continue
+            m = _EOL.search(buf, i)
+            eol = m.start() if m is not None else n
+            line = self.line
+            if line == JSON:
+                cut = self._json(buf, i, eol, content, others)
+                if cut is not None:
+                    return content, others, cut
+            elif line == TEXT:
+                if eol > i:
+                    content.setdefault(TEXT_CHANNEL, []).append((i, eol))
+            elif line == LINE or line == FIELD:
+                if line == LINE and eol == i:  # a blank line ends the event
+                    self.pending = False
+                c = buf.find(b":", i, eol)
+                if c < 0:
+                    self.field = (self.field + buf[i:eol])[:8]
+                    self.line = FIELD if eol > i else LINE
+                else:
+                    name = self.field + buf[i:c]
+                    self.field = b""
+                    self.line = SKIP
+                    if name == b"data":
+                        self.line = VALUE
+                        if self.pending:  # data: lines of one event join with "\n"
+                            content.setdefault(TEXT_CHANNEL, []).append((c, VIRTUAL_NL))
+                            self.pending = False
+                    i = c + 1
+                    continue
+            elif line == VALUE:
+                self.line = PAYLOAD
+                if i < eol and buf[i] == 0x20:  # the one space after "data:" is syntax
+                    i += 1
+                continue
+            elif line == PAYLOAD:
+                j = i
+                while j < eol and buf[j] in b" \t":
+                    j += 1
+                if j > i:
+                    content.setdefault(TEXT_CHANNEL, []).append((i, j))
+                if j < eol:
+                    if buf[j] in b'{["':
+                        self.line = JSON
+                        self._reset_json()
+                    else:
+                        self.line = TEXT
+                i = j
+                if j < eol:
+                    continue
+            if eol >= n:
+                break
+            if self.line != LINE and self.line != FIELD and self.line != SKIP:
+                self.pending = True
+            self._reset_json()
+            self.line = LINE
+            self.field = b""
+            i = eol + 1
+            if buf[eol] == 0x0D:
+                if i < n and buf[i] == 0x0A:
+                    i += 1
+                elif i >= n:
+                    self.cr = True
+        return content, others, None
+
+    def _reset_json(self) -> None:
+        self.in_str = self.content = self.colon = False
+        self.last_str = self.num = None
+        self.depth = 0
+        self.indexes = ()
 
     def _json(self, buf: bytes, i: int, n: int, content: dict[Any, list[tuple[int, int]]],
               others: list[list[tuple[int, int]]]) -> int | None:
@@ -217,7 +307,8 @@ class Redactor:
                     break
                 c = buf[i]
                 if c == 0x22:  # a string starts: a content value if `"content":` came before
-                    is_content = joined and self.colon and self.last_str in CONTENT_KEYS
+                    is_content = joined and ((self.colon and self.last_str in CONTENT_KEYS)
+                                             or self.depth == 0)
                     if is_content:
                         self.key = tuple(v for _, v in self.indexes)
                     in_str = True
@@ -301,6 +392,11 @@ class Redactor:
         runs: list[tuple[int, int, int, bool]] = []
         base = v = len(ctx)
         for s, e in segs:
+            if e == VIRTUAL_NL:
+                pieces.append(b"\n")
+                runs.append((v, s, s, True))
+                v += 1
+                continue
             i = s
             if buf.find(b"\\", s, e) >= 0:
                 for m in _ESCAPE.finditer(buf, s, e):
