@@ -26,6 +26,7 @@ once. Nothing else waits.
 from __future__ import annotations
 
 from bisect import bisect_right
+from operator import attrgetter
 from typing import Any
 
 import regex
@@ -132,11 +133,11 @@ MAX_INDEXES = 8  # "index" keys kept per nesting (more is no real stream)
 MAX_CHANNELS = 64  # channels whose last character is remembered
 TEXT_CHANNEL = None
 VIRTUAL_NL = -1  # a segment (pos, VIRTUAL_NL): the "\n" that joins two data: lines
-_EOL = regex.compile(rb"[\r\n]")
 # SSE line states
 LINE, FIELD, VALUE, PAYLOAD, JSON, TEXT, SKIP = range(7)
 _STATE = ("in_str", "content", "last_str", "colon", "depth", "indexes", "num", "key",
           "line", "field", "cr", "pending")
+_GET_STATE = attrgetter(*_STATE)
 
 
 class Redactor:
@@ -192,57 +193,55 @@ class Redactor:
                 if buf[i] == 0x0A:
                     i += 1
                     continue
-            m = _EOL.search(buf, i)
-            eol = m.start() if m is not None else n
+            eol = buf.find(b"\n", i)
+            if eol < 0:
+                eol = n
+            cr = buf.find(b"\r", i, eol)  # a CR alone ends a line too
+            if cr >= 0:
+                eol = cr
             line = self.line
-            if line == JSON:
-                cut = self._json(buf, i, eol, content, others)
-                if cut is not None:
-                    return content, others, cut
-            elif line == TEXT:
-                if eol > i:
-                    content.setdefault(TEXT_CHANNEL, []).append((i, eol))
-            elif line == LINE or line == FIELD:
+            if line == LINE or line == FIELD:
                 if line == LINE and eol == i:  # a blank line ends the event
                     self.pending = False
                 c = buf.find(b":", i, eol)
                 if c < 0:
                     self.field = (self.field + buf[i:eol])[:8]
-                    self.line = FIELD if eol > i else LINE
+                    line = FIELD if eol > i else LINE
                 else:
                     name = self.field + buf[i:c]
                     self.field = b""
-                    self.line = SKIP
+                    line = SKIP
                     if name == b"data":
-                        self.line = VALUE
+                        line = VALUE
                         if self.pending:  # data: lines of one event join with "\n"
                             content.setdefault(TEXT_CHANNEL, []).append((c, VIRTUAL_NL))
                             self.pending = False
                     i = c + 1
-                    continue
-            elif line == VALUE:
-                self.line = PAYLOAD
-                if i < eol and buf[i] == 0x20:  # the one space after "data:" is syntax
+            if line == VALUE and i < eol:
+                line = PAYLOAD
+                if buf[i] == 0x20:  # the one space after "data:" is syntax
                     i += 1
-                continue
-            elif line == PAYLOAD:
+            if line == PAYLOAD:
                 j = i
                 while j < eol and buf[j] in b" \t":
                     j += 1
                 if j > i:
                     content.setdefault(TEXT_CHANNEL, []).append((i, j))
-                if j < eol:
-                    if buf[j] in b'{["':
-                        self.line = JSON
-                        self._reset_json()
-                    else:
-                        self.line = TEXT
                 i = j
                 if j < eol:
-                    continue
+                    line = JSON if buf[j] in b'{["' else TEXT
+                    if line == JSON:
+                        self._reset_json()
+            self.line = line
+            if line == JSON:
+                cut = self._json(buf, i, eol, content, others)
+                if cut is not None:
+                    return content, others, cut
+            elif line == TEXT and eol > i:
+                content.setdefault(TEXT_CHANNEL, []).append((i, eol))
             if eol >= n:
                 break
-            if self.line != LINE and self.line != FIELD and self.line != SKIP:
+            if line != LINE and line != FIELD and line != SKIP:
                 self.pending = True
             self._reset_json()
             self.line = LINE
@@ -266,6 +265,8 @@ class Redactor:
         """Scan JSON from i to n (the end of buf, or of an SSE line) into content and
         others; the position of an escape cut short by the end of buf."""
         in_str, is_content = self.in_str, self.content
+        last_str, colon, key = self.last_str, self.colon, self.key
+        depth, indexes, num = self.depth, self.indexes, self.num
         start = i
         cut = None
         joined = self.mode != "json"
@@ -282,24 +283,26 @@ class Redactor:
                 if q < 0:
                     break
                 seg = (start, q)
-                (content.setdefault(self.key, []).append(seg) if is_content
+                (content.setdefault(key, []).append(seg) if is_content
                  else others.append([seg]))
-                self.last_str = buf[start:q] if q - start <= 32 else None
-                self.colon = False
+                last_str = buf[start:q] if q - start <= 32 else None
+                colon = False
                 in_str = False
                 i = q + 1
-            elif self.num is not None:  # the digits of an "index" value
+            elif num is not None:  # the digits of an "index" value
                 j = i
                 while j < n and 0x30 <= buf[j] <= 0x39:
                     j += 1
-                self.num += buf[i:j]
+                num += buf[i:j]
                 i = j
                 if i >= n:
                     break
-                if len(self.indexes) < MAX_INDEXES and len(self.num) <= 20:
-                    self.indexes = (*(x for x in self.indexes if x[0] != self.depth),
-                                    (self.depth, self.num))
-                self.num = None
+                # Entries are by rising depth: only the last can be this object's.
+                if indexes and indexes[-1][0] == depth:
+                    indexes = indexes[:-1]
+                if len(indexes) < MAX_INDEXES and len(num) <= 20:
+                    indexes = (*indexes, (depth, num))
+                num = None
             else:
                 while i < n and buf[i] in b" \t\r\n":
                     i += 1
@@ -307,38 +310,41 @@ class Redactor:
                     break
                 c = buf[i]
                 if c == 0x22:  # a string starts: a content value if `"content":` came before
-                    is_content = joined and ((self.colon and self.last_str in CONTENT_KEYS)
-                                             or self.depth == 0)
+                    is_content = joined and ((colon and last_str in CONTENT_KEYS)
+                                             or depth == 0)
                     if is_content:
-                        self.key = tuple(v for _, v in self.indexes)
+                        key = tuple(v for _, v in indexes) if indexes else ()
                     in_str = True
                     start = i + 1
                 elif c == 0x3A:  # ':'
-                    self.colon = self.last_str is not None
+                    colon = last_str is not None
                 else:
                     if joined:
                         if c == 0x7B or c == 0x5B:  # '{' '['
-                            self.depth += 1
+                            depth += 1
                         elif c == 0x7D or c == 0x5D:  # '}' ']'
-                            self.indexes = tuple(x for x in self.indexes if x[0] < self.depth)
-                            self.depth = max(0, self.depth - 1)
-                        elif self.colon and self.last_str == b"index" and 0x30 <= c <= 0x39:
-                            self.num = b""
-                            self.colon = False
+                            if indexes and indexes[-1][0] == depth:
+                                indexes = indexes[:-1]
+                            depth = max(0, depth - 1)
+                        elif colon and last_str == b"index" and 0x30 <= c <= 0x39:
+                            num = b""
+                            colon = False
                             continue
-                    self.colon = False
+                    colon = False
                     if c != 0x5B:  # '[' keeps the key ("content": [...] parts are texts)
-                        self.last_str = None if c in b",{}" else self.last_str
+                        last_str = None if c in b",{}" else last_str
                 i += 1
         if in_str:
             seg = (start, cut if cut is not None else n)
-            (content.setdefault(self.key, []).append(seg) if is_content
+            (content.setdefault(key, []).append(seg) if is_content
              else others.append([seg]))
         self.in_str, self.content = in_str, is_content
+        self.last_str, self.colon, self.key = last_str, colon, key
+        self.depth, self.indexes, self.num = depth, indexes, num
         return cut if n == len(buf) else None
 
     def _run(self, buf: bytes, final: bool) -> bytes:
-        state = tuple(getattr(self, name) for name in _STATE)
+        state = _GET_STATE(self)
         content, others, cut = self._strings(buf)
         out = bytearray(buf)
         n = len(buf)
