@@ -157,3 +157,65 @@ def test_decoder_codings_truncation_and_bombs():
     d = decoder_for(b"gzip")
     with pytest.raises(DecodeError):
         d.feed(gzip.compress(b"\0" * (MAX_EXPANSION + 1)))
+
+
+def _choice_chunk(index: int, text: str) -> bytes:
+    return b"data: " + json.dumps({"id": "chatcmpl-2", "created": 1764460800, "choices": [
+        {"index": index, "delta": {"content": text}, "finish_reason": None}]}).encode() + b"\n\n"
+
+
+def test_interleaved_choices_are_each_their_own_text():
+    """n=2: the events alternate between choices, so a card split over choice 0's events
+    is never contiguous in the stream; each choice's text is read by itself."""
+    first = ["Card A is 4111 11", "11 1111 1", "111, done"]
+    second = ["Card B is 5555 5555", " 5555 4444 and mail", " ann@example.org"]
+    data = b"".join(_choice_chunk(0, a) + _choice_chunk(1, b)
+                    for a, b in zip(first, second, strict=True))
+    tool = {"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 1, "function": {"arguments": '{"ssn": "078-05-'}}]}}]}
+    data += b"data: " + json.dumps(tool).encode() + b"\n\n" + _choice_chunk(1, " bye")
+    tool["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] = '1120"}'
+    data += b"data: " + json.dumps(tool).encode() + b"\n\ndata: [DONE]\n\n"
+    whole, r, _ = _run(data, "sse", [])
+    assert r.counts == {"card": 2, "email": 1, "us_ssn": 1}
+    texts: dict[int, str] = {0: "", 1: ""}
+    args = ""
+    for line in whole.decode().split("\n"):
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            if "tool_calls" in choice["delta"]:
+                args += choice["delta"]["tool_calls"][0]["function"]["arguments"]
+            else:
+                texts[choice["index"]] += choice["delta"]["content"]
+    assert texts == {0: "Card A is **** **** **** 1111, done",
+                     1: "Card B is **** **** **** 4444 and mail ***@******e.org bye"}
+    assert args == '{"ssn": "***-**-1120"}'
+    rng = random.Random(11)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
+        assert _run(data, "sse", cuts)[0] == whole, cuts
+
+
+def test_plain_text_data_lines_are_text():
+    """data: values that are not JSON are text: one running text across events (so a
+    card split over two of them is masked), the lines of one event joined with "\n";
+    a stray quote in one never turns the JSON events after it inside out."""
+    data = (b"data: my card is 4111 11\n\n"
+            b"data:  11 1111 1111, thanks\r\n\r\n"
+            b": a comment 4111 1111 1111 1111\n"
+            b"event: note\nid: 7\ndata: he said \"hi, call +44 20\ndata: 7946 0958\n\n"
+            + _choice_chunk(0, "and 078-05-") + _choice_chunk(0, "1120 ok")
+            + b"data: [DONE]\n\n")
+    whole, r, _ = _run(data, "sse", [])
+    assert r.counts == {"card": 1, "us_ssn": 1}
+    assert b"data: my card is **** **\n\ndata:  ** **** 1111, thanks\r\n\r\n" in whole
+    assert b": a comment 4111 1111 1111 1111\n" in whole  # comments are no data
+    # "+44 20" and "7946 0958" are on two lines of one event: not one number
+    assert b'data: he said "hi, call +44 20\ndata: 7946 0958\n' in whole
+    deltas = [json.loads(line[6:])["choices"][0]["delta"]["content"]
+              for line in whole.decode().split("\n") if line.startswith("data: {")]
+    assert deltas == ["and ***-**-", "1120 ok"]
+    rng = random.Random(5)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
+        assert _run(data, "sse", cuts)[0] == whole, cuts

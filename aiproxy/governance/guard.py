@@ -1,10 +1,13 @@
 """Guardrails: a prompt guard over the request's text and redaction of the response.
 
 Prompt guard (`[[guard.rules]]`): keywords (case-insensitive substrings, all rules' in
-one Aho-Corasick automaton) and regexes over the request's text: for a JSON body every
-string in it (all messages and roles, system prompts, instructions, tool definitions
-and call arguments: whatever the model may read), otherwise the UnifiedRequest text the
-semantic layer extracts (gRPC strings, form values, plain text ...). Keywords match
+one Aho-Corasick automaton) and regexes over the request's text: for a JSON body
+(whatever its content type) every string in it (all messages and roles, system
+prompts, instructions, tool definitions and call arguments: whatever the model may
+read); for a multipart/form-data body its text parts (fields, text/* and JSON files,
+decoded if sent base64 or quoted-printable; other files are skipped); otherwise the
+UnifiedRequest text the semantic layer extracts (gRPC strings, form values, plain text,
+a JSON body cut at inspect_bytes read leniently, ...). Keywords match
 the text as a reader sees it: compatibility-normalized (NFKC: fullwidth letters are
 letters), without zero-width characters, with each run of whitespace one space.
 A `block` rule answers 403 with its id; a `flag` rule lets the request through with
@@ -19,7 +22,9 @@ zstd, ...) never reaches the client: 502 `redaction_failed` (counted as "refused
 
 from __future__ import annotations
 
+import binascii
 import logging
+import quopri
 import re
 import unicodedata
 from typing import TYPE_CHECKING, Any
@@ -47,20 +52,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("aiproxy.guard")
 
 FLAGS_HEADER = b"x-aiproxy-guard-flags"
-# Token streams: content values are read as one text across events (SSE) or lines
-# (NDJSON, as Ollama streams; JSON Lines).
+# Token streams: content values are read as running texts across events (SSE, whose
+# plain-text data: lines are text) or lines (NDJSON, as Ollama streams; JSON Lines).
 STREAMED_JSON = frozenset(("text/event-stream", "application/x-ndjson", "application/jsonl"))
 
 
 _INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))
 _SPACES = re.compile(r"\s+")
 MAX_STRINGS = 10_000
+_LEADING_WS = re.compile(rb"[ \t\r\n]*")
+_BOUNDARY = re.compile(rb'(?i);\s*boundary\s*=\s*(?:"([^"]+)"|([^\s;]+))')
+_BLANK_LINE = re.compile(rb"\r?\n\r?\n")
+_NEWLINE = re.compile(rb"\r?\n")
+_PART_END = re.compile(rb"\r?\n\Z")
 
 
 def json_text(body: bytes) -> str | None:
     """Every string value of a JSON body, one per line (None: not JSON). Keys are left
     out; a body cut at the inspection limit is not JSON and is read as text instead."""
-    if body[:1] not in (b"{", b"["):
+    start = _LEADING_WS.match(body).end()
+    if body[start:start + 1] not in (b"{", b"["):
         return None
     try:
         doc = orjson.loads(body)
@@ -76,6 +87,47 @@ def json_text(body: bytes) -> str | None:
             stack.extend(reversed(list(value.values())))
         elif isinstance(value, list):
             stack.extend(reversed(value))
+    return "\n".join(out)
+
+
+def is_json_type(media: bytes) -> bool:
+    return media.endswith((b"/json", b"/x-json", b"+json"))
+
+
+def multipart_text(content_type: bytes, body: bytes) -> str:
+    """The text of a multipart/form-data body's text parts (no Content-Type, text/* or
+    JSON), one per line; file parts of other types are skipped. Parts sent base64 or
+    quoted-printable are decoded (a server may decode them)."""
+    m = _BOUNDARY.search(content_type)
+    if m is None:
+        return ""
+    out: list[str] = []
+    for part in body.split(b"--" + (m.group(1) or m.group(2)))[1:MAX_STRINGS]:
+        if part.startswith(b"--"):  # the close delimiter
+            break
+        blank = _BLANK_LINE.search(part)
+        if blank is None:  # cut short in the part's header
+            continue
+        head, data = part[:blank.start()], part[blank.end():]
+        fields = {}
+        for line in _NEWLINE.split(head):
+            name, colon, value = line.partition(b":")
+            if colon:
+                fields[name.strip().lower()] = value.strip()
+        media = fields.get(b"content-type", b"text/plain").split(b";", 1)[0].strip().lower()
+        if not (media.startswith(b"text/") or is_json_type(media)):
+            continue
+        data = _PART_END.sub(b"", data)
+        coding = fields.get(b"content-transfer-encoding", b"").lower()
+        try:
+            if coding == b"base64":
+                data = binascii.a2b_base64(data)
+            elif coding == b"quoted-printable":
+                data = quopri.decodestring(data)
+        except (binascii.Error, ValueError):
+            pass  # read as sent
+        text = json_text(data) if is_json_type(media) else None
+        out.append(text if text is not None else data.decode("utf-8", "replace"))
     return "\n".join(out)
 
 
@@ -137,11 +189,16 @@ class GuardFilter(Filter):
         body = ex.request_body()
         text = json_text(body)
         if text is None:
+            ctype = head.get(b"content-type") or b""
+            media = ctype.split(b";", 1)[0].strip().lower()
+            parts = multipart_text(ctype, body) if media == b"multipart/form-data" else ""
+            if is_json_type(media):
+                ctype = b"application/json"  # x-json too: read as JSON, leniently if cut
             q = ex.up_target.find(b"?")
             size = head.content_length if head.content_length >= 0 else None
-            text = extract(head.get(b"content-type") or b"", body,
-                           ex.up_target[q + 1:] if q >= 0 else b"", self.json_fields,
-                           body_size=size).text
+            text = extract(ctype, body, ex.up_target[q + 1:] if q >= 0 else b"",
+                           self.json_fields, body_size=size).text
+            text = f"{parts}\n{text}" if parts and text else parts or text
         if not text:
             return None
         hits = self.guard.scan(text)
@@ -192,7 +249,8 @@ class GuardFilter(Filter):
             self.decoder = decoder
             self._count("decoded")
             resp = _decoded_head(resp)
-        mode = ("sse" if ctype in STREAMED_JSON else
+        mode = ("sse" if ctype == "text/event-stream" else
+                "ndjson" if ctype in STREAMED_JSON else
                 "json" if "json" in ctype else "text")
         self.redactor = Redactor(detector, mode)
         return resp

@@ -8,16 +8,25 @@ Content-Length) and JSON stays JSON: only the insides of JSON strings are search
 for (`\u0040` is "@", `\u00a0` a space), and one that stands for a masked character is
 masked whole (`\u0034` becomes `******`).
 
-Streams: an event stream's text arrives split over events (OpenAI-style deltas), so
-the string values of content keys ("content", "text", "delta", "arguments", ...) are
-read as one running text across events; other strings are read one by one. What could
-still become a match (a partial match at the end, or a match that could grow) is held
-back from its first byte; everything before it goes out at once. Nothing else waits.
+Streams: a token stream's text arrives split over events (OpenAI-style deltas) or
+lines (NDJSON, as Ollama streams), so the string values of content keys ("content",
+"text", "delta", "arguments", ...) are read as running text across them; other strings
+are read one by one. There is one running text per channel: the values of the "index"
+keys of the objects around a string (OpenAI's choices[].index with n>1, whose events
+alternate between choices; Anthropic's content block index; a tool call's index), so
+interleaved texts are each read whole. An event stream is read line by line: only the
+values of data: fields are read, a value that starts with "{", "[" or '"' as JSON (a
+bare JSON string is content), any other as plain text: the plain data of all events is
+one more running text (the data: lines of one event joined with "\n", as a client
+joins them). What could still become a match (a partial match at the end, or a match
+that could grow) is held back from its first byte; everything before it goes out at
+once. Nothing else waits.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
+from operator import attrgetter
 from typing import Any
 
 import regex
@@ -117,12 +126,27 @@ def classify(text: bytes, names: tuple[str, ...], first: str) -> str | None:
     return None
 
 
-class Redactor:
-    """One response body. mode: "json" (every string by itself), "sse" (content
-    strings as one running text across events), "text" (the whole body is text)."""
+# Where a JSON string value is read as running text (stream modes): its channel is the
+# "index" values of the objects around it, so choices (OpenAI n>1), content blocks
+# (Anthropic) and tool calls are each their own text. Plain-text data: lines are one more.
+MAX_INDEXES = 8  # "index" keys kept per nesting (more is no real stream)
+MAX_CHANNELS = 64  # channels whose last character is remembered
+TEXT_CHANNEL = None
+VIRTUAL_NL = -1  # a segment (pos, VIRTUAL_NL): the "\n" that joins two data: lines
+# SSE line states
+LINE, FIELD, VALUE, PAYLOAD, JSON, TEXT, SKIP = range(7)
+_STATE = ("in_str", "content", "last_str", "colon", "depth", "indexes", "num", "key",
+          "line", "field", "cr", "pending")
+_GET_STATE = attrgetter(*_STATE)
 
-    __slots__ = ("pattern", "names", "mode", "buf", "in_str", "content", "last_str",
-                 "colon", "counts")
+
+class Redactor:
+    """One response body. mode: "json" (every string by itself), "ndjson" (content
+    strings as running texts across lines), "sse" (an event stream: the same across
+    events for data: lines holding JSON; data: lines holding anything else are text),
+    "text" (the whole body is text)."""
+
+    __slots__ = ("pattern", "names", "mode", "buf", "counts", "ctx", *_STATE)
 
     def __init__(self, detector: tuple[Any, tuple[str, ...]], mode: str) -> None:
         self.pattern, self.names = detector
@@ -132,6 +156,15 @@ class Redactor:
         self.content = mode == "text"
         self.last_str: bytes | None = None  # the last closed string (a key, if ':' follows)
         self.colon = False
+        self.depth = 0  # JSON nesting
+        self.indexes: tuple[tuple[int, bytes], ...] = ()  # (depth, value) of "index" keys
+        self.num: bytes | None = None  # an "index" value being read
+        self.key: Any = ()  # the channel of the open content string
+        self.line = LINE
+        self.field = b""  # an SSE field name being read
+        self.cr = False  # the last line ended with CR: an LF next is part of it
+        self.pending = False  # a data: line of this event ended: the next one adds "\n"
+        self.ctx: dict[Any, bytes] = {}  # channel -> its last character sent
         self.counts: dict[str, int] = {}
 
     def feed(self, data: bytes) -> bytes:
@@ -142,23 +175,104 @@ class Redactor:
 
     # -- scanning ---------------------------------------------------------------------------
 
-    def _strings(self, buf: bytes) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]],
-                                            int | None]:
-        """(content segments, other strings' segments, position of an escape cut short
-        at the end). Updates the scanner state to the end of buf."""
+    def _strings(self, buf: bytes) -> tuple[dict[Any, list[tuple[int, int]]],
+                                            list[list[tuple[int, int]]], int | None]:
+        """(content segments by channel, other strings' segments, position of an escape
+        cut short at the end). Updates the scanner state to the end of buf."""
         n = len(buf)
         if self.mode == "text":
-            return [(0, n)], [], None
-        content: list[tuple[int, int]] = []
+            return {TEXT_CHANNEL: [(0, n)]}, [], None
+        content: dict[Any, list[tuple[int, int]]] = {}
         others: list[list[tuple[int, int]]] = []
-        in_str, is_content = self.in_str, self.content
-        start = 0
+        if self.mode != "sse":
+            return content, others, self._json(buf, 0, n, content, others)
         i = 0
+        while i < n:
+            if self.cr:
+                self.cr = False
+                if buf[i] == 0x0A:
+                    i += 1
+                    continue
+            eol = buf.find(b"\n", i)
+            if eol < 0:
+                eol = n
+            cr = buf.find(b"\r", i, eol)  # a CR alone ends a line too
+            if cr >= 0:
+                eol = cr
+            line = self.line
+            if line == LINE or line == FIELD:
+                if line == LINE and eol == i:  # a blank line ends the event
+                    self.pending = False
+                c = buf.find(b":", i, eol)
+                if c < 0:
+                    self.field = (self.field + buf[i:eol])[:8]
+                    line = FIELD if eol > i else LINE
+                else:
+                    name = self.field + buf[i:c]
+                    self.field = b""
+                    line = SKIP
+                    if name == b"data":
+                        line = VALUE
+                        if self.pending:  # data: lines of one event join with "\n"
+                            content.setdefault(TEXT_CHANNEL, []).append((c, VIRTUAL_NL))
+                            self.pending = False
+                    i = c + 1
+            if line == VALUE and i < eol:
+                line = PAYLOAD
+                if buf[i] == 0x20:  # the one space after "data:" is syntax
+                    i += 1
+            if line == PAYLOAD:
+                j = i
+                while j < eol and buf[j] in b" \t":
+                    j += 1
+                if j > i:
+                    content.setdefault(TEXT_CHANNEL, []).append((i, j))
+                i = j
+                if j < eol:
+                    line = JSON if buf[j] in b'{["' else TEXT
+                    if line == JSON:
+                        self._reset_json()
+            self.line = line
+            if line == JSON:
+                cut = self._json(buf, i, eol, content, others)
+                if cut is not None:
+                    return content, others, cut
+            elif line == TEXT and eol > i:
+                content.setdefault(TEXT_CHANNEL, []).append((i, eol))
+            if eol >= n:
+                break
+            if line != LINE and line != FIELD and line != SKIP:
+                self.pending = True
+            self._reset_json()
+            self.line = LINE
+            self.field = b""
+            i = eol + 1
+            if buf[eol] == 0x0D:
+                if i < n and buf[i] == 0x0A:
+                    i += 1
+                elif i >= n:
+                    self.cr = True
+        return content, others, None
+
+    def _reset_json(self) -> None:
+        self.in_str = self.content = self.colon = False
+        self.last_str = self.num = None
+        self.depth = 0
+        self.indexes = ()
+
+    def _json(self, buf: bytes, i: int, n: int, content: dict[Any, list[tuple[int, int]]],
+              others: list[list[tuple[int, int]]]) -> int | None:
+        """Scan JSON from i to n (the end of buf, or of an SSE line) into content and
+        others; the position of an escape cut short by the end of buf."""
+        in_str, is_content = self.in_str, self.content
+        last_str, colon, key = self.last_str, self.colon, self.key
+        depth, indexes, num = self.depth, self.indexes, self.num
+        start = i
         cut = None
-        joined = self.mode == "sse"
+        joined = self.mode != "json"
         while i < n:
             if in_str:
-                q = buf.find(b'"', i)
+                q = buf.find(b'"', i, n)
                 b = buf.find(b"\\", i, q if q >= 0 else n)
                 if b >= 0:
                     if b + 1 >= n or (buf[b + 1] == 0x75 and b + 6 > n):
@@ -169,11 +283,26 @@ class Redactor:
                 if q < 0:
                     break
                 seg = (start, q)
-                (content.append(seg) if is_content and joined else others.append([seg]))
-                self.last_str = buf[start:q] if q - start <= 32 else None
-                self.colon = False
+                (content.setdefault(key, []).append(seg) if is_content
+                 else others.append([seg]))
+                last_str = buf[start:q] if q - start <= 32 else None
+                colon = False
                 in_str = False
                 i = q + 1
+            elif num is not None:  # the digits of an "index" value
+                j = i
+                while j < n and 0x30 <= buf[j] <= 0x39:
+                    j += 1
+                num += buf[i:j]
+                i = j
+                if i >= n:
+                    break
+                # Entries are by rising depth: only the last can be this object's.
+                if indexes and indexes[-1][0] == depth:
+                    indexes = indexes[:-1]
+                if len(indexes) < MAX_INDEXES and len(num) <= 20:
+                    indexes = (*indexes, (depth, num))
+                num = None
             else:
                 while i < n and buf[i] in b" \t\r\n":
                     i += 1
@@ -181,58 +310,99 @@ class Redactor:
                     break
                 c = buf[i]
                 if c == 0x22:  # a string starts: a content value if `"content":` came before
-                    is_content = self.colon and self.last_str in CONTENT_KEYS
+                    is_content = joined and ((colon and last_str in CONTENT_KEYS)
+                                             or depth == 0)
+                    if is_content:
+                        key = tuple(v for _, v in indexes) if indexes else ()
                     in_str = True
                     start = i + 1
                 elif c == 0x3A:  # ':'
-                    self.colon = self.last_str is not None
+                    colon = last_str is not None
                 else:
-                    self.colon = False
+                    if joined:
+                        if c == 0x7B or c == 0x5B:  # '{' '['
+                            depth += 1
+                        elif c == 0x7D or c == 0x5D:  # '}' ']'
+                            if indexes and indexes[-1][0] == depth:
+                                indexes = indexes[:-1]
+                            depth = max(0, depth - 1)
+                        elif colon and last_str == b"index" and 0x30 <= c <= 0x39:
+                            num = b""
+                            colon = False
+                            continue
+                    colon = False
                     if c != 0x5B:  # '[' keeps the key ("content": [...] parts are texts)
-                        self.last_str = None if c in b",{}" else self.last_str
+                        last_str = None if c in b",{}" else last_str
                 i += 1
         if in_str:
-            end = cut if cut is not None else n
-            seg = (start, end)
-            (content.append(seg) if is_content and joined else others.append([seg]))
+            seg = (start, cut if cut is not None else n)
+            (content.setdefault(key, []).append(seg) if is_content
+             else others.append([seg]))
         self.in_str, self.content = in_str, is_content
-        return content, others, cut
+        self.last_str, self.colon, self.key = last_str, colon, key
+        self.depth, self.indexes, self.num = depth, indexes, num
+        return cut if n == len(buf) else None
 
     def _run(self, buf: bytes, final: bool) -> bytes:
-        state = (self.in_str, self.content, self.last_str, self.colon)
+        state = _GET_STATE(self)
         content, others, cut = self._strings(buf)
         out = bytearray(buf)
         n = len(buf)
         hold = n if (final or cut is None) else cut
-        channels = [(content, self.mode != "json")] if content else []
+        channels = []
+        for key, segs in content.items():
+            h, text, runs = self._scan(buf, out, segs, self.mode != "json" and not final,
+                                       self.ctx.get(key, b""))
+            hold = min(hold, h)
+            channels.append((key, text, runs))
         for segs in others:
-            channels.append((segs, segs[-1][1] == n or (cut is not None and segs[-1][1] == cut)))
-        for segs, open_ in channels:
-            open_ = open_ and not final
-            hold = min(hold, self._scan(buf, out, segs, open_))
+            open_ = segs[-1][1] == n or (cut is not None and segs[-1][1] == cut)
+            hold = min(hold, self._scan(buf, out, segs, open_ and not final, b"")[0])
         if not final and n - hold > MAX_HOLD:
             hold = n - MAX_HOLD
+        for key, text, runs in channels:
+            self._remember(key, text, runs, hold)
         if hold >= n:
             self.buf = b""
             return bytes(out)
         # Rescan from the hold point next time: restore the scanner state there (inside
         # the string the hold point is in).
         self.buf = bytes(out[hold:])
-        in_str, content_flag, last_str, colon = state
-        self.in_str, self.content, self.last_str, self.colon = in_str, content_flag, \
-            last_str, colon
+        for name, value in zip(_STATE, state, strict=True):
+            setattr(self, name, value)
         self._strings(buf[:hold])  # replays the state up to the hold point
         return bytes(out[:hold])
 
-    def _scan(self, buf: bytes, out: bytearray, segs: list[tuple[int, int]],
-              open_: bool) -> int:
-        """Mask the complete matches of one channel; the buffer position to hold from."""
-        pieces = []
+    def _remember(self, key: Any, text: bytes, runs: list[tuple[int, int, int, bool]],
+                  hold: int) -> None:
+        """Keep the channel's last character sent (before hold): a rescan that starts
+        inside the channel's text reads it as what came before (for lookbehinds)."""
+        for vs, bs, be, escaped in reversed(runs):
+            if bs < hold:
+                at = vs if escaped else vs + min(be, hold) - bs - 1
+                last = text[at:at + 1]
+                ctx = self.ctx
+                ctx.pop(key, None)
+                ctx[key] = last
+                if len(ctx) > MAX_CHANNELS:
+                    del ctx[next(iter(ctx))]
+                return
+
+    def _scan(self, buf: bytes, out: bytearray, segs: list[tuple[int, int]], open_: bool,
+              ctx: bytes) -> tuple[int, bytes, list[tuple[int, int, int, bool]]]:
+        """Mask the complete matches of one channel (ctx: the character before its
+        text, already sent); (the buffer position to hold from, its text, its runs)."""
+        pieces = [ctx]
         # Runs of the text searched: (text offset, buffer start, buffer end, escape). A
         # plain run maps byte for byte; an escape is one text byte for its whole sequence.
         runs: list[tuple[int, int, int, bool]] = []
-        v = 0
+        base = v = len(ctx)
         for s, e in segs:
+            if e == VIRTUAL_NL:
+                pieces.append(b"\n")
+                runs.append((v, s, s, True))
+                v += 1
+                continue
             i = s
             if buf.find(b"\\", s, e) >= 0:
                 for m in _ESCAPE.finditer(buf, s, e):
@@ -250,8 +420,8 @@ class Redactor:
                 runs.append((v, i, e, False))
                 v += e - i
         text = b"".join(pieces)
-        if not text:
-            return len(buf)
+        if len(text) == base:
+            return len(buf), text, runs
         starts = [r[0] for r in runs]
 
         def run_of(vi: int) -> tuple[int, int, int, bool]:
@@ -267,12 +437,12 @@ class Redactor:
             # The earliest start of anything the coming bytes could still make (or grow)
             # a match of: a position where the rest of the text is a viable prefix of a
             # pattern. Patterns are bounded, so only the last TAIL bytes need a look.
-            for m in _STARTS.finditer(text, max(0, end - TAIL)):
+            for m in _STARTS.finditer(text, max(base, end - TAIL)):
                 p = m.start()
                 if any(_SINGLE[k].fullmatch(text, p, partial=True) for k in self.names):
                     hold_v = p
                     break
-        for m in self.pattern.finditer(text):
+        for m in self.pattern.finditer(text, base):
             if m.end() > hold_v:
                 hold_v = min(hold_v, m.start())
                 break
@@ -287,7 +457,7 @@ class Redactor:
                     out[bs:be] = b"*" * (be - bs)
                 else:
                     out[bs + i - vs] = 0x2A  # "*"
-        return len(buf) if hold_v >= end else pos(hold_v)
+        return (len(buf) if hold_v >= end else pos(hold_v)), text, runs
 
 
 def redact_text(data: bytes, kinds: tuple[str, ...] = ORDER, mode: str = "text"
