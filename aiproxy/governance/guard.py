@@ -22,9 +22,9 @@ zstd, ...) never reaches the client: 502 `redaction_failed` (counted as "refused
 
 from __future__ import annotations
 
-import binascii
+import email.parser
+import email.policy
 import logging
-import quopri
 import re
 import unicodedata
 from typing import TYPE_CHECKING, Any
@@ -61,10 +61,7 @@ _INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))
 _SPACES = re.compile(r"\s+")
 MAX_STRINGS = 10_000
 _LEADING_WS = re.compile(rb"[ \t\r\n]*")
-_BOUNDARY = re.compile(rb'(?i);\s*boundary\s*=\s*(?:"([^"]+)"|([^\s;]+))')
-_BLANK_LINE = re.compile(rb"\r?\n\r?\n")
-_NEWLINE = re.compile(rb"\r?\n")
-_PART_END = re.compile(rb"\r?\n\Z")
+_MIME = email.parser.BytesParser(policy=email.policy.HTTP)
 
 
 def json_text(body: bytes) -> str | None:
@@ -97,37 +94,26 @@ def is_json_type(media: bytes) -> bool:
 def multipart_text(content_type: bytes, body: bytes) -> str:
     """The text of a multipart/form-data body's text parts (no Content-Type, text/* or
     JSON), one per line; file parts of other types are skipped. Parts sent base64 or
-    quoted-printable are decoded (a server may decode them)."""
-    m = _BOUNDARY.search(content_type)
-    if m is None:
+    quoted-printable are decoded (a server may decode them), in their charset. The
+    stdlib MIME parser reads it; a body cut at the inspection limit keeps what arrived."""
+    msg = _MIME.parsebytes(b"Content-Type: " + content_type + b"\r\n\r\n" + body)
+    if not msg.is_multipart():
         return ""
     out: list[str] = []
-    for part in body.split(b"--" + (m.group(1) or m.group(2)))[1:MAX_STRINGS]:
-        if part.startswith(b"--"):  # the close delimiter
+    for i, part in enumerate(msg.iter_parts()):
+        if i >= MAX_STRINGS:
             break
-        blank = _BLANK_LINE.search(part)
-        if blank is None:  # cut short in the part's header
-            continue
-        head, data = part[:blank.start()], part[blank.end():]
-        fields = {}
-        for line in _NEWLINE.split(head):
-            name, colon, value = line.partition(b":")
-            if colon:
-                fields[name.strip().lower()] = value.strip()
-        media = fields.get(b"content-type", b"text/plain").split(b";", 1)[0].strip().lower()
+        media = part.get_content_type().encode()
         if not (media.startswith(b"text/") or is_json_type(media)):
             continue
-        data = _PART_END.sub(b"", data)
-        coding = fields.get(b"content-transfer-encoding", b"").lower()
-        try:
-            if coding == b"base64":
-                data = binascii.a2b_base64(data)
-            elif coding == b"quoted-printable":
-                data = quopri.decodestring(data)
-        except (binascii.Error, ValueError):
-            pass  # read as sent
+        data = part.get_payload(decode=True) or b""
         text = json_text(data) if is_json_type(media) else None
-        out.append(text if text is not None else data.decode("utf-8", "replace"))
+        if text is None:
+            try:
+                text = data.decode(part.get_content_charset() or "utf-8", "replace")
+            except LookupError:  # an unknown charset
+                text = data.decode("utf-8", "replace")
+        out.append(text)
     return "\n".join(out)
 
 
