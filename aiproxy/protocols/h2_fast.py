@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 import h2.connection
+import h2.events
 import h2.exceptions
 import h2.frame_buffer
 import h2.stream
@@ -465,10 +466,36 @@ class FastReceive:
         stream.__class__ = _Stream
         return stream
 
+    def _malformed(self, sid: int, known: bool) -> tuple[list, list]:
+        """RFC 9113 8.1.1: a malformed request or response is a stream error: the stream
+        is reset with PROTOCOL_ERROR and the connection's other streams go on. A stream
+        the caller knows of ends with a StreamReset event; a new one counts in
+        `refused`, budgeted like a client's reset."""
+        self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+        if not known:
+            self.refused += 1
+            return [], []
+        return [], [h2.events.StreamReset(stream_id=sid, error_code=ErrorCodes.PROTOCOL_ERROR,
+                                          remote_reset=False)]
+
+    def _receive_data_frame(self, frame: Any) -> tuple[list, list]:
+        try:
+            return super()._receive_data_frame(frame)
+        except h2.exceptions.InvalidBodyLengthError:
+            # More DATA than content-length, or less at END_STREAM. h2 has counted the
+            # frame against the connection window: give it back, as for any DATA
+            # dropped on a closed stream.
+            increment = self._inbound_flow_control_window_manager.process_bytes(
+                frame.flow_controlled_length)
+            if increment:
+                self.increment_flow_control_window(increment)
+            return self._malformed(frame.stream_id, True)
+
     def _receive_headers_frame(self, frame: Any) -> tuple[list, list]:
         sid = frame.stream_id
         streams = self.streams
-        if sid not in streams:
+        known = sid in streams
+        if not known:
             limit = self.local_settings.max_concurrent_streams
             if len(streams) >= limit and self.open_inbound_streams >= limit:
                 if (self.refuse_excess and sid % 2 == 1
@@ -487,8 +514,15 @@ class FastReceive:
         headers = h2.connection._decode_headers(self.decoder, frame.data)
         events = self.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
         stream = self._get_or_create_stream(sid, AllowedStreamIDs(not self.config.client_side))
-        frames, stream_events = stream.receive_headers(
-            headers, "END_STREAM" in frame.flags, self.config.header_encoding)
+        try:
+            frames, stream_events = stream.receive_headers(
+                headers, "END_STREAM" in frame.flags, self.config.header_encoding)
+        except h2.exceptions.StreamClosedError:
+            raise
+        except h2.exceptions.ProtocolError as exc:
+            if isinstance(exc, h2.exceptions.FlowControlError) or stream.closed:
+                raise
+            return self._malformed(sid, known)
         if "PRIORITY" in frame.flags:
             p_frames, p_events = self._receive_priority_frame(frame)
             stream_events[0].priority_updated = p_events[0]
