@@ -409,6 +409,26 @@ def test_content_length_mismatch(port: int, shape: str) -> None:
         assert c.response(5).status == 200
 
 
+def test_http11_limits_on_field_count_and_target_length(demo_upstream: int,
+                                                       tmp_path: Path) -> None:
+    """[http] max_headers and max_request_line_bytes hold for an HTTP/2 request as for
+    an HTTP/1.1 one: 431 and 414, for that stream alone."""
+    text = (CONFIG % (MAX_STREAMS, 65536, demo_upstream)).replace(
+        "max_header_bytes = 65536", "max_header_bytes = 65536\nmax_headers = 10\n"
+        "max_request_line_bytes = 100")
+    proxy = ProxyProc(tmp_path, text)
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/echo", extra=[(f"x-f{i}", "v") for i in range(10)]),
+                   c.request(3, "/echo", extra=[(f"x-f{i}", "v") for i in range(11)]),
+                   c.request(5, "/echo/" + "a" * (100 - len("GET /echo/"))),
+                   c.request(7, "/echo/" + "a" * (101 - len("GET /echo/"))))
+            assert [c.response(sid).status for sid in (1, 3, 5, 7)] == [200, 431, 200, 414]
+    finally:
+        proxy.stop()
+
+
 def test_header_list_over_max_header_bytes(port: int) -> None:
     """A header list larger than SETTINGS_MAX_HEADER_LIST_SIZE (max_header_bytes): refused
     (431, RST_STREAM or GOAWAY), never forwarded."""

@@ -202,6 +202,16 @@ class Exchange(ExchangeBase):
         if method == b"CONNECT":
             self._framing()
             return self.local_reply(501, "CONNECT is not supported by this listener")
+        if head.version == 20:
+            # The limits the HTTP/1.1 parser applies to a request line and field count
+            # (the header list's size is SETTINGS_MAX_HEADER_LIST_SIZE's).
+            rt = self.rt
+            if len(method) + 1 + len(target) > rt.max_request_line_bytes:
+                self._framing()
+                return self.local_reply(414, "request target too long")
+            if head.header_count > rt.max_headers:
+                self._framing()
+                return self.local_reply(431, "too many header fields")
         if head.target_plain:
             # The parser found an origin-form target with nothing to check or normalize.
             q = head.query_at
