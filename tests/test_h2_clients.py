@@ -203,7 +203,11 @@ class UpgradeUpstream(socketserver.ThreadingTCPServer):
                         return
                     head += data
             self.server.heads.append(head)
-            if b"upgrade: h2c" in head.lower() or head.startswith(b"GET /force101 "):
+            if head.startswith(b"GET /websocket101 "):
+                sock.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                             b"Upgrade: WebSocket\r\nContent-Length: 0\r\n\r\nTUNNEL")
+                time.sleep(0.5)
+            elif b"upgrade: h2c" in head.lower() or head.startswith(b"GET /force101 "):
                 sock.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                              b"Upgrade: h2c\r\n\r\nSMUGGLED")
                 time.sleep(0.5)
@@ -892,6 +896,29 @@ def test_unsolicited_101_for_h2c_is_not_tunnelled(proxy: ProxyProc) -> None:
     raw = raw_exchange(proxy.ports["h1"], req)
     assert raw.startswith(b"HTTP/1.1 502"), raw[:300]
     assert b"SMUGGLED" not in raw
+
+
+WEBSOCKET_UPGRADE = (b"Connection: Upgrade, close\r\nUpgrade: websocket\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     b"Sec-WebSocket-Version: 13\r\n\r\n")
+
+
+def test_101_to_a_protocol_the_client_did_not_offer_is_not_tunnelled(proxy: ProxyProc) -> None:
+    """RFC 9110 7.8: the upstream may switch only to a protocol the client listed; else
+    the client's next bytes would reach it raw, past routing and policy."""
+    req = b"GET /force101 HTTP/1.1\r\nHost: upgrade.test\r\n" + WEBSOCKET_UPGRADE
+    raw = raw_exchange(proxy.ports["h1"], req)
+    assert raw.startswith(b"HTTP/1.1 502"), raw[:300]
+    assert b"SMUGGLED" not in raw
+
+
+def test_101_goes_to_the_client_without_content_length(proxy: ProxyProc) -> None:
+    """The protocol name matches in any case; RFC 9110 8.6: no Content-Length on a 1xx."""
+    req = b"GET /websocket101 HTTP/1.1\r\nHost: upgrade.test\r\n" + WEBSOCKET_UPGRADE
+    raw = raw_exchange(proxy.ports["h1"], req)
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101"), raw[:300]
+    assert b"content-length" not in head.lower() and rest == b"TUNNEL"
 
 
 def test_complete_response_before_the_request_ends(proxy: ProxyProc) -> None:

@@ -105,6 +105,11 @@ def forwarded_upgrade(value: bytes | None) -> bytes | None:
     return b", ".join(t for t in tokens if t and t.lower() != b"h2c") or None
 
 
+def upgrade_protocols(value: bytes) -> set[bytes]:
+    """The protocol names of an Upgrade field (versions aside), lower case."""
+    return {t.strip().split(b"/", 1)[0].lower() for t in value.split(b",") if t.strip()}
+
+
 def grpc_timeout_value(seconds: float) -> bytes:
     """A grpc-timeout value for what is left of a deadline: whole milliseconds (rounded
     down, at least 1), in a larger unit when 8 digits do not hold them."""
@@ -1262,7 +1267,11 @@ class Exchange(ExchangeBase):
 
     def _start_tunnel(self, resp: Any) -> None:
         upgrade = resp.upgrade or resp.get(b"upgrade")
-        if forwarded_upgrade(self.head.upgrade) is None or upgrade is None:
+        offered = forwarded_upgrade(self.head.upgrade)
+        if (offered is None or upgrade is None
+                or not upgrade_protocols(upgrade) <= upgrade_protocols(offered)):
+            # RFC 9110 7.8: a 101 switches to a protocol the client asked for, or the
+            # client's next bytes would reach the upstream raw, past routing and policy.
             # Nothing has gone to the client yet: answer 502, and drop the connection
             # the upstream has switched to another protocol.
             self.head_sent = False

@@ -551,7 +551,8 @@ class H1ConnectionCore(Downstream):
     def start_tunnel(self, resp: Any, upgrade: bytes) -> None:
         self.transport.write(resp.serialize(
             b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason),
-            b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF, F_HOP))
+            b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF,
+            F_HOP | F_CONTENT_LENGTH))  # RFC 9110 8.6: no Content-Length on a 1xx
         self.tunnel = True
         if self.buf:
             data = bytes(self.buf)
