@@ -890,6 +890,19 @@ def test_h2c_upgrade_with_bad_settings_stays_http11(proxy: ProxyProc, fields: by
         b"HTTP/1.1 101")
 
 
+def test_h2c_upgrade_needs_http2_settings_named_in_connection(
+        proxy: ProxyProc, upgrader: UpgradeUpstream) -> None:
+    """RFC 7540 3.2.1: HTTP2-Settings is a connection option; not named in Connection,
+    the request stays HTTP/1.1, and the field (hop-by-hop either way) does not go on."""
+    before = len(upgrader.heads)
+    req = (b"GET /plain HTTP/1.1\r\nHost: upgrade.test\r\nConnection: Upgrade, close\r\n"
+           b"Upgrade: h2c\r\nHTTP2-Settings: " + _settings64((3, 100)) + b"\r\n\r\n")
+    raw = raw_exchange(proxy.ports["mixed"], req)
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+    seen = upgrader.heads[before:]
+    assert len(seen) == 1 and b"http2-settings" not in seen[0].lower(), seen
+
+
 def test_unsolicited_101_for_h2c_is_not_tunnelled(proxy: ProxyProc) -> None:
     req = (b"GET /force101 HTTP/1.1\r\nHost: upgrade.test\r\nConnection: Upgrade, close\r\n"
            b"Upgrade: h2c\r\n\r\n")

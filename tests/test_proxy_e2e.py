@@ -631,6 +631,19 @@ def test_repeated_x_forwarded_for_fields_are_merged(
     assert r.json()["headers"]["x-forwarded-for"] == "10.0.0.1, 10.0.0.2, 10.0.0.3, 127.0.0.1"
 
 
+def test_x_forwarded_for_named_by_connection_is_not_forwarded(
+        start_proxy: StartProxy, demo_upstream: int) -> None:
+    """RFC 9110 7.6.1: a field named in Connection is removed, X-Forwarded-For too; the
+    proxy's own starts from the client's address."""
+    proxy = start_proxy(simple_config(demo_upstream))
+    with RawConn(proxy.port) as c:
+        c.send(get("/echo", extra="Connection: X-Forwarded-For\r\n"
+                                  "X-Forwarded-For: 6.6.6.6\r\n"))
+        r = c.read_response()
+    assert r.status == 200
+    assert r.json()["headers"]["x-forwarded-for"] == "127.0.0.1"
+
+
 def test_hop_by_hop_request_headers_not_forwarded(
     start_proxy: StartProxy, demo_upstream: int
 ) -> None:

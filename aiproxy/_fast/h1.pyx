@@ -685,6 +685,8 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
                 if st.content_length != -1 and st.content_length != cl:
                     raise ParseError(400, "conflicting Content-Length values")
                 st.content_length = cl
+            elif _ieq(name, 14, b"http2-settings", 14):
+                fl = F_HOP  # RFC 7540 3.2.1: for the immediate connection only
         elif nlen == 17:
             if _ieq(name, 17, b"transfer-encoding", 17):
                 fl = F_TRANSFER_ENCODING | F_HOP
@@ -747,6 +749,10 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
                     and not (_flags[i] & (F_HOST | F_CONTENT_LENGTH))
                     and _ieq2(p + start + o[0], p + _ctok[2 * j], o[1] - o[0])):
                 _flags[i] |= F_HOP | F_NAMED_BY_CONNECTION
+                if _flags[i] & F_XFF:
+                    # Hop-by-hop now (RFC 9110 7.6.1): the proxy's X-Forwarded-For
+                    # starts afresh from the client's address.
+                    st.has_xff = 0
     return pos
 
 

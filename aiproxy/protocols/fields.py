@@ -20,7 +20,7 @@ F_OWN = 1024
 
 # Fields that never cross a hop, whatever the protocol (RFC 9110 7.6.1, RFC 9113 8.2.2).
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade",
-        b"te", b"trailer", b"proxy", b"expect"}
+        b"te", b"trailer", b"proxy", b"expect", b"http2-settings"}
 _FLAGS = {b"content-length": F_CONTENT_LENGTH, b"host": F_HOST, b"x-forwarded-for": F_XFF,
           b"x-forwarded-proto": F_XFP}
 

@@ -10,7 +10,7 @@ from aiproxy.pipeline.exchange cimport Exchange
 from aiproxy.routing.table cimport Route
 from aiproxy.server.runtime cimport Runtime
 
-cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST  # the module's constants, as C values
+cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST, F_NAMED_BY_CONNECTION  # the module's constants, as C values
 cdef bytes CRLF, LAST_CHUNK, STATUS_200
 cdef int P_PIPELINE, BODY_NONE
 cdef Py_ssize_t SMALL_BODY, CONTENT_LENGTH_CACHE

@@ -41,6 +41,7 @@ log = logging.getLogger("aiproxy.http1")
 F_HOP = 1  # header flags from aiproxy/_fast/h1.pxd
 F_CONTENT_LENGTH = 2
 F_HOST = 8
+F_NAMED_BY_CONNECTION = 512
 CRLF = b"\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 P_PIPELINE = 4
@@ -82,6 +83,11 @@ def valid_h2_settings(value: bytes) -> bool:
                 or (ident == 0x9 and n > 1)):  # RFC 9218 2.1
             return False
     return True
+
+
+def _named_by_connection(head: Any, lname: bytes) -> bool:
+    return any(flags & F_NAMED_BY_CONNECTION and name.lower() == lname
+               for (name, _), flags in zip(head.headers(), head.header_flags(), strict=True))
 
 
 class H1ConnectionCore(Downstream):
@@ -315,9 +321,11 @@ class H1ConnectionCore(Downstream):
         """RFC 7540 3.2 `Upgrade: h2c` (bodyless requests; others stay on HTTP/1.1)."""
         tokens = [t.strip().lower() for t in head.upgrade.split(b",")]
         settings = head.get_all(b"http2-settings")
-        # Exactly one HTTP2-Settings field, or no upgrade (RFC 7540 3.2.1).
+        # Exactly one HTTP2-Settings field, named in Connection, or no upgrade (RFC 7540
+        # 3.2.1).
         if (b"h2c" not in tokens or len(settings) != 1 or head.chunked
-                or head.content_length > 0 or not valid_h2_settings(settings[0])):
+                or head.content_length > 0 or not valid_h2_settings(settings[0])
+                or not _named_by_connection(head, b"http2-settings")):
             return False
         settings = settings[0]
         fields = [(b":method", head.method), (b":scheme", b"http"), (b":path", head.target)]
