@@ -196,6 +196,37 @@ def test_query_string_and_plain_text():
     assert r.text == "book a table\n1"
 
 
+def test_every_json_media_type():
+    body = json.dumps({"messages": [{"role": "user", "content": "hi there"}]}).encode()
+    for ctype in (b"application/x-json", b"application/vnd.api+json", b" Application/JSON "):
+        assert extract_text(ctype, body) == extract(ctype, body).text == "hi there", ctype
+
+
+def test_multipart_form():
+    """An upload (OpenAI's /v1/audio/transcriptions, say): text fields and JSON parts
+    are read, an audio or image file is sniffed."""
+    import httpx  # builds the multipart body as a client does
+
+    req = httpx.Request("POST", "http://x/v1/audio/transcriptions", data={
+        "prompt": "a call about my mortgage"}, files={
+        "file": ("a.wav", wav(16000, 1, 0.25), "audio/wav"),
+        "meta": ("m.json", json.dumps({"prompt": "from json"}).encode(), "application/json"),
+        "blob": ("x.bin", b"\x00\x01text-looking", "application/octet-stream")})
+    body = req.read()
+    r = extract(req.headers["content-type"].encode(), body)
+    assert r.text == "a call about my mortgage\nfrom json"
+    assert r.modality == Modality.AUDIO and r.metadata["sample_rate"] == 16000
+    assert r.metadata["parts"] == 4
+    # Cut at the inspect limit: what arrived is read, nothing raises.
+    cut = extract(req.headers["content-type"].encode(), body[:len(body) // 2])
+    assert cut.text.startswith("a call about my mortgage")
+    base64_part = (b"--b\r\nContent-Disposition: form-data; name=q\r\n"
+                   b"Content-Transfer-Encoding: base64\r\n\r\n" + base64.b64encode(b"hidden words")
+                   + b"\r\n--b--\r\n")
+    assert extract_text(b"multipart/form-data; boundary=b", base64_part) == "hidden words"
+    assert extract_text(b"multipart/form-data", base64_part) == ""  # no boundary
+
+
 def test_truncated_json_is_read_leniently():
     body = json.dumps({"model": "m", "messages": [
         {"role": "user", "content": "first question about \"quoted\" things"},

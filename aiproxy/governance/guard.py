@@ -22,8 +22,6 @@ zstd, ...) never reaches the client: 502 `redaction_failed` (counted as "refused
 
 from __future__ import annotations
 
-import email.parser
-import email.policy
 import logging
 import re
 import unicodedata
@@ -43,7 +41,7 @@ from aiproxy.pipeline.filters import (
     ResponseRefused,
 )
 from aiproxy.protocols.fields import F_CONTENT_LENGTH
-from aiproxy.semantic.unified import extract
+from aiproxy.semantic.unified import extract, form_parts, is_json_type, part_text
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
@@ -61,7 +59,6 @@ _INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))
 _SPACES = re.compile(r"\s+")
 MAX_STRINGS = 10_000
 _LEADING_WS = re.compile(rb"[ \t\r\n]*")
-_MIME = email.parser.BytesParser(policy=email.policy.HTTP)
 
 
 def json_text(body: bytes) -> str | None:
@@ -87,33 +84,16 @@ def json_text(body: bytes) -> str | None:
     return "\n".join(out)
 
 
-def is_json_type(media: bytes) -> bool:
-    return media.endswith((b"/json", b"/x-json", b"+json"))
-
-
 def multipart_text(content_type: bytes, body: bytes) -> str:
     """The text of a multipart/form-data body's text parts (no Content-Type, text/* or
-    JSON), one per line; file parts of other types are skipped. Parts sent base64 or
-    quoted-printable are decoded (a server may decode them), in their charset. The
-    stdlib MIME parser reads it; a body cut at the inspection limit keeps what arrived."""
-    msg = _MIME.parsebytes(b"Content-Type: " + content_type + b"\r\n\r\n" + body)
-    if not msg.is_multipart():
-        return ""
-    out: list[str] = []
-    for i, part in enumerate(msg.iter_parts()):
-        if i >= MAX_STRINGS:
-            break
-        media = part.get_content_type().encode()
-        if not (media.startswith(b"text/") or is_json_type(media)):
-            continue
-        data = part.get_payload(decode=True) or b""
-        text = json_text(data) if is_json_type(media) else None
-        if text is None:
-            try:
-                text = data.decode(part.get_content_charset() or "utf-8", "replace")
-            except LookupError:  # an unknown charset
-                text = data.decode("utf-8", "replace")
-        out.append(text)
+    JSON: every string), one per line; file parts of other types are skipped."""
+    out = []
+    for media, data, charset in form_parts(content_type, body):
+        if is_json_type(media):
+            text = json_text(data)
+            out.append(text if text is not None else part_text(data, charset))
+        elif media.startswith("text/"):
+            out.append(part_text(data, charset))
     return "\n".join(out)
 
 
@@ -176,15 +156,16 @@ class GuardFilter(Filter):
         text = json_text(body)
         if text is None:
             ctype = head.get(b"content-type") or b""
-            media = ctype.split(b";", 1)[0].strip().lower()
-            parts = multipart_text(ctype, body) if media == b"multipart/form-data" else ""
-            if is_json_type(media):
-                ctype = b"application/json"  # x-json too: read as JSON, leniently if cut
             q = ex.up_target.find(b"?")
-            size = head.content_length if head.content_length >= 0 else None
-            text = extract(ctype, body, ex.up_target[q + 1:] if q >= 0 else b"",
-                           self.json_fields, body_size=size).text
-            text = f"{parts}\n{text}" if parts and text else parts or text
+            query = ex.up_target[q + 1:] if q >= 0 else b""
+            if ctype.split(b";", 1)[0].strip().lower() == b"multipart/form-data":
+                # Its JSON parts read whole, as a JSON body is; then the query.
+                text = "\n".join(filter(None, (
+                    multipart_text(ctype, body),
+                    extract(ctype, b"", query, self.json_fields).text)))
+            else:
+                size = head.content_length if head.content_length >= 0 else None
+                text = extract(ctype, body, query, self.json_fields, body_size=size).text
         if not text:
             return None
         hits = self.guard.scan(text)

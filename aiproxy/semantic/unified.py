@@ -14,7 +14,9 @@ plus metadata:
   as text, others tried as nested messages.
 * images: width x height and format from PNG/JPEG/GIF/WebP headers;
 * audio: sample rate, channels and duration from WAV/FLAC/MP3/OGG (Vorbis/Opus) headers;
-* the query string's values, form bodies, plain text; body size and content type.
+* the query string's values, form bodies (urlencoded, and multipart: its text and JSON
+  parts read as above, its files sniffed as images or audio), plain text; body size and
+  content type.
 
 Nothing here raises on malformed or truncated input: what cannot be read is left out.
 """
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import email.parser
+import email.policy
 import enum
 import json
 import random
@@ -37,7 +41,8 @@ import orjson
 
 from aiproxy._fast.chat_json import chat_text
 
-__all__ = ["Modality", "UnifiedRequest", "extract", "sniff_media", "protobuf_strings"]
+__all__ = ["Modality", "UnifiedRequest", "extract", "sniff_media", "protobuf_strings",
+           "form_parts", "is_json_type"]
 
 MAX_TEXT_PARTS = 256
 MAX_PB_DEPTH = 8
@@ -85,8 +90,7 @@ def extract_text(content_type: bytes, body: bytes, query: bytes = b"",
     if body and not query and type(body) is bytes:
         # The common case (a JSON API call) without the metadata nobody reads here.
         ctype = _media_type(content_type)
-        if ctype == "application/json" or ctype.endswith("+json") or (
-                not ctype and body[:1] in b"{["):
+        if is_json_type(ctype) or (not ctype and body[:1] in b"{["):
             # In C from the bytes; then by parsing the document; then the full path.
             text = None if json_fields else chat_text(body)
             if text is None:
@@ -107,7 +111,7 @@ def _collect(content_type: bytes, body: bytes, query: bytes, json_fields: tuple[
     parts: list[str] = []
     modality = TEXT
     try:
-        modality = _extract_body(ctype, body, json_fields, parts, meta, size)
+        modality = _extract_body(ctype, body, json_fields, parts, meta, size, content_type)
     except Exception as exc:  # pragma: no cover - last-resort guard: never fail a request
         meta["extract_error"] = type(exc).__name__
         modality = BINARY if body else TEXT
@@ -147,15 +151,67 @@ def _media_type(content_type: bytes | str | None) -> str:
     return content_type.split(";", 1)[0].strip().lower()
 
 
+def is_json_type(media: str) -> bool:
+    """Whether a media type (lower case, no parameters) is JSON."""
+    return media.endswith(("/json", "/x-json", "+json"))
+
+
+_MIME = email.parser.BytesParser(policy=email.policy.HTTP)
+MAX_FORM_PARTS = 1000
+
+
+def form_parts(content_type: bytes, body: bytes) -> list[tuple[str, bytes, str | None]]:
+    """(media type, content, charset) of each part of a multipart/form-data body, read by
+    the stdlib MIME parser: base64 and quoted-printable parts decoded, a part without a
+    Content-Type text/plain. A body cut short keeps the parts that arrived."""
+    msg = _MIME.parsebytes(b"Content-Type: " + content_type + b"\r\n\r\n" + body)
+    if not msg.is_multipart():
+        return []
+    out = []
+    for part in msg.iter_parts():
+        if len(out) >= MAX_FORM_PARTS:
+            break
+        out.append((part.get_content_type(), part.get_payload(decode=True) or b"",
+                    part.get_content_charset()))
+    return out
+
+
+def part_text(data: bytes, charset: str | None) -> str:
+    try:
+        return data.decode(charset or "utf-8", "replace")
+    except LookupError:  # an unknown charset
+        return data.decode("utf-8", "replace")
+
+
+def _multipart(content_type: bytes, json_fields, parts: list[str], meta: dict[str, Any],
+               body: bytes) -> Modality:
+    modality = TEXT
+    found = form_parts(content_type, body)
+    meta["parts"] = len(found)
+    for media, data, charset in found:
+        if is_json_type(media):
+            _json_body(data, json_fields, parts, meta)
+        elif media.startswith("text/"):
+            parts.append(part_text(data, charset))
+        elif modality == TEXT:
+            sniffed = sniff_media(data, len(data))  # an uploaded image or audio file
+            if sniffed is not None:
+                meta.update(sniffed)
+                modality = IMAGE if sniffed["kind"] == "image" else AUDIO
+    return modality
+
+
 def _extract_body(ctype: str, body: bytes, json_fields, parts: list[str],
-                  meta: dict[str, Any], size: int) -> Modality:
+                  meta: dict[str, Any], size: int, content_type: bytes = b"") -> Modality:
     if not body:
         return TEXT
     if ctype.startswith("application/grpc"):
         return _grpc(body, parts, meta)
-    if ctype == "application/json" or ctype.endswith("+json") or (not ctype and body[:1] in b"{["):
+    if is_json_type(ctype) or (not ctype and body[:1] in b"{["):
         _json_body(body, json_fields, parts, meta)
         return TEXT
+    if ctype == "multipart/form-data":
+        return _multipart(content_type, json_fields, parts, meta, body)
     if ctype in ("application/x-protobuf", "application/protobuf", "application/vnd.google.protobuf"):
         protobuf_strings(body, parts)
         meta["protobuf"] = True
