@@ -149,6 +149,24 @@ def test_no_store_errors_and_tenants(start_proxy, demo_upstream):
         assert c.post(url, json=CHAT, headers={"x-tenant": "a"}).content == fresh.content
 
 
+def test_claimed_tenant_never_meets_an_authenticated_one(start_proxy, demo_upstream):
+    """With [auth], a tenant_header value is only a claim: "alice" in the header is not
+    the subject alice, and reads none of her cache entries (nor her budgets, counters)."""
+    from aiproxy.governance.auth import hash_key
+
+    auth = (f'\n[auth]\nrequired = false\n\n[[auth.api_keys]]\nid = "ka"\n'
+            f'subject = "alice"\nhash = "{hash_key("key-of-alice")}"\n')
+    proxy = _cache_proxy(start_proxy, demo_upstream, auth)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        mine = c.post(url, json=CHAT, headers={"x-api-key": "key-of-alice"})
+        claim = c.post(url, json=CHAT, headers={"x-tenant": "alice"})
+        again = c.post(url, json=CHAT, headers={"x-tenant": "alice"})
+    assert [r.headers["x-aiproxy-cache"] for r in (mine, claim, again)] == [
+        "miss", "miss", "hit"]
+    assert claim.json()["id"] != mine.json()["id"]
+
+
 def test_shared_entries_and_ttl(start_proxy, demo_upstream):
     proxy = _cache_proxy(start_proxy, demo_upstream, "shared = true\nttl_ms = 400\n")
     url = f"{proxy.url}/v1/chat/completions"

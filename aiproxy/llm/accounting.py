@@ -25,16 +25,22 @@ OTHER = "other"  # the label of tenants/models past the cardinality bound
 TPS_BUCKETS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0)
 
 
-def tenant_of(ex: Exchange, header: bytes | None) -> str:
+HEADER_TENANT = "header:"  # how a claimed tenant is kept apart from authenticated ones
+
+
+def tenant_of(ex: Exchange, header: bytes | None, apart: bool = False) -> str:
     """Who a request is charged to: the authenticated subject, else the configured
-    header's value, else the client address."""
+    header's value, else the client address. `apart` (the config authenticates): the
+    header's value is only a claim, so it is named HEADER_TENANT + value; "alice" in
+    the header never shares alice's cache entries, budgets or counters."""
     identity = ex.identity
     if identity is not None:
         return identity.subject
     if header is not None:
         value = ex.head.get(header)
         if value:
-            return value[:128].decode("latin-1")
+            value = value[:128].decode("latin-1")
+            return HEADER_TENANT + value if apart else value
     return ex.down.peer.decode()
 
 
@@ -75,6 +81,7 @@ class LlmState:
     def configure(self, cfg: LlmConfig) -> None:
         self.cfg = cfg
         self.header = cfg.tenant_header
+        self.apart = False  # make_state: whether the config authenticates (tenant_of)
         self.routes: set[str] | None = None
 
     def record(self, ex: Exchange, f: LlmFacts) -> None:
@@ -232,7 +239,7 @@ class LlmFactory(FilterFactory):
         if kind is None:
             return None
         state = self.state
-        facts = LlmFacts(kind, tenant_of(ex, state.header))
+        facts = LlmFacts(kind, tenant_of(ex, state.header, state.apart))
         ex.llm = facts
         return LlmFilter(state, facts)
 
@@ -267,6 +274,7 @@ def make_state(config: Config, previous: LlmState | None) -> LlmState | None:
         return None
     state = previous if previous is not None else LlmState(cfg)
     state.configure(cfg)
+    state.apart = config.auth is not None
     state.routes = accounted_routes(config)
     return state
 

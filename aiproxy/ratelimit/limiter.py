@@ -59,14 +59,14 @@ class Limiter:
         tpm = cfg.tokens_per_minute
         self.tok = (tpm / 60.0, float(cfg.burst_tokens or tpm)) if tpm else None
 
-    def buckets(self, ex: Exchange, header: bytes | None,
+    def buckets(self, ex: Exchange, header: bytes | None, apart: bool,
                 factor: float) -> tuple[list[str], list[Spec], list[str]]:
         """Bucket keys, specs and kinds ("requests"/"tokens") this request takes from."""
         llm = ex.llm
         parts = []
         for part in self.cfg.key:
             if part == "tenant":
-                parts.append(llm.tenant if llm is not None else tenant_of(ex, header))
+                parts.append(llm.tenant if llm is not None else tenant_of(ex, header, apart))
             elif part == "route":
                 parts.append(ex.route.name)
             else:
@@ -153,11 +153,11 @@ class RateLimitFilter(Filter):
     def _take(self, ex: Exchange, load: float | None) -> tuple[Limiter, str, float] | None:
         """Take from every in-process limiter, or from none: the first refusal."""
         factor = factor_for(load)
-        header = self.factory.header
+        header, apart = self.factory.header, self.factory.apart
         now = ex.loop.time()
         for lim in self.factory.limiters:
             f = factor if lim.cfg.watermark else 1.0
-            keys, specs, kinds = lim.buckets(ex, header, f)
+            keys, specs, kinds = lim.buckets(ex, header, apart, f)
             worst, wait = lim.store.take(keys, specs, now)
             if worst >= 0:
                 self._give_back(now)
@@ -225,10 +225,10 @@ class RateLimitFilter(Filter):
         """_take with Redis-backed limiters among them; a backend failure answers
         per on_backend_error (the LocalReply is returned as the "refusal")."""
         factor = factor_for(load)
-        header = self.factory.header
+        header, apart = self.factory.header, self.factory.apart
         for lim in self.factory.limiters:
             f = factor if lim.cfg.watermark else 1.0
-            keys, specs, kinds = lim.buckets(ex, header, f)
+            keys, specs, kinds = lim.buckets(ex, header, apart, f)
             if not keys:
                 continue
             now = ex.loop.time()
@@ -311,9 +311,11 @@ def _reason(kind: str, factor: float) -> str:
 class RateLimitFactory(FilterFactory):
     name = "ratelimit"
 
-    def __init__(self, limiters: tuple[Limiter, ...], header: bytes | None) -> None:
+    def __init__(self, limiters: tuple[Limiter, ...], header: bytes | None,
+                 apart: bool = False) -> None:
         self.limiters = limiters
         self.header = header
+        self.apart = apart  # tenant_of's
         self.redis = any(lim.redis for lim in limiters)
         self.watermark = any(lim.cfg.watermark for lim in limiters)
 
@@ -327,10 +329,12 @@ class RateLimitState:
     def __init__(self) -> None:
         self.limiters: dict[str, Limiter] = {}
         self.header: bytes | None = None
+        self.apart = False
 
     def update(self, config: Config) -> None:
         llm = llm_config(config)
         self.header = llm.tenant_header if llm is not None else None
+        self.apart = config.auth is not None
         old = self.limiters
         self.limiters = {}
         for cfg in config.ratelimits:
@@ -388,4 +392,4 @@ def make_state(config: Config, previous: RateLimitState | None) -> RateLimitStat
 def build(config: Config, route: RouteConfig, state: RateLimitState) -> FilterFactory | None:
     limiters = tuple(lim for lim in state.limiters.values()
                      if not lim.cfg.routes or route.name in lim.cfg.routes)
-    return RateLimitFactory(limiters, state.header) if limiters else None
+    return RateLimitFactory(limiters, state.header, state.apart) if limiters else None
