@@ -167,6 +167,53 @@ def test_claimed_tenant_never_meets_an_authenticated_one(start_proxy, demo_upstr
     assert claim.json()["id"] != mine.json()["id"]
 
 
+def test_cache_control_on_several_field_lines(start_proxy, demo_upstream):
+    """RFC 9110 5.3: Cache-Control split over field lines is one list. A response whose
+    second line says no-store (or private, with a shared cache) is not stored; a request
+    whose second line says no-store bypasses the cache."""
+    import itertools
+
+    from aiohttp import hdrs, web
+    from multidict import CIMultiDict
+
+    from tests.support import serve_aiohttp
+
+    ids = itertools.count()
+
+    async def chat(request: web.Request) -> web.Response:
+        doc = await request.json()
+        words = doc["messages"][0]["content"].split()
+        headers = CIMultiDict([(hdrs.CONTENT_TYPE, "application/json")])
+        for directive in words[1:]:  # one field line per word after the first
+            headers.add(hdrs.CACHE_CONTROL, directive)
+        return web.Response(headers=headers, text=json.dumps({
+            "id": f"c-{next(ids)}", "object": "chat.completion", "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+
+    def ask(c, text, **headers):
+        r = c.post(url, json={"model": "m", "messages": [{"role": "user", "content": text}]},
+                   headers=headers)
+        return r.headers["x-aiproxy-cache"], r.json()["id"]
+
+    with serve_aiohttp(app) as port:
+        proxy = _cache_proxy(start_proxy, port, "shared = true\n")
+        url = f"{proxy.url}/v1/chat/completions"
+        with httpx.Client() as c:
+            for text in ("a public no-store", "b public private", "c max-age=60 no-store"):
+                first, second = ask(c, text), ask(c, text)
+                assert (first[0], second[0]) == ("miss", "miss") and first != second, text
+            assert ask(c, "d public")[0] == "miss" and ask(c, "d public")[0] == "hit"
+            two = httpx.Headers([("cache-control", "max-age=0"), ("cache-control", "no-store")])
+            r = c.post(url, json={"model": "m", "messages": [{"role": "user", "content": "d public"}]},
+                       headers=two)
+            assert r.headers["x-aiproxy-cache"] == "bypass"
+
+
 def test_shared_entries_and_ttl(start_proxy, demo_upstream):
     proxy = _cache_proxy(start_proxy, demo_upstream, "shared = true\nttl_ms = 400\n")
     url = f"{proxy.url}/v1/chat/completions"

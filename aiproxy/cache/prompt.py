@@ -104,10 +104,11 @@ def unit(vector: Any) -> np.ndarray | None:
     return v / norm if norm > 0 else None
 
 
-def _directives(value: bytes | None) -> set[bytes]:
-    if not value:
-        return set()
-    return {d.strip().split(b"=", 1)[0].lower() for d in value.split(b",")}
+def _directives(head: Any) -> set[bytes]:
+    """The Cache-Control directive names of a head, over every field line of it (RFC
+    9110 5.3: repeated lines are one comma-separated list)."""
+    return {d.strip().split(b"=", 1)[0].lower()
+            for value in head.get_all(b"cache-control") for d in value.split(b",")}
 
 
 class CacheState:
@@ -211,7 +212,7 @@ class CacheFilter(Filter):
     def request(self, ex: Exchange) -> StoredResponse | None:
         state = self.state
         llm = ex.llm
-        cc = _directives(ex.head.get(b"cache-control"))
+        cc = _directives(ex.head)
         if llm.body is None or b"no-store" in cc:
             self.mark = BYPASS
             state.bypass += 1
@@ -277,7 +278,7 @@ class CacheFilter(Filter):
     def response_head(self, ex: Exchange, resp: Any) -> Any:
         items = resp.fields(0)
         if self.key is not None and resp.status == 200:
-            cc = _directives(resp.get(b"cache-control"))
+            cc = _directives(resp)
             refuse = {b"no-store"}
             if self.state.cfg.shared:
                 refuse.add(b"private")
