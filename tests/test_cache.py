@@ -281,6 +281,34 @@ def test_embedding_and_semantic_caches(start_proxy, demo_upstream):
     assert 'aiproxy_cache_lookups_total{cache="embedding",result="hit"} 1.0' in metrics
 
 
+def test_semantic_hit_needs_the_same_context(start_proxy, demo_upstream):
+    """A semantic match may differ only in the question: another system prompt, earlier
+    turn, tool list or sampling parameter asks something else and is a miss."""
+    proxy = _semantic_proxy(start_proxy, demo_upstream, free_port(), 0.9)
+    url = f"{proxy.url}/v1/chat/completions"
+    question = "how much money is in my checking account"
+    base = {"model": "demo-model", "messages": [{"role": "user", "content": question}]}
+    variants = {
+        "system": {**base, "messages": [{"role": "system", "content": "Answer in French."},
+                                        *base["messages"]]},
+        "earlier turn": {**base, "messages": [{"role": "user", "content": "hello"},
+                                              {"role": "assistant", "content": "hi"},
+                                              *base["messages"]]},
+        "max_tokens": {**base, "max_tokens": 3},
+        "temperature": {**base, "temperature": 1.5},
+        "n": {**base, "n": 2},
+        "tools": {**base, "tools": [{"type": "function", "function": {"name": "f"}}]},
+    }
+    with httpx.Client() as c:
+        assert c.post(url, json=base).headers["x-aiproxy-cache"] == "miss"
+        for name, body in variants.items():
+            near = {**body, "messages": [*body["messages"][:-1], {
+                "role": "user", "content": question + " please"}]}
+            assert c.post(url, json=near).headers["x-aiproxy-cache"] == "miss", name
+        paraphrase = {**base, "messages": [{"role": "user", "content": question + " please"}]}
+        assert c.post(url, json=paraphrase).headers["x-aiproxy-cache"] == "hit"
+
+
 def test_semantic_threshold_keeps_dissimilar_prompts_apart(start_proxy, demo_upstream):
     proxy = _semantic_proxy(start_proxy, demo_upstream, free_port(), 0.9999)
     url = f"{proxy.url}/v1/chat/completions"
@@ -312,3 +340,22 @@ def test_h2c_accounting_and_cache(start_proxy, demo_upstream, tmp_path):
     assert recs[0]["prompt_tokens"] == usage["prompt_tokens"] and not recs[0]["estimated"]
     assert [r["cached"] for r in recs] == [False, True, False, True]
     assert recs[2]["stream"] and not recs[2]["estimated"]
+
+
+def test_semantic_indexes_are_bounded():
+    """One index per request context: clients sending new contexts cannot grow them
+    past INDEXED_LIMIT embeddings; the least recently added-to index goes first."""
+    import numpy as np
+
+    from aiproxy.cache.prompt import INDEXED_LIMIT, CacheState
+    from aiproxy.config.schema import CacheConfig
+
+    state = CacheState(CacheConfig())
+    vector = np.ones(8, dtype=np.float32) / np.sqrt(8)
+    state.index(("r", None, "kept"), vector, "k-kept")
+    for i in range(2 * INDEXED_LIMIT):
+        state.index(("r", None, f"ctx{i}"), vector, f"k{i}")
+        if i % 1000 == 0:
+            state.index(("r", None, "kept"), vector, f"k-kept{i}")  # used: stays
+    assert state.indexed == sum(len(x.keys) for x in state.indexes.values()) <= INDEXED_LIMIT
+    assert ("r", None, "kept") in state.indexes and ("r", None, "ctx0") not in state.indexes

@@ -24,6 +24,21 @@ def request_hash(kind: str, body: dict[str, Any]) -> str:
     return hashlib.blake2b(blob.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
+def context_hash(kind: str, body: dict[str, Any]) -> str:
+    """request_hash without the question: the last message when it is the user's, or a
+    string prompt / input. A semantic match may differ only there; the system prompt,
+    earlier turns, tools, model and every sampling parameter must be equal."""
+    form = dict(body)
+    messages = form.get("messages")
+    if (isinstance(messages, list) and messages and isinstance(messages[-1], dict)
+            and messages[-1].get("role") == "user"):
+        form["messages"] = [*messages[:-1], {**messages[-1], "content": None}]
+    for name in ("prompt", "input"):
+        if isinstance(form.get(name), str):
+            form[name] = None
+    return request_hash(kind, form)
+
+
 def prompt_key(h: str, scope: str | None) -> str:
     """`pc:<hash>`, or `pc:<hash>:<scope hash>` when entries are per identity."""
     if scope is None:

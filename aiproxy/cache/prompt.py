@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from aiproxy.cache.key import embedding_key, prompt_key, request_hash
+from aiproxy.cache.key import context_hash, embedding_key, prompt_key, request_hash
 from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
 from aiproxy.llm.openai import endpoint_of
@@ -45,6 +45,9 @@ HIT = (b"x-aiproxy-cache", b"hit")
 MISS = (b"x-aiproxy-cache", b"miss")
 BYPASS = (b"x-aiproxy-cache", b"bypass")
 INDEX_LIMIT = 1024  # embeddings kept per semantic index (oldest replaced)
+# Embeddings kept over all indexes (one per route, scope and request context); past
+# it the oldest index goes, so clients cannot grow the process with new contexts.
+INDEXED_LIMIT = 16384
 ENTRY_OVERHEAD = 256  # bytes charged per entry besides its body and fields
 
 
@@ -120,6 +123,7 @@ class CacheState:
         self.shared: Any = None  # a RedisCache with backend = "redis"
         self.decisions = MemoryCache(max(1024, cfg.max_bytes // 16))
         self.indexes: dict[tuple, SemanticIndex] = {}
+        self.indexed = 0  # embeddings over all indexes
         self.exact_hits = 0
         self.semantic_hits = 0
         self.misses = 0
@@ -127,6 +131,21 @@ class CacheState:
         self.stored = 0
         self.ec_hits = 0
         self.ec_misses = 0
+
+    def index(self, where: tuple, vector: np.ndarray, key: str) -> None:
+        """Add a stored request's embedding to the semantic index `where`."""
+        index = self.indexes.pop(where, None)  # re-inserted last: the most recent
+        if index is None or index.vectors.shape[1] != vector.shape[0]:
+            if index is not None:
+                self.indexed -= len(index.keys)
+            index = SemanticIndex(vector.shape[0])
+        self.indexes[where] = index
+        before = len(index.keys)
+        index.add(vector, key)
+        self.indexed += len(index.keys) - before
+        while self.indexed > INDEXED_LIMIT and len(self.indexes) > 1:
+            oldest = next(iter(self.indexes))
+            self.indexed -= len(self.indexes.pop(oldest).keys)
 
     def configure(self, cfg: CacheConfig) -> None:
         old = self.cfg
@@ -222,7 +241,8 @@ class CacheFilter(Filter):
         scope = None if cfg.shared else llm.tenant
         self.key = prompt_key(h, scope)
         if ex.intent is not None or cfg.semantic_threshold is not None:
-            self.index_key = (ex.route.name, scope, llm.model, llm.stream)
+            # Nearest neighbours only among requests equal but for their question.
+            self.index_key = (ex.route.name, scope, context_hash(llm.endpoint, llm.body))
         if b"no-cache" in cc:
             state.misses += 1
             return None  # refresh the entry with the upstream's answer
@@ -320,10 +340,7 @@ class CacheFilter(Filter):
             state.decisions.put(embedding_key(self.hash), decision, 4 * 1024, expires)
             vector = unit(decision.embedding)
             if vector is not None and state.cfg.semantic_threshold is not None:
-                index = state.indexes.get(self.index_key)
-                if index is None or index.vectors.shape[1] != vector.shape[0]:
-                    index = state.indexes[self.index_key] = SemanticIndex(vector.shape[0])
-                index.add(vector, self.key)
+                state.index(self.index_key, vector, self.key)
         return b""
 
 
