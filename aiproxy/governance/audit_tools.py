@@ -30,8 +30,39 @@ def _first_seq(path: str) -> int:
     return 1 << 62
 
 
-def verify(paths: list[str], out: TextIO = sys.stdout) -> int:
-    """0 when every record chains to the one before it (files in seq order)."""
+_ROTATED = re.compile(r"\.\d{8}T\d{6}\.\d{6}Z$")  # audit.py's rotation stamp
+
+
+def chain_of(path: str) -> str:
+    """The live file whose chain `path` is part of: itself, or what it was rotated from
+    (PATH.YYYYmmddTHHMMSS.ffffffZ). Each worker's PATH.wN is a chain of its own."""
+    return _ROTATED.sub("", path)
+
+
+def verify(paths: list[str], out: TextIO = sys.stdout, partial: bool = False) -> int:
+    """0 when every record chains to the one before it (each chain's files in seq
+    order) and, unless `partial`, each chain starts at its first record."""
+    chains: dict[str, list[str]] = {}
+    for path in paths:
+        chains.setdefault(chain_of(path), []).append(path)
+    problems = count = 0
+    heads = []
+    for name, files in chains.items():
+        n_problems, n_records, head = _verify_chain(files, out, partial)
+        problems += n_problems
+        count += n_records
+        heads.append((name, len(files), n_records, head))
+    if problems:
+        print(f"FAILED: {problems} problem(s) in {count} records", file=out)
+        return 1
+    for name, n_files, n_records, head in heads:
+        where = f"{name}: " if len(heads) > 1 else ""
+        print(f"{where}ok: {n_records} records in {n_files} file(s); head {head}", file=out)
+    return 0
+
+
+def _verify_chain(paths: list[str], out: TextIO, partial: bool) -> tuple[int, int, str]:
+    """(problems, records, head hash) of one chain."""
     files = sorted(paths, key=_first_seq)
     prev = None
     expect_seq = None
@@ -41,7 +72,7 @@ def verify(paths: list[str], out: TextIO = sys.stdout) -> int:
         with open(path, "rb") as fh:
             data = fh.read()
         lines = data.split(b"\n")
-        partial = lines.pop()  # b"" when the file ends with a newline
+        tail = lines.pop()  # b"" when the file ends with a newline
         for n, line in enumerate(lines, 1):
             where = f"{path}:{n}"
             try:
@@ -55,7 +86,9 @@ def verify(paths: list[str], out: TextIO = sys.stdout) -> int:
             if prev is None:
                 if rec_prev != GENESIS:
                     print(f"{where}: chain starts at seq {seq}, after a record not given "
-                          "(earlier files missing?)", file=out)
+                          "(earlier files missing?"
+                          + (")" if partial else "; --partial accepts that)"), file=out)
+                    problems += not partial
             elif rec_prev != prev:
                 print(f"{where}: seq {seq}: prev hash does not match the record before it "
                       "(a record was edited, removed or reordered)", file=out)
@@ -66,18 +99,14 @@ def verify(paths: list[str], out: TextIO = sys.stdout) -> int:
             expect_seq = seq + 1
             prev = line_hash(line)
             count += 1
-        if partial:
+        if tail:
             last_file = fi == len(files) - 1
-            print(f"{path}: incomplete last line ({len(partial)} bytes)"
+            print(f"{path}: incomplete last line ({len(tail)} bytes)"
                   + (": a write cut short by a crash, never acknowledged" if last_file
                      else ""), file=out)
             if not last_file:
                 problems += 1
-    if problems:
-        print(f"FAILED: {problems} problem(s) in {count} records", file=out)
-        return 1
-    print(f"ok: {count} records in {len(files)} file(s); head {prev or GENESIS}", file=out)
-    return 0
+    return problems, count, prev or GENESIS
 
 
 # -- query --------------------------------------------------------------------------------------

@@ -97,7 +97,11 @@ def add_audit(sub: argparse._SubParsersAction) -> None:
     v = cmds.add_parser("verify", help="check the hash chain across files",
                         description="Exit 0 when every record chains to the one before it; "
                         "print each edited, removed or reordered record and exit 1.")
-    v.add_argument("files", nargs="+", metavar="FILE")
+    v.add_argument("files", nargs="+", metavar="FILE",
+                   help="a log and its rotated files; several workers' PATH.wN files are "
+                   "checked as separate chains")
+    v.add_argument("--partial", action="store_true",
+                   help="accept a chain whose first records are not given (archived)")
     q = cmds.add_parser(
         "query", help="filter and group records (schema-on-read)",
         description="Fields are dotted names of the JSON records (identity.sub, "
@@ -118,7 +122,7 @@ def run_audit(args: argparse.Namespace) -> int:
 
     try:
         if args.audit_command == "verify":
-            return audit_tools.verify(args.files)
+            return audit_tools.verify(args.files, partial=args.partial)
         group_by = [g for item in args.group_by for g in item.split(",") if g]
         fields = [f for f in args.fields.split(",") if f] if args.fields else None
         return audit_tools.query(args.files, args.where, group_by, args.since, fields,
