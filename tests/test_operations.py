@@ -83,6 +83,29 @@ def test_admin_token_and_redacted_config(start_proxy, demo_upstream):
     assert proxy.proc.poll() is None
 
 
+def test_config_view_hides_url_passwords():
+    """GET /config shows the effective config without secrets: a Redis URL's password
+    too, wherever the URL is."""
+    from aiproxy.admin.server import effective_config
+    from aiproxy.config.loader import load_config_text
+
+    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:1"\n' + simple_config(1) + """
+[[ratelimits]]
+name = "shared"
+requests_per_second = 10
+backend = "redis"
+redis_url = "redis://:hunter2@127.0.0.1:6379/0"
+
+[cache]
+backend = "redis"
+redis_url = "rediss://cacheuser:pa%40ss@cache.internal:6380/1"
+"""
+    view = json.dumps(effective_config(load_config_text(text, "t.toml")))
+    assert "hunter2" not in view and "pa%40ss" not in view
+    assert "redis://:<redacted>@127.0.0.1:6379/0" in view
+    assert "rediss://cacheuser:<redacted>@cache.internal:6380/1" in view
+
+
 def test_reload_under_load_drops_nothing(start_proxy, demo_upstream):
     admin = free_port()
     base_cfg = simple_config(demo_upstream) + admin_block(admin)

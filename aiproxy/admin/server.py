@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import re
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
@@ -38,18 +39,25 @@ def _plain(value: Any) -> Any:
     return value
 
 
+SECRET_KEYS = frozenset(("token", "upstream_secret", "salt", "digest", "password", "secret"))
+_URL_PASSWORD = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/@:]*:)[^/@]*@")
+
+
+def _redacted(value: Any) -> Any:
+    """Secrets out of a config tree: values of SECRET_KEYS, and the password of any URL
+    (redis://:PASSWORD@host) wherever it is."""
+    if isinstance(value, dict):
+        return {k: "<redacted>" if k in SECRET_KEYS and v else _redacted(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(r"\1<redacted>@", value)
+    return value
+
+
 def effective_config(config: Config) -> dict[str, Any]:
-    data = _plain(dataclasses.asdict(config))
-    admin = data.get("admin")
-    if admin and admin.get("token"):
-        admin["token"] = "<redacted>"
-    auth = data.get("auth")
-    if auth:
-        if auth.get("upstream_secret"):
-            auth["upstream_secret"] = "<redacted>"
-        for key in auth.get("api_keys") or ():
-            key["salt"] = key["digest"] = "<redacted>"
-    return data
+    return _redacted(_plain(dataclasses.asdict(config)))
 
 
 def describe_routes(server: ProxyServer) -> list[dict[str, Any]]:
