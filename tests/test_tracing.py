@@ -68,8 +68,11 @@ def test_missing_or_invalid_traceparent_starts_a_trace(start_proxy, demo_upstrea
     url = f"http://127.0.0.1:{proxy.port}/echo"
     traces = set()
     with httpx.Client() as client:
+        twice = [("traceparent", f"00-{TRACE}-{PARENT}-01"),
+                 ("traceparent", f"00-{TRACE[::-1]}-{PARENT}-01"), ("tracestate", "a=b")]
         for headers in ({}, {"traceparent": f"ff-{TRACE}-{PARENT}-01", "tracestate": "a=b"},
-                        {"traceparent": "garbage", "tracestate": "a=b"}):
+                        {"traceparent": "garbage", "tracestate": "a=b"},
+                        httpx.Headers(twice)):  # W3C 3.2: two is none
             seen = client.get(url, headers=headers).json()["headers"]
             parsed = parse_traceparent(seen["traceparent"].encode())
             assert parsed is not None
@@ -78,7 +81,7 @@ def test_missing_or_invalid_traceparent_starts_a_trace(start_proxy, demo_upstrea
             assert parsed[2] == b"01"
             assert "tracestate" not in seen  # never kept without a valid traceparent
             traces.add(trace)
-    assert len(traces) == 3
+    assert len(traces) == 4
 
 
 def test_access_log_carries_the_trace_id(start_proxy, demo_upstream, tmp_path: Path):

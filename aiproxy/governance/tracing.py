@@ -158,7 +158,9 @@ class TraceFactory(FilterFactory):
 
     def start(self, ex: Exchange) -> Filter:
         head = ex.head
-        parsed = parse_traceparent(head.get(b"traceparent"))
+        sent = head.get_all(b"traceparent")
+        # W3C Trace Context 3.2: more than one traceparent is as good as none.
+        parsed = parse_traceparent(sent[0]) if len(sent) == 1 else None
         span = os.urandom(8).hex().encode()
         if parsed is None:
             trace, parent, flags = os.urandom(16).hex().encode(), None, b"01"
