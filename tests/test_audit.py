@@ -75,7 +75,8 @@ def test_records_and_verify_detects_tampering(start_proxy, demo_upstream, tmp_pa
         h = {"x-api-key": KEY}
         assert c.post(f"{proxy.url}/echo", headers=h, content=b"x" * 300).status_code == 200
         assert c.get(f"{proxy.url}/echo").status_code == 401
-        assert c.delete(f"{proxy.url}/echo", headers=h).status_code == 403
+        refused = c.delete(f"{proxy.url}/echo", headers=h)
+        assert refused.status_code == 403
         for i in range(5):
             assert c.get(f"{proxy.url}/bytes/{1000 + i}", headers=h).status_code == 200
     log = tmp_path / "audit.log"
@@ -90,6 +91,7 @@ def test_records_and_verify_detects_tampering(start_proxy, demo_upstream, tmp_pa
     assert unauth["status"] == 401 and unauth["identity"] is None
     assert denied["status"] == 403 and denied["decision"] == {"result": "deny",
                                                               "rule": "no-delete"}
+    assert denied["bytes_out"] == len(refused.content) > 0  # the proxy's JSON body
     assert [r["seq"] for r in recs] == list(range(1, 9))
     assert [r["bytes_out"] for r in recs[3:]] == [1000, 1001, 1002, 1003, 1004]
 

@@ -43,6 +43,7 @@ from aiproxy.pipeline.filters import (
     StoredResponse,
 )
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
+from aiproxy.protocols.replies import error_body
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
@@ -1368,6 +1369,11 @@ class Exchange(ExchangeBase):
         self.reading_body = False
         self.status = status
         self.head_sent = True
+        # What the client gets of it, for the access log and the audit record (written
+        # before the reply when a filter gates it): the JSON body; none for HEAD, and
+        # none for gRPC, answered with trailers only.
+        self.resp_bytes = (0 if self.method == b"HEAD" or self.grpc
+                           else len(error_body(status, code, message)))
         if not self.filters and self.done_filters is None and self.rt.unrouted_filters:
             self._start_unrouted()
         if self.filters or self.done_filters:
