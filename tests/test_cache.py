@@ -68,6 +68,11 @@ def test_second_identical_request_is_a_hit_with_identical_bytes(start_proxy, dem
     assert 'aiproxy_cache_lookups_total{cache="prompt",result="hit"} 1.0' in metrics
     assert 'aiproxy_cache_lookups_total{cache="prompt",result="miss"} 2.0' in metrics
     assert 'aiproxy_cache_hit_ratio{cache="joint"} 0.333' in metrics
+    # Token counters hold what upstreams spent: the hit adds a request, no tokens.
+    spent = first.json()["usage"]["prompt_tokens"] + other.json()["usage"]["prompt_tokens"]
+    assert f'aiproxy_llm_prompt_tokens_total{{model="demo-model",pattern="bulk",route="all",tenant="127.0.0.1"}} {spent}.0' in metrics, metrics
+    assert 'aiproxy_llm_cached_requests_total{model="demo-model",pattern="bulk",route="all",tenant="127.0.0.1"} 1.0' in metrics
+    assert 'aiproxy_llm_requests_total{model="demo-model",pattern="bulk",route="all",tenant="127.0.0.1"} 3.0' in metrics
 
 
 def test_openai_client_gets_the_cached_answer(start_proxy, demo_upstream):

@@ -72,7 +72,7 @@ class LlmState:
         self.configure(cfg)
         self.tenants = Labels(cfg.max_tenants)
         self.models = Labels(cfg.max_models)
-        # [requests, prompt tokens, completion tokens, estimated requests]
+        # [requests, prompt tokens, completion tokens, estimated requests, cached requests]
         self.counts: dict[tuple[str, str, str, str], list[int]] = {}
         self.ttft: dict[tuple[str, str], Histogram] = {}
         self.tps: dict[tuple[str, str], Histogram] = {}
@@ -90,8 +90,11 @@ class LlmState:
         key = (self.tenants(f.tenant), route, model, f.pattern or "")
         row = self.counts.get(key)
         if row is None:
-            row = self.counts[key] = [0, 0, 0, 0]
+            row = self.counts[key] = [0, 0, 0, 0, 0]
         row[0] += 1
+        if f.cached:  # answered from the cache: no upstream tokens, no model timing
+            row[4] += 1
+            return
         row[1] += f.prompt_tokens
         row[2] += f.completion_tokens
         if f.prompt_estimated or f.completion_estimated:
@@ -113,7 +116,9 @@ class LlmState:
             ("aiproxy_llm_requests", "OpenAI-style requests by tenant, route, model, pattern"),
             ("aiproxy_llm_prompt_tokens", "Prompt tokens (upstream usage, else estimated)"),
             ("aiproxy_llm_completion_tokens", "Completion tokens (usage, else estimated)"),
-            ("aiproxy_llm_estimated_requests", "Requests whose token counts are estimates"))]
+            ("aiproxy_llm_estimated_requests", "Requests whose token counts are estimates"),
+            ("aiproxy_llm_cached_requests", "Requests answered from the cache (no tokens "
+             "counted)"))]
         for key, row in sorted(self.counts.items()):
             for fam, value in zip(fams, row, strict=True):
                 fam.add_metric(list(key), value)
