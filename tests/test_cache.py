@@ -213,6 +213,15 @@ def test_cache_control_on_several_field_lines(start_proxy, demo_upstream):
                 first, second = ask(c, text), ask(c, text)
                 assert (first[0], second[0]) == ("miss", "miss") and first != second, text
             assert ask(c, "d public")[0] == "miss" and ask(c, "d public")[0] == "hit"
+            # What a request accepts: max-age=0 and Pragma: no-cache refresh the entry,
+            # max-age=N takes one at most N s old.
+            stored = ask(c, "d public")[1]
+            refreshed = ask(c, "d public", **{"cache-control": "max-age=0"})
+            assert refreshed[0] == "miss" and refreshed[1] != stored
+            assert ask(c, "d public", pragma="no-cache")[0] == "miss"
+            assert ask(c, "d public", **{"cache-control": "max-age=60"})[0] == "hit"
+            time.sleep(1.1)
+            assert ask(c, "d public", **{"cache-control": "max-age=1"})[0] == "miss"
             two = httpx.Headers([("cache-control", "max-age=0"), ("cache-control", "no-store")])
             r = c.post(url, json={"model": "m", "messages": [{"role": "user", "content": "d public"}]},
                        headers=two)

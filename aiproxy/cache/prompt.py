@@ -107,11 +107,26 @@ def unit(vector: Any) -> np.ndarray | None:
     return v / norm if norm > 0 else None
 
 
-def _directives(head: Any) -> set[bytes]:
-    """The Cache-Control directive names of a head, over every field line of it (RFC
-    9110 5.3: repeated lines are one comma-separated list)."""
-    return {d.strip().split(b"=", 1)[0].lower()
-            for value in head.get_all(b"cache-control") for d in value.split(b",")}
+def _directives(head: Any) -> dict[bytes, bytes]:
+    """The Cache-Control directives of a head (name -> argument, b"" for none), over
+    every field line of it (RFC 9110 5.3: repeated lines are one comma-separated list).
+    A request with none and `Pragma: no-cache` means no-cache (RFC 9111 5.4)."""
+    out = {}
+    for value in head.get_all(b"cache-control"):
+        for d in value.split(b","):
+            name, _, arg = d.strip().partition(b"=")
+            out.setdefault(name.strip().lower(), arg.strip().strip(b'"'))
+    if not out and b"no-cache" in (head.get(b"pragma") or b"").lower():
+        out[b"no-cache"] = b""
+    return out
+
+
+def _max_age(cc: dict[bytes, bytes]) -> float | None:
+    """A request's max-age in seconds: the oldest entry it takes (None: any)."""
+    arg = cc.get(b"max-age")
+    if arg is None:
+        return None
+    return float(arg) if arg.isdigit() else 0.0  # RFC 9111 4.2.1: invalid is stale
 
 
 class CacheState:
@@ -215,7 +230,7 @@ class CacheState:
 
 class CacheFilter(Filter):
     __slots__ = ("state", "hash", "key", "mark", "items", "chunks", "size", "status",
-                 "index_key")
+                 "index_key", "max_age")
 
     def __init__(self, state: CacheState) -> None:
         self.state = state
@@ -227,6 +242,7 @@ class CacheFilter(Filter):
         self.size = 0
         self.status = 0
         self.index_key: tuple | None = None
+        self.max_age: float | None = None
 
     def request(self, ex: Exchange) -> StoredResponse | None:
         state = self.state
@@ -243,22 +259,28 @@ class CacheFilter(Filter):
         if ex.intent is not None or cfg.semantic_threshold is not None:
             # Nearest neighbours only among requests equal but for their question.
             self.index_key = (ex.route.name, scope, context_hash(llm.endpoint, llm.body))
-        if b"no-cache" in cc:
+        max_age = _max_age(cc)
+        if b"no-cache" in cc or max_age == 0:
             state.misses += 1
             return None  # refresh the entry with the upstream's answer
+        self.max_age = max_age
         if state.shared is not None:
             return self._lookup_shared(ex)
         now = ex.loop.time()
         stored = state.store.get(self.key, now)
-        if stored is not None:
+        if stored is not None and self._fresh(stored, now):
             return self._hit(ex, stored, now, False)
         near = self._nearest(ex)
         if near is not None:
             stored = state.store.get(near, now)
-            if stored is not None:
+            if stored is not None and self._fresh(stored, now):
                 return self._hit(ex, stored, now, True)
         state.misses += 1
         return None
+
+    def _fresh(self, stored: Stored, now: float) -> bool:
+        """Young enough for the request's max-age (when it gave one)."""
+        return self.max_age is None or now - stored.created <= self.max_age
 
     def _nearest(self, ex: Exchange) -> str | None:
         """The prompt key of the most similar stored request, if similar enough."""
@@ -291,7 +313,9 @@ class CacheFilter(Filter):
             if found is not None:
                 status, created, items, chunks = found
                 wall = time.time()
-                return self._hit(ex, Stored(status, items, chunks, created), wall, semantic)
+                stored = Stored(status, items, chunks, created)
+                if self._fresh(stored, wall):
+                    return self._hit(ex, stored, wall, semantic)
         self.state.misses += 1
         return None
 
@@ -299,10 +323,12 @@ class CacheFilter(Filter):
         items = resp.fields(0)
         if self.key is not None and resp.status == 200:
             cc = _directives(resp)
+            # Not no-cache: event streams carry it as a matter of course (the operator
+            # opted in to caching them); no-store and private are kept to.
             refuse = {b"no-store"}
             if self.state.cfg.shared:
                 refuse.add(b"private")
-            if not cc & refuse and resp.get(b"set-cookie") is None:
+            if not cc.keys() & refuse and resp.get(b"set-cookie") is None:
                 self.items = [(n, v) for n, v in resp.fields(F_HOP | F_CONTENT_LENGTH)
                               if n not in (b"date", b"age", b"x-aiproxy-cache")]
                 self.chunks = []
