@@ -777,6 +777,28 @@ def test_client_goaway_lets_inflight_stream_finish(port: int) -> None:
         assert c.closed_after(5)
 
 
+def test_stream_reset_behind_its_headers_after_client_goaway(port: int) -> None:
+    """Found by fuzzing: after the client's GOAWAY, a new stream is refused with
+    RST_STREAM; when the client's own RST_STREAM for it came in the same read, h2 had
+    closed it already and the refusal raised, aborting the connection."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/delay/300"), GoAwayFrame(0, last_stream_id=0, error_code=0),
+               c.request(3, "/echo"), raw_frame(RST_STREAM, 0, 3, (8).to_bytes(4, "big")))
+        assert c.response(1).status == 200
+
+
+@pytest.mark.parametrize("kind,flags", [(PING, 0), (DATA, 0), (HEADERS, 0x4)])
+def test_frame_longer_than_max_frame_size_refused_at_its_header(port: int, kind: int,
+                                                                 flags: int) -> None:
+    """RFC 9113 4.2: FRAME_SIZE_ERROR on a frame over SETTINGS_MAX_FRAME_SIZE (16384
+    here), at once: not after buffering the 16 MiB its length field may announce."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(raw_frame(kind, flags, 0 if kind == PING else 1, b"", length=(1 << 24) - 1))
+        expect_goaway(c, ErrorCodes.FRAME_SIZE_ERROR)
+
+
 def test_sigterm_idle_h2_connection_gets_goaway(demo_upstream: int, tmp_path: Path) -> None:
     proxy = ProxyProc(tmp_path, CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, demo_upstream))
     try:

@@ -21,7 +21,6 @@ if at least the threshold (same route, scope, model and stream mode); counted ap
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from aiproxy import wirejson
 from aiproxy.cache.key import context_hash, embedding_key, prompt_key, request_hash
 from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
@@ -183,8 +183,8 @@ class CacheState:
         if kind is None or ex.method != b"POST":
             return None
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+            data = wirejson.loads(body)
+        except ValueError:
             return None
         if not isinstance(data, dict):
             return None

@@ -43,6 +43,7 @@ from datetime import UTC, date, datetime
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
+from aiproxy import wirejson
 from aiproxy.config.errors import ConfigError, Problem
 from aiproxy.config.locate import KeyPath, Locator
 from aiproxy.config.locate import format_path as _format_path
@@ -442,7 +443,7 @@ def model_of(ex: Exchange) -> str | None:
     if body:
         if ex.req_done:
             try:
-                doc = json.loads(body)
+                doc = wirejson.loads(body)
                 if isinstance(doc, dict) and isinstance(doc.get("model"), str):
                     return doc["model"]
                 return None

@@ -18,4 +18,4 @@ def tokens_of_bytes(n: int) -> int:
 
 
 def tokens_of_text(text: str) -> int:
-    return tokens_of_bytes(len(text.encode("utf-8")))
+    return tokens_of_bytes(len(text.encode("utf-8", "surrogatepass")))  # a JSON \ud800

@@ -16,6 +16,7 @@ import json
 import re
 from typing import Any
 
+from aiproxy import wirejson
 from aiproxy.llm.estimate import MESSAGE_OVERHEAD, tokens_of_bytes, tokens_of_text
 
 ENDPOINTS = {
@@ -78,8 +79,8 @@ def read_request(kind: str, body: bytes, complete: bool, length: int) -> Request
     data = None
     if complete:
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+            data = wirejson.loads(body)
+        except ValueError:
             data = None
     if not isinstance(data, dict):
         # Too long to inspect whole (or not JSON): what its start says, size estimated.
@@ -147,6 +148,10 @@ def usage_of(obj: Any) -> tuple[int, int] | None:
     return prompt, completion
 
 
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))  # a JSON \ud800 escape counts too
+
+
 def completion_text_bytes(obj: Any) -> int:
     """UTF-8 bytes of the generated text in a response object or stream chunk."""
     if not isinstance(obj, dict):
@@ -161,18 +166,18 @@ def completion_text_bytes(obj: Any) -> int:
                 if isinstance(part, dict):
                     content = part.get("content")
                     if isinstance(content, str):
-                        n += len(content.encode("utf-8"))
+                        n += _utf8_len(content)
             text = c.get("text")
             if isinstance(text, str):
-                n += len(text.encode("utf-8"))
+                n += _utf8_len(text)
     delta = obj.get("delta")  # Responses API: response.output_text.delta
     if isinstance(delta, str):
-        n += len(delta.encode("utf-8"))
+        n += _utf8_len(delta)
     output = obj.get("output")
     if isinstance(output, list):
         texts: list[str] = []
         _text(output, texts)
-        n += sum(len(t.encode("utf-8")) for t in texts)
+        n += sum(map(_utf8_len, texts))
     return n
 
 
@@ -236,8 +241,8 @@ class SseReader:
             self.text_bytes += n
             return 1 if n else 0
         try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+            obj = wirejson.loads(data)
+        except ValueError:
             return 0
         usage = usage_of(obj)
         if usage is not None:
@@ -270,8 +275,8 @@ class JsonReader:
         """(usage, generated text bytes) of the body."""
         if self.parts:
             try:
-                obj = json.loads(b"".join(self.parts))
-            except (ValueError, UnicodeDecodeError):
+                obj = wirejson.loads(b"".join(self.parts))
+            except ValueError:
                 return None, self.size
             return usage_of(obj), completion_text_bytes(obj)
         found = dict(_USAGE_FIELD.findall(self.tail))

@@ -31,6 +31,7 @@ from functools import partial
 from random import random
 from typing import TYPE_CHECKING, Any
 
+from aiproxy import wirejson
 from aiproxy._fast.clock import monotonic
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, ResponseHead, find_query, valid_authority
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
@@ -583,13 +584,16 @@ class Exchange(ExchangeBase):
     def _rewrite_model(self) -> None:
         body = b"".join(self.pending or ())
         try:
-            data = json.loads(body)
+            data = wirejson.loads(body)
         except ValueError:
             return  # not JSON after all: forward it untouched
         if not isinstance(data, dict):
             return
         data["model"] = self.route.model.decode("ascii")
-        body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        try:
+            body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        except UnicodeEncodeError:  # a lone surrogate (\ud800): sent as its escape
+            body = json.dumps(data, separators=(",", ":")).encode()
         self.pending = [body]
         self.pending_size = len(body)
         self.replay = [body]

@@ -383,11 +383,14 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
     - RFC 9113 6.5: a SETTINGS frame with ACK and a payload is a FRAME_SIZE_ERROR
       (hyperframe calls it invalid data, which h2 makes PROTOCOL_ERROR);
     - RFC 9113 6.9: a WINDOW_UPDATE's reserved bit is ignored (hyperframe takes it as
-      part of the increment, which is then out of range)."""
+      part of the increment, which is then out of range);
+    - a frame longer than SETTINGS_MAX_FRAME_SIZE is a FRAME_SIZE_ERROR when its header
+      arrives (h2 checks once the whole frame is buffered: up to 16 MiB a connection)."""
 
     def __next__(self) -> Any:
         data = self._data
         if len(data) >= 9:
+            self._validate_frame_length(int.from_bytes(data[0:3], "big"))
             kind = data[3]
             if (kind == 0x4 and data[4] & 0x1 and data[0:3] != b"\0\0\0"
                     and data[5:9] == b"\0\0\0\0"):  # on a stream: PROTOCOL_ERROR stands

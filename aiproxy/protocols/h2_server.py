@@ -247,15 +247,24 @@ class H2ServerConnection(asyncio.Protocol):
     def _on_request(self, ev: h2.events.RequestReceived) -> None:
         self.budgets.idle.credit(IDLE_PER_REQUEST)
         if self.goaway_sent:
-            self.h2.reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
+            self._reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
         try:
             head = h2_request_head(ev.headers, bool(ev.stream_ended))
         except MalformedHead as exc:
             log.info("malformed HTTP/2 request on stream %d: %s", ev.stream_id, exc)
-            self.h2.reset_stream(ev.stream_id, ErrorCodes.PROTOCOL_ERROR)
+            self._reset_stream(ev.stream_id, ErrorCodes.PROTOCOL_ERROR)
             return
         self._start_stream(ev.stream_id, head, bool(ev.stream_ended))
+
+    def _reset_stream(self, sid: int, code: int) -> None:
+        """RST_STREAM, unless the stream is closed already: the events of one read are
+        handled after h2 has taken all its frames, so a client's RST_STREAM behind the
+        frame being handled has closed the stream by now."""
+        try:
+            self.h2.reset_stream(sid, code)
+        except h2.exceptions.ProtocolError:
+            pass
 
     def _start_stream(self, sid: int, head: Any, ended: bool) -> None:
         stream = H2Stream(self, sid, head)
@@ -298,7 +307,7 @@ class H2ServerConnection(asyncio.Protocol):
                 log.info("stream %d ended after %d of %d content-length bytes", sid,
                          ex.req_bytes, ex.head.content_length)
                 stream.lost()
-                self.h2.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+                self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
                 self.stream_done(stream)
                 return
             ex.body_end()

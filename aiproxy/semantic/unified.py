@@ -39,7 +39,9 @@ from urllib.parse import parse_qsl
 
 import orjson
 
+from aiproxy import wirejson
 from aiproxy._fast.chat_json import chat_text
+from aiproxy.wirejson import valid_text
 
 __all__ = ["Modality", "UnifiedRequest", "extract", "sniff_media", "protobuf_strings",
            "form_parts", "is_json_type"]
@@ -123,7 +125,7 @@ def _collect(content_type: bytes, body: bytes, query: bytes, json_fields: tuple[
                     parts.append(value)
         except ValueError:
             pass
-    text = _joined(parts)
+    text = valid_text(_joined(parts))  # json's \ud800 escapes, say: every reader encodes it
     if text and modality == BINARY:
         modality = TEXT
     return modality, text, meta
@@ -246,8 +248,8 @@ def _json_body(body: bytes, json_fields, parts: list[str], meta: dict[str, Any])
         doc = orjson.loads(body)  # a few times faster than json.loads
     except ValueError:
         try:  # what orjson refuses and json takes: NaN, integers past 64 bits, ...
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+            doc = wirejson.loads(body)
+        except ValueError:
             meta["json"] = "partial"
             _lenient_json(body, json_fields, parts)
             return
