@@ -717,6 +717,25 @@ def test_stream_window_never_opened(proxy: ProxyProc, port: int) -> None:
         assert not [f for f in more if isinstance(f, DataFrame) and f.data]
 
 
+def test_response_the_client_takes_none_of_is_reset(demo_upstream: int,
+                                                    tmp_path: Path) -> None:
+    """Found by fuzzing: a response whose client never opens its window again waited
+    for ever once the upstream had finished. [http] send_timeout_ms resets it."""
+    text = (CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, demo_upstream)).replace(
+        "max_header_bytes = 4096", "max_header_bytes = 4096\nsend_timeout_ms = 1000")
+    proxy = ProxyProc(tmp_path, text)
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/bytes/200000"))  # more than the 65,535-byte window
+            start = time.monotonic()
+            expect_reset(c, 1, (ErrorCodes.CANCEL,), timeout=10)
+            assert time.monotonic() - start >= 0.9
+    finally:
+        log = proxy.stop()
+    assert "client took no response data for 1000 ms" in log
+
+
 def test_client_never_reads_socket(proxy: ProxyProc, port: int) -> None:
     """A client that grants a 2 GiB window and then never reads its socket: only TCP
     back-pressure stops the data. The proxy must stop reading the upstream (RSS bounded)

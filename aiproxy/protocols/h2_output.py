@@ -19,7 +19,8 @@ from h2.exceptions import ProtocolError
 from aiproxy.protocols import h2_fast
 
 OUT_HIGH = 256 * 1024  # waiting bytes per stream before the producer is paused
-OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused")
+OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused",
+                "out_sent", "stall_seen", "stall_since")
 
 
 class StreamOutput:
@@ -42,6 +43,21 @@ class StreamOutput:
         self.end_pending = False
         self.trailers_pending: list | None = None
         self.producer_paused = False
+        self.out_sent = 0  # bytes sent as DATA so far
+        self.stall_seen = -1  # out_sent at the last stalled() look ...
+        self.stall_since = 0.0  # ... and since when it has not moved
+
+    def stalled(self, now: float) -> float:
+        """Seconds that data has waited here without a byte of it going out (0: none
+        waits, or some went out since the last look)."""
+        if not self.out and not self.end_pending:
+            self.stall_seen = -1
+            return 0.0
+        if self.out_sent != self.stall_seen:
+            self.stall_seen = self.out_sent
+            self.stall_since = now
+            return 0.0
+        return now - self.stall_since
 
     # -- what subclasses define -----------------------------------------------------
 
@@ -117,6 +133,7 @@ class StreamOutput:
             except ProtocolError as exc:
                 self._output_failed(exc)
                 return
+        self.out_sent += off
         if off < n:
             rest = data[off:] if off else data
             self.out.append(rest)

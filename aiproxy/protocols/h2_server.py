@@ -503,7 +503,18 @@ class H2ServerConnection(asyncio.Protocol):
         http = rt.http
         now = self.loop.time()
         left = rt.min_timeout
+        send_timeout = http.send_timeout_ms / 1000
         for stream in list(self.streams.values()):
+            if stream.stalled(now) >= send_timeout:
+                # The client took none of the response for send_timeout_ms (its window
+                # stays shut): the stream goes, as nginx's send_timeout closes.
+                log.info("stream %d: client took no response data for %d ms: reset",
+                         stream.sid, http.send_timeout_ms)
+                stream.lost()
+                stream.clear_output()
+                self._reset_stream(stream.sid, ErrorCodes.CANCEL)
+                self.stream_done(stream)
+                continue
             ex = stream.exchange
             if ex is not None and not ex.finished:
                 remaining = ex.check_deadline(now, http.body_timeout_ms / 1000)

@@ -59,7 +59,7 @@ class Runtime:
         self.max_keepalive_requests = http.max_keepalive_requests
         self.x_forwarded = http.x_forwarded
         self.server_timing = http.server_timing
-        timeouts = [http.header_timeout_ms, http.body_timeout_ms]
+        timeouts = [http.header_timeout_ms, http.body_timeout_ms, http.send_timeout_ms]
         if http.keepalive_timeout_ms:
             timeouts.append(http.keepalive_timeout_ms)
         for c in config.clusters:
