@@ -1714,6 +1714,35 @@ def test_slow_client_download_memory_bounded(
     assert rss.growth < RSS_LIMIT_SLOW, rss.describe()
 
 
+def test_paused_client_is_held_to_send_timeout_not_the_upstream_read_timeout(
+        start_proxy: StartProxy, demo_upstream: int) -> None:
+    """A client that stops reading pauses its upstream: the upstream is not then cut at
+    its read_timeout_ms (found by fuzzing, with a 5 s one); the client gets
+    send_timeout_ms to take data again, then the connection is closed."""
+    proxy = start_proxy(simple_config(demo_upstream, http="send_timeout_ms = 2500",
+                                      cluster_extra="read_timeout_ms = 500"))
+    total = 32 * MiB
+
+    def download(pause: float) -> int:
+        with RawConn(proxy.port, rcvbuf=64 * KiB) as c:
+            c.send(get(f"/bytes/{total}?length=1"))
+            assert c.read_head().status == 200
+            got = len(c.buf)
+            time.sleep(pause)  # reads nothing: the proxy's output and upstream pause
+            while got < total:
+                try:
+                    data = c.sock.recv(MiB)
+                except ConnectionResetError:
+                    break
+                if not data:
+                    break
+                got += len(data)
+            return got
+
+    assert download(1.5) == total  # three read timeouts long, within send_timeout
+    assert download(4.0) < total  # past send_timeout: cut
+
+
 @pytest.mark.timeout(60)
 def test_slow_upstream_upload_memory_bounded(
     start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]

@@ -1045,6 +1045,18 @@ class Exchange(ExchangeBase):
                           f"{round(self.req_timeout * 1000)} ms")
                 return None
             return min(left, self.deadline_at - now)
+        if self.down.output_paused():
+            # The client is not taking the response (its upstream is paused for it): the
+            # wait is the client's, bounded by send_timeout, not the upstream's read
+            # timeout. activity is when the pause began (or the last resume).
+            limit = self.rt.http.send_timeout_ms
+            left = self.activity + limit / 1000 - now
+            if left <= 0:
+                log.info("client took no response data for %d ms on route %s", limit,
+                         self.route.name)
+                self._abort()
+                return None
+            return min(left, self.deadline_at - now)
         left = self.activity + cfg.read_timeout_ms / 1000 - now
         if left <= 0:
             log.warning("upstream read timeout on route %s", self.route.name)
