@@ -213,15 +213,18 @@ class H1ConnectionCore(Downstream):
     def eof_received(self) -> bool:
         self.client_eof = True
         self._release_slab()
+        # Over TLS a half-close cannot be kept (asyncio closes the transport, and warns
+        # when asked otherwise): True only on plain TCP.
+        half_open = self.scheme != b"https"
         if self.tunnel:
             self.exchange.tunnel_client_eof()
-            return True
+            return half_open
         ex = self.exchange
         if ex is not None and not ex.reading_body and not self.lingering:
             if self.server.runtime.http.ignore_client_abort or ex.head.upgrade is not None:
                 # A half-closed client still gets its response; an Upgrade's FIN is the
                 # end of what it sends through the tunnel to be.
-                return True
+                return half_open
             # As nginx (proxy_ignore_client_abort off): a client that closed its side
             # has given up (the openai SDK's stream.close(), say); the upstream is let
             # go now (499) rather than at the next write, which may be minutes away.
