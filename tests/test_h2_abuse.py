@@ -208,20 +208,34 @@ def test_unknown_frame_types_are_ignored(port: int) -> None:
 # -- stream errors: the connection survives -------------------------------------------------
 
 
-def test_window_update_zero_on_stream_is_stream_error(port: int) -> None:
+@pytest.mark.parametrize("frame,code", [
+    # RFC 9113 6.9, 6.3, 5.3.1: stream errors (not the connection's end).
+    (raw_frame(WINDOW_UPDATE, 0, 1, bytes(4)), ErrorCodes.PROTOCOL_ERROR),
+    (raw_frame(WINDOW_UPDATE, 0, 1, b"\x80\0\0\0"), ErrorCodes.PROTOCOL_ERROR),
+    (raw_frame(PRIORITY, 0, 1, b"\0\0\0\0"), ErrorCodes.FRAME_SIZE_ERROR),
+    (raw_frame(PRIORITY, 0, 1, b"\0\0\0\0\x10\0"), ErrorCodes.FRAME_SIZE_ERROR),
+    (raw_frame(PRIORITY, 0, 1, (1).to_bytes(4, "big") + b"\x10"), ErrorCodes.PROTOCOL_ERROR),
+], ids=["window_update_zero", "window_update_zero_reserved_bit", "priority_short",
+        "priority_long", "priority_on_itself"])
+def test_stream_errors_leave_the_connection_serving(port: int, frame: bytes,
+                                                     code: int) -> None:
     with FrameClient(port) as c:
         c.handshake()
-        c.send(c.request(1, "/delay/300"), raw_frame(WINDOW_UPDATE, 0, 1, bytes(4)))
-        frames = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame)))
-        last = frames[-1] if frames else None
-        # RFC 9113 6.9: a stream error; treating it as a connection error is allowed (5.4.1).
-        if isinstance(last, GoAwayFrame):
-            assert last.error_code == ErrorCodes.PROTOCOL_ERROR
-            return
-        assert isinstance(last, RstStreamFrame) and last.stream_id == 1, frames
-        assert last.error_code == ErrorCodes.PROTOCOL_ERROR
+        c.send(c.request(1, "/delay/300"), frame)
+        expect_reset(c, 1, (code,))
         c.send(c.request(3, "/echo"))
         assert c.response(3).status == 200
+
+
+def test_stream_error_frames_on_idle_streams_are_dropped(port: int) -> None:
+    """RFC 9113 6.4: no RST_STREAM for an idle stream: the frame is dropped."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(raw_frame(PRIORITY, 0, 5, b"\0\0"), raw_frame(PRIORITY, 0, 7, (7).to_bytes(4, "big") + b"\x10"),
+               c.request(9, "/echo"))
+        resp = c.response(9)
+        assert resp.status == 200 and resp.reset is None
+        assert not [f for f in c.stash if isinstance(f, (RstStreamFrame, GoAwayFrame))]
 
 
 def test_window_overflow_on_stream_is_stream_error(port: int) -> None:

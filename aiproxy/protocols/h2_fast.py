@@ -37,7 +37,7 @@ from hpack import NeverIndexedHeaderTuple
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
-from hyperframe.frame import RstStreamFrame
+from hyperframe.frame import ExtensionFrame, RstStreamFrame
 
 T_DATA = 0x0
 T_HEADERS = 0x1
@@ -378,6 +378,28 @@ class _Stream(h2.stream.H2Stream):
         return checked_fields(headers, flags)
 
 
+# A frame h2 would take as a connection error where RFC 9113 asks for a stream error is
+# rewritten, in the buffer, into an extension frame of this type carrying the error code;
+# FastReceive._receive_frame resets its stream. Only as many as the buffer rewrote count.
+STREAM_ERROR_FRAME = 0xF0
+
+
+def _stream_error_code(kind: int, sid: int, payload: bytes | bytearray) -> int:
+    """The stream error a whole frame on stream `sid` is, or 0:
+    - RFC 9113 6.9: WINDOW_UPDATE with an increment of 0, PROTOCOL_ERROR;
+    - 6.3: PRIORITY of a length other than 5, FRAME_SIZE_ERROR;
+    - 5.3.1: PRIORITY making a stream depend on itself, PROTOCOL_ERROR."""
+    if kind == 0x8:
+        if len(payload) == 4 and not int.from_bytes(payload, "big") & 0x7FFFFFFF:
+            return ErrorCodes.PROTOCOL_ERROR
+    elif kind == 0x2:
+        if len(payload) != 5:
+            return ErrorCodes.FRAME_SIZE_ERROR
+        if int.from_bytes(payload[0:4], "big") & 0x7FFFFFFF == sid:
+            return ErrorCodes.PROTOCOL_ERROR
+    return 0
+
+
 class _FrameBuffer(h2.frame_buffer.FrameBuffer):
     """h2's FrameBuffer, checked on the frame header before h2 parses anything:
     - RFC 9113 6.5: a SETTINGS frame with ACK and a payload is a FRAME_SIZE_ERROR
@@ -385,13 +407,26 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
     - RFC 9113 6.9: a WINDOW_UPDATE's reserved bit is ignored (hyperframe takes it as
       part of the increment, which is then out of range);
     - a frame longer than SETTINGS_MAX_FRAME_SIZE is a FRAME_SIZE_ERROR when its header
-      arrives (h2 checks once the whole frame is buffered: up to 16 MiB a connection)."""
+      arrives (h2 checks once the whole frame is buffered: up to 16 MiB a connection);
+    - a WINDOW_UPDATE or PRIORITY frame that is a stream error (_stream_error_code) is
+      passed on as a STREAM_ERROR_FRAME (hyperframe would refuse it, a connection error)."""
+
+    stream_errors = 0
 
     def __next__(self) -> Any:
         data = self._data
         if len(data) >= 9:
-            self._validate_frame_length(int.from_bytes(data[0:3], "big"))
+            length = int.from_bytes(data[0:3], "big")
+            self._validate_frame_length(length)
             kind = data[3]
+            if kind in (0x2, 0x8) and len(data) >= 9 + length and data[5:9] != b"\0\0\0\0":
+                code = _stream_error_code(kind, int.from_bytes(data[5:9], "big") & 0x7FFFFFFF,
+                                          data[9:9 + length])
+                if code:
+                    data[9:9 + length] = code.to_bytes(4, "big")
+                    data[0:5] = b"\0\0\x04" + bytes((STREAM_ERROR_FRAME, 0))
+                    self.stream_errors += 1
+                    return super().__next__()
             if (kind == 0x4 and data[4] & 0x1 and data[0:3] != b"\0\0\0"
                     and data[5:9] == b"\0\0\0\0"):  # on a stream: PROTOCOL_ERROR stands
                 raise h2.exceptions.FrameTooLargeError("SETTINGS ACK frame with a payload")
@@ -429,6 +464,10 @@ class FastReceive:
     def _receive_frame(self, frame: Any) -> list:
         """h2's H2Connection._receive_frame (4.x) without its trace call, whose argument,
         repr(frame), is built for every frame received even though nothing logs it."""
+        if (frame.__class__ is ExtensionFrame and frame.type == STREAM_ERROR_FRAME
+                and self.incoming_buffer.stream_errors):
+            self.incoming_buffer.stream_errors -= 1
+            return self._stream_error(frame.stream_id, int.from_bytes(frame.body, "big"))
         try:
             frames, events = self._frame_dispatch_table[frame.__class__](frame)
         except h2.exceptions.StreamClosedError as e:
@@ -480,6 +519,17 @@ class FastReceive:
             return [], []
         return [], [h2.events.StreamReset(stream_id=sid, error_code=ErrorCodes.PROTOCOL_ERROR,
                                           remote_reset=False)]
+
+    def _stream_error(self, sid: int, code: int) -> list:
+        """Reset an open stream with `code` (its caller learns it as a StreamReset); on
+        an idle or closed stream the frame is dropped (RFC 9113 6.4: no RST_STREAM for
+        an idle stream) and counted with the frames that do nothing."""
+        stream = self.streams.get(sid)
+        if stream is None or stream.closed:
+            self.closed_frames += 1
+            return []
+        self.reset_stream(sid, code)
+        return [h2.events.StreamReset(stream_id=sid, error_code=code, remote_reset=False)]
 
     def _receive_data_frame(self, frame: Any) -> tuple[list, list]:
         try:
