@@ -7,6 +7,7 @@ where grpcio would hide it."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import queue
@@ -63,10 +64,15 @@ def grpc_request(client: FrameClient, sid: int, path: str, body: bytes = b"",
 
 async def hang_handler(proto: Any, sid: int, path: str, head: dict, body: bytes) -> None:
     """An h2 upstream that ignores grpc-timeout: /test.Hang/Head sends response headers
-    and then nothing; anything else sends nothing at all (and /test.Stall/... never
-    acknowledges request DATA: see H2Upstream)."""
-    if path.endswith("/Head"):
+    and then nothing; /test.Reset/CODE sends them and then RST_STREAM(CODE); anything
+    else sends nothing at all (and /test.Stall/... never acknowledges request DATA: see
+    H2Upstream)."""
+    if path.endswith("/Head") or path.startswith("/test.Reset/"):
         proto.conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+        proto.flush()
+    if path.startswith("/test.Reset/"):
+        await asyncio.sleep(0.05)
+        proto.conn.reset_stream(sid, int(path.rsplit("/", 1)[1]))
         proto.flush()
 
 
@@ -130,6 +136,11 @@ cluster = "hang"
 [[routes]]
 name = "stall"
 match = {{ grpc_service = "test.Stall" }}
+cluster = "hang"
+
+[[routes]]
+name = "reset"
+match = {{ grpc_service = "test.Reset" }}
 cluster = "hang"
 
 [[routes]]
@@ -357,6 +368,22 @@ def test_grpc_timeout_is_the_upstream_deadline(proxy: ProxyProc, servers: dict) 
         hang.events
 
 
+@pytest.mark.parametrize("code,status", [(8, b"1"), (11, b"8"), (7, b"14"), (2, b"13")],
+                         ids=["cancel", "enhance_your_calm", "refused_stream", "internal_error"])
+def test_upstream_reset_after_headers_maps_to_its_status(proxy: ProxyProc, code: int,
+                                                         status: bytes) -> None:
+    """gRPC's PROTOCOL-HTTP2.md: an RST_STREAM code means a status (CANCEL: CANCELLED,
+    ENHANCE_YOUR_CALM: RESOURCE_EXHAUSTED, REFUSED_STREAM: UNAVAILABLE, others:
+    INTERNAL). Past the response headers the proxy ends the call with that status in
+    trailers, where a reset of its own would read as INTERNAL whatever happened."""
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        c.send(*grpc_request(c, 1, f"/test.Reset/{code}", b"x", []))
+        resp = c.response(1, timeout=10)
+    assert resp.status == 200 and resp.reset is None and resp.trailers is not None, resp
+    assert (b"grpc-status", status) in resp.trailers, resp
+
+
 def test_grpc_timeout_after_response_headers(proxy: ProxyProc, servers: dict) -> None:
     """Same, with the upstream's response headers already forwarded: the call cannot be
     trailers-only any more; it must still end at the deadline, with grpc-status 4
@@ -531,8 +558,9 @@ def test_upstream_killed_mid_stream(killable: Any, pb: ModuleType) -> None:
         for _ in call:
             pass
     assert time.monotonic() - start < 5
-    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
-                                 grpc.StatusCode.UNKNOWN), info.value
+    # As with the upstream directly (its socket closed): not the INTERNAL an
+    # RST_STREAM(INTERNAL_ERROR) of the proxy's would read as.
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
 
 
 def test_upstream_killed_before_unary_reply(killable: Any, pb: ModuleType) -> None:

@@ -30,6 +30,7 @@ import re
 from functools import partial
 from random import random
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from aiproxy import wirejson
 from aiproxy._fast.clock import monotonic
@@ -44,7 +45,7 @@ from aiproxy.pipeline.filters import (
     StoredResponse,
 )
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
-from aiproxy.protocols.replies import error_body
+from aiproxy.protocols.replies import error_body, grpc_status_for
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
@@ -1213,6 +1214,16 @@ class Exchange(ExchangeBase):
             if not self.down.take_back_response():
                 log.warning("upstream failed mid-response on route %s: %s",
                             self.route.name, message)
+                if self.grpc and self.head.version == 20 and not self.filters:
+                    # A gRPC call ends with a status, as the upstream's reset or loss
+                    # maps to one (PROTOCOL-HTTP2.md): an RST_STREAM(INTERNAL_ERROR) of
+                    # ours would read as INTERNAL whatever happened.
+                    self.status = status
+                    self.down.send_end([
+                        (b"grpc-status", b"%d" % grpc_status_for(status, code)),
+                        (b"grpc-message", quote(message).encode())])
+                    self._finish(False)
+                    return
                 self._abort()
                 return
             # Nothing of the response has reached the client (e.g. a malformed chunked

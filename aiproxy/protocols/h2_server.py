@@ -60,17 +60,6 @@ EARLY_PING = 0xA1 << 56     # PING opaque data: this tag | stream id (see end_ea
 # What h2 wraps in a plain ProtocolError when a field block cannot be decoded.
 HPACK_ERRORS = (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError)
 INFINITY = float("inf")
-# The proxy's own errors for gRPC callers (https://grpc.github.io/grpc/core/md_doc_statuscodes.html).
-GRPC_STATUS = {400: 13, 401: 16, 403: 7, 404: 12, 408: 4, 413: 8, 429: 8, 431: 8,
-               501: 12, 502: 14, 503: 14, 504: 4}
-
-
-def grpc_status_for(status: int, code: str | None) -> int:
-    if code == "deadline_exceeded":
-        return 4
-    return GRPC_STATUS.get(status, 2)
-
-
 class _ServerH2(h2_fast.FastReceive, h2.connection.H2Connection):
     """h2 with the corrections of FastReceive (RFC 9113 5.1.2: streams over the limit are
     refused one by one) and two more:
@@ -668,7 +657,7 @@ class H2Stream(StreamOutput, Downstream):
         if ex.grpc:
             # gRPC callers get a trailers-only response, never an HTTP error page.
             self._headers([(b":status", b"200"), (b"content-type", b"application/grpc"),
-                           (b"grpc-status", b"%d" % grpc_status_for(status, code)),
+                           (b"grpc-status", b"%d" % replies.grpc_status_for(status, code)),
                            (b"grpc-message", quote(message).encode()), *extra], True)
             self.ended = True
             return True

@@ -38,6 +38,12 @@ _IDLE_EVENTS = frozenset((h2.events.PriorityUpdated, h2.events.UnknownFrameRecei
                           h2.events.PingAckReceived, h2.events.SettingsAcknowledged))
 
 
+# An upstream's RST_STREAM code, as the proxy's error code (and so, for a gRPC caller,
+# the status replies.GRPC_CODE_STATUS gives it).
+RESET_CODES = {ErrorCodes.CANCEL: "upstream_cancelled",
+               ErrorCodes.ENHANCE_YOUR_CALM: "upstream_enhance_your_calm",
+               ErrorCodes.INADEQUATE_SECURITY: "upstream_inadequate_security"}
+
 class _ClientH2(h2_fast.FastReceive, h2.connection.H2Connection):
     """h2 with RFC 9113 6.8: after the upstream's GOAWAY the streams it will still
     process (up to its last stream id) carry on; h2 itself would refuse every frame
@@ -410,10 +416,10 @@ class H2UpstreamStream(StreamOutput, Upstream):
         if code == ErrorCodes.REFUSED_STREAM:
             ex.on_upstream_failed(503, "upstream_refused_stream", "upstream refused the stream")
         else:
-            ex.on_upstream_failed(502, "upstream_reset",
-                                  f"upstream reset the stream ({ErrorCodes(code).name})"
-                                  if code in ErrorCodes._value2member_map_
-                                  else f"upstream reset the stream ({code})")
+            name = (ErrorCodes(code).name if code in ErrorCodes._value2member_map_
+                    else str(code))
+            ex.on_upstream_failed(502, RESET_CODES.get(code, "upstream_stream_error"),
+                                  f"upstream reset the stream ({name})")
 
     def fail(self, status: int, code: str, message: str) -> None:
         ex = self.exchange

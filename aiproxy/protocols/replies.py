@@ -32,6 +32,21 @@ DEFAULT_CODES = {
 }
 
 
+# The proxy's own errors for gRPC callers
+# (https://grpc.github.io/grpc/core/md_doc_statuscodes.html), by HTTP status ...
+GRPC_STATUS = {400: 13, 401: 16, 403: 7, 404: 12, 408: 4, 413: 8, 429: 8, 431: 8,
+               501: 12, 502: 14, 503: 14, 504: 4}
+# ... or by error code where the code says more: an upstream's RST_STREAM maps as
+# gRPC's PROTOCOL-HTTP2.md "Errors" maps it for a client talking to it directly.
+GRPC_CODE_STATUS = {"deadline_exceeded": 4, "upstream_cancelled": 1,
+                    "upstream_enhance_your_calm": 8, "upstream_inadequate_security": 7,
+                    "upstream_stream_error": 13}
+
+
+def grpc_status_for(status: int, code: str | None) -> int:
+    return GRPC_CODE_STATUS.get(code) or GRPC_STATUS.get(status, 2)
+
+
 def status_line(status: int) -> bytes:
     line = STATUS_LINES.get(status)
     if line is None:
