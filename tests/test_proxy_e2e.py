@@ -1342,6 +1342,30 @@ def test_half_closed_client_gets_every_pipelined_response_with_ignore_client_abo
         assert c.closed_within(5)  # the unfinished fourth head is dropped with the close
 
 
+def test_idle_websocket_tunnel_is_closed(start_proxy: StartProxy, demo_upstream: int) -> None:
+    """[http] tunnel_idle_timeout_ms: a tunnel with bytes going either way stays; one
+    idle that long is closed (found by the gRPC/WebSocket audit: it never was)."""
+    proxy = start_proxy(simple_config(demo_upstream, http="tunnel_idle_timeout_ms = 1000"))
+    key = base64.b64encode(os.urandom(16))
+
+    def frame(text: bytes) -> bytes:
+        mask = os.urandom(4)
+        return (bytes([0x81, 0x80 | len(text)]) + mask
+                + bytes(b ^ mask[i % 4] for i, b in enumerate(text)))
+
+    with RawConn(proxy.port) as c:
+        c.send(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        assert c.read_head().status == 101
+        for i in range(5):  # 2 s of traffic: longer than the idle timeout
+            time.sleep(0.5 if i else 0)
+            c.send(frame(b"hi"))
+            assert c.read_exact(4) == b"\x81\x02hi"
+        start = time.monotonic()
+        assert c.closed_within(5)
+        assert 0.8 < time.monotonic() - start < 3
+
+
 def test_websocket_client_fin_before_the_101_is_passed_on(
         start_proxy: StartProxy, demo_upstream: int) -> None:
     """A WebSocket client that sends its request, a frame and its FIN in one go gets the

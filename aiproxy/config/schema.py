@@ -44,7 +44,8 @@ class HttpConfig:
     max_body_bytes: int = _bounded(1_073_741_824, 0)
     header_timeout_ms: int = _bounded(60_000, 1)
     body_timeout_ms: int = _bounded(60_000, 1)
-    send_timeout_ms: int = _bounded(60_000, 1)  # HTTP/2: a response the client takes none of
+    send_timeout_ms: int = _bounded(60_000, 1)  # a response the client takes none of
+    tunnel_idle_timeout_ms: int = _bounded(300_000, 0)  # an Upgrade tunnel with no bytes; 0 off
     keepalive_timeout_ms: int = _bounded(75_000, 0)
     max_keepalive_requests: int = _bounded(1000, 0)
     x_forwarded: bool = True

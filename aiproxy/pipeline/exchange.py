@@ -1013,8 +1013,18 @@ class Exchange(ExchangeBase):
 
     def check_deadline(self, now: float, body_timeout: float) -> float | None:
         """Seconds until this exchange's current deadline, or None if it just ended it."""
-        if self.finished or self.tunnel:
+        if self.finished:
             return INFINITY
+        if self.tunnel:
+            limit = self.rt.http.tunnel_idle_timeout_ms
+            if not limit or self.splice is not None:  # spliced: the kernel moves the bytes
+                return INFINITY
+            left = self.activity + limit / 1000 - now
+            if left <= 0:
+                log.info("closing a tunnel idle for %d ms on route %s", limit, self.route.name)
+                self._close_tunnel()
+                return None
+            return left
         if now >= self.deadline_at:
             if self.head_sent and self.grpc and self.head.version == 20 and not self.filters:
                 # A gRPC call's deadline is a status, also after its response headers
@@ -1319,11 +1329,13 @@ class Exchange(ExchangeBase):
             self.splice = kernel.splice_tunnel(self.loop, self.down.transport, up.transport)
 
     def tunnel_from_client(self, data: bytes) -> None:
+        self.activity = monotonic()
         up = self.upstream
         if up is not None:
             up.tunnel_write(data)
 
     def on_upstream_tunnel_data(self, data: bytes) -> None:
+        self.activity = monotonic()
         self.down.tunnel_write(data)
 
     # A spliced tunnel acts on an EOF only once the kernel has written out what it

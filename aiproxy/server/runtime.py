@@ -62,6 +62,8 @@ class Runtime:
         timeouts = [http.header_timeout_ms, http.body_timeout_ms, http.send_timeout_ms]
         if http.keepalive_timeout_ms:
             timeouts.append(http.keepalive_timeout_ms)
+        if http.tunnel_idle_timeout_ms:
+            timeouts.append(http.tunnel_idle_timeout_ms)
         for c in config.clusters:
             timeouts += (c.request_timeout_ms, c.read_timeout_ms)
         timeouts += [r.timeout_ms for r in config.routes if r.timeout_ms]
