@@ -513,12 +513,11 @@ class FastReceive:
         is reset with PROTOCOL_ERROR and the connection's other streams go on. A stream
         the caller knows of ends with a StreamReset event; a new one counts in
         `refused`, budgeted like a client's reset."""
+        if known:
+            return [], self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR)
         self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
-        if not known:
-            self.refused += 1
-            return [], []
-        return [], [h2.events.StreamReset(stream_id=sid, error_code=ErrorCodes.PROTOCOL_ERROR,
-                                          remote_reset=False)]
+        self.refused += 1
+        return [], []
 
     def _stream_error(self, sid: int, code: int) -> list:
         """Reset an open stream with `code` (its caller learns it as a StreamReset); on

@@ -731,10 +731,7 @@ class H2Stream(StreamOutput, Downstream):
         conn = self.conn
         if conn.closed or self.done:
             return
-        try:
-            conn.h2.reset_stream(self.sid, code)
-        except h2.exceptions.ProtocolError:
-            pass
+        conn._reset_stream(self.sid, code)
         conn.want_flush()
 
     def _finish(self) -> None:
