@@ -1031,10 +1031,7 @@ class Exchange(ExchangeBase):
                 # (grpc-status 4 trailers): a reset would read as INTERNAL to a client
                 # without a deadline timer of its own.
                 self._drop_upstream()
-                self.status = 504
-                self.down.send_end([(b"grpc-status", b"4"),
-                                    (b"grpc-message", b"grpc-timeout expired")])
-                self._finish(False)
+                self._end_grpc(504, "deadline_exceeded", "grpc-timeout expired")
             elif self.head_sent:
                 self._abort()
             else:
@@ -1228,11 +1225,7 @@ class Exchange(ExchangeBase):
                     # A gRPC call ends with a status, as the upstream's reset or loss
                     # maps to one (PROTOCOL-HTTP2.md): an RST_STREAM(INTERNAL_ERROR) of
                     # ours would read as INTERNAL whatever happened.
-                    self.status = status
-                    self.down.send_end([
-                        (b"grpc-status", b"%d" % grpc_status_for(status, code)),
-                        (b"grpc-message", quote(message).encode())])
-                    self._finish(False)
+                    self._end_grpc(status, code, message)
                     return
                 self._abort()
                 return
@@ -1263,6 +1256,13 @@ class Exchange(ExchangeBase):
                 self._retry(policy)
                 return
         self.fail(status, code, message)
+
+    def _end_grpc(self, status: int, code: str, message: str) -> None:
+        """End a gRPC call whose response headers went out: its status in trailers."""
+        self.status = status
+        self.down.send_end([(b"grpc-status", b"%d" % grpc_status_for(status, code)),
+                            (b"grpc-message", quote(message).encode())])
+        self._finish(False)
 
     def on_upstream_pause_writing(self) -> None:
         self.down.pause(P_UPSTREAM)
