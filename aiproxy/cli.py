@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from aiproxy import __version__
@@ -111,6 +112,9 @@ def _check(path: str) -> int:
 
 
 def _run(path: str, level: str) -> int:
+    # Before numpy is imported (here or in the forkserver): a worker starts no thread it
+    # does not need (aiproxy/server/sockets.py), and its vector math is small.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = _load(path)

@@ -21,6 +21,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from aiproxy.config import Config
 from aiproxy.governance.tracing import build_graph, trace_spans
+from aiproxy.server.sockets import bound_sockets
 from aiproxy.telemetry.metrics import registry_for
 
 if TYPE_CHECKING:
@@ -147,7 +148,9 @@ class AdminServer:
     async def start(self, host: str, port: int) -> None:
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self.runner.setup()
-        await web.TCPSite(self.runner, host, port, reuse_address=True).start()
+        # Bound here, not by TCPSite(host, port): see aiproxy/server/sockets.py.
+        for sock in bound_sockets(host, port):
+            await web.SockSite(self.runner, sock).start()
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import socket
 import ssl
@@ -28,6 +27,7 @@ from aiproxy.routing.cluster import finish_checks
 from aiproxy.semantic.classifier import ModelError
 from aiproxy.server import sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
+from aiproxy.server.sockets import bound_sockets
 from aiproxy.telemetry.access_log import AccessLog
 from aiproxy.telemetry.access_log import resolve as resolve_log_path
 from aiproxy.telemetry.metrics import Metrics
@@ -76,26 +76,27 @@ class ProxyServer(ServerCore):
         """Bind the listeners (SO_REUSEPORT in a worker process, so its siblings bind the
         same addresses) and, unless a supervising parent does, the admin API."""
         # [kernel]: XDP/TC attached, splicing ready. In a thread: pyroute2 runs its own
-        # event loop, which cannot start inside this one.
-        await self.loop.run_in_executor(None, self.kernel.start,
-                                        self._kernel_config(self.config),
-                                        self._policy_cidrs())
+        # event loop, which cannot start inside this one. Without [kernel], no thread
+        # (sockets.py says why).
+        kernel = self._kernel_config(self.config)
+        await self._maybe_in_thread(kernel.enabled, self.kernel.start, kernel,
+                                    self._policy_cidrs())
         self._watch_policy()
         for listener in self.config.listeners:
             try:
                 factory, ctx = self._factory(listener)
-                server = await self.loop.create_server(
-                    factory, listener.host, listener.port, ssl=ctx,
-                    backlog=listener.backlog, reuse_address=True, reuse_port=reuse_port)
+                socks = bound_sockets(listener.host, listener.port, reuse_port=reuse_port)
             except ssl.SSLError as exc:
                 raise ListenerError(f"listener '{listener.name}': cannot load its TLS "
                                     f"certificate or key: {exc}") from exc
             except OSError as exc:
-                why = os.strerror(exc.errno) if exc.errno else str(exc)
+                why = exc.strerror or str(exc)
                 raise ListenerError(f"listener '{listener.name}': cannot bind "
                                     f"{listener.address}: {why}") from exc
-            self.servers.append(server)
-            for sock in server.sockets:
+            for sock in socks:
+                server = await self.loop.create_server(factory, sock=sock, ssl=ctx,
+                                                       backlog=listener.backlog)
+                self.servers.append(server)
                 log.info("listener %s on %s", listener.name, _sockname(sock))
         admin = self.config.admin
         if admin is not None and serve_admin:
@@ -112,18 +113,19 @@ class ProxyServer(ServerCore):
         async with self.reload_lock:
             sd_notify.reloading()
             try:
+                # A config parses in about a millisecond: on the loop, not on a thread
+                # (sockets.py). Loading a model or the kernel programs may take longer.
                 if text is None:
-                    config = await self.loop.run_in_executor(None, load_config,
-                                                             self.config.source)
+                    config = load_config(self.config.source)
                 else:
-                    config = await self.loop.run_in_executor(None, load_config_text, text,
-                                                             self.config.source)
+                    config = load_config_text(text, self.config.source)
                 config = self.localize(config)
-                model = await self.loop.run_in_executor(None, load_intent_model, config,
-                                                        self.runtime)
+                model = await self._maybe_in_thread(config.semantic is not None,
+                                                    load_intent_model, config, self.runtime)
                 # Maps in place, no detach; the old state is kept on error.
-                await self.loop.run_in_executor(None, self.kernel.reload,
-                                                self._kernel_config(config))
+                kernel = self._kernel_config(config)
+                await self._maybe_in_thread(kernel.enabled or self.kernel.cfg.enabled,
+                                            self.kernel.reload, kernel)
             except (ConfigError, ModelError, KernelStartError) as exc:
                 self.metrics.reload_failures += 1
                 self.metrics.last_reload_ok = 0
@@ -221,9 +223,17 @@ class ProxyServer(ServerCore):
         self.runtime.close()
         # A health check or load poll in flight ends within its own timeout.
         await finish_checks(timeout)
-        await self.loop.run_in_executor(None, self.kernel.stop)  # nothing stays attached
+        # nothing stays attached
+        await self._maybe_in_thread(self.kernel.cfg.enabled, self.kernel.stop)
         if self.access_log is not None:
             self.access_log.close()
+
+    async def _maybe_in_thread(self, blocks: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the default executor's thread if it `blocks`, else right here, so
+        that a config which needs no thread starts none (sockets.py)."""
+        if blocks:
+            return await self.loop.run_in_executor(None, fn, *args)
+        return fn(*args)
 
     def _factory(self, listener: ListenerConfig) -> tuple[Any, ssl.SSLContext | None]:
         protocols = listener.protocols
