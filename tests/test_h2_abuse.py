@@ -227,6 +227,22 @@ def test_stream_errors_leave_the_connection_serving(port: int, frame: bytes,
         assert c.response(3).status == 200
 
 
+def test_headers_depending_on_their_own_stream_is_a_stream_error(port: int) -> None:
+    """RFC 9113 5.3.1: a HEADERS frame whose priority makes its stream depend on itself
+    is a stream error PROTOCOL_ERROR; the request is not served, the connection is."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/delay/300"))
+        self_dependent = c.request(3, "/echo")
+        self_dependent.flags.add("PRIORITY")
+        self_dependent.depends_on, self_dependent.stream_weight = 3, 16
+        c.send(self_dependent)
+        expect_reset(c, 3, (ErrorCodes.PROTOCOL_ERROR,))
+        assert c.response(1).status == 200
+        c.send(c.request(5, "/echo"))
+        assert c.response(5).status == 200
+
+
 def test_stream_error_frames_on_idle_streams_are_dropped(port: int) -> None:
     """RFC 9113 6.4: no RST_STREAM for an idle stream: the frame is dropped."""
     with FrameClient(port) as c:
@@ -502,6 +518,23 @@ def test_too_many_concurrent_streams_refused_others_served(port: int) -> None:
         assert c.response(extra + 2).status == 200
 
 
+def test_rest_of_a_refused_stream_is_dropped_not_a_connection_error(port: int) -> None:
+    """A request refused over the concurrency limit may already have its DATA and
+    trailers on the wire: they belong to a closed stream (RFC 9113 5.1), not to a new
+    one over the limit, and the streams in flight go on."""
+    with FrameClient(port) as c:
+        c.handshake()
+        frames = [c.request(1 + 2 * i, "/delay/300") for i in range(MAX_STREAMS)]
+        sid = 1 + 2 * MAX_STREAMS
+        frames += [c.request(sid, "/echo", "POST", end_stream=False),
+                   raw_frame(DATA, 0, sid, b"abc"), c.headers(sid, [("x-trailer", "1")])]
+        c.send(*frames)
+        expect_reset(c, sid, (ErrorCodes.REFUSED_STREAM,))
+        for i in range(MAX_STREAMS):
+            assert c.response(1 + 2 * i).status == 200
+        assert not [f for f in c.stash if isinstance(f, GoAwayFrame)]
+
+
 def test_rapid_reset_gets_enhance_your_calm(port: int) -> None:
     """CVE-2023-44487: streams opened and reset at once, over and over."""
     with FrameClient(port) as c:
@@ -526,6 +559,49 @@ def test_refused_stream_flood_gets_enhance_your_calm(port: int) -> None:
         c.try_send(*frames)
         frame = c.goaway(10)
         assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
+
+
+RESET_BUDGET_SPENT = "reset or overran streams too fast"
+
+
+def _provoked_reset(c: FrameClient, sid: int, kind: str) -> list:
+    """Frames that open stream `sid` (a request the upstream would take a while over)
+    and make the proxy reset it, as CVE-2025-8671 (MadeYouReset) does."""
+    if kind == "window_update_zero":
+        return [c.request(sid, "/delay/1000"), raw_frame(WINDOW_UPDATE, 0, sid, bytes(4))]
+    if kind == "priority_on_itself":
+        return [c.request(sid, "/delay/1000"),
+                raw_frame(PRIORITY, 0, sid, sid.to_bytes(4, "big") + b"\x10")]
+    if kind == "malformed_request":
+        # Fine by HTTP/2, not by HTTP/1.1: refused by the proxy, not by the h2 library.
+        return [c.request(sid, "/delay/1000", extra=[("x(a)", "1")])]
+    if kind == "data_past_content_length":
+        return [c.request(sid, "/delay/1000", "POST", [("content-length", "1")],
+                          end_stream=False), raw_frame(DATA, 0x1, sid, b"12")]
+    assert kind == "short_of_content_length"
+    return [c.request(sid, "/delay/1000", "POST", [("content-length", "10")],
+                      end_stream=False), raw_frame(DATA, 0, sid, b"1"),
+            c.headers(sid, [("x-trailer", "1")])]
+
+
+@pytest.mark.parametrize("kind", ["window_update_zero", "priority_on_itself",
+                                  "malformed_request", "data_past_content_length",
+                                  "short_of_content_length"])
+def test_resets_the_client_provokes_get_enhance_your_calm(proxy: ProxyProc, port: int,
+                                                          kind: str) -> None:
+    """CVE-2025-8671 (MadeYouReset): rapid reset without RST_STREAM from the client; a
+    frame the proxy must answer with RST_STREAM does it instead. Those resets are charged
+    to the same budget as the client's own."""
+    spent = proxy.log().count(RESET_BUDGET_SPENT)
+    with FrameClient(port) as c:
+        c.handshake()
+        frames = []
+        for i in range(1000):
+            frames += _provoked_reset(c, 1 + 2 * i, kind)
+        c.try_send(*frames)
+        frame = c.goaway(10)
+        assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
+    assert proxy.log().count(RESET_BUDGET_SPENT) == spent + 1, "not the reset budget"
 
 
 # -- floods from a client that does not read -----------------------------------------------------

@@ -547,11 +547,10 @@ class FastReceive:
         sid = frame.stream_id
         streams = self.streams
         known = sid in streams
-        if not known:
+        if not known and sid > self.highest_inbound_stream_id:  # a new stream
             limit = self.local_settings.max_concurrent_streams
             if len(streams) >= limit and self.open_inbound_streams >= limit:
-                if (self.refuse_excess and sid % 2 == 1
-                        and sid > self.highest_inbound_stream_id):
+                if self.refuse_excess and sid % 2 == 1:
                     # Decode the block anyway: the HPACK table must stay in step.
                     h2.connection._decode_headers(self.decoder, frame.data)
                     self.highest_inbound_stream_id = sid
@@ -576,6 +575,8 @@ class FastReceive:
                 raise
             return self._malformed(sid, known)
         if "PRIORITY" in frame.flags:
+            if frame.depends_on == sid:  # RFC 9113 5.3.1: a stream error
+                return self._malformed(sid, known)
             p_frames, p_events = self._receive_priority_frame(frame)
             stream_events[0].priority_updated = p_events[0]
             stream_events.extend(p_events)

@@ -8,8 +8,9 @@ upstream is paused, so neither direction buffers without bound.
 
 Abuse handling (RFC 9113 and the known CVEs): excess concurrent streams are
 refused with RST_STREAM(REFUSED_STREAM) without killing the connection; client
-resets are budgeted (CVE-2023-44487 rapid reset) and a peer over budget gets
-GOAWAY(ENHANCE_YOUR_CALM); CONTINUATION floods hit h2's frame backlog limit and
+resets are budgeted (CVE-2023-44487 rapid reset), and so are the resets a client
+provokes with a frame the proxy must answer with RST_STREAM (CVE-2025-8671,
+MadeYouReset); a peer over budget gets GOAWAY(ENHANCE_YOUR_CALM); CONTINUATION floods hit h2's frame backlog limit and
 the header list size limit (CVE-2024-27316); PING/SETTINGS and frames that carry
 no request are budgeted too (h2_budgets.py); a peer that does not read its
 socket while sending control frames is cut off once the write buffer passes a
@@ -243,6 +244,7 @@ class H2ServerConnection(asyncio.Protocol):
         except MalformedHead as exc:
             log.info("malformed HTTP/2 request on stream %d: %s", ev.stream_id, exc)
             self._reset_stream(ev.stream_id, ErrorCodes.PROTOCOL_ERROR)
+            self._charge_resets(1)  # CVE-2025-8671: resets the client provokes count too
             return
         self._start_stream(ev.stream_id, head, bool(ev.stream_ended))
 
@@ -298,6 +300,7 @@ class H2ServerConnection(asyncio.Protocol):
                 stream.lost()
                 self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
                 self.stream_done(stream)
+                self._charge_resets(1)
                 return
             ex.body_end()
 
