@@ -29,6 +29,7 @@ from prometheus_client.registry import CollectorRegistry
 from aiproxy.config import Config, ConfigError, load_config_text, read_config_text
 from aiproxy.server import forkserver, sd_notify
 from aiproxy.server.channel import Channel
+from aiproxy.server.sockets import bound_sockets
 from aiproxy.telemetry.aggregate import WorkerMetrics, merge, to_metrics
 
 if TYPE_CHECKING:
@@ -463,19 +464,13 @@ def ports_in_use(config: Config) -> str | None:
     aiproxy (same user) already on it; a plain bind here catches that first."""
     for listener in config.listeners:
         try:
-            infos = socket.getaddrinfo(listener.host, listener.port, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE)
+            socks = bound_sockets(listener.host, listener.port)
         except socket.gaierror as exc:
             return f"{listener.name} {listener.address}: {exc}"
-        for family, kind, proto, _, addr in infos:
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                try:
-                    sock.bind(addr)
-                except OSError as exc:
-                    return f"{listener.name} {listener.address}: {exc.strerror}"
+        except OSError as exc:
+            return f"{listener.name} {listener.address}: {exc.strerror}"
+        for sock in socks:
+            sock.close()
     return None
 
 
