@@ -815,3 +815,26 @@ def test_a_broken_auth_method_is_not_also_a_missing_one(tmp_path):
     text = BASE + '[[ratelimits]]\nname = "rl"\nrequests_per_second = 0\n'
     assert problems(tmp_path, text) == [
         "8: ratelimits[0]: requests_per_second and tokens_per_minute cannot both be 0"]
+
+
+def test_ring_hash_weights_are_bounded(tmp_path):
+    """ring_hash puts 100 points per unit of weight on its ring, rebuilt at start and on
+    every health change: a weight of a billion was accepted, then the worker tried to
+    build 10^11 points. The sum is bounded; the other balancers take any weight."""
+    text = BASE + textwrap.dedent("""\
+        balancer = "ring_hash"
+
+        [[clusters]]
+        name = "rr"
+        endpoints = [{ address = "127.0.0.1:9000", weight = 1000000000 }]
+        """)
+    text = text.replace('endpoints = ["127.0.0.1:9000"]',
+                        'endpoints = [\n  "127.0.0.1:9000",\n'
+                        '  { address = "127.0.0.1:9001", weight = 1000000000 },\n]')
+    assert problems(tmp_path, text) == [
+        "7: clusters[0].endpoints: ring_hash weights add up to 1000000001, at most 10000"
+        " (100 ring points per unit; only their ratios matter: scale them down)",
+    ]
+    ok = text.replace("weight = 1000000000 },\n]", "weight = 9999 },\n]")
+    cfg = load_config(write(tmp_path, ok))
+    assert [e.weight for e in cfg.cluster_by_name("backend").endpoints] == [1, 9999]

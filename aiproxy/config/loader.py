@@ -52,6 +52,10 @@ from .schema import (
 PROTOCOLS = ("http1", "h2c", "h2", "tcp")
 UPSTREAM_PROTOCOLS = ("http1", "h2")
 BALANCERS = ("round_robin", "least_request", "ring_hash", "maglev", "llm_score")
+# ring_hash puts 100 points per unit of weight on its ring (routing/cluster.py RingHash),
+# rebuilt on the event loop at start and whenever an endpoint's health changes: about
+# 1.2 s per million points. Only the weights' ratios matter, so a larger sum buys nothing.
+RING_HASH_MAX_WEIGHT = 10_000
 
 _TOP_KEYS = ("server", "http", "listeners", "admin", "access_log", "clusters", "routes",
              "kernel", "semantic", "tracing", *llm_sections.TOP_KEYS, *GOVERNANCE_KEYS)
@@ -611,6 +615,8 @@ class _Checker:
             load_metrics = self.load_metrics(item, path)
             outlier = self.outlier(item, path)
             tls = self.upstream_tls(item, path)
+            if balancer == "ring_hash":
+                self.ring_weights(endpoints, path)
             if len(self.problems) == before:
                 clusters.append(ClusterConfig(name, endpoints, balancer=balancer,
                                               protocol=protocol, hash_key=hash_key,
@@ -619,6 +625,13 @@ class _Checker:
                                               outlier_detection=outlier, tls=tls, **extra))
         self.unique_names(names, "cluster")
         return tuple(clusters), [name for _, name in names]
+
+    def ring_weights(self, endpoints: tuple[Endpoint, ...], path: KeyPath) -> None:
+        total = sum(endpoint.weight for endpoint in endpoints)
+        if total > RING_HASH_MAX_WEIGHT:
+            self.error(path + ("endpoints",),
+                       f"ring_hash weights add up to {total}, at most {RING_HASH_MAX_WEIGHT}"
+                       " (100 ring points per unit; only their ratios matter: scale them down)")
 
     def upstream_tls(self, data: dict[str, Any], path: KeyPath) -> UpstreamTlsConfig | None:
         """A cluster's `tls`: true, false, or { ca = "...", sni = "...", verify = true }."""
