@@ -838,3 +838,49 @@ def test_ring_hash_weights_are_bounded(tmp_path):
     ok = text.replace("weight = 1000000000 },\n]", "weight = 9999 },\n]")
     cfg = load_config(write(tmp_path, ok))
     assert [e.weight for e in cfg.cluster_by_name("backend").endpoints] == [1, 9999]
+
+
+def test_listener_and_admin_addresses_that_overlap(tmp_path):
+    """"localhost" is the loopback address and 0.0.0.0 every IPv4 one: spelled apart from
+    127.0.0.1 on the same port they passed `check`, then one process could not bind
+    (exit 1) and workers, binding with SO_REUSEPORT, split connections between two
+    listeners. [::] is IPv6 only (IPV6_V6ONLY: it meets localhost's ::1, not 127.0.0.1),
+    and a host name is resolved only at start, so it overlaps nothing here."""
+    text = textwrap.dedent("""\
+        [[listeners]]
+        name = "a"
+        address = "127.0.0.1:8080"
+
+        [[listeners]]
+        name = "b"
+        address = "localhost:8080"
+        protocols = ["h2c"]
+
+        [[listeners]]
+        name = "c"
+        address = "0.0.0.0:8080"
+
+        [[listeners]]
+        name = "v6"
+        address = "[::]:8080"
+
+        [[listeners]]
+        name = "named"
+        address = "proxy.internal:8080"
+
+        [admin]
+        address = "LOCALHOST:8081"
+
+        [[listeners]]
+        name = "d"
+        address = "0.0.0.0:8081"
+        """)
+    assert problems(tmp_path, text) == [
+        "7: listeners[1].address: address 'localhost:8080' overlaps listener 'a'"
+        " (127.0.0.1:8080)",
+        "12: listeners[2].address: address '0.0.0.0:8080' overlaps listener 'a'"
+        " (127.0.0.1:8080)",
+        "16: listeners[3].address: address '[::]:8080' overlaps listener 'b'"
+        " (localhost:8080)",
+        "23: admin.address: address 'LOCALHOST:8081' overlaps listener 'd' (0.0.0.0:8081)",
+    ]

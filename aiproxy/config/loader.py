@@ -177,6 +177,23 @@ def _statement_start(lines: list[str], line: int) -> int:
     return line
 
 
+def _bind_addresses(host: str) -> set[tuple[int, str]]:
+    """(IP version, address) a listening socket on `host` covers; "*" for a wildcard,
+    version 0 for a name resolved only at start (compared by name)."""
+    host = host.lower().rstrip(".")
+    if host == "localhost":  # RFC 6761: always loopback; bound as each address it has
+        return {(4, "127.0.0.1"), (6, "::1")}
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return {(0, host)}
+    return {(ip.version, "*" if ip.is_unspecified else ip.compressed)}
+
+
+def _bind_overlap(a: set[tuple[int, str]], b: set[tuple[int, str]]) -> bool:
+    return any(x == y or (x[0] == y[0] != 0 and "*" in (x[1], y[1])) for x in a for y in b)
+
+
 def _kind(value: object) -> str:
     for cls, name in _KINDS:
         if isinstance(value, cls):
@@ -313,6 +330,19 @@ class _Checker:
             return None
         return text, host, port
 
+    def overlapping_bind(self, address: tuple[str, str, int],
+                         others: list[tuple[str, str, int, str]], path: KeyPath,
+                         what: str) -> None:
+        """Report the first of `others` whose socket would take some of `address`'s
+        addresses: the same port on a wildcard of the same family, or "localhost" beside
+        a loopback address. A single process then fails to bind, and workers (which bind
+        with SO_REUSEPORT) would share the port between the two."""
+        mine = _bind_addresses(address[1])
+        for text, host, port, name in others:
+            if port == address[2] and _bind_overlap(mine, _bind_addresses(host)):
+                self.error(path, f"address '{address[0]}' overlaps {what} '{name}' ({text})")
+                return
+
     def unique_names(self, named: list[tuple[KeyPath, str]], what: str) -> None:
         seen: dict[str, KeyPath] = {}
         for path, name in named:
@@ -383,6 +413,7 @@ class _Checker:
         listeners = []
         names: list[tuple[KeyPath, str]] = []
         bound: dict[tuple[str, int], str] = {}
+        binds: list[tuple[str, str, int, str]] = []  # (address, host, port, listener name)
         for path, item in items:
             before = len(self.problems)
             self.check_keys(item, path, _LISTENER_KEYS)
@@ -398,7 +429,10 @@ class _Checker:
                         f"duplicate listener address '{address[0]}' "
                         f"(also used by listener '{bound[key]}')",
                     )
+                else:
+                    self.overlapping_bind(address, binds, path + ("address",), "listener")
                 bound.setdefault(key, name or "?")
+                binds.append((*address, name or "?"))
             protocols = self.protocols(item, path)
             tls = self.tls(item, path, load="tcp" not in protocols)  # tcp: no TLS at all
             if tls is None and "h2" in protocols:
@@ -519,6 +553,11 @@ class _Checker:
                     ("admin", "address"),
                     f"address '{address[0]}' is already used by listener '{listener.name}'",
                 )
+                break
+        else:
+            self.overlapping_bind(address, [(lst.address, lst.host, lst.port, lst.name)
+                                            for lst in listeners], ("admin", "address"),
+                                  "listener")
         return AdminConfig(*address, token=token or None)
 
     def semantic(self, data: dict[str, Any]) -> SemanticConfig | None:
