@@ -884,3 +884,20 @@ def test_listener_and_admin_addresses_that_overlap(tmp_path):
         " (localhost:8080)",
         "23: admin.address: address 'LOCALHOST:8081' overlaps listener 'd' (0.0.0.0:8081)",
     ]
+
+
+def test_key_file_syntax_error_names_its_line(tmp_path):
+    """A broken `[auth] key_file` was reported as `FILE: cannot read key file: ... (at
+    line 3, column 11)`: no FILE:LINE, and "cannot read" for a file that was read."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nid = "k1"\nsubject = "batch\nhash = "x"\n')
+    path = write(tmp_path, BASE + '\n[auth]\nkey_file = "keys.toml"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [str(p) for p in info.value.problems] == [
+        f"{keys}:3: keys[0].subject: syntax: Illegal character '\\n'"]
+    keys.write_bytes(b'[[keys]]\nid = "k1"\nsubject = "\xff"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [str(p) for p in info.value.problems] == [
+        f"{keys}:3: cannot read: not UTF-8 (byte 0xff)"]

@@ -182,12 +182,13 @@ def parse_api_key(entry: Any, path: KeyPath, error: Any) -> ApiKey | None:
 
 def load_key_file(path: str) -> tuple[ApiKey, ...]:
     """The `[[keys]]` of an API key file; ConfigError naming FILE:LINE on problems."""
+    from .loader import _syntax_problem, read_config_text
+
+    text = read_config_text(path)  # ConfigError: FILE: cannot read, or FILE:LINE: not UTF-8
     try:
-        with open(path, "rb") as fh:
-            text = fh.read().decode("utf-8")
         data = tomllib.loads(text)
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError([Problem(path, 0, "", f"cannot read key file: {exc}")]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([_syntax_problem(path, text, exc)]) from None
     locator = Locator(text)
     problems: list[Problem] = []
 
