@@ -901,3 +901,23 @@ def test_key_file_syntax_error_names_its_line(tmp_path):
         load_config(path)
     assert [str(p) for p in info.value.problems] == [
         f"{keys}:3: cannot read: not UTF-8 (byte 0xff)"]
+
+
+def test_empty_audit_fsync_and_guard_action_are_errors(tmp_path):
+    """`fsync = ""` and `action = ""` were taken as the defaults ("interval", "block")
+    without a word, as if the key were absent."""
+    text = BASE + textwrap.dedent(f"""\
+
+        [audit]
+        path = "{tmp_path}/audit.log"
+        fsync = ""
+
+        [[guard.rules]]
+        id = "r"
+        action = ""
+        keywords = ["x"]
+        """)
+    assert problems(tmp_path, text) == [
+        "11: audit.fsync: one of always, interval, never, got ''",
+        "15: guard.rules[0].action: one of block, flag, got ''",
+    ]

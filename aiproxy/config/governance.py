@@ -387,7 +387,8 @@ def _audit(checker: _Checker, data: dict) -> AuditConfig | None:
         return None
     path: KeyPath = ("audit",)
     name = checker.get(table, path, "path", "string", required=True)
-    fsync = checker.get(table, path, "fsync", "string") or "interval"
+    fsync = checker.get(table, path, "fsync", "string")
+    fsync = "interval" if fsync is None else fsync  # "" is a mistake, not the default
     if fsync not in AUDIT_FSYNC:
         checker.error(path + ("fsync",), f"one of {', '.join(AUDIT_FSYNC)}, got '{fsync}'")
         fsync = "interval"
@@ -418,7 +419,8 @@ def _guard(checker: _Checker, data: dict) -> GuardConfig | None:
             continue
         checker.check_keys(entry, item_path, ("id", "action", "keywords", "regexes"))
         rid = checker.name(entry, item_path, "id")
-        action = checker.get(entry, item_path, "action", "string") or "block"
+        action = checker.get(entry, item_path, "action", "string")
+        action = "block" if action is None else action  # "" is a mistake, not the default
         if action not in ("block", "flag"):
             checker.error(item_path + ("action",), f"one of block, flag, got '{action}'")
         keywords = _strings(checker, entry, item_path, "keywords") or ()
