@@ -921,3 +921,15 @@ def test_empty_audit_fsync_and_guard_action_are_errors(tmp_path):
         "11: audit.fsync: one of always, interval, never, got ''",
         "15: guard.rules[0].action: one of block, flag, got ''",
     ]
+
+
+@pytest.mark.parametrize("token", ["abc ", "abc\\t", "a\\nb", "a\\u007fb"])
+def test_admin_token_a_client_cannot_send(tmp_path, token):
+    """A token ending in a space passed `check`, and every admin request then got 401:
+    HTTP strips a field value's trailing whitespace and carries no control bytes."""
+    text = BASE + f'\n[admin]\naddress = "127.0.0.1:9901"\ntoken = "{token}"\n'
+    assert problems(tmp_path, text) == [
+        "11: admin.token: must not contain control characters or end with whitespace "
+        "(no client could send it)"]
+    text = BASE + '\n[admin]\naddress = "127.0.0.1:9901"\ntoken = " s3cr3t with\tspace/+="\n'
+    assert load_config(write(tmp_path, text)).admin.token == " s3cr3t with\tspace/+="

@@ -544,6 +544,12 @@ class _Checker:
         token = self.get(table, ("admin",), "token", "string")
         if token == "":
             self.error(("admin", "token"), "must not be empty (leave the key out for no token)")
+        elif token is not None and (token != token.rstrip(" \t")
+                                    or not _HEADER_VALUE.fullmatch(token)):
+            # HTTP drops a field value's trailing whitespace and cannot carry control
+            # bytes: no Authorization header could ever match such a token.
+            self.error(("admin", "token"), "must not contain control characters or end "
+                       "with whitespace (no client could send it)")
         address = self.address(table, ("admin",))
         if address is None:
             return None
