@@ -380,3 +380,26 @@ def test_run_names_the_listener_that_cannot_bind(tmp_path: Path) -> None:
     assert res.returncode == 1, res.stderr
     assert (f"{path}: listener 'public': cannot bind 127.0.0.1:{port}: "
             "Address already in use") in res.stderr, res.stderr
+
+
+def test_unreadable_upstream_identity_secret_file(tmp_path: Path) -> None:
+    """An [auth.upstream_identity] secret_file that exists but cannot be read was opened
+    without a guard: `check` and `run` died with a Python traceback (exit 1).
+    /proc/self/mem is a regular file whose first read fails (EIO), even for root, for
+    whom a chmod 000 file stays readable."""
+    text = valid_config() + '\n[auth]\nrequired = false\n\n[auth.upstream_identity]\n' \
+        'secret_file = "/proc/self/mem"\n'
+    path = write(tmp_path, text)
+    line = line_of(text, "secret_file")
+    expected = (f"{path}:{line}: auth.upstream_identity.secret_file: cannot read "
+                "'/proc/self/mem': Input/output error")
+    for argv in (("check", "-c"), ("-c",)):
+        res = aiproxy_cli(*argv, str(path))
+        assert res.returncode == 2, res.stderr
+        assert "Traceback" not in res.stderr
+        assert res.stderr.splitlines() == [expected], res.stderr
+    (tmp_path / "short").write_text("only 15 bytes..\n")
+    text = text.replace("/proc/self/mem", "short")
+    path = write(tmp_path, text)
+    assert check_fails(path) == [(str(path), line, "auth.upstream_identity.secret_file",
+                                  "the secret must be at least 16 bytes")]

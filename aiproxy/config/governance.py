@@ -277,8 +277,12 @@ def _auth(checker: _Checker, data: dict, listeners: Any) -> AuthConfig | None:
             secret = checker.get(up, upath, "secret", "string")
             secret_file = _file(checker, up, upath, "secret_file")
             if secret_file is not None:
-                with open(secret_file, "rb") as fh:
-                    values["upstream_secret"] = fh.read().strip()
+                try:
+                    with open(secret_file, "rb") as fh:
+                        values["upstream_secret"] = fh.read().strip()
+                except OSError as exc:
+                    checker.error(upath + ("secret_file",),
+                                  f"cannot read '{up['secret_file']}': {exc.strerror or exc}")
             elif secret:
                 values["upstream_secret"] = secret.encode()
             elif "secret" not in up and "secret_file" not in up:
@@ -286,7 +290,8 @@ def _auth(checker: _Checker, data: dict, listeners: Any) -> AuthConfig | None:
             elif secret == "":
                 checker.error(upath + ("secret",), "must not be empty")
             if values.get("upstream_secret") is not None and len(values["upstream_secret"]) < 16:
-                checker.error(upath, "the secret must be at least 16 bytes")
+                which = "secret_file" if secret_file is not None else "secret"
+                checker.error(upath + (which,), "the secret must be at least 16 bytes")
     if (len(checker.problems) == before and not (
             values.get("api_keys") or key_file or values.get("jwt") or values.get("mtls"))):
         # (Not after a problem in the section: a broken method is still meant as one.)
