@@ -361,7 +361,8 @@ def test_port_taken_by_another_process_fails_startup(tmp_path: Path, demo_upstre
             assert proc.wait(30) == 1
         finally:
             log = stop_process(proc)
-    assert "cannot bind listener: l 127.0.0.1" in log
+    # Worded as a single process words it (tests/test_cli.py), naming the file.
+    assert f"{cfg}: listener 'l': cannot bind 127.0.0.1:{port}: Address already in use" in log
     assert "started (pid" not in log
 
 

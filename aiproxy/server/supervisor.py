@@ -107,7 +107,7 @@ class Supervisor:
         loop = self.loop = asyncio.get_running_loop()
         busy = ports_in_use(self.config)
         if busy:
-            log.error("cannot bind listener: %s", busy)
+            log.error("%s: %s", self.config.source, busy)  # as a single process words it
             return 1
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -465,10 +465,9 @@ def ports_in_use(config: Config) -> str | None:
     for listener in config.listeners:
         try:
             socks = bound_sockets(listener.host, listener.port)
-        except socket.gaierror as exc:
-            return f"{listener.name} {listener.address}: {exc}"
-        except OSError as exc:
-            return f"{listener.name} {listener.address}: {exc.strerror}"
+        except OSError as exc:  # socket.gaierror too
+            why = exc.strerror or str(exc)
+            return f"listener '{listener.name}': cannot bind {listener.address}: {why}"
         for sock in socks:
             sock.close()
     return None
