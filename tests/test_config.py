@@ -697,6 +697,18 @@ def test_not_utf8_names_the_line(tmp_path):
     assert str(info.value) == f"{path}:8: cannot read: not UTF-8 (byte 0xe9)"
 
 
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    """Editors on Windows start UTF-8 files with U+FEFF; tomllib calls it an invalid
+    statement on line 1."""
+    path = tmp_path / "aiproxy.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + BASE.encode())
+    assert load_config(path).listeners[0].address == "127.0.0.1:8080"
+    path.write_bytes(b"\xef\xbb\xbf" + BASE.replace("8080", "80x").encode())
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}:3: listeners[0].address:"), info.value
+
+
 def test_empty_strings_that_would_quietly_mean_the_default(tmp_path):
     text = BASE + textwrap.dedent("""\
         [admin]

@@ -115,7 +115,7 @@ def read_config_text(filename: str) -> str:
     """The file's text, or ConfigError naming the file."""
     try:
         with open(filename, "rb") as fh:
-            text = fh.read().decode("utf-8")
+            text = fh.read().decode("utf-8-sig")  # a leading byte order mark is skipped
     except OSError as exc:
         raise ConfigError(
             [Problem(filename, 0, "", f"cannot read: {exc.strerror or exc}")]
