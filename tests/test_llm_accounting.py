@@ -218,3 +218,59 @@ def test_llm_score_tpm_fed_from_accounting(start_proxy, demo_upstream):
     clusters = httpx.get(f"http://127.0.0.1:{admin}/clusters").json()
     text = json.dumps(clusters)
     assert f'"tokens_per_minute": {float(total)}' in text, text
+
+
+def test_no_tokens_counted_or_charged_for_refusals_and_upstream_errors(start_proxy,
+                                                                       tmp_path):
+    """The token counters and the rate limit's settlement hold what an upstream spent.
+    A request the proxy refused (429) never reached an upstream, and an upstream error
+    (500, 429) reports no usage and spends none: neither adds tokens to /metrics nor
+    keeps its reservation in the tenant's token bucket."""
+    from aiohttp import web
+
+    from tests.support import serve_aiohttp
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        status = int(request.headers.get("x-status", "200"))
+        if status != 200:
+            return web.json_response({"error": {"message": "upstream says no",
+                                                "type": "server_error"}}, status=status)
+        return web.json_response({
+            "id": "c", "object": "chat.completion", "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    admin = free_port()
+    # 60 tokens a minute (1 a second): a ~45-token reservation that was kept would
+    # leave too little for the next request for many seconds.
+    limit = ('\n[[ratelimits]]\nname = "t"\nkey = ["tenant"]\ntokens_per_minute = 60\n'
+             '\n[[ratelimits]]\nname = "r"\nkey = ["tenant"]\nrequests_per_second = 1\n'
+             'burst_requests = 3\nroutes = ["all"]\n')
+    prompt = [{"role": "user", "content": "x" * 160}]  # 4 + 40 estimated tokens
+    with serve_aiohttp(app) as port:
+        proxy = _proxy(start_proxy, port, tmp_path / "a.log", admin, extra=limit)
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0,
+                               default_headers={"x-tenant": "acme"})
+        for status, exc in ((500, openai.InternalServerError),
+                            (429, openai.RateLimitError)):
+            with pytest.raises(exc, match="upstream says no"):
+                client.chat.completions.create(model="m", messages=prompt, max_tokens=1,
+                                               extra_headers={"x-status": str(status)})
+        # Both errors gave their reservations back: the bucket still admits one.
+        ok = client.chat.completions.create(model="m", messages=prompt, max_tokens=1)
+        assert ok.usage.total_tokens == 4
+        # The requests bucket (3) is empty now: the proxy refuses, no upstream asked.
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model="m", messages=prompt, max_tokens=1)
+        assert refused.value.code == "rate_limited"
+        recs = [r["llm"] for r in _records(tmp_path / "a.log", 4)]
+        assert [r["tenant"] for r in recs] == ["acme"] * 4
+    metrics = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
+    assert _metric(metrics, "aiproxy_llm_requests_total", tenant="acme") == 4
+    assert _metric(metrics, "aiproxy_llm_prompt_tokens_total", tenant="acme") == 3
+    assert _metric(metrics, "aiproxy_llm_completion_tokens_total", tenant="acme") == 1
+    assert _metric(metrics, "aiproxy_llm_estimated_requests_total", tenant="acme") == 0

@@ -95,6 +95,8 @@ class LlmState:
         if f.cached:  # answered from the cache: no upstream tokens, no model timing
             row[4] += 1
             return
+        if not f.spent:  # refused, failed or an upstream error: no upstream tokens
+            return
         row[1] += f.prompt_tokens
         row[2] += f.completion_tokens
         if f.prompt_estimated or f.completion_estimated:
@@ -161,6 +163,7 @@ class LlmFilter(Filter):
 
     def response_head(self, ex: Exchange, resp: Any) -> Any:
         if 200 <= resp.status < 300:
+            self.facts.spent = True
             ctype = resp.get(b"content-type") or b""
             self.reader = (SseReader() if ctype[:17].lower() == b"text/event-stream"
                            else JsonReader())
@@ -196,6 +199,7 @@ class LlmFilter(Filter):
         elif reader is not None:
             usage, text_bytes = reader.result()
         if usage is not None:
+            f.spent = True
             f.prompt_tokens, f.completion_tokens = usage
             f.prompt_estimated = f.completion_estimated = False
             f.usage_reported = True
@@ -223,8 +227,8 @@ class LlmFilter(Filter):
         if ex.route is not None:
             self.state.record(ex, f)
         pool = ex.pool
-        if pool is not None and not f.cached and ex.cluster.track_tokens and ex.t_first:
-            pool.stats.add_tokens(f.total_tokens, ex.loop.time())
+        if pool is not None and ex.cluster.track_tokens and f.spent_tokens:
+            pool.stats.add_tokens(f.spent_tokens, ex.loop.time())
 
 
 class LlmFactory(FilterFactory):

@@ -34,12 +34,17 @@ class LlmFacts:
                         2 ms (tokens arrive in bursts, or a non-streamed body), else
                         "streaming"; None until the response ended
     cached              answered from the prompt cache (no upstream tokens used)
+    spent               an upstream answered with a 2xx response, or reported usage:
+                        only then do the token counts stand for tokens it spent (a
+                        refusal, a proxy error, an upstream error response or no
+                        response at all spent none; the counts are then the request's
+                        estimate, for the access log only)
     """
 
     __slots__ = ("endpoint", "tenant", "model", "stream", "max_tokens", "prompt_tokens",
                  "completion_tokens", "prompt_estimated", "completion_estimated",
                  "usage_reported", "request_truncated", "ttft", "tokens_per_s", "pattern",
-                 "cached", "t_first_token", "t_last_token", "gaps", "body", "include_usage")
+                 "cached", "spent", "t_first_token", "t_last_token", "gaps", "body", "include_usage")
 
     def __init__(self, endpoint: str, tenant: str) -> None:
         self.endpoint = endpoint
@@ -57,6 +62,7 @@ class LlmFacts:
         self.tokens_per_s: float | None = None
         self.pattern: str | None = None
         self.cached = False
+        self.spent = False
         self.t_first_token = 0.0
         self.t_last_token = 0.0
         self.gaps: deque[float] = deque(maxlen=PATTERN_GAPS)
@@ -66,6 +72,12 @@ class LlmFacts:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def spent_tokens(self) -> int:
+        """Tokens an upstream spent on this request (0 for a cache hit, a refusal, an
+        error response without usage or no response)."""
+        return self.total_tokens if self.spent and not self.cached else 0
 
     def token_events(self, n: int, now: float) -> None:
         """n events carrying generated text arrived at `now` (one read)."""

@@ -4,7 +4,7 @@ Each request takes 1 from a requests bucket and reserves its estimated prompt pl
 completion limit (max_tokens, else default_max_tokens) from a tokens bucket before it
 goes upstream. A stream that runs past its reservation is charged as it streams; when
 the exchange ends the reservation is settled to the real usage (nothing for a cache
-hit or a request that got no response), however it ends: answered, client gone mid-stream,
+hit, a request that got no response or an upstream error response without usage), however it ends: answered, client gone mid-stream,
 upstream error or timeout. A Redis take still in flight when the client goes (or timed
 out) is voided (aiproxy/ratelimit/redis_store.py). Refusals are 429 with Retry-After and
 `x-aiproxy-backpressure: <reason>`; between 50% and 80% reported GPU memory load a
@@ -294,9 +294,9 @@ class RateLimitFilter(Filter):
         if not self.grants:
             return
         llm = ex.llm
-        used = 0
-        if llm is not None and ex.t_first and not llm.cached:
-            used = llm.total_tokens
+        # What an upstream spent: nothing for a cache hit, a request that got no
+        # response, or an upstream error response that reports no usage.
+        used = llm.spent_tokens if llm is not None else 0
         now = ex.loop.time()
         for g in self.grants:
             if used != g.taken:
