@@ -154,6 +154,37 @@ def test_no_store_errors_and_tenants(start_proxy, demo_upstream):
         assert c.post(url, json=CHAT, headers={"x-tenant": "a"}).content == fresh.content
 
 
+def test_api_keys_never_share_entries(start_proxy, demo_upstream):
+    """Without [auth] the upstream checks the caller's key; a cache hit never reaches it.
+    So entries are scoped by the credentials sent upstream too: a second (or invalid)
+    key from the same address and tenant never reads what another key was answered."""
+    proxy = _cache_proxy(start_proxy, demo_upstream)
+
+    def ask(key: str, org: str | None = None, **headers: str) -> tuple[str, str]:
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=key, max_retries=0,
+                               organization=org, default_headers=headers)
+        raw = client.chat.completions.with_raw_response.create(**CHAT)
+        return raw.headers["x-aiproxy-cache"], raw.parse().id
+
+    alice = ask("sk-alice")
+    assert alice[0] == "miss"
+    assert ask("sk-alice") == ("hit", alice[1])
+    mallory = ask("sk-not-a-key")
+    assert mallory[0] == "miss" and mallory[1] != alice[1]
+    # Same tenant header, other key: still apart; another organisation of one key too.
+    tenant = ask("sk-alice", **{"x-tenant": "t"})
+    assert ask("sk-bob", **{"x-tenant": "t"})[0] == "miss"
+    assert ask("sk-alice", **{"x-tenant": "t"}) == ("hit", tenant[1])
+    assert ask("sk-alice", "org-2", **{"x-tenant": "t"})[0] == "miss"
+    with httpx.Client() as c:  # x-api-key style credentials as well
+        url = f"{proxy.url}/v1/chat/completions"
+        first = c.post(url, json=CHAT, headers={"x-api-key": "a"})
+        assert first.headers["x-aiproxy-cache"] == "miss"
+        assert c.post(url, json=CHAT, headers={"x-api-key": "a"}).content == first.content
+        assert c.post(url, json=CHAT, headers={"x-api-key": "b"}).headers[
+            "x-aiproxy-cache"] == "miss"
+
+
 def test_claimed_tenant_never_meets_an_authenticated_one(start_proxy, demo_upstream):
     """With [auth], a tenant_header value is only a claim: "alice" in the header is not
     the subject alice, and reads none of her cache entries (nor her budgets, counters)."""

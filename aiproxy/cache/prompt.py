@@ -10,7 +10,9 @@ over max_entry_bytes, requests with Cache-Control no-store. A request with
 Cache-Control no-cache is not answered from the cache but refreshes it. (A response's
 no-cache does not stop storing: event-stream servers send it to keep intermediaries
 from buffering, and this is an application cache the route opted into.) Entries
-are per tenant unless `shared = true`. Responses carry `x-aiproxy-cache: hit|miss|bypass`.
+are per tenant unless `shared = true`, and, for a caller the proxy did not
+authenticate, per upstream credentials (Authorization, x-api-key, api-key,
+OpenAI-Organization/-Project) as well. Responses carry `x-aiproxy-cache: hit|miss|bypass`.
 
 With [semantic] on, the request's intent decision and embedding go under
 `ec:<same hash>` when the response is stored; the Exchange asks for it before running
@@ -21,6 +23,7 @@ if at least the threshold (same route, scope, model and stream mode); counted ap
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -127,6 +130,28 @@ def _max_age(cc: dict[bytes, bytes]) -> float | None:
     if arg is None:
         return None
     return float(arg) if arg.isdigit() else 0.0  # RFC 9111 4.2.1: invalid is stale
+
+
+# Request fields that carry the caller's upstream credentials (OpenAI, Anthropic and
+# Azure OpenAI styles) or choose the account they bill to.
+CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"openai-organization",
+               b"openai-project")
+
+
+def scope_of(ex: Exchange, tenant: str) -> str:
+    """Whose entries a request may read and write (unless `shared`): the tenant, and,
+    when the proxy did not authenticate the caller itself, the credentials it sends
+    upstream. Without that, a caller whose key the upstream would reject (or a second
+    key of the same client address / tenant header) read the answers another key paid
+    for: a hit never reaches the upstream that checks the key."""
+    if ex.identity is not None:
+        return tenant
+    head = ex.head
+    creds = [value for name in CREDENTIALS for value in head.get_all(name)]
+    if not creds:
+        return tenant
+    digest = hashlib.blake2b(b"\x00".join(creds), digest_size=16).hexdigest()
+    return f"{tenant}\x1fcredentials:{digest}"
 
 
 class CacheState:
@@ -254,7 +279,7 @@ class CacheFilter(Filter):
             return None
         cfg = state.cfg
         h = self.hash = request_hash(llm.endpoint, llm.body)
-        scope = None if cfg.shared else llm.tenant
+        scope = None if cfg.shared else scope_of(ex, llm.tenant)
         self.key = prompt_key(h, scope)
         if ex.intent is not None or cfg.semantic_threshold is not None:
             # Nearest neighbours only among requests equal but for their question.
