@@ -274,3 +274,54 @@ def test_no_tokens_counted_or_charged_for_refusals_and_upstream_errors(start_pro
     assert _metric(metrics, "aiproxy_llm_prompt_tokens_total", tenant="acme") == 3
     assert _metric(metrics, "aiproxy_llm_completion_tokens_total", tenant="acme") == 1
     assert _metric(metrics, "aiproxy_llm_estimated_requests_total", tenant="acme") == 0
+
+
+def test_stream_cut_by_its_upstream_is_logged_as_an_upstream_error(start_proxy, tmp_path):
+    """An upstream that dies or stalls mid-stream: the openai client sees the stream
+    break (not a clean end), the access log says why next to the 200 that went out
+    first, and the tokens streamed until then are counted."""
+    import asyncio
+
+    from aiohttp import web
+
+    from tests.support import serve_aiohttp
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for word in ("alpha", " beta"):
+            await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
+                             % word.encode())
+        await asyncio.sleep(0.1)  # both events reach the client before the cut
+        if request.headers.get("x-how") == "die":
+            request.transport.close()
+        else:
+            await asyncio.sleep(5)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    log = tmp_path / "a.log"
+    with serve_aiohttp(app) as port:
+        proxy = start_proxy(
+            "[server]\nworkers = 1\n" + simple_config(port, cluster_extra="read_timeout_ms = 300")
+            + f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n[llm]\n',
+            listener_extra='protocols = ["http1", "h2c"]')
+        for how, http2 in (("die", False), ("die", True), ("stall", False)):
+            client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0,
+                                   http_client=httpx.Client(http1=not http2, http2=http2))
+            got = []
+            with pytest.raises(openai.APIConnectionError):
+                for chunk in client.chat.completions.create(
+                        model="m", messages=MESSAGES, stream=True,
+                        extra_headers={"x-how": how}):
+                    got.append(chunk.choices[0].delta.content)
+            assert got == ["alpha", " beta"]
+        recs = _records(log, 3)
+    assert [r["protocol"] for r in recs] == ["HTTP/1.1", "HTTP/2", "HTTP/1.1"]
+    assert [r["status"] for r in recs] == [200, 200, 200]
+    assert "closed" in recs[0]["upstream_error"] and "closed" in recs[1]["upstream_error"]
+    assert "read_timeout_ms" in recs[2]["upstream_error"]
+    assert all(r["llm"]["completion_tokens"] == tokens_of_text("alpha beta") for r in recs)
+    assert all("client_closed" not in r for r in recs)

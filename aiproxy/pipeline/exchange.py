@@ -144,7 +144,7 @@ class Exchange(ExchangeBase):
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
-        "info_budget",
+        "info_budget", "upstream_error",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -161,7 +161,8 @@ class Exchange(ExchangeBase):
         t_first and t_classify, trace_id (set by the tracing filter), identity (the
         auth filter), llm (what the LLM filter read), _gov (the gov property makes
         it), intent/intent_domain/intent_decision, retry_handle, hold (the pool to
-        use once a held body is rewritten)."""
+        use once a held body is rewritten), upstream_error (why the upstream failed
+        after the response head went out: the client got a cut-off response)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -1068,6 +1069,8 @@ class Exchange(ExchangeBase):
         left = self.activity + cfg.read_timeout_ms / 1000 - now
         if left <= 0:
             log.warning("upstream read timeout on route %s", self.route.name)
+            self.upstream_error = (f"upstream sent nothing for {cfg.read_timeout_ms} ms "
+                                   "(read_timeout_ms)")
             self._abort()
             return None
         return min(left, self.deadline_at - now)
@@ -1221,6 +1224,7 @@ class Exchange(ExchangeBase):
             if not self.down.take_back_response():
                 log.warning("upstream failed mid-response on route %s: %s",
                             self.route.name, message)
+                self.upstream_error = message
                 if self.grpc and self.head.version == 20 and not self.filters:
                     # A gRPC call ends with a status, as the upstream's reset or loss
                     # maps to one (PROTOCOL-HTTP2.md): an RST_STREAM(INTERNAL_ERROR) of

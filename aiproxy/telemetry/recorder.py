@@ -62,6 +62,8 @@ class Telemetry(Reporter):
         }
         if ex.client_lost:
             record["client_closed"] = True
+        if ex.upstream_error is not None:  # the response was cut off: an error, not a 200
+            record["upstream_error"] = ex.upstream_error
         if ex.llm is not None:
             record["llm"] = ex.llm.log_fields()
         log.write(record)
