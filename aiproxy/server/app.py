@@ -93,9 +93,15 @@ class ProxyServer(ServerCore):
                 why = exc.strerror or str(exc)
                 raise ListenerError(f"listener '{listener.name}': cannot bind "
                                     f"{listener.address}: {why}") from exc
+            # A TLS handshake is part of receiving a request head: it is held to
+            # header_timeout_ms (as nginx holds it to client_header_timeout), not to
+            # uvloop's fixed 60 s, so a client stalled in it does not keep its socket.
+            # Taken when the listener starts, as listener changes are.
+            handshake = ({} if ctx is None else
+                         {"ssl_handshake_timeout": self.config.http.header_timeout_ms / 1000})
             for sock in socks:
                 server = await self.loop.create_server(factory, sock=sock, ssl=ctx,
-                                                       backlog=listener.backlog)
+                                                       backlog=listener.backlog, **handshake)
                 self.servers.append(server)
                 log.info("listener %s on %s", listener.name, _sockname(sock))
         admin = self.config.admin
