@@ -237,15 +237,27 @@ class H1UpstreamCore(Upstream):
         if state == _IDLE:
             self.pool.discard(self)
         elif ex is not None:
+            truncated = False
             if state == _BODY and self.mode == BODY_UNTIL_CLOSE and exc is None:
-                self.exchange = ex
-                self.state = _BODY
-                self._finish()
-                return
+                # A body that ends with the connection ends in eof_received(). Over TLS
+                # that is a close_notify; a bare TCP close arrives here alone, and may be
+                # a truncation (RFC 9112 9.8): not a complete response.
+                if self.pool.cluster_cfg.tls is None:
+                    self.exchange = ex
+                    self.state = _BODY
+                    self._finish()
+                    return
+                truncated = True
             if state == _TUNNEL:
                 ex.on_upstream_tunnel_closed()
                 return
-            reason = "upstream closed the connection" if exc is None else f"upstream connection lost: {exc}"
+            if truncated:
+                reason = ("upstream closed the TLS connection without close_notify: "
+                          "the response body may be truncated")
+            elif exc is None:
+                reason = "upstream closed the connection"
+            else:
+                reason = f"upstream connection lost: {exc}"
             ex.on_upstream_failed(502, "upstream_reset", reason)
 
     def pause_writing(self) -> None:
