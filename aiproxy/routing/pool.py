@@ -68,6 +68,9 @@ async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protoc
         raise UpstreamConnectError(True, f"connect to {address} timed out") from None
     except ssl.SSLError as exc:
         text = str(getattr(exc, "reason", None) or exc)
+        why = getattr(exc, "verify_message", None)
+        if why:  # CERTIFICATE_VERIFY_FAILED alone does not say which check failed
+            text = f"{text} ({why})"
         if "no application protocol" in text.replace("_", " ").lower():
             raise UpstreamConnectError(
                 False, f"{address} did not agree to {alpn} (ALPN)") from None
