@@ -288,6 +288,27 @@ def test_until_close_body_without_close_notify_is_truncated(proxy: ProxyProc) ->
     assert "close_notify" in proxy.log()
 
 
+def test_cut_close_delimited_response_to_a_tls_client_has_no_close_notify(
+        proxy: ProxyProc) -> None:
+    """An HTTP/1.0 client reads a body of unknown length until the close: when the proxy
+    cuts that response (here: its upstream's was truncated), the close must not carry
+    close_notify, or the client takes the cut body for a whole one (RFC 9112 9.8)."""
+    ctx = client_tls(None, ("http/1.1",))
+    for path, clean in (("/notify", True), ("/raw", False)):
+        with ctx.wrap_socket(socket.create_connection(("127.0.0.1", proxy.ports["tls"]),
+                                                      timeout=10),
+                             server_hostname="localhost", suppress_ragged_eofs=False) as sock:
+            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+            try:
+                data = read_all(sock, 5)
+                closed_cleanly = True  # recv() returned b"": a close_notify
+            except (ssl.SSLEOFError, ConnectionResetError):
+                closed_cleanly = False
+        assert closed_cleanly is clean, path
+        if clean:
+            assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b"x" * 5000)
+
+
 @pytest.mark.parametrize(("host", "why"), [
     ("wrong.test", "mismatch, certificate is not valid for '127.0.0.1'"),
     ("expired.test", "certificate has expired"),

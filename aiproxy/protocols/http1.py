@@ -557,6 +557,14 @@ class H1ConnectionCore(Downstream):
     def abort_response(self) -> None:
         # A response cut short: closing is the only signal HTTP/1.1 has (a missing last
         # chunk or a short Content-Length body tells the client it is incomplete).
+        if self.scheme == b"https" and not self.chunked_out and not self.closed:
+            # Over TLS, without close_notify: a body that ends at the close (an HTTP/1.0
+            # client's) would read as complete with it (RFC 9112 9.8). nginx, too, sends
+            # none after an error.
+            self.closed = True
+            self._cancel_timer()
+            self.transport.abort()
+            return
         self.close()
 
     def start_tunnel(self, resp: Any, upgrade: bytes) -> None:
