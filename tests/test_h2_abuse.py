@@ -602,8 +602,8 @@ def test_resets_the_client_provokes_get_enhance_your_calm(proxy: ProxyProc, port
             sids = [1 + 2 * (4 * batch + i) for i in range(4)]
             if not c.try_send(*[f for sid in sids for f in _provoked_reset(c, sid, kind)]):
                 break
-            got = c.frames_until(lambda f: isinstance(f, GoAwayFrame) or (
-                isinstance(f, RstStreamFrame) and f.stream_id == sids[-1]))
+            got = c.frames_until(lambda f, last=sids[-1]: isinstance(f, GoAwayFrame) or (
+                isinstance(f, RstStreamFrame) and f.stream_id == last))
             if got and isinstance(got[-1], GoAwayFrame):
                 frame = got[-1]
                 break
