@@ -8,6 +8,7 @@ process that made them: detach explicitly.
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ TC_PARENTS = {"ingress": "ffff:fff2", "egress": "ffff:fff3"}
 TC_PRIO = 0xA1  # our filters' preference on the clsact hooks
 TC_HANDLE = 1
 TC_NAME = "aiproxy_tc"
+NETNS_DIR = "/run/netns"  # where `ip netns add` puts its names
 
 
 class AttachError(BPFError):
@@ -35,8 +37,11 @@ def iproute(netns: str | None = None) -> Iterator:
         from pyroute2 import IPRoute
     except ImportError as exc:  # pragma: no cover - a runtime dependency
         raise AttachError(f"pyroute2 is not installed: {exc}") from None
+    # pyroute2 creates a namespace it cannot find (O_CREAT): a mistyped name would
+    # silently make an empty one, and every interface in it would be "missing".
+    check_netns(netns)
     try:
-        ipr = IPRoute(netns=netns) if netns else IPRoute()
+        ipr = IPRoute(netns=netns, flags=0) if netns else IPRoute()
     except Exception as exc:
         where = f"network namespace {netns!r}" if netns else "netlink"
         raise AttachError(f"cannot open {where}: {exc}") from None
@@ -44,6 +49,13 @@ def iproute(netns: str | None = None) -> Iterator:
         yield ipr
     finally:
         ipr.close()
+
+
+def check_netns(netns: str | None) -> None:
+    """AttachError unless ``netns`` (an `ip netns` name) exists; None is the current one."""
+    if netns is not None and not os.path.exists(os.path.join(NETNS_DIR, netns)):
+        raise AttachError(f"no network namespace {netns!r} (see `ip netns list`)",
+                          errno.ENOENT)
 
 
 def _index(ipr, ifname: str, netns: str | None) -> int:

@@ -60,9 +60,11 @@ def run(args: argparse.Namespace) -> int:
     if not kernel.interfaces:
         print(f"{args.config}: [kernel] names no interfaces: nothing to do", file=sys.stderr)
         return EXIT_USAGE
+    from . import attach
     from .libbpf import BPFError
 
     try:
+        attach.check_netns(args.netns)  # before anything is loaded or pinned for it
         return {"status": _status, "attach": _attach, "detach": _detach}[args.bpf_command](
             kernel, args)
     except BPFError as exc:

@@ -1,0 +1,52 @@
+"""Operator-facing edges of attach/detach: a mistyped namespace, a missing or vanished
+interface. Real programs on a veth pair in namespaces made by the fixture; nothing leaves
+them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+from aiproxy.kernel.manager import pin_dir_for, remove_pins
+
+
+def _config(tmp_path, interfaces: list[str]) -> str:
+    path = tmp_path / "k.toml"
+    names = ", ".join(f'"{i}"' for i in interfaces)
+    path.write_text(f"""
+[[listeners]]
+name = "p"
+address = "127.0.0.1:46310"
+
+[kernel]
+interfaces = [{names}]
+xdp_mode = "generic"
+deny_cidrs = ["192.0.2.0/24"]
+""")
+    return str(path)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aiproxy", "bpf", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_mistyped_netns_is_an_error_and_not_created(bpf_ok, tmp_path):
+    # pyroute2 creates a namespace it cannot find: a typo used to make an empty one
+    # (and leave pinned maps for it), reported as "no interface ... in netns TYPO".
+    name = f"aipk-nosuch-{uuid.uuid4().hex[:6]}"
+    cfg = _config(tmp_path, ["vsrv"])
+    try:
+        for action in ("status", "attach", "detach"):
+            res = _cli(action, "-c", cfg, "--netns", name)
+            assert res.returncode == 1, (action, res.stdout, res.stderr)
+            assert f"no network namespace {name!r}" in res.stderr, res.stderr
+            assert "Traceback" not in res.stderr
+            assert not os.path.exists(f"/run/netns/{name}"), f"{action} created {name}"
+            assert not os.path.exists(pin_dir_for(name)), f"{action} pinned maps for {name}"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        remove_pins(pin_dir_for(name))
