@@ -13,6 +13,7 @@ With ``pin_dir`` the maps are pinned in bpffs and reused by the next load, which
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -141,11 +142,17 @@ class KernelFastPaths:
 
     def _detach(self, ifname: str) -> None:
         done = self.attached.pop(ifname, {})
-        if done.get("xdp"):
-            attach.detach_xdp(ifname, self.netns)
-        if done.get("tc"):
-            for direction in attach.TC_PARENTS:
-                attach.detach_tc(ifname, direction, self.netns)
+        try:
+            if done.get("xdp"):
+                attach.detach_xdp(ifname, self.netns)
+            if done.get("tc"):
+                for direction in attach.TC_PARENTS:
+                    attach.detach_tc(ifname, direction, self.netns)
+        except attach.AttachError as exc:
+            if exc.errno != errno.ENODEV:
+                raise
+            # The interface is gone, and its programs went with it: nothing to detach.
+            log.info("kernel: %s is gone; its programs went with it", ifname)
 
     # -- read back -------------------------------------------------------------------
 

@@ -10,7 +10,11 @@ import subprocess
 import sys
 import uuid
 
-from aiproxy.kernel.manager import pin_dir_for, remove_pins
+from aiproxy.config.schema import KernelConfig
+from aiproxy.kernel import attach
+from aiproxy.kernel.manager import KernelFastPaths, pin_dir_for, remove_pins
+
+from .conftest import VethPair, run
 
 
 def _config(tmp_path, interfaces: list[str]) -> str:
@@ -50,3 +54,29 @@ def test_cli_mistyped_netns_is_an_error_and_not_created(bpf_ok, tmp_path):
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         remove_pins(pin_dir_for(name))
+
+
+def test_reload_after_an_attached_interface_vanished(veth: VethPair):
+    # An interface that goes away takes its programs with it; dropping it from the
+    # config must then be accepted (it used to fail with "no interface", and every
+    # later reload with it, until a restart).
+    run("ip", "-n", veth.srv, "link", "add", "bpfaudx0", "type", "veth", "peer", "name",
+        "bpfaudx1")
+    run("ip", "-n", veth.srv, "link", "set", "bpfaudx0", "up")
+    fast = KernelFastPaths(KernelConfig(interfaces=("vsrv", "bpfaudx0"), xdp_mode="generic",
+                                        deny_cidrs=("192.0.2.0/24",)), netns=veth.srv)
+    fast.start()
+    try:
+        before = attach.interface_state("vsrv", veth.srv).xdp_prog_id
+        assert before is not None
+        run("ip", "-n", veth.srv, "link", "del", "bpfaudx0")
+        fast.reload(KernelConfig(interfaces=("vsrv",), xdp_mode="generic",
+                                 deny_cidrs=("198.51.100.0/24",)))
+        assert set(fast.attached) == {"vsrv"}
+        assert attach.interface_state("vsrv", veth.srv).xdp_prog_id == before
+        assert fast.counters()["xdp"] is not None
+        assert len(list(fast.guard.maps["guard_deny_v4"].keys())) == 1
+    finally:
+        fast.stop()
+    assert attach.interface_state("vsrv", veth.srv).xdp_prog_id is None
+
