@@ -66,6 +66,18 @@ def _index(ipr, ifname: str, netns: str | None) -> int:
     return found[0]
 
 
+def interface_index(ifname: str, netns: str | None = None) -> int:
+    """The index of ``ifname``; AttachError (errno ENODEV) naming the config key if there
+    is no such interface."""
+    with iproute(netns) as ipr:
+        found = ipr.link_lookup(ifname=ifname)
+    if not found:
+        where = f" in netns {netns}" if netns else ""
+        raise AttachError(f"no interface {ifname!r}{where} ([kernel] interfaces)",
+                          errno.ENODEV)
+    return found[0]
+
+
 def _netlink_errno(exc: Exception) -> int:
     code = getattr(exc, "code", 0) or 0
     return abs(code)

@@ -64,6 +64,9 @@ class KernelFastPaths:
     def start(self) -> dict[str, dict]:
         """Load, sync and attach to every configured interface. On failure, undoes what
         it did and raises BPFError."""
+        # Every interface first: a missing one fails before anything is loaded, pinned
+        # or attached (a re-run of `aiproxy bpf attach` must not undo the last one).
+        self._check_interfaces(self.cfg.interfaces)
         try:
             self._load()
             self._sync()
@@ -77,6 +80,7 @@ class KernelFastPaths:
     def reload(self, cfg: KernelConfig) -> None:
         """Apply a new config: maps in place; attach new interfaces, detach dropped ones.
         Interfaces in both configs keep their programs attached throughout."""
+        self._check_interfaces(cfg.interfaces)  # before the maps change
         old = self.cfg
         self.cfg = cfg
         if (cfg.classes and self.tc_obj is None) or (cfg.interfaces and self.guard_obj is None):
@@ -139,6 +143,10 @@ class KernelFastPaths:
             for direction in attach.TC_PARENTS:
                 attach.detach_tc(ifname, direction, self.netns)
             done["tc"] = False
+
+    def _check_interfaces(self, interfaces) -> None:
+        for ifname in interfaces:
+            attach.interface_index(ifname, self.netns)
 
     def _detach(self, ifname: str) -> None:
         done = self.attached.pop(ifname, {})

@@ -80,3 +80,37 @@ def test_reload_after_an_attached_interface_vanished(veth: VethPair):
         fast.stop()
     assert attach.interface_state("vsrv", veth.srv).xdp_prog_id is None
 
+
+def test_cli_attach_rerun_with_missing_interface_keeps_the_last_attach(veth, tmp_path):
+    # `aiproxy bpf attach` again after an edit that names a missing interface: an error
+    # naming [kernel] interfaces, and what the last run attached (programs and deny
+    # list) stays as it was. It used to sync the maps to the bad config and then detach
+    # the interfaces that were fine.
+    cfg = _config(tmp_path, ["vsrv"])
+    try:
+        res = _cli("attach", "-c", cfg, "--netns", veth.srv)
+        assert res.returncode == 0, res.stderr
+        prog = attach.interface_state("vsrv", veth.srv).xdp_prog_id
+        assert prog is not None
+        bad = tmp_path / "bad.toml"
+        bad.write_text(open(cfg).read().replace('["vsrv"]', '["vsrv", "nosuchif0"]')
+                       .replace("192.0.2.0/24", "198.51.100.0/24"))
+        res = _cli("attach", "-c", str(bad), "--netns", veth.srv)
+        assert res.returncode == 1, (res.stdout, res.stderr)
+        state = attach.interface_state("vsrv", veth.srv)
+        assert state.xdp_prog_id == prog, "the earlier attachment was undone"
+        assert "nosuchif0" in res.stderr and "[kernel] interfaces" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+        res = _cli("status", "-c", cfg, "--netns", veth.srv, "--json")
+        assert res.returncode == 0, res.stderr
+        assert '"v4": 1' in res.stdout
+        from aiproxy.kernel.libbpf import Map
+        trie = Map.from_pin(f"{pin_dir_for(veth.srv)}/xdp_guard/guard_deny_v4")
+        try:
+            keys = list(trie.keys())
+        finally:
+            trie.close()
+        assert keys == [bytes([24, 0, 0, 0, 192, 0, 2, 0])], keys
+    finally:
+        _cli("detach", "-c", cfg, "--netns", veth.srv)
+        remove_pins(pin_dir_for(veth.srv))
