@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import hashlib
 import json
 import os
@@ -1458,6 +1459,45 @@ def test_stale_pooled_connection_retried_for_idempotent_only(
         httpx_error(client.post(proxy.url + "/ok", content=b"payload"), 502, "upstream_reset")
         r = client.get(proxy.url + "/ok")
         assert r.status_code == 200
+
+
+def named_upstream(name: bytes) -> Handler:
+    """A keep-alive upstream that answers every request with its name."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      conn_id: int) -> None:
+        while (req := await read_request(reader)) is not None:
+            await read_body(reader, req[2])
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(name), name))
+            await writer.drain()
+    return handler
+
+
+def test_least_request_follows_weights_at_light_load(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    # One request at a time: every endpoint has 0 in flight at each pick, so only the
+    # weights can tell them apart; 3:1 must come out near 75%, not near 50%.
+    heavy, light = serve(named_upstream(b"heavy")), serve(named_upstream(b"light"))
+    proxy = start_proxy(f"""
+[server]
+workers = 1
+
+[[clusters]]
+name = "up"
+balancer = "least_request"
+endpoints = [{{ address = "127.0.0.1:{heavy.port}", weight = 3 }}, "127.0.0.1:{light.port}"]
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "up"
+""")
+    n = 400
+    with httpx.Client(timeout=10) as client:
+        got = collections.Counter(client.get(proxy.url + "/x").text for _ in range(n))
+    assert set(got) == {"heavy", "light"}, got
+    # Binomial(400, 0.75): sd 8.7; 0.65..0.85 is more than 4 sd either side.
+    assert 0.65 < got["heavy"] / n < 0.85, got
 
 
 # == errors ===================================================================================

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import zlib
 from bisect import bisect_left
-from random import choice, random, sample
+from random import choice, choices, random, sample
 from typing import TYPE_CHECKING, Any
 
 from aiproxy.config import ClusterConfig, Endpoint, HttpConfig
@@ -119,7 +119,9 @@ class RoundRobin(Balancer):
 
 class LeastRequest(Balancer):
     """Power of two choices: of two random endpoints, the one with fewer in flight
-    (relative to its weight)."""
+    (relative to its weight). With unequal weights the two are drawn in proportion to
+    weight: at light load in-flight counts tie (often all 0) and the first drawn wins,
+    so the spread still follows the weights (as Envoy's weighted least request does)."""
 
     __slots__ = ()
 
@@ -127,7 +129,11 @@ class LeastRequest(Balancer):
         pools = self.candidates(exclude)
         if len(pools) <= 1:
             return pools[0] if pools else None
-        a, b = sample(pools, 2)
+        weights = [p.endpoint.weight for p in pools]
+        if min(weights) == max(weights):
+            a, b = sample(pools, 2)
+        else:
+            a, b = choices(pools, weights, k=2)
         return a if (a.stats.in_flight / a.endpoint.weight
                      <= b.stats.in_flight / b.endpoint.weight) else b
 
