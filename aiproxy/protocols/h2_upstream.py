@@ -245,6 +245,12 @@ class H2UpstreamConnection(asyncio.Protocol):
                         # Never processed by the upstream: safe to retry elsewhere.
                         s.fail(503, "upstream_goaway", "upstream sent GOAWAY")
                 self.pool.discard(self)
+                if not self.streams:
+                    # Nothing left to finish (stream_done closes it when the last one
+                    # ends otherwise): the pool has let go of it, and an upstream that
+                    # keeps it open would hold the socket, and a max_connections slot,
+                    # for good.
+                    self.close()
             elif kind is h2.events.PingReceived:
                 if not budgets.control.spend(1, self.pool.loop.time()):
                     return self._flooded("PING frames")
