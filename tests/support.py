@@ -17,8 +17,29 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+_next_port = [0]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (another process may still take it)."""
+    """A TCP port that was free a moment ago (another process may still take it).
+    AIPROXY_TEST_PORTS=LOW-HIGH keeps the ports in that range (a shared machine where
+    each user has a block of ports); unset, the kernel picks one."""
+    span = os.environ.get("AIPROXY_TEST_PORTS")
+    if span:
+        low, high = (int(x) for x in span.split("-"))
+        size = high - low + 1
+        if not _next_port[0]:
+            _next_port[0] = (os.getpid() * 7) % size
+        for _ in range(size):
+            port = low + _next_port[0] % size
+            _next_port[0] += 1
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
+        raise RuntimeError(f"no free port in AIPROXY_TEST_PORTS={span}")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
