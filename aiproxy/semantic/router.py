@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import unicodedata
 from typing import Any
 
 from aiproxy._fast.intent_head import DecisionLines, confidence_text
@@ -18,6 +20,22 @@ from aiproxy.semantic.classifier import Batcher, IntentModel, ModelError, resolv
 from aiproxy.semantic.unified import extract_text
 
 log = logging.getLogger("aiproxy.semantic")
+
+_ASCII_WORD = re.compile(r"[0-9A-Za-z]")
+
+
+def has_words(text: str) -> bool:
+    """Whether `text` has something the model can read: an ASCII letter or digit, or a
+    non-ASCII character that is not a space, separator, control or format character
+    (zero-width space, bidi marks). A text without any gives the vectorizer only its
+    empty-text feature, and what a model says about that is no reading of the request
+    (the shipped one: "calculator" at 0.92)."""
+    if _ASCII_WORD.search(text) is not None:
+        return True
+    for ch in text:
+        if ord(ch) > 127 and unicodedata.category(ch)[0] not in "CZ":
+            return True
+    return False
 
 
 def model_key(cfg: SemanticConfig) -> tuple:
@@ -87,11 +105,14 @@ class SemanticRouter:
 
     def request_text(self, head: Any, body: bytes, target: bytes) -> str:
         """The text the model reads for a request: the body's fields (json_fields) and the
-        query string of `target`. Raises on content it cannot read."""
+        query string of `target`; "" when that has no word in it (see has_words).
+        Raises on content it cannot read."""
         q = target.find(b"?")
-        return extract_text(head.get(b"content-type") or b"", body,
+        text = extract_text(head.get(b"content-type") or b"", body,
                             target[q + 1:] if q >= 0 else b"", self.json_fields,
                             head.content_length if head.content_length >= 0 else None)
+        # no word in it: routed as a request without text is, without an intent
+        return text if not text or has_words(text) else ""
 
     def domain_of(self, label: str) -> str | None:
         return self.domains.get(label)
