@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 
-from tests.support import intent_routes_config, start_demo_upstream, stop_process
+from tests.grpc_support import GRPC_OPTIONS, InferenceServer, grpc_modules  # noqa: F401
+from tests.support import free_port, intent_routes_config, start_demo_upstream, stop_process
 
 BANK = "how much money is in my checking account"
 
@@ -58,3 +60,65 @@ def test_text_without_words_routes_without_an_intent(start_proxy, bank_and_gener
                         headers={"content-type": "application/json"})
         assert "x-aiproxy-intent" in r.json()["headers"]
 
+
+GRPC_ROUTES = """
+[[routes]]
+name = "grpc-bank"
+match = {{ path_prefix = "/aiproxy.testing.v1.Predictor/", intent_domain = "banking" }}
+cluster = "gbank"
+
+[[routes]]
+name = "grpc-other"
+match = {{ path_prefix = "/aiproxy.testing.v1.Predictor/" }}
+cluster = "gother"
+"""
+
+
+@pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate])
+def test_compressed_grpc_message_routes_as_uncompressed(start_proxy, grpc_modules,  # noqa: F811
+                                                        compression):
+    """A gRPC client that compresses its messages (grpc-encoding gzip or deflate) gets
+    the route the same message gets uncompressed: the first message is decompressed
+    (bounded) to be read."""
+    pb2, pb2_grpc = grpc_modules
+    bank = InferenceServer(pb2, pb2_grpc, "gbank", free_port())
+    other = InferenceServer(pb2, pb2_grpc, "gother", free_port())
+    try:
+        config = f"""
+[semantic]
+model = "builtin:clinc150"
+
+[[clusters]]
+name = "gbank"
+endpoints = ["127.0.0.1:{bank.port}"]
+protocol = "h2"
+
+[[clusters]]
+name = "gother"
+endpoints = ["127.0.0.1:{other.port}"]
+protocol = "h2"
+""" + GRPC_ROUTES.format()
+        proxy = start_proxy(config, 'protocols = ["h2c"]')
+        # a payload that compresses well: grpcio sends a message compressed only when
+        # that makes it smaller
+        payload = b"\x00" * 4096
+        seen = {}
+        for comp in (None, compression):
+            with grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=GRPC_OPTIONS,
+                                       compression=comp) as channel:
+                stub = pb2_grpc.PredictorStub(channel)
+                rep = stub.Predict(pb2.PredictRequest(model="m", prompt=BANK,
+                                                      payload=payload), timeout=10)
+                assert rep.count == len(payload)
+                seen[comp] = rep.model
+                # streamed calls are routed on their first message the same way
+                up = stub.Upload(iter([pb2.PredictRequest(prompt=BANK, payload=payload),
+                                       pb2.PredictRequest(prompt="x")]), timeout=10)
+                assert up.count == 2
+                seen[(comp, "upload")] = up.model
+        assert seen[None] == "gbank:m"
+        assert seen[compression] == "gbank:m"
+        assert seen[(None, "upload")] == seen[(compression, "upload")] == "gbank"
+    finally:
+        bank.stop()
+        other.stop()

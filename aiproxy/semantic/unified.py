@@ -32,6 +32,7 @@ import json
 import random
 import re
 import struct
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -390,8 +391,31 @@ def _lenient_json(body: bytes, json_fields, parts: list[str]) -> None:
 # ---------------------------------------------------------------- gRPC / protobuf
 
 
+MAX_GRPC_DECODED = 1 << 20  # what one compressed gRPC message may expand to here
+
+
+def _grpc_inflate(payload: bytes) -> bytes | None:
+    """A compressed gRPC message decoded, when its coding is gzip or deflate (zlib), the
+    two every gRPC implementation offers (told apart by their headers, as the
+    grpc-encoding field says the same); at most MAX_GRPC_DECODED bytes of it, and what
+    arrived of one cut short by the inspect limit. None: another coding (snappy, zstd)
+    or not compressed data."""
+    if payload[:2] == b"\x1f\x8b":
+        wbits = 31
+    elif len(payload) >= 2 and payload[0] & 0x0F == 8 and (payload[0] << 8 | payload[1]) % 31 == 0:
+        wbits = 15
+    else:
+        return None
+    try:
+        return zlib.decompressobj(wbits).decompress(payload, MAX_GRPC_DECODED)
+    except zlib.error:
+        return None
+
+
 def _grpc(body: bytes, parts: list[str], meta: dict[str, Any]) -> Modality:
-    """Length-prefixed gRPC messages: 1 byte compressed flag + 4 bytes big-endian length."""
+    """Length-prefixed gRPC messages: 1 byte compressed flag + 4 bytes big-endian length.
+    A compressed message (gzip or deflate) is read decoded: a client that compresses
+    gets the route the same message gets uncompressed."""
     i, n, frames = 0, len(body), 0
     while i + 5 <= n:
         flag = body[i]
@@ -400,7 +424,8 @@ def _grpc(body: bytes, parts: list[str], meta: dict[str, Any]) -> Modality:
         frames += 1
         if flag & 1:
             meta["grpc_compressed"] = True
-        else:
+            payload = _grpc_inflate(payload)
+        if payload:
             protobuf_strings(payload, parts)
         i += 5 + length
     meta["grpc_frames"] = frames
