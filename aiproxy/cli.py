@@ -53,6 +53,16 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader of stdout went away (`aiproxy check -c F | head -1`): no traceback.
+        # stdout goes to /dev/null so the flush at exit cannot raise the same again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo-upstream":
         from aiproxy.demo.upstream import main as demo_main

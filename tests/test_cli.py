@@ -126,6 +126,17 @@ def test_check_valid_config(tmp_path: Path) -> None:
     assert res.stderr == ""
 
 
+def test_output_to_a_closed_pipe_is_no_traceback(tmp_path: Path) -> None:
+    """`aiproxy check -c F | head -0`: the reader is gone before the summary is written."""
+    path = write(tmp_path, valid_config())
+    proc = subprocess.Popen([sys.executable, "-m", "aiproxy", "check", "-c", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_check_long_option(tmp_path: Path) -> None:
     path = write(tmp_path, valid_config())
     res = aiproxy_cli("check", "--config", str(path))
