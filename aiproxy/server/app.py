@@ -28,6 +28,7 @@ from aiproxy.semantic.classifier import ModelError
 from aiproxy.server import sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
 from aiproxy.server.sockets import bound_sockets
+from aiproxy.server.tls import ListenerTls, Stamp, restart_shape
 from aiproxy.telemetry.access_log import AccessLog
 from aiproxy.telemetry.access_log import resolve as resolve_log_path
 from aiproxy.telemetry.metrics import Metrics
@@ -71,6 +72,8 @@ class ProxyServer(ServerCore):
         self.kernel_attach = True
         self.worker_slot: int | None = None  # set in a worker process (see localize)
         self.policy_timer: asyncio.TimerHandle | None = None
+        # TLS listeners' live contexts by name: a reload re-reads changed cert/key files
+        self.tls: dict[str, ListenerTls] = {}
 
     async def start(self, *, reuse_port: bool = False, serve_admin: bool = True) -> None:
         """Bind the listeners (SO_REUSEPORT in a worker process, so its siblings bind the
@@ -96,7 +99,8 @@ class ProxyServer(ServerCore):
             # A TLS handshake is part of receiving a request head: it is held to
             # header_timeout_ms (as nginx holds it to client_header_timeout), not to
             # uvloop's fixed 60 s, so a client stalled in it does not keep its socket.
-            # Taken when the listener starts, as listener changes are.
+            # Taken when the listener starts, as listener changes are (a reload re-reads
+            # the certificate and key files, not this).
             handshake = ({} if ctx is None else
                          {"ssl_handshake_timeout": self.config.http.header_timeout_ms / 1000})
             for sock in socks:
@@ -129,6 +133,7 @@ class ProxyServer(ServerCore):
                 model = await self._maybe_in_thread(config.semantic is not None,
                                                     load_intent_model, config, self.runtime)
                 # Maps in place, no detach; the old state is kept on error.
+                tls = self._tls_changes(config)  # checked before anything is applied
                 kernel = self._kernel_config(config)
                 await self._maybe_in_thread(kernel.enabled or self.kernel.cfg.enabled,
                                             self.kernel.reload, kernel)
@@ -139,7 +144,13 @@ class ProxyServer(ServerCore):
                 sd_notify.notify("READY=1")
                 return False, str(exc)
             notes = []
-            if config.listeners != self.config.listeners or config.admin != self.config.admin:
+            for live, listener, stamp in tls:
+                live.reload(listener, stamp)
+            if tls:
+                notes.append("TLS certificates reloaded: "
+                             + ", ".join(listener.name for _, listener, _ in tls))
+            if (restart_shape(config.listeners) != restart_shape(self.config.listeners)
+                    or config.admin != self.config.admin):
                 notes.append("listener and admin changes take effect on restart")
                 log.warning("reload: %s", notes[-1])
             old = self.runtime
@@ -154,6 +165,18 @@ class ProxyServer(ServerCore):
                      len(config.clusters))
             sd_notify.notify("READY=1")
             return True, "; ".join(notes) or "ok"
+
+    def _tls_changes(self, config: Config) -> list[tuple[ListenerTls, ListenerConfig, Stamp]]:
+        """The TLS listeners whose certificate, key or CA files changed (tls.py), each
+        checked on a scratch context: ConfigError, naming the file, if one does not load."""
+        changes = []
+        for listener in config.listeners:
+            live = self.tls.get(listener.name)
+            stamp = live.wanted(listener) if live is not None else None
+            if live is not None and stamp is not None:
+                live.check(listener, config.source)
+                changes.append((live, listener, stamp))
+        return changes
 
     # -- [policy]: files checked in the background; source-CIDR denies go to XDP ----------
 
@@ -246,32 +269,13 @@ class ProxyServer(ServerCore):
         if protocols == ("tcp",):
             return (lambda: TcpProxyConnection(self, listener)), None
         if listener.tls is not None:
-            ctx = tls_context(listener)
+            live = self.tls[listener.name] = ListenerTls(listener)
+            ctx = live.ctx
             return (lambda: AlpnDispatch(self, protocols)), ctx
         if protocols == ("h2c",):
             return (lambda: H2ServerConnection(self)), None
         h2c = "h2c" in protocols
         return (lambda: H1Connection(self, h2c)), None
-
-
-def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
-    """TLS 1.2+ with ALPN from the listener's protocols (RFC 9113 9.2 cipher rules)."""
-    tls = listener.tls
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
-    ctx.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
-    ctx.load_cert_chain(tls.cert, tls.key)
-    if tls.ca:
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_verify_locations(tls.ca)
-    alpn = []
-    if "h2" in listener.protocols:
-        alpn.append("h2")
-    if "http1" in listener.protocols:
-        alpn.append("http/1.1")
-    ctx.set_alpn_protocols(alpn)
-    return ctx
 
 
 class AlpnDispatch(asyncio.Protocol):

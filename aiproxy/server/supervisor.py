@@ -30,6 +30,7 @@ from aiproxy.config import Config, ConfigError, load_config_text, read_config_te
 from aiproxy.server import forkserver, sd_notify
 from aiproxy.server.channel import Channel
 from aiproxy.server.sockets import bound_sockets
+from aiproxy.server.tls import restart_shape
 from aiproxy.telemetry.aggregate import WorkerMetrics, merge, to_metrics
 
 if TYPE_CHECKING:
@@ -328,7 +329,9 @@ class Supervisor:
             if problems:
                 return self._reload_failed(problems[0])
             notes = []
-            if (config.listeners != self.config.listeners or config.admin != self.config.admin
+            # (each worker re-reads its TLS listeners' changed certificate and key files)
+            if (restart_shape(config.listeners) != restart_shape(self.config.listeners)
+                    or config.admin != self.config.admin
                     or config.server.workers != self.config.server.workers):
                 notes.append("listener, admin and workers changes take effect on restart")
                 log.warning("reload: %s", notes[-1])

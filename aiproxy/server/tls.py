@@ -1,0 +1,124 @@
+"""TLS listeners' contexts, and their certificates re-read on reload.
+
+A listener's ssl.SSLContext is made once, when it starts, and handed to the loop's
+server. On reload (SIGHUP, `POST /config/reload`, or the text a supervisor sends its
+workers) the certificate, key and client CA files are stat()ed; when one changed (a
+certbot renewal, a new file renamed over the path or a symlink pointed elsewhere) they
+are checked on a scratch context first and only then loaded into the live context
+again. OpenSSL copies the context's certificate into each SSL object when a handshake
+starts, so new handshakes present the new certificate while connections already up keep
+theirs. A certificate or key that does not load rejects the whole reload, naming the
+file and the key; the live context is not touched and the old certificate keeps serving.
+
+The address, the protocols and whether a listener has TLS or client CAs at all still
+take effect on restart only: the socket, ALPN list and verify mode belong to the bound
+listener. A CA bundle is added to the context's trust store (OpenSSL has no way to empty
+it from Python): a CA removed from the bundle stays trusted until a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import ssl
+
+from aiproxy.config import ConfigError, ListenerConfig
+from aiproxy.config.errors import Problem
+from aiproxy.config.files import tls_problems
+from aiproxy.config.schema import TlsConfig
+
+log = logging.getLogger("aiproxy.server")
+
+Stamp = tuple[tuple[str, tuple | None], ...]
+
+
+def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
+    """TLS 1.2+ with ALPN from the listener's protocols (RFC 9113 9.2 cipher rules)."""
+    tls = listener.tls
+    assert tls is not None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
+    ctx.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
+    ctx.load_cert_chain(tls.cert, tls.key)
+    if tls.ca:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(tls.ca)
+    alpn = []
+    if "h2" in listener.protocols:
+        alpn.append("h2")
+    if "http1" in listener.protocols:
+        alpn.append("http/1.1")
+    ctx.set_alpn_protocols(alpn)
+    return ctx
+
+
+def restart_shape(listeners: tuple[ListenerConfig, ...] | list[ListenerConfig]) -> list:
+    """What of the listeners only a restart changes: everything but the TLS file paths
+    (whether there is TLS, and client CAs, is kept)."""
+    return [(dataclasses.replace(lst, tls=None), lst.tls is not None,
+             lst.tls is not None and lst.tls.ca is not None) for lst in listeners]
+
+
+def file_stamp(tls: TlsConfig) -> Stamp:
+    """Path and identity (device, inode, size, mtime, ctime) of each file; None for one
+    that cannot be stat()ed."""
+    out = []
+    for path in (tls.cert, tls.key, tls.ca):
+        if path is None:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append((path, None))
+            continue
+        out.append((path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+    return tuple(out)
+
+
+class ListenerTls:
+    """One TLS listener's live context and the files it was last loaded from."""
+
+    def __init__(self, listener: ListenerConfig) -> None:
+        assert listener.tls is not None
+        self.listener = listener
+        self.stamp = file_stamp(listener.tls)  # taken before reading: a change after shows
+        self.ctx = tls_context(listener)
+
+    def wanted(self, new: ListenerConfig) -> Stamp | None:
+        """The new stamp if `new` (the same listener in a new config) asks for its files
+        to be loaded again, else None (unchanged, or a change that needs a restart)."""
+        if new.tls is None or restart_shape([new]) != restart_shape([self.listener]):
+            return None
+        stamp = file_stamp(new.tls)
+        return None if stamp == self.stamp else stamp
+
+    def check(self, new: ListenerConfig, source: str) -> None:
+        """ConfigError naming each file of `new` that would not load; the live context
+        is not touched."""
+        tls = new.tls
+        assert tls is not None
+        problems = tls_problems(tls.cert, tls.key, tls.ca)
+        if not problems:
+            try:  # what reload() will do, on a context of its own
+                tls_context(new)
+            except (OSError, ssl.SSLError) as exc:
+                problems = [("cert", f"does not load: {exc}")]
+        if problems:
+            files = {"cert": tls.cert, "key": tls.key, "ca": tls.ca}
+            raise ConfigError([
+                Problem(source, 0, f"listeners.{new.name}.tls.{key}",
+                        f"'{files[key]}': {message} (the running certificate keeps serving)")
+                for key, message in problems])
+
+    def reload(self, new: ListenerConfig, stamp: Stamp) -> None:
+        """Load the new files into the live context (check() passed just before)."""
+        tls = new.tls
+        assert tls is not None
+        self.ctx.load_cert_chain(tls.cert, tls.key)
+        if tls.ca:
+            self.ctx.load_verify_locations(tls.ca)
+        self.listener = new
+        self.stamp = stamp
+        log.info("listener %s: TLS certificate reloaded from %s", new.name, tls.cert)

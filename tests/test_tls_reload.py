@@ -1,0 +1,162 @@
+"""A TLS listener's certificate renewed on disk (as certbot does) and SIGHUP: new
+handshakes get the new certificate, a connection already up keeps working, and a
+certificate/key pair that does not load rejects the reload while the last good one
+keeps serving. One process and `workers = 2` (real processes, real TLS clients)."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CRASH_MARKERS
+from tests.h2_support import make_pki
+from tests.support import free_port, start_process, stop_process, wait_port
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl"),
+]
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def renewed_cert(d: Path) -> tuple[Path, Path]:
+    """A second server certificate from the same CA, with its own key and serial."""
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", "renewed.key", "-out", "renewed.csr", "-subj", "/CN=renewed", cwd=d)
+    _openssl("x509", "-req", "-in", "renewed.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "renewed.pem", "-days", "2", "-extfile",
+             "server.ext", cwd=d)
+    return d / "renewed.pem", d / "renewed.key"
+
+
+def der(pem: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(pem.read_text())
+
+
+def install(src: Path, dst: Path) -> None:
+    """Write a new file and rename it over the path, as certbot and most tools do."""
+    tmp = dst.with_suffix(".new")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def connect(port: int, ca: Path) -> http.client.HTTPSConnection:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+    conn.connect()
+    return conn
+
+
+def get(conn: http.client.HTTPSConnection) -> int:
+    conn.request("GET", "/healthz")
+    resp = conn.getresponse()
+    resp.read()
+    return resp.status
+
+
+def served_cert(port: int, ca: Path) -> bytes:
+    conn = connect(port, ca)
+    try:
+        assert get(conn) == 200
+        cert = conn.sock.getpeercert(binary_form=True)
+    finally:
+        conn.close()
+    return cert
+
+
+def wait_log(proc: subprocess.Popen, text: str, count: int, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        log = Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+        if log.count(text) >= count:
+            return log
+        assert proc.poll() is None, f"proxy exited:\n{log}"
+        assert time.monotonic() < deadline, f"no {count} x {text!r} in the log:\n{log}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_reloads_a_renewed_certificate(tmp_path: Path, demo_upstream, workers: int):
+    pki = make_pki(tmp_path / "pki")
+    new_cert, new_key = renewed_cert(pki.ca.parent)
+    live = tmp_path / "live"
+    live.mkdir()
+    cert, key = live / "cert.pem", live / "key.pem"
+    shutil.copyfile(pki.cert, cert)
+    shutil.copyfile(pki.key, key)
+    port = free_port()
+    config = tmp_path / "aiproxy.toml"
+    config.write_text(f"""
+[server]
+workers = {workers}
+drain_timeout_ms = 2000
+
+[[listeners]]
+name = "tls"
+address = "127.0.0.1:{port}"
+protocols = ["h2", "http1"]
+tls = {{ cert = "{cert}", key = "{key}" }}
+
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+
+[[routes]]
+name = "all"
+cluster = "up"
+""")
+    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(config)])
+    reloaded = "config reloaded in" if workers > 1 else "config reloaded ("
+    try:
+        wait_port("127.0.0.1", port, timeout=60, proc=proc)
+        if workers > 1:
+            wait_log(proc, "is serving", workers, timeout=60)
+        old = der(pki.cert)
+        assert served_cert(port, pki.ca) == old
+        kept = connect(port, pki.ca)  # up across the reload
+        assert get(kept) == 200
+
+        install(new_cert, cert)
+        install(new_key, key)
+        proc.send_signal(signal.SIGHUP)
+        log = wait_log(proc, reloaded, 1)
+        # Every new handshake, whichever worker takes it, presents the new certificate.
+        for _ in range(12):
+            assert served_cert(port, pki.ca) == der(new_cert)
+        assert log.count("TLS certificate reloaded") == workers
+        assert get(kept) == 200  # the connection from before carries on
+        assert kept.sock.getpeercert(binary_form=True) == old
+
+        # A key that does not fit the certificate: the reload is rejected, naming the
+        # file's key in the config, and the last good certificate keeps serving.
+        install(pki.client_key, key)
+        proc.send_signal(signal.SIGHUP)
+        log = wait_log(proc, "reload rejected", 1)
+        assert "listeners[0].tls.key: does not fit the certificate" in log
+        for _ in range(6):
+            assert served_cert(port, pki.ca) == der(new_cert)
+        assert get(kept) == 200
+
+        # Fixed again: back to the original pair.
+        install(pki.cert, cert)
+        install(pki.key, key)
+        proc.send_signal(signal.SIGHUP)
+        wait_log(proc, reloaded, 2)
+        for _ in range(12):
+            assert served_cert(port, pki.ca) == old
+        kept.close()
+    finally:
+        log = stop_process(proc, timeout=15)
+    assert not [m for m in CRASH_MARKERS if m in log], log
