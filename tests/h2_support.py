@@ -321,6 +321,7 @@ class _UpstreamProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections += 1
+        self.server.protocols.append(self)
         if self.server.settings_delay:
             # Its SETTINGS come late: the proxy waits for them before it sends a request.
             asyncio.get_running_loop().call_later(self.server.settings_delay, self._start)
@@ -543,6 +544,7 @@ class H2Upstream:
         self.max_streams = max_streams
         self.settings_delay = settings_delay
         self.connections = 0
+        self.protocols: list[_UpstreamProtocol] = []  # every connection it accepted
         self.events: list[tuple] = []
         self.lock = threading.Condition()
         self.loop = asyncio.new_event_loop()
@@ -581,6 +583,19 @@ class H2Upstream:
                 if left <= 0:
                     return None
                 self.lock.wait(left)
+
+    def update_settings(self, max_streams: int) -> None:
+        """A new SETTINGS_MAX_CONCURRENT_STREAMS on every open connection (and for new
+        ones)."""
+        def _update() -> None:
+            self.max_streams = max_streams
+            for proto in self.protocols:
+                if proto.transport is not None and not proto.transport.is_closing():
+                    proto.conn.update_settings(
+                        {h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams})
+                    proto.flush()
+
+        self.loop.call_soon_threadsafe(_update)
 
     def stop(self) -> None:
         def _stop() -> None:

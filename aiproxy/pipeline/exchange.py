@@ -949,10 +949,7 @@ class Exchange(ExchangeBase):
                 self._replay_pending()
                 self._use(nxt)
                 return
-        if exc.timeout:
-            self.fail(504, "upstream_connect_timeout", str(exc))
-        else:
-            self.fail(502, "upstream_connect_failed", str(exc))
+        self.fail(exc.status, exc.code, str(exc))
 
     def _may_retry(self, policy: RetryPolicy) -> bool:
         """Another attempt is allowed: attempts left, the body can be replayed (an

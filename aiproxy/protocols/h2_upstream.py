@@ -129,6 +129,8 @@ class H2UpstreamConnection(asyncio.Protocol):
             # all): once per SWEEP_EVERY streams, not on every new one as h2 itself would.
             self.done_count = 0
             self.h2.open_outbound_streams  # noqa: B018
+        if self.pool.capacity is not None:
+            self.pool.capacity_changed()  # a stream is free for a request waiting
         if not self.streams:
             self.idle_since = self.pool.loop.time()
             if self.goaway:
@@ -235,6 +237,8 @@ class H2UpstreamConnection(asyncio.Protocol):
                 self.max_streams = self.h2.remote_settings.max_concurrent_streams
                 if not self.settings_received.done():
                     self.settings_received.set_result(None)
+                elif self.max_streams:
+                    self.pool.capacity_changed()  # requests may wait on a limit of 0
                 for s in list(self.streams.values()):
                     s.try_send()
             elif kind is h2.events.ConnectionTerminated:

@@ -28,7 +28,7 @@ cdef class Pool(EndpointPool):
 
 cdef class H2Pool(EndpointPool):
     cdef public list conns
-    cdef public object connecting
+    cdef public object connecting, capacity
 
     cpdef take(self)
     cpdef release(self, conn)

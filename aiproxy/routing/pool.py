@@ -19,9 +19,15 @@ if TYPE_CHECKING:
 
 
 class UpstreamConnectError(Exception):
-    def __init__(self, timeout: bool, message: str) -> None:
+    """No connection (or stream) for a request: 504 upstream_connect_timeout for a
+    timeout, 502 upstream_connect_failed otherwise, unless `status` and `code` say."""
+
+    def __init__(self, timeout: bool, message: str, status: int = 0, code: str = "") -> None:
         super().__init__(message)
         self.timeout = timeout
+        self.status = status or (504 if timeout else 502)
+        self.code = code or ("upstream_connect_timeout" if timeout
+                             else "upstream_connect_failed")
 
 
 def upstream_tls_context(tls: UpstreamTlsConfig, alpn: str) -> ssl.SSLContext:
@@ -205,13 +211,15 @@ class H2Pool(EndpointPool):
     """HTTP/2 endpoint: requests share connections as streams; a new connection is
     opened only when every open one is at the peer's concurrent stream limit."""
 
-    __slots__ = ("conns", "connecting")
+    __slots__ = ("conns", "connecting", "capacity")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
         super().__init__(loop, endpoint, cluster_cfg, http)
         self.conns: list[H2UpstreamConnection] = []
         self.connecting: asyncio.Task | None = None
+        # Set by connect()'s waiters on a connection that allows no streams.
+        self.capacity: asyncio.Future | None = None
 
     def take(self) -> H2UpstreamStream | None:
         for conn in reversed(self.conns):
@@ -224,22 +232,65 @@ class H2Pool(EndpointPool):
     async def connect(self) -> H2UpstreamStream:
         # Waiters share one connection attempt at a time; those left without a stream
         # (the peer's limit is smaller than the crowd) start the next one.
+        #
+        # A peer whose SETTINGS_MAX_CONCURRENT_STREAMS is 0 (RFC 9113 6.5.2: it takes no
+        # new streams, maybe for a while) gets no stream, and no second connection
+        # either: the same endpoint would most likely say 0 again, and opening one
+        # connection after another until connect_timeout_ms is what an overloaded
+        # upstream needs least. As an Envoy pool does with a connection whose stream
+        # capacity is used up, the connection is kept and requests wait on it, here
+        # until connect_timeout_ms, for a SETTINGS frame that raises the limit (or for
+        # the connection to go, after which one new connection is tried); then they
+        # fail with 503 upstream_no_streams (a JSON error, retried on another endpoint
+        # under a connect-failure retry policy, and counted as an endpoint failure).
         deadline = self.loop.time() + self.cluster_cfg.connect_timeout_ms / 1000
         while True:
-            task = self.connecting
-            if task is None:
-                task = self.connecting = self.loop.create_task(self._open())
-            try:
-                conn = await asyncio.shield(task)
-            finally:
-                if self.connecting is task and task.done():
-                    self.connecting = None
-            stream = conn.open_stream() or self.take()
+            stream = self.take()
+            if stream is None and self._closed_for_streams() is None:
+                task = self.connecting
+                if task is None:
+                    task = self.connecting = self.loop.create_task(self._open())
+                try:
+                    conn = await asyncio.shield(task)
+                finally:
+                    if self.connecting is task and task.done():
+                        self.connecting = None
+                stream = conn.open_stream() or self.take()
             if stream is not None:
                 return stream
-            if self.loop.time() >= deadline:
+            left = deadline - self.loop.time()
+            stalled = self._closed_for_streams()
+            if left <= 0:
+                if stalled is not None:
+                    raise UpstreamConnectError(
+                        False, f"{self.endpoint.address} allows no HTTP/2 streams "
+                        "(SETTINGS_MAX_CONCURRENT_STREAMS = 0)", 503, "upstream_no_streams")
                 raise UpstreamConnectError(
                     True, f"{self.endpoint.address}: no HTTP/2 stream capacity")
+            if stalled is not None:
+                waiter = self.capacity
+                if waiter is None:
+                    waiter = self.capacity = self.loop.create_future()
+                try:
+                    async with asyncio.timeout(left):
+                        await asyncio.shield(waiter)
+                except TimeoutError:
+                    pass
+
+    def _closed_for_streams(self) -> H2UpstreamConnection | None:
+        """An open connection whose peer allows no concurrent streams at all."""
+        for conn in self.conns:
+            if conn.max_streams == 0 and not conn.closed and not conn.goaway:
+                return conn
+        return None
+
+    def capacity_changed(self) -> None:
+        """A connection's stream limit changed or it went: wake connect()'s waiters."""
+        waiter = self.capacity
+        if waiter is not None:
+            self.capacity = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _open(self) -> H2UpstreamConnection:
         conn = await open_connection(self, H2UpstreamConnection)
@@ -270,6 +321,7 @@ class H2Pool(EndpointPool):
             self.conns.remove(conn)
         except ValueError:
             pass
+        self.capacity_changed()
 
     def close(self) -> None:
         self.closed = True
