@@ -872,13 +872,18 @@ class Exchange(ExchangeBase):
         else:
             self.local_reply(status, message)
 
-    def upload_stalled(self, now: float) -> bool:
-        """True (and the exchange ended) when the upstream stopped taking the body."""
-        cfg = self.cluster.cfg if self.cluster is not None else None
-        if cfg is None or now - self.body_activity < cfg.read_timeout_ms / 1000:
-            return False
-        self._request_body_error(504, "upstream stopped reading the request body")
-        return True
+    def upload_left(self, now: float, body_timeout: float) -> float | None:
+        """While reading the client is paused: seconds until the upstream counts as
+        having stopped taking the body (read_timeout_ms after it last did), or None when
+        it has, and the exchange ended with a 504."""
+        cluster = self.cluster
+        if cluster is None:  # no upstream chosen yet: nothing of it to time
+            return body_timeout
+        left = self.body_activity + cluster.cfg.read_timeout_ms / 1000 - now
+        if left <= 0:
+            self._request_body_error(504, "upstream stopped reading the request body")
+            return None
+        return left
 
     def client_body_timeout(self) -> None:
         self._request_body_error(408, "timed out reading the request body")
@@ -1037,7 +1042,14 @@ class Exchange(ExchangeBase):
             return None
         if self.reading_body:
             if self.down.pause_mask:
-                return None if self.upload_stalled(now) else body_timeout
+                # The time left, not a whole timer period: the connection's timer re-arms
+                # for min(this, min_timeout), and answering body_timeout here made it
+                # look again a full period later, so the 504 came up to min_timeout late
+                # (read_timeout_ms 1500 as the shortest timeout: at about 3 s).
+                left = self.upload_left(now, body_timeout)
+                if left is None:
+                    return None
+                return min(left, self.deadline_at - now)
             left = self.body_activity + body_timeout - now
             if left <= 0:
                 self.client_body_timeout()
