@@ -5,7 +5,8 @@ one Aho-Corasick automaton) and regexes over the request's text: for a JSON body
 (whatever its content type) every string in it (all messages and roles, system
 prompts, instructions, tool definitions and call arguments: whatever the model may
 read); for a multipart/form-data body its text parts (fields, text/* and JSON files,
-decoded if sent base64 or quoted-printable; other files are skipped); otherwise the
+decoded if sent base64 or quoted-printable; other files are skipped; a body of more
+than MAX_FORM_PARTS parts is refused, 413 too_many_parts); otherwise the
 UnifiedRequest text the semantic layer extracts (gRPC strings, form values, plain text,
 a JSON body cut at inspect_bytes read leniently, ...). Keywords match
 the text as a reader sees it: compatibility-normalized (NFKC: fullwidth letters are
@@ -41,7 +42,13 @@ from aiproxy.pipeline.filters import (
     ResponseRefused,
 )
 from aiproxy.protocols.fields import F_CONTENT_LENGTH
-from aiproxy.semantic.unified import extract, form_parts, is_json_type, part_text
+from aiproxy.semantic.unified import (
+    MAX_FORM_PARTS,
+    extract,
+    form_parts,
+    is_json_type,
+    part_text,
+)
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
@@ -84,17 +91,19 @@ def json_text(body: bytes) -> str | None:
     return "\n".join(out)
 
 
-def multipart_text(content_type: bytes, body: bytes) -> str:
+def multipart_text(content_type: bytes, body: bytes) -> tuple[str, bool]:
     """The text of a multipart/form-data body's text parts (no Content-Type, text/* or
-    JSON: every string), one per line; file parts of other types are skipped."""
+    JSON: every string), one per line; file parts of other types are skipped. And
+    whether parts were left unread (more than MAX_FORM_PARTS: see form_parts)."""
     out = []
-    for media, data, charset in form_parts(content_type, body):
+    found, cut = form_parts(content_type, body)
+    for media, data, charset in found:
         if is_json_type(media):
             text = json_text(data)
             out.append(text if text is not None else part_text(data, charset))
         elif media.startswith("text/"):
             out.append(part_text(data, charset))
-    return "\n".join(out)
+    return "\n".join(out), cut
 
 
 def reader_text(text: str) -> str:
@@ -159,10 +168,15 @@ class GuardFilter(Filter):
             q = ex.up_target.find(b"?")
             query = ex.up_target[q + 1:] if q >= 0 else b""
             if ctype.split(b";", 1)[0].strip().lower() == b"multipart/form-data":
+                parts, cut = multipart_text(ctype, body)
+                if cut:
+                    # Parts it did not read could hold a prompt: refused, as a body
+                    # in a Content-Encoding is, not passed unread.
+                    return LocalReply(413, "too_many_parts", "a multipart body the guard "
+                                      f"reads may have at most {MAX_FORM_PARTS} parts")
                 # Its JSON parts read whole, as a JSON body is; then the query.
                 text = "\n".join(filter(None, (
-                    multipart_text(ctype, body),
-                    extract(ctype, b"", query, self.json_fields).text)))
+                    parts, extract(ctype, b"", query, self.json_fields).text)))
             else:
                 size = head.content_length if head.content_length >= 0 else None
                 text = extract(ctype, body, query, self.json_fields, body_size=size).text

@@ -15,8 +15,8 @@ plus metadata:
 * images: width x height and format from PNG/JPEG/GIF/WebP headers;
 * audio: sample rate, channels and duration from WAV/FLAC/MP3/OGG (Vorbis/Opus) headers;
 * the query string's values, form bodies (urlencoded, and multipart: its text and JSON
-  parts read as above, its files sniffed as images or audio), plain text; body size and
-  content type.
+  parts read as above, its files sniffed as images or audio; its first MAX_FORM_PARTS
+  parts only), plain text; body size and content type.
 
 Nothing here raises on malformed or truncated input: what cannot be read is left out.
 """
@@ -159,24 +159,90 @@ def is_json_type(media: str) -> bool:
     return media.endswith(("/json", "/x-json", "+json"))
 
 
-_MIME = email.parser.BytesParser(policy=email.policy.HTTP)
-MAX_FORM_PARTS = 1000
+# compat32, not HTTP: the same parts, payloads and charsets (form_parts reads only the
+# Content-Type, Content-Transfer-Encoding and payload), without a header object from
+# the header registry per field: several times less work per part.
+_MIME = email.parser.BytesParser(policy=email.policy.compat32)
+# At most this many parts of a multipart body are parsed: the MIME parser costs some
+# microseconds per part, on the event loop (a 64 KiB body of tiny parts holds over a
+# thousand). Forms sent to AI APIs have a handful.
+MAX_FORM_PARTS = 64
 
 
-def form_parts(content_type: bytes, body: bytes) -> list[tuple[str, bytes, str | None]]:
-    """(media type, content, charset) of each part of a multipart/form-data body, read by
-    the stdlib MIME parser: base64 and quoted-printable parts decoded, a part without a
-    Content-Type text/plain. A body cut short keeps the parts that arrived."""
-    msg = _MIME.parsebytes(b"Content-Type: " + content_type + b"\r\n\r\n" + body)
-    if not msg.is_multipart():
-        return []
-    out = []
-    for part in msg.iter_parts():
-        if len(out) >= MAX_FORM_PARTS:
-            break
-        out.append((part.get_content_type(), part.get_payload(decode=True) or b"",
-                    part.get_content_charset()))
-    return out
+@lru_cache(maxsize=64)
+def _delimiter(boundary: bytes) -> re.Pattern[bytes]:
+    """A delimiter line of `boundary` as the stdlib MIME parser reads one, less the
+    check that it starts a line: "--" + boundary, "--" for the close delimiter, spaces
+    or tabs, then the line's end (CRLF, CR or LF; not consumed). It starts with the
+    literal, so the scan runs at memory search speed."""
+    return re.compile(b"--" + re.escape(boundary) + rb"(--)?[ \t]*(?=[\r\n]|\Z)")
+
+
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+def form_parts(content_type: bytes, body: bytes, limit: int = MAX_FORM_PARTS
+               ) -> tuple[list[tuple[str, bytes, str | None]], bool]:
+    """(media type, content, charset) of each of the first `limit` parts of a
+    multipart/form-data body, and whether parts were left unread: the body has more
+    than `limit`, or its boundary string more than `limit` times inside the content
+    (it is chosen not to occur there). The parts and each part's header block are found
+    by regex scans, as the stdlib MIME parser finds them; the parser reads each header
+    block, and the content is decoded (base64, quoted-printable) as it decodes it. A
+    part without a Content-Type is text/plain; a nested multipart is not walked (it is
+    no text). A body cut short keeps the parts that arrived."""
+    boundary = _MIME.parsebytes(b"Content-Type: " + content_type + b"\r\n\r\n",
+                                headersonly=True).get_boundary()
+    if not boundary:
+        return [], False
+    out: list[tuple[str, bytes, str | None]] = []
+    start = -1  # where the current part begins (after its delimiter line)
+    stray = 0
+    for m in _delimiter(boundary.encode("ascii", "surrogateescape")).finditer(body):
+        at = m.start()
+        if at and body[at - 1] not in b"\r\n":  # not at a line's start: content
+            stray += 1
+            if stray > limit:
+                return out, True
+            continue
+        if start >= 0:
+            out.append(_form_part(body[start:_chop_eol(body, start, at)]))
+        if m.group(1) is not None:  # the close delimiter: the epilogue follows
+            return out, False
+        if len(out) >= limit:
+            return out, True
+        eol = _EOL.match(body, m.end())
+        start = eol.end() if eol else m.end()
+    if start >= 0:  # cut short
+        out.append(_form_part(body[start:_chop_eol(body, start, len(body))]))
+    return out, False
+
+
+def _chop_eol(body: bytes, start: int, end: int) -> int:
+    """`end` less the line end just before it (that of a delimiter line is its own)."""
+    if end - start >= 2 and body[end - 2:end] == b"\r\n":
+        return end - 2
+    if end > start and body[end - 1] in b"\r\n":
+        return end - 1
+    return end
+
+
+# A part's header block as the MIME parser reads one: lines starting with a field name
+# and a colon (or "From "), or continuation lines; the empty line after them.
+_PART_HEAD = re.compile(rb"(?:(?:From |[\x21-\x39\x3b-\x7e]*:|[\t ])[^\r\n]*"
+                        rb"(?:\r\n|\r|\n|\Z))*(?:\r\n|\r|\n)?")
+
+
+def _form_part(raw: bytes) -> tuple[str, bytes, str | None]:
+    # Only the header block goes through the parser, which reads line by line in
+    # Python: a part of many short lines (or a nested multipart) costs one regex match.
+    end = _PART_HEAD.match(raw).end()
+    part = _MIME.parsebytes(raw[:end], headersonly=True)
+    media = part.get_content_type()
+    if media.startswith("multipart/"):  # no text: left unread, as the parser leaves it
+        return media, b"", None
+    part.set_payload(raw[end:].decode("ascii", "surrogateescape"))
+    return media, part.get_payload(decode=True) or b"", part.get_content_charset()
 
 
 def part_text(data: bytes, charset: str | None) -> str:
@@ -189,8 +255,10 @@ def part_text(data: bytes, charset: str | None) -> str:
 def _multipart(content_type: bytes, json_fields, parts: list[str], meta: dict[str, Any],
                body: bytes) -> Modality:
     modality = TEXT
-    found = form_parts(content_type, body)
+    found, cut = form_parts(content_type, body)
     meta["parts"] = len(found)
+    if cut:  # more parts than MAX_FORM_PARTS: those past it are not read
+        meta["parts_cut"] = True
     for media, data, charset in found:
         if is_json_type(media):
             _json_body(data, json_fields, parts, meta)
