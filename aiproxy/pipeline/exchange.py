@@ -144,7 +144,7 @@ class Exchange(ExchangeBase):
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
-        "info_budget", "upstream_error",
+        "info_budget", "upstream_error", "no_intent",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -162,7 +162,8 @@ class Exchange(ExchangeBase):
         auth filter), llm (what the LLM filter read), _gov (the gov property makes
         it), intent/intent_domain/intent_decision, retry_handle, hold (the pool to
         use once a held body is rewritten), upstream_error (why the upstream failed
-        after the response head went out: the client got a cut-off response)."""
+        after the response head went out: the client got a cut-off response), no_intent
+        (why a request semantic routing looked at got no intent: see _classify)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -268,11 +269,14 @@ class Exchange(ExchangeBase):
                     # A streamed or large body to a route no intent can change: it is not
                     # held (an upload streams, a gRPC call does not wait on its first
                     # message); the request is classified by what is known without it.
+                    self.no_intent = "not_held"
                     return self._classify(b"")
                 # Route once inspect_bytes of the body (or all of it) has arrived; the
                 # bytes wait in `pending` and go upstream untouched afterwards.
                 return self._inspect(INSPECT_SEMANTIC, sem.inspect_bytes)
             else:
+                if self.reading_body:  # inspect_bytes = 0
+                    self.no_intent = "not_held"
                 return self._classify(b"")
         self._route()
 
@@ -295,6 +299,7 @@ class Exchange(ExchangeBase):
         coding = self.head.get(b"content-encoding")
         if coding is not None and coding.strip().lower() not in (b"", b"identity"):
             if kind == INSPECT_SEMANTIC:
+                self.no_intent = "compressed"
                 return self._classify(b"")  # routed on what can be read: no body
             # What the filters read decides (guard, policy, token limits): a coded body
             # would pass unread. RFC 9110 15.5.16: 415, naming what is accepted.
@@ -348,17 +353,24 @@ class Exchange(ExchangeBase):
             self.up_headers.append((name, value))
 
     def _classify(self, body: bytes) -> None:
+        """Classify the request's text (of `body`, at most inspect_bytes of the body,
+        and the query). Without an intent, no_intent says why: "not_held" or
+        "compressed" (set before: the body was not read), "no_text" (nothing readable),
+        "no_words" (text without a word), "error" (extraction or the model failed)."""
         sem = self.rt.semantic
         t0 = monotonic()
         try:
-            text = sem.request_text(self.head, body, self.up_target)
+            text, why = sem.read_text(self.head, body, self.up_target)
         except Exception:  # never fail a request on its content: route without an intent
             log.exception("semantic extraction failed")
             sem.failures += 1
-            text = ""
+            text, why = "", "error"
         if not text:
+            if self.no_intent is None or why == "error":
+                self.no_intent = why
             self.t_classify = monotonic() - t0
             return self._route()
+        self.no_intent = None  # the query had text: classified
         cache = self.rt.decision_cache
         if cache is not None:  # the embedding cache: a prompt seen before skips the model
             decision = cache.decision_for(self, body)
@@ -399,6 +411,8 @@ class Exchange(ExchangeBase):
             decisions = self.rt.semantic.decisions  # by domain, for /metrics
             domain = decision.domain or "none"
             decisions[domain] = decisions.get(domain, 0) + 1
+        else:
+            self.no_intent = "error"
         self.t_classify = monotonic() - t0
         self._route()
 

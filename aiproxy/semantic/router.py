@@ -107,12 +107,19 @@ class SemanticRouter:
         """The text the model reads for a request: the body's fields (json_fields) and the
         query string of `target`; "" when that has no word in it (see has_words).
         Raises on content it cannot read."""
+        return self.read_text(head, body, target)[0]
+
+    def read_text(self, head: Any, body: bytes, target: bytes) -> tuple[str, str | None]:
+        """request_text, and when it is "" why: "no_text" (nothing readable in the body
+        and query) or "no_words" (text without a word, see has_words)."""
         q = target.find(b"?")
         text = extract_text(head.get(b"content-type") or b"", body,
                             target[q + 1:] if q >= 0 else b"", self.json_fields,
                             head.content_length if head.content_length >= 0 else None)
+        if not text:
+            return "", "no_text"
         # no word in it: routed as a request without text is, without an intent
-        return text if not text or has_words(text) else ""
+        return (text, None) if has_words(text) else ("", "no_words")
 
     def domain_of(self, label: str) -> str | None:
         return self.domains.get(label)

@@ -60,6 +60,8 @@ class Telemetry(Reporter):
             "timings_ms": {k: ms(v) for k, v in timings.items() if k != "total"},
             "trace_id": ex.trace_id or trace_id(head.get(b"traceparent")),
         }
+        if ex.no_intent is not None:  # semantic routing made no intent: why
+            record["no_intent"] = ex.no_intent
         if ex.client_lost:
             record["client_closed"] = True
         if ex.upstream_error is not None:  # the response was cut off: an error, not a 200
