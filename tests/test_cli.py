@@ -414,3 +414,33 @@ def test_unreadable_upstream_identity_secret_file(tmp_path: Path) -> None:
     path = write(tmp_path, text)
     assert check_fails(path) == [(str(path), line, "auth.upstream_identity.secret_file",
                                   "the secret must be at least 16 bytes")]
+
+
+@pytest.mark.parametrize("text", ["", "   ", "?! ...", "\u200b"])
+def test_router_classify_refuses_text_without_words(text: str) -> None:
+    """The shipped model says "calculator" at 0.92 about a text without a word; the
+    proxy routes such a request without an intent, and the CLI says there is nothing to
+    classify (exit 2, as its other input errors) instead of printing that label."""
+    for args in (("router", "classify", text), ("router", "classify", "--json", text)):
+        r = aiproxy_cli(*args)
+        assert r.returncode == 2, r
+        assert r.stdout == "" and "no text to classify" in r.stderr, r
+    r = aiproxy_cli("router", "classify", "--json", "?! what is my balance")
+    assert r.returncode == 0 and '"label": "balance"' in r.stdout, r
+
+
+@pytest.mark.parametrize("option,value,problem", [
+    ("--batch", "0", "must be at least 1, not 0"),
+    ("--batch", "-3", "must be at least 1, not -3"),
+    ("--latency-rows", "-1", "must be at least 0, not -1"),
+])
+def test_router_eval_rejects_bad_counts(tmp_path: Path, option: str, value: str,
+                                        problem: str) -> None:
+    """--batch 0 was run as 1 and a negative --latency-rows as all rows: argument
+    errors now, argparse's message and exit 2, before any model or data is read."""
+    data = write(tmp_path, '{"text": "what is my balance", "intent": "balance"}\n', "d.jsonl")
+    r = aiproxy_cli("router", "eval", "-m", "builtin:clinc150", "--data", str(data),
+                    option, value)
+    assert r.returncode == 2, r
+    assert f"aiproxy router eval: error: argument {option}: {problem}" in r.stderr, r
+    assert r.stdout == ""

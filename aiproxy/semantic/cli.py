@@ -9,6 +9,20 @@ import sys
 import time
 
 
+def _count(least: int):
+    """An argparse type: an integer of at least `least` (a bad value is an argument
+    error, exit 2, not quietly read as another)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
+        return value
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     from aiproxy.semantic.train import TrainConfig
 
@@ -97,12 +111,15 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--oos-label", default=None, help="label of out-of-scope rows "
                    "(default: the model's)")
     e.add_argument("--threshold", type=float, help="override the model's threshold")
-    e.add_argument("--batch", type=int, default=32, help="batch size for throughput (32)")
-    e.add_argument("--latency-rows", type=int, default=0,
+    e.add_argument("--batch", type=_count(1), default=32,
+                   help="batch size for throughput (32)")
+    e.add_argument("--latency-rows", type=_count(0), default=0,
                    help="time single requests on this many rows (0: all)")
 
     c = sub.add_parser("classify", help="classify one text",
-                       description="Print label, confidence, domain and the top 3.")
+                       description="Print label, confidence, domain and the top 3. A text "
+                       "without a letter or digit is not classified (the proxy routes such a "
+                       "request without an intent): an error, exit 2.")
     c.add_argument("-m", "--model", default="builtin:clinc150")
     c.add_argument("--json", action="store_true", help="one JSON object instead of text")
     c.add_argument("text", nargs="+")
@@ -183,7 +200,7 @@ def _eval(args) -> int:
     if not data.texts:
         raise ValueError("no rows to evaluate")
     texts = data.texts
-    bs = max(1, args.batch)
+    bs = args.batch
     pred: list[str] = []
     t0 = time.perf_counter()
     for i in range(0, len(texts), bs):
@@ -192,7 +209,7 @@ def _eval(args) -> int:
     result = {"model": model.spec}
     result.update(metrics(pred, data.labels, oos))
     result["threshold"] = model.threshold
-    rows = texts if args.latency_rows <= 0 else texts[:args.latency_rows]
+    rows = texts if args.latency_rows == 0 else texts[:args.latency_rows]
     for text in rows[:200]:  # warm caches
         model.classify(text)
     times = np.empty(len(rows), np.float64)
@@ -219,9 +236,16 @@ def _eval(args) -> int:
 
 def _classify(args) -> int:
     from aiproxy.semantic.classifier import IntentModel
+    from aiproxy.semantic.router import has_words
 
+    text = " ".join(args.text)
+    if not has_words(text):
+        # What a model says about a text without a word is no reading of it (the shipped
+        # one: "calculator" at 0.92); the proxy gives such a request no intent.
+        raise ValueError("no text to classify: it has no letter or digit "
+                         "(the proxy routes such a request without an intent)")
     model = IntentModel(args.model)
-    d = model.classify(" ".join(args.text))
+    d = model.classify(text)
     if args.json:
         print(json.dumps(d.as_dict()))
         return 0
