@@ -110,7 +110,8 @@ def test_stalled_upload_gets_504_after_read_timeout(start_proxy, deaf):
     assert got.startswith(b"HTTP/1.1 504 "), got[:300]
     assert b"upstream stopped reading the request body" in got
     # The body stopped moving (the client's last send before it blocked) read_timeout_ms
-    # before the 504, give or take scheduling; not up to a whole timer period later.
+    # before the 504, give or take scheduling; not a whole timer period (another
+    # read_timeout_ms here) later. The slack is for a loaded 2-core CI machine.
     assert stalled_at
     waited = answered - stalled_at[0]
-    assert READ_TIMEOUT_MS / 1000 - 0.2 <= waited <= READ_TIMEOUT_MS / 1000 + 0.5, waited
+    assert READ_TIMEOUT_MS / 1000 - 0.2 <= waited <= READ_TIMEOUT_MS / 1000 + 0.9, waited
