@@ -143,6 +143,16 @@ def demo_upstream_b() -> Iterator[int]:
     stop_process(proc)
 
 
+@pytest.fixture(scope="module")
+def bank_and_general() -> Iterator[tuple[int, int]]:
+    """Two demo upstreams, "bank" and "general", for intent routes: yields their ports."""
+    bank, bank_port = start_demo_upstream("bank")
+    general, general_port = start_demo_upstream("general")
+    yield bank_port, general_port
+    stop_process(bank)
+    stop_process(general)
+
+
 def simple_config(*ports: int, http: str = "", cluster_extra: str = "") -> str:
     """One cluster `up` over the given upstream ports and one catch-all route."""
     endpoints = ", ".join(f'"127.0.0.1:{p}"' for p in ports)

@@ -11,18 +11,9 @@ import httpx
 import pytest
 
 from tests.grpc_support import GRPC_OPTIONS, InferenceServer, grpc_modules  # noqa: F401
-from tests.support import free_port, intent_routes_config, start_demo_upstream, stop_process
+from tests.support import free_port, intent_routes_config
 
 BANK = "how much money is in my checking account"
-
-
-@pytest.fixture(scope="module")
-def bank_and_general():
-    bank, bank_port = start_demo_upstream("bank")
-    general, general_port = start_demo_upstream("general")
-    yield bank_port, general_port
-    stop_process(bank)
-    stop_process(general)
 
 
 def _chat(text: str) -> bytes:

@@ -10,16 +10,7 @@ import sys
 import httpx
 import pytest
 
-from tests.support import free_port, intent_routes_config, start_demo_upstream, stop_process
-
-
-@pytest.fixture(scope="module")
-def bank_and_general():
-    bank, bank_port = start_demo_upstream("bank")
-    general, general_port = start_demo_upstream("general")
-    yield bank_port, general_port
-    stop_process(bank)
-    stop_process(general)
+from tests.support import free_port, intent_routes_config
 
 
 def semantic_config(bank: int, general: int, extra: str = "") -> str:
