@@ -2,7 +2,7 @@
 # file gives the class C-level fields, so `self.x` inside its methods is a struct access.
 cimport cython
 
-from aiproxy._fast.clock cimport monotonic
+from aiproxy._fast.clock cimport event_now, monotonic
 from aiproxy._fast.h1 cimport RequestHead, ResponseHead, find_query
 from aiproxy.pipeline.ends cimport Downstream, ExchangeBase, Upstream
 from aiproxy.routing.cluster cimport Cluster

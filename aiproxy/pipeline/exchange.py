@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from aiproxy import wirejson
-from aiproxy._fast.clock import monotonic
+from aiproxy._fast.clock import event_now, monotonic
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, ResponseHead, find_query, valid_authority
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_TUNNEL, ExchangeBase, forwarded_lines
@@ -185,7 +185,8 @@ class Exchange(ExchangeBase):
         self.deadline_at = INFINITY
         # Stage stamps use the fine clock (_fast/clock.pyx); `now`, when the head began to
         # arrive, is on the same clock, at millisecond steps where it is a loop.time().
-        self.t_parsed = monotonic()
+        # The head is parsed as of the read that completed it: that read's event stamp.
+        self.t_parsed = event_now()
         self.t_start_pc = now if now < self.t_parsed else self.t_parsed
         self.filters = ()
         self.body_len = -1  # Content-Length of a rewritten body
@@ -1120,7 +1121,7 @@ class Exchange(ExchangeBase):
             status = r.status
         else:
             status = resp.status
-        t_first = monotonic()
+        t_first = event_now()
         cluster = self.cluster
         pool = self.pool
         stats = pool.stats
@@ -1175,7 +1176,7 @@ class Exchange(ExchangeBase):
         self.resp_bytes += len(data)
         if self.tok_tail is not None:
             self.tok_tail = (self.tok_tail + data)[-TOKEN_TAIL:]
-        self.activity = monotonic()
+        self.activity = event_now()
         self.down.send_body(data)
 
     def flush(self) -> None:

@@ -4,6 +4,7 @@
 cimport cython
 
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
+from aiproxy._fast.clock cimport event_begin, event_end
 from aiproxy._fast.h1 cimport ResponseHead, parse_response
 from aiproxy._fast.sendnow cimport Sender
 from aiproxy.pipeline.ends cimport ExchangeBase, Upstream

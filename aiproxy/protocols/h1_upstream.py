@@ -22,6 +22,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
+from aiproxy._fast.clock import event_begin, event_end
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_response
 from aiproxy._fast.sendnow import Sender
 from aiproxy.pipeline.ends import (
@@ -184,6 +185,7 @@ class H1UpstreamCore(Upstream):
         self.slab = None
         self.received = True
         views_to = self.views_to
+        event_begin()
         try:
             if self.state == _BODY:
                 if views_to is None or nbytes <= SMALL_COPY:
@@ -209,6 +211,7 @@ class H1UpstreamCore(Upstream):
                 views_to = None
                 self.close()
         finally:
+            event_end()
             POOL.lend(slab, views_to)
 
     def eof_received(self) -> bool:

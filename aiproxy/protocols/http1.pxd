@@ -1,7 +1,7 @@
 # Compiled by Cython in pure-Python mode (setup.py): http1.py is the source.
 cimport cython
 
-from aiproxy._fast.clock cimport monotonic
+from aiproxy._fast.clock cimport event_begin, event_end, event_now, monotonic
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
 from aiproxy._fast.h1 cimport RequestHead, ResponseHead, parse_request
 from aiproxy._fast.sendnow cimport Sender

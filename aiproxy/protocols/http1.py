@@ -24,7 +24,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
-from aiproxy._fast.clock import monotonic
+from aiproxy._fast.clock import event_begin, event_end, event_now, monotonic
 from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
 from aiproxy._fast.sendnow import Sender
 from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
@@ -155,12 +155,13 @@ class H1ConnectionCore(Downstream):
         slab = self.slab
         self.slab = None
         lend_to = None
+        now = event_begin()
         try:
             if (self.exchange is None and not self.buf and not self.in_process
                     and not self.tunnel and not self.lingering
                     and not (self.h2c and not self.served)):
                 # A new request head: parsed in place, only the rest is copied.
-                self.head_started = monotonic()
+                self.head_started = now
                 self.in_process = True
                 try:
                     started = self._start_exchange(slab, nbytes)
@@ -184,6 +185,7 @@ class H1ConnectionCore(Downstream):
             else:
                 self.data_received(copy_out(slab, 0, nbytes))
         finally:
+            event_end()
             POOL.lend(slab, lend_to)
 
     def _release_slab(self) -> None:
@@ -384,7 +386,7 @@ class H1ConnectionCore(Downstream):
         if self.pause_mask:
             self.pause_mask = 0
             self.transport.resume_reading()
-        self.idle_since = self.head_started = monotonic()
+        self.idle_since = self.head_started = event_now()
         if self.buf:
             # Pipelined requests: a client that half-closed behind them (only reaching
             # here with ignore_client_abort) still gets an answer to each.

@@ -1,7 +1,7 @@
 # Compiled by Cython in pure-Python mode (setup.py): pool.py is the source.
 cimport cython
 
-from aiproxy._fast.clock cimport monotonic
+from aiproxy._fast.clock cimport event_now, monotonic
 from aiproxy.protocols.h1_upstream cimport H1UpstreamCore
 from aiproxy.routing.stats cimport EndpointStats
 

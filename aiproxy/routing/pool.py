@@ -6,7 +6,7 @@ import asyncio
 import ssl
 from typing import TYPE_CHECKING
 
-from aiproxy._fast.clock import monotonic
+from aiproxy._fast.clock import event_now, monotonic
 from aiproxy.config import ClusterConfig, Endpoint, UpstreamTlsConfig
 from aiproxy.protocols.h1_upstream import H1UpstreamConnection
 from aiproxy.protocols.h2_upstream import H2UpstreamConnection, H2UpstreamStream
@@ -171,7 +171,7 @@ class Pool(EndpointPool):
                 or (self.max_requests and c.requests >= self.max_requests)):
             c.close()
             return
-        c.park(monotonic())
+        c.park(event_now())
         self.idle.append(c)
         if self._sweep is None:
             self._sweep = self.loop.call_later(self._cfg.idle_timeout_ms / 1000, self._expire)
