@@ -13,16 +13,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .libbpf import BPFError, Program
+from .libbpf import PROG_TYPE_XDP, BPFError, Program, prog_fd_by_id, prog_info
 
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
 XDP_FLAGS_SKB_MODE = 1 << 1
 XDP_FLAGS_DRV_MODE = 1 << 2
+XDP_FLAGS_REPLACE = 1 << 4
 XDP_MODE_FLAGS = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
 
 TC_PARENTS = {"ingress": "ffff:fff2", "egress": "ffff:fff3"}
 TC_PRIO = 0xA1  # our filters' preference on the clsact hooks
 TC_HANDLE = 1
+OUR_XDP_PROGRAMS = frozenset({"xdp_guard"})  # bpf/xdp_guard.c's program (function) name
 TC_NAME = "aiproxy_tc"
 NETNS_DIR = "/run/netns"  # where `ip netns add` puts its names
 
@@ -86,11 +88,26 @@ def _netlink_errno(exc: Exception) -> int:
 # -- XDP --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class XdpProgram:
+    """The XDP program attached to an interface; ``ours`` when it is aiproxy's."""
+
+    id: int
+    name: str
+    mode: str
+    ours: bool
+
+    def __str__(self) -> str:
+        return f"{self.name or '?'!r} (id {self.id}, {self.mode})"
+
+
 def attach_xdp(ifname: str, prog: Program, mode: str = "auto", netns: str | None = None) -> str:
     """Attach ``prog`` at XDP on ``ifname``; returns the mode used ("native"/"generic").
 
-    "auto" tries native (driver) mode and falls back to generic (SKB) mode. Replaces a
-    program already attached in the same mode atomically (no packet goes unfiltered).
+    "auto" tries native (driver) mode and falls back to generic (SKB) mode. An aiproxy
+    program already there is replaced atomically (no packet goes unfiltered); another
+    program is left alone and AttachError (EEXIST) says so, as `ip link set xdp` does
+    without -force.
     """
     modes = ["native", "generic"] if mode == "auto" else [mode]
     if any(m not in XDP_MODE_FLAGS for m in modes):
@@ -98,30 +115,50 @@ def attach_xdp(ifname: str, prog: Program, mode: str = "auto", netns: str | None
     errors = []
     with iproute(netns) as ipr:
         index = _index(ipr, ifname, netns)
-        current = _xdp_state(ipr, index)
+        current = _xdp_program(ipr, index)
+        if current is not None and not current.ours:
+            raise AttachError(foreign_message(ifname, current, "cannot attach xdp_guard"),
+                              errno.EEXIST)
+        if current is not None and current.mode in modes:
+            modes.sort(key=lambda m: m != current.mode)  # replace in place first
         for m in modes:
-            # An interface holds one XDP program per mode; attaching in the other mode
-            # while one is there fails, so clear the other mode first.
-            if current.get("mode") and current["mode"] != m:
-                _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current["mode"]])
             try:
-                _xdp_set(ipr, index, prog.fd, XDP_MODE_FLAGS[m])
-            except Exception as exc:  # NetlinkError
+                if current is None:
+                    # NOEXIST: a program attached by someone else meanwhile stays.
+                    _xdp_set(ipr, index, prog.fd, XDP_MODE_FLAGS[m] | XDP_FLAGS_UPDATE_IF_NOEXIST)
+                elif current.mode == m:
+                    _xdp_set(ipr, index, prog.fd, XDP_MODE_FLAGS[m], expect=current.id)
+                else:
+                    # One XDP program per interface: ours in the other mode goes first.
+                    _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current.mode], expect=current.id)
+                    current = None
+                    _xdp_set(ipr, index, prog.fd, XDP_MODE_FLAGS[m] | XDP_FLAGS_UPDATE_IF_NOEXIST)
+            except Exception as exc:  # NetlinkError, BPFError
                 errors.append(f"{m}: {exc}")
                 continue
             return m
     raise AttachError(f"cannot attach XDP program {prog.name} to {ifname}: " + "; ".join(errors))
 
 
-def detach_xdp(ifname: str, netns: str | None = None) -> bool:
-    """Remove whatever XDP program is on ``ifname``; True if there was one."""
+def detach_xdp(ifname: str, netns: str | None = None) -> XdpProgram | None:
+    """Remove aiproxy's XDP program from ``ifname``. Returns the program that was there
+    (None: none); one that is not aiproxy's (``ours`` False) is left attached."""
     with iproute(netns) as ipr:
         index = _index(ipr, ifname, netns)
-        current = _xdp_state(ipr, index)
-        if not current.get("mode"):
-            return False
-        _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current["mode"]])
-        return True
+        current = _xdp_program(ipr, index)
+        if current is not None and current.ours:
+            try:
+                _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current.mode], expect=current.id)
+            except Exception as exc:  # NetlinkError, BPFError
+                raise AttachError(f"cannot detach XDP program {current} from {ifname}: {exc}",
+                                  _netlink_errno(exc) or getattr(exc, "errno", 0)) from None
+        return current
+
+
+def xdp_program(ifname: str, netns: str | None = None) -> XdpProgram | None:
+    """The XDP program attached to ``ifname`` (None: none)."""
+    with iproute(netns) as ipr:
+        return _xdp_program(ipr, _index(ipr, ifname, netns))
 
 
 def xdp_state(ifname: str, netns: str | None = None) -> dict:
@@ -130,8 +167,47 @@ def xdp_state(ifname: str, netns: str | None = None) -> dict:
         return _xdp_state(ipr, _index(ipr, ifname, netns))
 
 
-def _xdp_set(ipr, index: int, fd: int, flags: int) -> None:
-    ipr.link("set", index=index, xdp={"attrs": [["IFLA_XDP_FD", fd], ["IFLA_XDP_FLAGS", flags]]})
+def foreign_message(ifname: str, prog: XdpProgram, what: str) -> str:
+    off = {"native": "xdpdrv", "generic": "xdpgeneric"}.get(prog.mode, "xdp")
+    return (f"{what} on {ifname}: the XDP program there, {prog}, is not aiproxy's and is "
+            f"not replaced (if it should go: ip link set dev {ifname} {off} off)")
+
+
+def _xdp_program(ipr, index: int) -> XdpProgram | None:
+    state = _xdp_state(ipr, index)
+    if not state["mode"] or not state["prog_id"]:
+        return None
+    try:
+        fd = prog_fd_by_id(state["prog_id"])
+    except BPFError:  # replaced meanwhile: not known to be ours, so not touched
+        return XdpProgram(state["prog_id"], "", state["mode"], False)
+    try:
+        info = prog_info(fd)
+    finally:
+        os.close(fd)
+    # The program name is what the kernel keeps of the C function's name; together with
+    # the type it tells aiproxy's program from another (a mode this code does not
+    # manage, e.g. offloaded, is never taken for ours).
+    ours = (info.type == PROG_TYPE_XDP and info.name in OUR_XDP_PROGRAMS
+            and state["mode"] in XDP_MODE_FLAGS)
+    return XdpProgram(state["prog_id"], info.name, state["mode"], ours)
+
+
+def _xdp_set(ipr, index: int, fd: int, flags: int, expect: int | None = None) -> None:
+    """Set (fd) or clear (-1) the XDP program; with ``expect`` (a program id) only if
+    that program is the one attached (XDP_FLAGS_REPLACE: atomic, EEXIST otherwise)."""
+    attrs = [["IFLA_XDP_FD", fd]]
+    if expect is None:
+        attrs.append(["IFLA_XDP_FLAGS", flags])
+        ipr.link("set", index=index, xdp={"attrs": attrs})
+        return
+    expected = prog_fd_by_id(expect)
+    try:
+        attrs += [["IFLA_XDP_FLAGS", flags | XDP_FLAGS_REPLACE],
+                  ["IFLA_XDP_EXPECTED_FD", expected]]
+        ipr.link("set", index=index, xdp={"attrs": attrs})
+    finally:
+        os.close(expected)
 
 
 def _xdp_state(ipr, index: int) -> dict:

@@ -2,11 +2,12 @@
 
 attach loads the programs, pins their maps under /sys/fs/bpf/aiproxy/<netns|_host>/,
 fills the maps from the config's [kernel] section and attaches to its interfaces; run it
-again after editing the config to update the maps in place. detach removes the programs
-from the interfaces and the pins. status shows what is attached and the counters: of
-these pins and of every running proxy whose worker 0 pinned its maps (`workers` > 1,
-/sys/fs/bpf/aiproxy/proxy-<supervisor pid>, found through /proc/<pid>/root also when the
-proxy runs under `ip netns exec`).
+again after editing the config to update the maps in place (it refuses an interface
+with another tool's XDP program). detach removes aiproxy's programs from the interfaces
+(another tool's XDP program stays, named on stderr) and the pins. status shows what is
+attached and the counters: of these pins and of every running proxy whose worker 0
+pinned its maps (`workers` > 1, /sys/fs/bpf/aiproxy/proxy-<supervisor pid>, found
+through /proc/<pid>/root also when the proxy runs under `ip netns exec`).
 """
 
 from __future__ import annotations
@@ -163,8 +164,15 @@ def _detach(kernel, args) -> int:
             result[ifname] = {"error": str(exc)}
             lines.append(f"{ifname}: {exc}")
             continue
-        result[ifname] = {"xdp": xdp, "tc": tc}
-        lines.append(f"{ifname}: xdp {'detached' if xdp else 'none'}; "
+        result[ifname] = {"xdp": bool(xdp and xdp.ours), "tc": tc}
+        if xdp is not None and not xdp.ours:
+            # Not ours to remove; aiproxy is off the interface all the same (exit 0).
+            result[ifname]["xdp_foreign"] = {"id": xdp.id, "name": xdp.name, "mode": xdp.mode}
+            print(f"aiproxy bpf detach: {ifname}: XDP program {xdp} is not aiproxy's; "
+                  "left attached", file=sys.stderr)
+        xdp_text = ("detached" if xdp.ours else f"{xdp} left attached (not aiproxy's)"
+                    ) if xdp is not None else "none"
+        lines.append(f"{ifname}: xdp {xdp_text}; "
                      f"tc {','.join(tc) + ' detached' if tc else 'none'}")
     remove_pins(pin_dir_for(args.netns))
     _emit(args, {"netns": args.netns, "detached": result}, lines)

@@ -571,6 +571,9 @@ class Program:
         self.fd = fd
         self._owner = owner
 
+    def info(self) -> ProgInfo:
+        return prog_info(self.fd)
+
     def test_run(self, data: bytes, *, repeat: int = 1, ctx: bytes | None = None,
                  ctx_out_size: int = 0) -> TestRun:
         """BPF_PROG_TEST_RUN: run the program on ``data`` (``repeat`` times)."""
@@ -597,6 +600,42 @@ class Program:
             raise BPFError(f"program {self.name}: test run: {os.strerror(code)}", code)
         return TestRun(opts.retval, opts.duration, data_out.raw[:opts.data_size_out],
                        ctx_out.raw[:opts.ctx_size_out] if ctx_out is not None else None)
+
+
+PROG_TYPE_XDP = 6
+
+
+@dataclass(frozen=True, slots=True)
+class ProgInfo:
+    """What the kernel says about a loaded program (struct bpf_prog_info)."""
+
+    id: int
+    type: int
+    name: str  # at most 15 bytes: the kernel keeps BPF_OBJ_NAME_LEN - 1
+    tag: str
+
+
+def prog_info(fd: int) -> ProgInfo:
+    """The kernel's info on the program behind ``fd``."""
+    info = (ctypes.c_uint8 * 256)()  # bpf_prog_info is ~230 bytes; the kernel fills what fits
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    rc = lib().bpf_obj_get_info_by_fd(fd, info, ctypes.byref(size))
+    if rc:
+        code = _err(rc)
+        raise BPFError(f"cannot query BPF program (fd {fd}): {os.strerror(code)}", code)
+    words = (ctypes.c_uint32 * 2).from_buffer(info)
+    return ProgInfo(id=words[1], type=words[0], tag=bytes(info[8:16]).hex(),
+                    name=bytes(info[64:80]).split(b"\0")[0].decode(errors="replace"))
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    """A new fd for the loaded program ``prog_id`` (the caller closes it); BPFError
+    with errno ENOENT when there is no such program (any more)."""
+    fd = lib().bpf_prog_get_fd_by_id(prog_id)
+    if fd < 0:
+        code = _err(fd)
+        raise BPFError(f"cannot open BPF program id {prog_id}: {os.strerror(code)}", code)
+    return fd
 
 
 def prog_attach(prog: Program, target_fd: int, attach_type: int, flags: int = 0) -> None:

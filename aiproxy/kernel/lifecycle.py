@@ -97,7 +97,10 @@ def release_orphaned(interfaces: Iterable[str], pin_dir: str) -> bool:
     interfaces = sorted(interfaces)
     for ifname in interfaces:
         try:
-            attach.detach_xdp(ifname)
+            there = attach.detach_xdp(ifname)
+            if there is not None and not there.ours:
+                log.warning("kernel: %s: XDP program %s is not aiproxy's; left attached",
+                            ifname, there)
             for direction in attach.TC_PARENTS:
                 attach.detach_tc(ifname, direction)
         except BPFError as exc:

@@ -145,14 +145,24 @@ class KernelFastPaths:
             done["tc"] = False
 
     def _check_interfaces(self, interfaces) -> None:
+        """AttachError unless every interface exists and has no XDP program but ours:
+        checked before anything is loaded, pinned or changed."""
         for ifname in interfaces:
             attach.interface_index(ifname, self.netns)
+            there = attach.xdp_program(ifname, self.netns)
+            if there is not None and not there.ours:
+                raise attach.AttachError(attach.foreign_message(
+                    ifname, there, "cannot attach xdp_guard ([kernel] interfaces)"),
+                    errno.EEXIST)
 
     def _detach(self, ifname: str) -> None:
         done = self.attached.pop(ifname, {})
         try:
             if done.get("xdp"):
-                attach.detach_xdp(ifname, self.netns)
+                there = attach.detach_xdp(ifname, self.netns)
+                if there is not None and not there.ours:
+                    log.warning("kernel: %s: XDP program %s is not aiproxy's (xdp_guard was "
+                                "replaced); left attached", ifname, there)
             if done.get("tc"):
                 for direction in attach.TC_PARENTS:
                     attach.detach_tc(ifname, direction, self.netns)

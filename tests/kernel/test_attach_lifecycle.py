@@ -6,12 +6,18 @@ them.
 from __future__ import annotations
 
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 import uuid
 
+import pytest
+
 from aiproxy.config.schema import KernelConfig
 from aiproxy.kernel import attach
+from aiproxy.kernel.libbpf import BPFError
 from aiproxy.kernel.manager import KernelFastPaths, pin_dir_for, remove_pins
 
 from .conftest import VethPair, run
@@ -114,3 +120,87 @@ def test_cli_attach_rerun_with_missing_interface_keeps_the_last_attach(veth, tmp
     finally:
         _cli("detach", "-c", cfg, "--netns", veth.srv)
         remove_pins(pin_dir_for(veth.srv))
+
+
+# -- somebody else's XDP program ----------------------------------------------------------
+
+FOREIGN_C = """
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+SEC("xdp") int ddos_filter(struct xdp_md *ctx) { return XDP_PASS; }
+char _license[] SEC("license") = "GPL";
+"""
+
+
+@pytest.fixture
+def foreign_obj(tmp_path) -> str:
+    """A tiny XDP program that is not aiproxy's (as a DDoS filter would be), built with
+    clang and attached with iproute2 like an operator would."""
+    if shutil.which("clang") is None or not os.path.exists("/usr/include/bpf/bpf_helpers.h"):
+        pytest.skip("clang and libbpf headers are needed to build a foreign XDP program")
+    src, obj = tmp_path / "foreign.c", tmp_path / "foreign.o"
+    src.write_text(FOREIGN_C)
+    arch = f"/usr/include/{platform.machine()}-linux-gnu"
+    run("clang", "-target", "bpf", "-O2", *(["-I", arch] if os.path.isdir(arch) else []),
+        "-c", str(src), "-o", str(obj))
+    return str(obj)
+
+
+def _attach_foreign(veth: VethPair, obj: str, force: bool = False) -> int:
+    run("ip", *(["-force"] if force else []), "-n", veth.srv, "link", "set", "dev", "vsrv",
+        "xdpgeneric", "obj", obj, "sec", "xdp")
+    prog = _xdp_on_vsrv(veth)
+    assert prog is not None and prog[1] == "ddos_filter", prog
+    return prog[0]
+
+
+def _xdp_on_vsrv(veth: VethPair) -> tuple[int, str] | None:
+    """(id, name) of the XDP program on vsrv as iproute2 shows it."""
+    out = run("ip", "-n", veth.srv, "-d", "link", "show", "vsrv")
+    m = re.search(r"prog/xdp id (\d+) name (\S+)", out)
+    return (int(m[1]), m[2]) if m else None
+
+
+def test_cli_attach_and_detach_leave_a_foreign_xdp_program(veth, foreign_obj, tmp_path):
+    # `aiproxy bpf attach` used to replace any XDP program on the interface, and
+    # `detach` to remove whatever was there: another tool's filter was lost.
+    foreign = _attach_foreign(veth, foreign_obj)
+    cfg = _config(tmp_path, ["vsrv"])
+    try:
+        res = _cli("attach", "-c", cfg, "--netns", veth.srv)
+        assert res.returncode == 1, (res.stdout, res.stderr)
+        assert "not aiproxy's" in res.stderr and "ddos_filter" in res.stderr, res.stderr
+        assert "xdpgeneric off" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
+        assert _xdp_on_vsrv(veth) == (foreign, "ddos_filter")
+        assert not os.path.exists(pin_dir_for(veth.srv)), "pinned maps for a refused attach"
+
+        res = _cli("detach", "-c", cfg, "--netns", veth.srv, "--json")
+        assert res.returncode == 0, (res.stdout, res.stderr)  # aiproxy is off it: done
+        assert "not aiproxy's; left attached" in res.stderr, res.stderr
+        assert '"xdp": false' in res.stdout and '"name": "ddos_filter"' in res.stdout, res.stdout
+        assert _xdp_on_vsrv(veth) == (foreign, "ddos_filter")
+    finally:
+        _cli("detach", "-c", cfg, "--netns", veth.srv)
+        remove_pins(pin_dir_for(veth.srv))
+
+
+def test_stop_leaves_a_program_that_replaced_ours(veth, foreign_obj):
+    # The proxy's own detach (stop, reload dropping the interface, the supervisor's
+    # clean-up) removes only xdp_guard: one that another tool put in its place stays,
+    # and a reload does not silently take the interface back.
+    fast = KernelFastPaths(KernelConfig(interfaces=("vsrv",), xdp_mode="generic",
+                                        deny_cidrs=("192.0.2.0/24",)), netns=veth.srv)
+    fast.start()
+    try:
+        assert _xdp_on_vsrv(veth)[1] == "xdp_guard"
+        foreign = _attach_foreign(veth, foreign_obj, force=True)
+        with pytest.raises(BPFError, match="not aiproxy's"):
+            fast.reload(KernelConfig(interfaces=("vsrv",), xdp_mode="generic",
+                                     deny_cidrs=("198.51.100.0/24",)))
+        assert _xdp_on_vsrv(veth) == (foreign, "ddos_filter")
+    finally:
+        fast.stop()
+    assert _xdp_on_vsrv(veth) == (foreign, "ddos_filter")
+    assert attach.detach_xdp("vsrv", veth.srv).id == foreign
+    assert _xdp_on_vsrv(veth) == (foreign, "ddos_filter")
