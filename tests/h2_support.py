@@ -303,6 +303,78 @@ def h2_get(port: int, path: str = "/echo", timeout: float = 10.0) -> H2Response:
         return c.response(1, timeout)
 
 
+class H2LibClient:
+    """A blocking h2c client on the `h2` library's own state machine and HPACK encoder
+    (which indexes fields into its dynamic table, so a server whose decoder falls out
+    of step with it misreads later requests)."""
+
+    def __init__(self, port: int, timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=True, header_encoding=None))
+        self.conn.initiate_connection()
+        self.responses: dict[int, H2Response] = {}
+        self.ended: set[int] = set()
+        self.terminated: h2.events.ConnectionTerminated | None = None
+        self.eof = False
+        self._flush()
+
+    def __enter__(self) -> H2LibClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def _flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def request(self, path: str = "/echo", extra: list[tuple[str, str]] | None = None,
+                method: str = "GET") -> int:
+        sid = self.conn.get_next_available_stream_id()
+        fields = [(":method", method), (":scheme", "http"), (":path", path),
+                  (":authority", "test"), *(extra or [])]
+        self.conn.send_headers(sid, [(k.encode(), v.encode()) for k, v in fields],
+                               end_stream=True)
+        self.responses[sid] = H2Response()
+        self._flush()
+        return sid
+
+    def response(self, sid: int, timeout: float = 10.0) -> H2Response:
+        """Reads until stream sid ends or is reset (or the connection ends)."""
+        deadline = time.monotonic() + timeout
+        while sid not in self.ended and not self.eof and self.terminated is None:
+            self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                data = self.sock.recv(1 << 20)
+            except TimeoutError:
+                raise TimeoutError(f"stream {sid} did not end") from None
+            except OSError:
+                data = b""
+            if not data:
+                self.eof = True
+                break
+            for ev in self.conn.receive_data(data):
+                self._event(ev)
+            self._flush()
+        return self.responses[sid]
+
+    def _event(self, ev: Any) -> None:
+        if isinstance(ev, h2.events.ResponseReceived):
+            self.responses[ev.stream_id].headers = list(ev.headers)
+        elif isinstance(ev, h2.events.DataReceived):
+            self.responses[ev.stream_id].body += ev.data
+            self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        elif isinstance(ev, h2.events.StreamEnded):
+            self.ended.add(ev.stream_id)
+        elif isinstance(ev, h2.events.StreamReset):
+            self.responses[ev.stream_id].reset = ev.error_code
+            self.ended.add(ev.stream_id)
+        elif isinstance(ev, h2.events.ConnectionTerminated):
+            self.terminated = ev
+
+
 # -- a small h2c upstream ------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ from hyperframe.frame import (
 
 from tests.h2_support import (
     FrameClient,
+    H2LibClient,
     H2Response,
     ProxyProc,
     RssMonitor,
@@ -459,23 +460,52 @@ def test_http11_limits_on_field_count_and_target_length(demo_upstream: int,
         proxy.stop()
 
 
+def _431(frames: list, sid: int) -> None:
+    heads = [f for f in frames if isinstance(f, HeadersFrame) and f.stream_id == sid]
+    assert heads and dict(heads[0].decoded)[b":status"] == b"431", frames
+    body = b"".join(f.data for f in frames if isinstance(f, DataFrame) and f.stream_id == sid)
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large", body
+
+
 def test_header_list_over_max_header_bytes(port: int) -> None:
-    """A header list larger than SETTINGS_MAX_HEADER_LIST_SIZE (max_header_bytes): refused
-    (431, RST_STREAM or GOAWAY), never forwarded."""
+    """A header list larger than SETTINGS_MAX_HEADER_LIST_SIZE (max_header_bytes) but
+    decodable: 431 on that stream (RFC 9113 10.5.1), never forwarded."""
     with FrameClient(port) as c:
         c.handshake()
         first = c.recv()
         assert isinstance(first, SettingsFrame)
         assert first.settings[SettingsFrame.MAX_HEADER_LIST_SIZE] == MAX_HEADER_BYTES
         c.send(c.request(1, "/echo", extra=[("x-big", "v" * (MAX_HEADER_BYTES + 100))]))
-        frames = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
-                                or (f.stream_id == 1 and "END_STREAM" in f.flags))
-        last = frames[-1] if frames else None
-        assert last is not None, "no answer"
-        if isinstance(last, (RstStreamFrame, GoAwayFrame)):
-            return
-        heads = [f for f in frames if isinstance(f, HeadersFrame) and f.stream_id == 1]
-        assert heads and dict(heads[0].decoded)[b":status"] == b"431", frames
+        _431(c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
+                            or (f.stream_id == 1 and "END_STREAM" in f.flags)), 1)
+
+
+def test_header_list_over_max_header_bytes_with_body_or_grpc(port: int) -> None:
+    """The 431 stream's request body is dropped, and the connection serves on; a gRPC
+    caller gets a trailers-only RESOURCE_EXHAUSTED instead of a JSON body."""
+    big = ("x-big", "v" * (MAX_HEADER_BYTES + 100))
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/echo", "POST", extra=[big], end_stream=False),
+               DataFrame(1, b"x" * 1000, flags=["END_STREAM"]))
+        resp = c.response(1)
+        assert resp.status == 431, resp
+        c.send(c.request(3, "/echo", "POST", extra=[("content-type", "application/grpc"),
+                                                    ("te", "trailers"), big]))
+        resp = c.response(3)
+        assert resp.status == 200 and resp.header(b"grpc-status") == b"8", resp
+        c.send(c.request(5, "/echo"))
+        assert c.response(5).status == 200
+
+
+def test_trailers_over_max_header_bytes_reset_their_stream(port: int) -> None:
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/echo", "POST", end_stream=False), DataFrame(1, b"x" * 100),
+               c.headers(1, [("x-big", "v" * (MAX_HEADER_BYTES + 100))]))
+        expect_reset(c, 1, (ErrorCodes.PROTOCOL_ERROR,))
+        c.send(c.request(3, "/echo"))
+        assert c.response(3).status == 200
 
 
 def test_header_list_over_limit_in_continuations(port: int) -> None:
@@ -489,13 +519,59 @@ def test_header_list_over_limit_in_continuations(port: int) -> None:
             frames.append(raw_frame(CONTINUATION, END_HEADERS if i == len(pieces) - 1 else 0,
                                     1, piece))
         c.send(*frames)
-        got = c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
-                             or (f.stream_id == 1 and "END_STREAM" in f.flags))
-        assert got, "no answer"
-        last = got[-1]
-        if not isinstance(last, (RstStreamFrame, GoAwayFrame)):
-            heads = [f for f in got if isinstance(f, HeadersFrame) and f.stream_id == 1]
-            assert dict(heads[0].decoded)[b":status"] == b"431", got
+        _431(c.frames_until(lambda f: isinstance(f, (RstStreamFrame, GoAwayFrame))
+                            or (f.stream_id == 1 and "END_STREAM" in f.flags)), 1)
+
+
+def test_oversized_header_list_leaves_other_streams_and_hpack_in_step(port: int) -> None:
+    """An h2-library client (its encoder indexes fields): the oversized request gets 431,
+    a request on another stream sent right behind it, whose fields refer to the dynamic
+    table entries the oversized block made, is served with those fields intact, and so
+    is a later one: the connection and its HPACK state survive."""
+    with H2LibClient(port) as c:
+        big = c.request("/echo", [("x-a", "1"), ("x-big", "v" * (MAX_HEADER_BYTES + 100)),
+                                  ("x-after", "after-big"), ("x-b", "2")])
+        small = c.request("/echo", [("x-after", "after-big"), ("x-b", "2")])
+        resp = c.response(big)
+        assert resp.status == 431, resp
+        assert json.loads(resp.body)["error"]["code"] == "request_header_fields_too_large"
+        resp = c.response(small)
+        assert resp.status == 200, resp
+        seen = json.loads(resp.body)["headers"]
+        assert seen["x-after"] == "after-big" and seen["x-b"] == "2", seen
+        assert "x-big" not in seen
+        again = c.request("/echo", [("x-after", "after-big")])
+        resp = c.response(again)
+        assert resp.status == 200 and c.terminated is None and not c.eof, (resp, c.terminated)
+        assert json.loads(resp.body)["headers"]["x-after"] == "after-big"
+
+
+def test_header_list_far_over_limit_is_a_connection_error(port: int) -> None:
+    """Many times the limit is abuse, not a large request: GOAWAY(ENHANCE_YOUR_CALM)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        big = block(c, "/echo", [(f"x-h{i}", "v" * 1000) for i in range(40)])
+        pieces = [big[i:i + 8000] for i in range(0, len(big), 8000)]
+        frames = [raw_frame(HEADERS, END_STREAM, 1, pieces[0])]
+        for i, piece in enumerate(pieces[1:], 1):
+            frames.append(raw_frame(CONTINUATION, END_HEADERS if i == len(pieces) - 1 else 0,
+                                    1, piece))
+        c.send(*frames)
+        expect_goaway(c, ErrorCodes.ENHANCE_YOUR_CALM)
+
+
+def test_hpack_bomb_is_a_connection_error(port: int) -> None:
+    """A small block that refers to one large dynamic-table entry over and over (an
+    HPACK bomb): cut off as the decoded list passes a bound, not decoded to the end."""
+    with FrameClient(port) as c:
+        c.handshake()
+        value = "v" * 3900
+        first = c.encode([(":method", "GET"), (":scheme", "http"), (":path", "/echo"),
+                          (":authority", "test"), ("x-bomb", value)])
+        index = 62  # the newest dynamic-table entry: x-bomb
+        c.send(raw_frame(HEADERS, END_STREAM | END_HEADERS, 1,
+                         first + bytes([0x80 | index]) * 10000))
+        expect_goaway(c, ErrorCodes.ENHANCE_YOUR_CALM)
 
 
 # -- stream limits, rapid reset -----------------------------------------------------------------

@@ -200,6 +200,17 @@ class Exchange(ExchangeBase):
 
     # -- request side -------------------------------------------------------------
 
+    def refuse(self, status: int, message: str) -> None:
+        """Answer `status` instead of starting: for a request the downstream could not
+        take in whole (an HTTP/2 header list over max_header_bytes, decoded only to keep
+        the connection's HPACK state in step), whose head holds only what the reply
+        needs (pseudo-fields, content-type: a gRPC caller gets a trailers-only reply)."""
+        ctype = self.head.get(b"content-type")
+        if ctype is not None and ctype[:16].lower() == b"application/grpc":
+            self.grpc = True
+        if self._framing():  # else it has answered (413)
+            self.local_reply(status, message)
+
     def start(self) -> None:
         head = self.head
         method = self.method

@@ -315,15 +315,35 @@ def checked_fields(headers: list, flags: Any) -> list:
     return out
 
 
+# Fields kept from a header list past max_header_list_size: what a reply to it needs.
+KEPT_OVER_LIMIT = frozenset((b"host", b"content-type"))
+
+
 class FastDecoder(hpack.Decoder):
     """hpack's Decoder with the common case inline: a field from the static or dynamic
     table by a one-byte index (what a client repeating its fields sends). Every other
     representation, and every check (list size, table size, truncation, bad index),
-    stays hpack's. Fields come back as hpack's tuples, or plain (name, value) tuples."""
+    stays hpack's. Fields come back as hpack's tuples, or plain (name, value) tuples.
+
+    With `hard_limit` set (a server's decoder), a list over max_header_list_size but
+    within hard_limit is decoded to its end, so the dynamic table stays in step with the
+    peer's encoder, and returned without its fields past the limit (pseudo-fields and
+    KEPT_OVER_LIMIT aside), with `oversized` set: the stream can be answered 431 and
+    the connection go on (RFC 9113 10.5.1). Past hard_limit, or a block itself longer
+    than that (an HPACK bomb, a block far beyond any limit), it stays an
+    OversizedHeaderListError, which h2 makes a connection error (ENHANCE_YOUR_CALM)."""
+
+    hard_limit = 0
+    oversized = False  # of the last block decoded
 
     def decode(self, data: bytes, raw: bool = False) -> list:
         if not raw:
             return list(super().decode(data, raw))
+        self.oversized = False
+        hard = self.hard_limit
+        if hard and len(data) > hard:
+            raise hpack.OversizedHeaderListError(
+                f"A header block of {len(data)} bytes has been received")
         table = self.header_table
         static = HeaderTable.STATIC_TABLE
         n_static = len(static)
@@ -357,11 +377,17 @@ class FastDecoder(hpack.Decoder):
             else:
                 header, consumed = self._decode_literal_no_index(mem[i:])
             if header is not None:
-                headers.append(header)
                 size += 32 + len(header[0]) + len(header[1])
-                if size > limit:
+                if size <= limit:
+                    headers.append(header)
+                elif size <= hard:
+                    self.oversized = True
+                    name = header[0]
+                    if name[:1] == b":" or name in KEPT_OVER_LIMIT:
+                        headers.append(header)
+                else:
                     raise hpack.OversizedHeaderListError(
-                        f"A header list larger than {limit} has been received")
+                        f"A header list larger than {max(limit, hard)} has been received")
             i += consumed
         self._assert_valid_table_size()
         return headers
@@ -563,6 +589,9 @@ class FastReceive:
                     f"Max inbound streams is {limit}, {self.open_inbound_streams} open")
         # From here as h2.connection.H2Connection._receive_headers_frame (4.x).
         headers = h2.connection._decode_headers(self.decoder, frame.data)
+        oversized = self.decoder.oversized
+        if oversized and known:
+            return self._malformed(sid, True)  # trailers: the request cannot be answered 431
         events = self.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
         stream = self._get_or_create_stream(sid, AllowedStreamIDs(not self.config.client_side))
         try:
@@ -580,4 +609,6 @@ class FastReceive:
             p_frames, p_events = self._receive_priority_frame(frame)
             stream_events[0].priority_updated = p_events[0]
             stream_events.extend(p_events)
+        if oversized:
+            stream_events[0].header_list_too_large = True
         return frames, events + stream_events

@@ -11,7 +11,9 @@ refused with RST_STREAM(REFUSED_STREAM) without killing the connection; client
 resets are budgeted (CVE-2023-44487 rapid reset), and so are the resets a client
 provokes with a frame the proxy must answer with RST_STREAM (CVE-2025-8671,
 MadeYouReset); a peer over budget gets GOAWAY(ENHANCE_YOUR_CALM); CONTINUATION floods hit h2's frame backlog limit and
-the header list size limit (CVE-2024-27316); PING/SETTINGS and frames that carry
+the header list size limit (CVE-2024-27316): a header list over max_header_bytes is
+still decoded (HPACK state stays in step) and answered 431 on its stream, but one over
+HEADER_LIST_HARD_FACTOR times the limit ends the connection; PING/SETTINGS and frames that carry
 no request are budgeted too (h2_budgets.py); a peer that does not read its
 socket while sending control frames is cut off once the write buffer passes a
 bound.
@@ -61,6 +63,9 @@ EARLY_PING = 0xA1 << 56     # PING opaque data: this tag | stream id (see end_ea
 # What h2 wraps in a plain ProtocolError when a field block cannot be decoded.
 HPACK_ERRORS = (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError)
 INFINITY = float("inf")
+# A header list over max_header_bytes gets 431 on its stream up to this many times the
+# limit; past it (or a header block that long) the connection goes (h2_fast.FastDecoder).
+HEADER_LIST_HARD_FACTOR = 4
 class _ServerH2(h2_fast.FastReceive, h2.connection.H2Connection):
     """h2 with the corrections of FastReceive (RFC 9113 5.1.2: streams over the limit are
     refused one by one) and two more:
@@ -147,6 +152,7 @@ class H2ServerConnection(asyncio.Protocol):
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
         })
         conn.decoder.max_header_list_size = http.max_header_bytes
+        conn.decoder.hard_limit = HEADER_LIST_HARD_FACTOR * http.max_header_bytes
         self.h2 = conn
         h2_fast.quiet_hpack_logging()
         self.idle_since = self.reset_at = self.control_at = self.idle_at = self.loop.time()
@@ -246,7 +252,11 @@ class H2ServerConnection(asyncio.Protocol):
             self._reset_stream(ev.stream_id, ErrorCodes.PROTOCOL_ERROR)
             self._charge_resets(1)  # CVE-2025-8671: resets the client provokes count too
             return
-        self._start_stream(ev.stream_id, head, bool(ev.stream_ended))
+        too_large = getattr(ev, "header_list_too_large", False)
+        if too_large:
+            log.info("HTTP/2 request on stream %d: header list over max_header_bytes",
+                     ev.stream_id)
+        self._start_stream(ev.stream_id, head, bool(ev.stream_ended), too_large)
 
     def _reset_stream(self, sid: int, code: int) -> None:
         """RST_STREAM, unless the stream is closed already: the events of one read are
@@ -257,11 +267,14 @@ class H2ServerConnection(asyncio.Protocol):
         except h2.exceptions.ProtocolError:
             pass
 
-    def _start_stream(self, sid: int, head: Any, ended: bool) -> None:
+    def _start_stream(self, sid: int, head: Any, ended: bool, too_large: bool = False) -> None:
         stream = H2Stream(self, sid, head)
         self.streams[sid] = stream
         ex = Exchange(stream, head, self.loop.time())
         stream.exchange = ex
+        if too_large:
+            ex.refuse(431, "request header section too large")
+            return
         ex.start()
         if not ex.finished and ex.deadline_at < self._timer_due():
             # A grpc-timeout shorter than the timer period: wake up for it.
