@@ -577,6 +577,14 @@ class Exchange(ExchangeBase):
         head = self.head
         route = self.route
         cluster = self.cluster
+        if head.upgrade is not None and cluster.cfg.protocol == "h2":
+            offered = forwarded_upgrade(head.upgrade)
+            if offered is not None:
+                # HTTP/2 has no Upgrade (RFC 9113 8.6) and extended CONNECT (RFC 8441)
+                # upstream is not implemented: refused, never sent on as a plain request.
+                return self.local_reply(
+                    501, f"cannot carry Upgrade: {offered.decode('latin-1')} to cluster "
+                    f"{cluster.name!r}, whose upstreams speak HTTP/2", "upgrade_not_supported")
         if cluster.max_requests:
             why = cluster.overflow()
             if why is not None:
