@@ -95,5 +95,5 @@ def test_websocket_to_h2_cluster_is_refused_not_downgraded(start_proxy, h2up: H2
     assert [r["status"] for r in recs] == [501, 501, 200, 200], recs
     assert all(r["cluster"] == "h2up" for r in recs)
     metrics = httpx.get(f"http://127.0.0.1:{admin}/metrics").text
-    assert ('aiproxy_requests_total{cluster="h2up",route="ws",status="501"} 2.0'
+    assert ('aiproxy_requests_total{cluster="h2up",outcome="complete",route="ws",status="501"} 2.0'
             in metrics), metrics

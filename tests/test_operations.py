@@ -47,9 +47,11 @@ cluster = "up"
             assert client.get("/status/404").status_code == 404
         assert client.post("/echo", content=b"x" * 1000).status_code == 200
     samples = scrape(admin)
-    key = ("aiproxy_requests_total", (("cluster", "up"), ("route", "all"), ("status", "200")))
+    key = ("aiproxy_requests_total", (("cluster", "up"), ("outcome", "complete"), ("route", "all"),
+                                      ("status", "200")))
     assert samples[key] == 6
-    key404 = ("aiproxy_requests_total", (("cluster", "up"), ("route", "all"), ("status", "404")))
+    key404 = ("aiproxy_requests_total", (("cluster", "up"), ("outcome", "complete"), ("route", "all"),
+                                         ("status", "404")))
     assert samples[key404] == 2
     assert samples[("aiproxy_request_bytes_total", ())] == 1000
     assert samples[("aiproxy_stage_total_seconds_count", ())] == 8

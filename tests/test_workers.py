@@ -99,7 +99,8 @@ def test_load_spreads_over_workers_and_metrics_sum(workers_proxy, demo_upstream)
         sent += 1
     found = scrape(admin)
     assert total(found, "aiproxy_requests_total") == sent
-    key = ("aiproxy_requests_total", (("cluster", "up"), ("route", "all"), ("status", "200")))
+    key = ("aiproxy_requests_total", (("cluster", "up"), ("outcome", "complete"), ("route", "all"),
+                                      ("status", "200")))
     assert found[key] == sent - 1
     assert found[("aiproxy_request_bytes_total", ())] == 1000
     assert found[("aiproxy_stage_total_seconds_count", ())] == sent

@@ -13,6 +13,7 @@ cdef class StatusCounts:
     cdef public dict other
 
     cpdef add(self, int status)
+    cpdef add_outcome(self, str outcome, int status)
     cpdef list items(self)
 
 

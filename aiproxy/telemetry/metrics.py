@@ -31,25 +31,36 @@ STAGES = ("accept_to_headers", "route_decision", "semantic_classify", "upstream_
 
 
 STATUS_SLOTS = 600  # statuses 0-599 are counted in a C array; others (none expected) in a dict
+# aiproxy_requests_total's `outcome`, as the access log tells them apart: the response
+# went out whole (whatever its status), the upstream cut it off after its head
+# (`upstream_error`), or the client left first (`client_closed`; 499 if before the head).
+COMPLETE = "complete"
+UPSTREAM_ERROR = "upstream_error"
+CLIENT_CLOSED = "client_closed"
 
 
 class StatusCounts:
-    """Requests of one route and cluster by status: bumped in place, no int objects."""
+    """Requests of one route and cluster by outcome and status: complete ones bumped in
+    place (no int objects), the rare others in a dict."""
 
     def __init__(self) -> None:
-        self.other: dict[int, int] = {}
+        self.other: dict[tuple[str, int], int] = {}
 
     def add(self, status: int) -> None:
         if 0 <= status < STATUS_SLOTS:
             self.slots[status] += 1
         else:
-            self.other[status] = self.other.get(status, 0) + 1
+            self.add_outcome(COMPLETE, status)
 
-    def items(self) -> list[tuple[int, int]]:
-        """(status, count) for every status seen, in order."""
-        found = [(status, self.slots[status]) for status in range(STATUS_SLOTS)
+    def add_outcome(self, outcome: str, status: int) -> None:
+        key = (outcome, status)
+        self.other[key] = self.other.get(key, 0) + 1
+
+    def items(self) -> list[tuple[str, int, int]]:
+        """(outcome, status, count) for every pair seen, in order."""
+        found = [(COMPLETE, status, self.slots[status]) for status in range(STATUS_SLOTS)
                  if self.slots[status]]
-        return sorted(found + list(self.other.items()))
+        return sorted(found + [(o, s, n) for (o, s), n in self.other.items()])
 
 
 class Metrics:
@@ -92,7 +103,11 @@ class Metrics:
             self.last_route = route
             self.last_cluster = cluster
             self.last_counts = counts
-        counts.add(status)
+        if ex.upstream_error is None and not ex.client_lost:
+            counts.add(status)
+        else:
+            counts.add_outcome(UPSTREAM_ERROR if ex.upstream_error is not None
+                               else CLIENT_CLOSED, status)
         self.bytes_in += bytes_in
         self.bytes_out += bytes_out
         start = ex.t_start_pc
@@ -120,12 +135,13 @@ class ProxyCollector:
         server = self.server
         m = server.metrics
         requests = CounterMetricFamily(
-            "aiproxy_requests", "Requests answered, by route, cluster and status",
-            labels=["route", "cluster", "status"])
+            "aiproxy_requests", "Requests answered, by route, cluster, status and outcome "
+            "(complete, upstream_error: cut off by the upstream, client_closed)",
+            labels=["route", "cluster", "status", "outcome"])
         for route, by_cluster in sorted(m.requests.items()):
             for cluster, counts in sorted(by_cluster.items()):
-                for status, count in counts.items():
-                    requests.add_metric([route, cluster, str(status)], count)
+                for outcome, status, count in counts.items():
+                    requests.add_metric([route, cluster, str(status), outcome], count)
         yield requests
         for name, hist in m.stages.items():
             family = HistogramMetricFamily(
