@@ -93,6 +93,11 @@ class KernelFastPaths:
             if ifname not in self.attached or (
                     bool(cfg.classes) != bool(self.attached[ifname].get("tc"))):
                 self._attach(ifname)
+            elif lost := self._lost(ifname):
+                # Deleted and re-created under the same name (the programs went with the
+                # old interface), or detached by hand: attach again.
+                log.warning("kernel: %s: %s; attaching again", ifname, lost)
+                self._attach(ifname)
 
     def stop(self) -> None:
         for ifname in list(self.attached):
@@ -143,6 +148,19 @@ class KernelFastPaths:
             for direction in attach.TC_PARENTS:
                 attach.detach_tc(ifname, direction, self.netns)
             done["tc"] = False
+
+    def _lost(self, ifname: str) -> str | None:
+        """Why ``ifname`` no longer has the programs attached to it (None: it has)."""
+        done = self.attached[ifname]
+        if done.get("xdp") and self.guard_obj is not None:
+            ours = self.guard_obj.program("xdp_guard").info().id
+            there = attach.xdp_state(ifname, self.netns)["prog_id"]
+            if there != ours:
+                return (f"xdp_guard (prog id {ours}) is no longer attached "
+                        f"(now: {f'prog id {there}' if there else 'none'})")
+        if done.get("tc") and not all(attach.tc_state(ifname, self.netns).values()):
+            return "tc_classify is no longer attached"
+        return None
 
     def _check_interfaces(self, interfaces) -> None:
         """AttachError unless every interface exists and has no XDP program but ours:

@@ -116,6 +116,17 @@ class VethPair:
             run("ip", "netns", "add", ns)
             self.created.append(ns)
             run("ip", "-n", ns, "link", "set", "lo", "up")
+        self._link()
+        return self
+
+    def recreate(self) -> VethPair:
+        """Delete the veth pair and make it again under the same names (new ifindexes):
+        what a re-created interface looks like to a running proxy."""
+        run("ip", "-n", self.srv, "link", "del", "vsrv")
+        self._link()
+        return self
+
+    def _link(self) -> None:
         run("ip", "-n", self.srv, "link", "add", "vsrv", "type", "veth", "peer", "name", "vcli",
             "netns", self.cli)
         run("ip", "-n", self.srv, "addr", "add", f"{self.SRV4}/24", "dev", "vsrv")
@@ -135,7 +146,6 @@ class VethPair:
         for addr in (self.SRV4, self.SRV6):
             run("ip", "-n", self.cli, "neigh", "replace", addr, "lladdr", self.srv_mac,
                 "dev", "vcli", "nud", "permanent")
-        return self
 
     @staticmethod
     def _mac(ns: str, dev: str) -> str:

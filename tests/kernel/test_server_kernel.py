@@ -185,6 +185,41 @@ def test_start_reload_stop(veth, proxy_in_netns):
     assert "xdp" not in out, out
 
 
+@pytest.mark.timeout(90)
+def test_reload_attaches_again_to_a_recreated_interface(veth, proxy_in_netns):
+    # An interface deleted and made again under its name has lost the programs (they
+    # went with the old one). A SIGHUP used to leave it unprotected, as the proxy only
+    # attached interfaces new to the config; now it attaches again what is missing.
+    proc, path = proxy_in_netns(config([f"{veth.CLI4_DENIED}/32"]))
+    assert proc.poll() is None, process_log(proc)
+    assert interface_state("vsrv", veth.srv).xdp_prog_id
+    assert not connects(veth, veth.CLI4_DENIED)
+
+    veth.recreate()
+    state = interface_state("vsrv", veth.srv)
+    assert state.xdp_prog_id is None and not state.tc_ingress, state
+    assert connects(veth, veth.CLI4_DENIED)  # the deny list no longer holds
+
+    proc.send_signal(signal.SIGHUP)
+    wait_reloaded(veth, "aiproxy_config_reloads_total", 1)
+    state = interface_state("vsrv", veth.srv)
+    assert state.xdp_prog_id and state.tc_ingress and state.tc_egress, (
+        state, process_log(proc))
+    assert not connects(veth, veth.CLI4_DENIED)
+    assert connects(veth, veth.CLI4_ALLOWED)
+    assert "attaching again" in process_log(proc)
+    prog_id = state.xdp_prog_id
+
+    # A reload with nothing missing leaves the program as it is.
+    proc.send_signal(signal.SIGHUP)
+    wait_reloaded(veth, "aiproxy_config_reloads_total", 2)
+    assert interface_state("vsrv", veth.srv).xdp_prog_id == prog_id
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0, process_log(proc)
+    assert interface_state("vsrv", veth.srv).xdp_prog_id is None
+
+
 @pytest.mark.timeout(60)
 def test_missing_interface_fails_start(veth, proxy_in_netns):
     proc, _ = proxy_in_netns(config([], interfaces=("nosuchif0",)))
