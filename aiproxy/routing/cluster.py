@@ -73,11 +73,13 @@ class Balancer:
         return self._avail
 
     def candidates(self, exclude: tuple) -> list[Pool]:
+        """Available pools not in `exclude` (endpoints a retry already tried). Never an
+        unavailable one outside panic mode: once every healthy endpoint was tried, the
+        caller retries a healthy one again (as Envoy's previous-hosts predicate gives
+        way), rather than an endpoint the checks or outlier detection took out."""
         avail = self.available()
         if exclude:
             avail = [p for p in avail if p not in exclude]
-            if not avail:
-                avail = [p for p in self.pools if p not in exclude]
         return avail
 
     def rebuild(self) -> None:
