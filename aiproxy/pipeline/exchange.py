@@ -948,6 +948,22 @@ class Exchange(ExchangeBase):
             self.cluster.pending += 1
         self.connect_task = self.loop.create_task(self._connect(pool))
 
+    def _replay_connection(self, pool: Pool) -> None:
+        """Where a replay goes: a new HTTP/1.1 connection (another idle one may be just
+        as stale), or for HTTP/2 a stream on a live connection with room; a new
+        connection within the cluster's max_pending/max_connections as for a first
+        attempt, else 503 upstream_overflow."""
+        if self.cluster.cfg.protocol == "h2":
+            up = pool.take()
+            if up is not None:
+                return self._attach(up, True)
+        cluster = self.cluster
+        if cluster.limits_connections:
+            why = cluster.connect_overflow()
+            if why is not None:
+                return self.fail(503, "upstream_overflow", why)
+        self._new_connection(pool)
+
     def _unpend(self) -> None:
         if self.pending_conn:
             self.pending_conn = False
@@ -1164,8 +1180,12 @@ class Exchange(ExchangeBase):
                         pass
                     break
         route = self.route
+        # A request with a non-idempotent method (POST, PATCH) got this far: the upstream
+        # may have acted on it before answering 5xx (a 504 from a gateway in front of
+        # the origin, say), so it goes again only with non_idempotent (RFC 9110 9.2.2).
         if (((route.retry_statuses and status in route.retry_statuses)
              or (route.retry_unavailable and self.grpc and resp.get(b"grpc-status") == b"14"))
+                and (self.method in IDEMPOTENT or route.retries.non_idempotent)
                 and self._may_retry(route.retries)):
             up = self.upstream
             self.upstream = None
@@ -1280,8 +1300,8 @@ class Exchange(ExchangeBase):
             # body in the same read as the head): it gets a 502, or a retry, instead.
             self.head_sent = False
         # RFC 9113 8.7: a refused or GOAWAY'd stream was never processed: always safe.
-        never_processed = code in NEVER_PROCESSED and not self.replayed
-        if self.replay is not None and (never_processed or (
+        never_processed = code in NEVER_PROCESSED
+        if self.replay is not None and not self.replayed and (never_processed or (
                 self.reused and up is not None and not up.received
                 and (self.method in IDEMPOTENT or status == 503))):
             # A pooled connection the upstream had already closed (or an HTTP/2 stream
@@ -1289,7 +1309,7 @@ class Exchange(ExchangeBase):
             self.reused = False
             self.replayed = True
             self._replay_pending()
-            self._new_connection(self.pool)
+            self._replay_connection(self.pool)
             return
         pool = self.pool
         if pool is not None:
