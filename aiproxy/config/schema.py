@@ -234,9 +234,10 @@ class RetryPolicy:
     on: tuple[str, ...] = ("connect-failure", "reset")
     budget_pct: int = _bounded(20, 0, 100)  # retries in flight / requests in flight
     backoff_ms: int = _bounded(25, 0, 60_000)  # base of the jittered exponential backoff
-    # "reset" retries a request whose method is not idempotent (POST, PATCH) only when
-    # this is set: the upstream may have acted on it (RFC 9112 9.3.1, as nginx's
-    # proxy_next_upstream non_idempotent).
+    # "reset" and the status conditions (502/503/504, unavailable) retry a request whose
+    # method is not idempotent (POST, PATCH) only when this is set: the upstream may have
+    # acted on it (RFC 9110 9.2.2, RFC 9112 9.3.1, as nginx's proxy_next_upstream
+    # non_idempotent).
     non_idempotent: bool = False
 
 
