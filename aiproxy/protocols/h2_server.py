@@ -630,8 +630,13 @@ class H2Stream(StreamOutput, Downstream):
         self._headers([(b":status", b"%d" % resp.status), *fields], False)
 
     def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
-        drop = F_HOP | F_CONTENT_LENGTH if resp.status == 204 else F_HOP
-        fields = [(b":status", b"%d" % resp.status), *resp.fields(drop)]
+        # One content-length with one value (RFC 9113 8.1.1 and 9110 8.6): an HTTP/1.1
+        # upstream's may be a list ("5, 5") or repeated, which an HTTP/2 client rejects
+        # as malformed. A 204 has none.
+        fields = [(b":status", b"%d" % resp.status), *resp.fields(F_HOP | F_CONTENT_LENGTH)]
+        length = resp.content_length
+        if length >= 0 and resp.status != 204:
+            fields.append((b"content-length", b"%d" % length))
         route = ex.route
         if route is not None and route.resp_edit:
             remove = route.resp_remove

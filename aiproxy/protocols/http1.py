@@ -451,21 +451,24 @@ class H1ConnectionCore(Downstream):
         # The connection closes after this response if the request body is still arriving
         # (the rest of it is not read) or this is the last request allowed on it: say so.
         keep = head.keep_alive and e.req_done and self.may_keep_alive()
+        drop = F_HOP | F_CONTENT_LENGTH
         if mode == BODY_NONE:
             # A 304's or a HEAD response's Content-Length is the length the body would
-            # have: kept. A 204 has none (RFC 9110 8.6).
-            drop = F_HOP | F_CONTENT_LENGTH if status == 204 else F_HOP
-        else:
-            drop = F_HOP | F_CONTENT_LENGTH
-            if length >= 0 and not chunked:
+            # have: kept, as one field with one value (the upstream's may be a list or
+            # repeated: RFC 9110 8.6). A 204 has none.
+            if length >= 0 and status != 204:
                 framing = CONTENT_LENGTH_LINES.get(length)
                 if framing is None:
                     framing = content_length_line(length)
-            elif head.version >= 11:
-                self.chunked_out = True
-                framing = b"Transfer-Encoding: chunked\r\n"
-            else:
-                keep = False  # HTTP/1.0 client: the end of the body is the close
+        elif length >= 0 and not chunked:
+            framing = CONTENT_LENGTH_LINES.get(length)
+            if framing is None:
+                framing = content_length_line(length)
+        elif head.version >= 11:
+            self.chunked_out = True
+            framing = b"Transfer-Encoding: chunked\r\n"
+        else:
+            keep = False  # HTTP/1.0 client: the end of the body is the close
         if rt.server_timing:
             timing = b"Server-Timing: " + server_timing(e) + CRLF
         if not keep:
