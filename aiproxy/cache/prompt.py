@@ -345,7 +345,6 @@ class CacheFilter(Filter):
         return None
 
     def response_head(self, ex: Exchange, resp: Any) -> Any:
-        items = resp.fields(0)
         if self.key is not None and resp.status == 200:
             cc = _directives(resp)
             # Not no-cache: event streams carry it as a matter of course (the operator
@@ -359,7 +358,7 @@ class CacheFilter(Filter):
                 self.chunks = []
                 self.size = sum(len(n) + len(v) for n, v in self.items) + ENTRY_OVERHEAD
                 self.status = resp.status
-        return ResponseHead(resp.status, items + [self.mark])
+        return ResponseHead.derived(resp, extra=(self.mark,))
 
     def response_body(self, ex: Exchange, data: bytes) -> bytes:
         chunks = self.chunks

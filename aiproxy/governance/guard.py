@@ -41,7 +41,7 @@ from aiproxy.pipeline.filters import (
     ResponseHead,
     ResponseRefused,
 )
-from aiproxy.protocols.fields import F_CONTENT_LENGTH
+from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP
 from aiproxy.semantic.unified import (
     MAX_FORM_PARTS,
     extract,
@@ -203,8 +203,8 @@ class GuardFilter(Filter):
         if self.detector is not None:
             resp = self._start_redaction(ex, resp)
         if self.flags:
-            resp = ResponseHead(resp.status, [
-                *resp.fields(0), (FLAGS_HEADER, ",".join(self.flags).encode("latin-1"))])
+            resp = ResponseHead.derived(
+                resp, extra=((FLAGS_HEADER, ",".join(self.flags).encode("latin-1")),))
         return resp
 
     def _count(self, kind: str) -> None:
@@ -263,7 +263,7 @@ def _decoded_head(resp: Any) -> ResponseHead:
     length changes), no Accept-Ranges (ranges of the encoded form), ETag weakened (a
     different representation), as nginx's gunzip does."""
     fields = []
-    for name, value in resp.fields(F_CONTENT_LENGTH):
+    for name, value in resp.fields(F_HOP | F_CONTENT_LENGTH):  # see ResponseHead.derived
         if name in (b"content-encoding", b"accept-ranges"):
             continue
         if name == b"etag" and not value.startswith(b"W/"):

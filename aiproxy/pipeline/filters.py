@@ -58,7 +58,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from aiproxy.protocols.fields import F_CONTENT_LENGTH, FieldsHead
+from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, FieldsHead
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
@@ -121,10 +121,19 @@ class ResponseHead(FieldsHead):
             self.reason = b"Unknown"
 
     @classmethod
+    def derived(cls, resp: Any, drop: int = 0,
+                extra: tuple[tuple[bytes, bytes], ...] = ()) -> ResponseHead:
+        """resp's end-to-end fields (less those `drop` flags), then `extra`. Hop-by-hop
+        fields are left out here: a head rebuilt from a field list flags fields by name
+        only, so those the upstream's Connection field named (RFC 9110 7.6.1) would
+        otherwise reach the client."""
+        return cls(resp.status, [*resp.fields(F_HOP | drop), *extra])
+
+    @classmethod
     def without_length(cls, resp: Any) -> ResponseHead:
         """resp without Content-Length: for a body a filter will change the length of
         (HTTP/1.1 clients then get it chunked)."""
-        return cls(resp.status, resp.fields(F_CONTENT_LENGTH))
+        return cls.derived(resp, F_CONTENT_LENGTH)
 
 
 class StoredResponse:
