@@ -48,8 +48,10 @@ def test_status_counts_in_order_with_odd_statuses() -> None:
     counts = StatusCounts()
     for status in (200, 200, 499, 101, 0, 599, 600, 999, -1, 200):
         counts.add(status)
-    assert counts.items() == [(-1, 1), (0, 1), (101, 1), (200, 3), (499, 1), (599, 1),
-                              (600, 1), (999, 1)]
+    counts.add_outcome("upstream_error", 200)
+    assert counts.items() == [("complete", s, n) for s, n in (
+        (-1, 1), (0, 1), (101, 1), (200, 3), (499, 1), (599, 1), (600, 1), (999, 1))] + [
+        ("upstream_error", 200, 1)]
     assert StatusCounts().items() == []
 
 
@@ -66,6 +68,7 @@ def test_requests_counted_per_route_and_cluster_across_names() -> None:
         m.exchange_stamps(route, cluster, status, 0, 0, ex, 0.0)
     assert {r: {c: counts.items() for c, counts in by.items()}
             for r, by in m.requests.items()} == {
-        "route-a": {"c1": [(200, 3), (404, 1)], "c2": [(503, 1)]},
-        "route-b": {"c1": [(200, 1)]},
+        "route-a": {"c1": [("complete", 200, 3), ("complete", 404, 1)],
+                    "c2": [("complete", 503, 1)]},
+        "route-b": {"c1": [("complete", 200, 1)]},
     }
