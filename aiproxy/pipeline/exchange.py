@@ -1045,6 +1045,10 @@ class Exchange(ExchangeBase):
         self.pending = list(self.replay)
         self.pending_size = self.replay_size
         self.pending_end = self.req_done
+        # A pause the failed upstream's full write buffer put on the client goes with
+        # it: the next connection may never fill its buffer, so never resume it. Until
+        # that connection is there, body bytes wait in `pending` (bounded: P_PENDING).
+        self.down.resume(P_UPSTREAM)
 
     def _attach(self, up: Any, reused: bool) -> None:
         self.upstream = up
