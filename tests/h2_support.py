@@ -393,6 +393,7 @@ class _UpstreamProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections += 1
+        self.server.record("made")
         self.server.protocols.append(self)
         if self.server.settings_delay:
             # Its SETTINGS come late: the proxy waits for them before it sends a request.
