@@ -215,6 +215,22 @@ cdef inline bint _ieq(const unsigned char *a, Py_ssize_t n, const char *lit, Py_
     return 1
 
 
+cdef bint _ieq_us(const unsigned char *name, Py_ssize_t n) noexcept:
+    """Whether name, read with '_' as '-', is one of the fields above (any case)."""
+    cdef unsigned char buf[17]
+    cdef Py_ssize_t i
+    for i in range(n):
+        buf[i] = 45 if name[i] == 95 else name[i]
+    if n == 14:
+        return _ieq(buf, 14, b"content-length", 14)
+    if n == 15:
+        return _ieq(buf, 15, b"x-forwarded-for", 15)
+    if n == 17:
+        return (_ieq(buf, 17, b"transfer-encoding", 17)
+                or _ieq(buf, 17, b"x-forwarded-proto", 17))
+    return 0
+
+
 cdef inline bint _ieq2(const unsigned char *a, const unsigned char *b, Py_ssize_t n) noexcept:
     cdef Py_ssize_t i
     cdef unsigned char x, y
@@ -729,6 +745,13 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
               and (name[1] == 45 or name[1] == 95) and name[9] == name[1]
               and _ieq(name + 2, 7, b"aiproxy", 7)):
             fl = F_OWN
+        if fl == 0 and 14 <= nlen <= 17 and memchr(name, 95, nlen) != NULL:
+            # Content_Length, Transfer_Encoding, X_Forwarded_For/Proto: valid tokens,
+            # but servers that map '-' and '_' alike (CGI/WSGI environ names) read them
+            # as the fields: framing the proxy did not apply, or forwarding it did not
+            # set. Not forwarded, as nginx (underscores_in_headers off) drops them.
+            if _ieq_us(name, nlen):
+                fl = F_HOP
         o = _offs + 5 * st.nh
         o[0] = <int>(pos - start)
         o[1] = <int>(k - start)
