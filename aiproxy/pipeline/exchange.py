@@ -1134,7 +1134,12 @@ class Exchange(ExchangeBase):
             log.warning("upstream read timeout on route %s", self.route.name)
             self.upstream_error = (f"upstream sent nothing for {cfg.read_timeout_ms} ms "
                                    "(read_timeout_ms)")
-            self._abort()
+            if self.grpc and self.head.version == 20 and not self.filters:
+                # As for the deadline: a status in trailers, not a reset read as INTERNAL.
+                self._drop_upstream()
+                self._end_grpc(504, "upstream_timeout", self.upstream_error)
+            else:
+                self._abort()
             return None
         return min(left, self.deadline_at - now)
 
