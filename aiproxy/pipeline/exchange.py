@@ -934,12 +934,17 @@ class Exchange(ExchangeBase):
         if up is not None:
             self._attach(up, True)
         else:
-            cluster = self.cluster
-            if cluster.limits_connections:
-                why = cluster.connect_overflow()
-                if why is not None:
-                    return self.fail(503, "upstream_overflow", why)
-            self._new_connection(pool)
+            self._connect_within_limits(pool)
+
+    def _connect_within_limits(self, pool: Pool) -> None:
+        """A new connection within the cluster's max_pending/max_connections, else 503
+        upstream_overflow."""
+        cluster = self.cluster
+        if cluster.limits_connections:
+            why = cluster.connect_overflow()
+            if why is not None:
+                return self.fail(503, "upstream_overflow", why)
+        self._new_connection(pool)
 
     def _new_connection(self, pool: Pool) -> None:
         self.t_connect = monotonic()
@@ -957,12 +962,7 @@ class Exchange(ExchangeBase):
             up = pool.take()
             if up is not None:
                 return self._attach(up, True)
-        cluster = self.cluster
-        if cluster.limits_connections:
-            why = cluster.connect_overflow()
-            if why is not None:
-                return self.fail(503, "upstream_overflow", why)
-        self._new_connection(pool)
+        self._connect_within_limits(pool)
 
     def _unpend(self) -> None:
         if self.pending_conn:
