@@ -800,19 +800,27 @@ def _idle_flood_unit(c: FrameClient, kind: str) -> bytes:
     if kind == "goaway":  # repeated, while a response is still pending
         c.send(c.request(1, "/delay/30000"))
         return raw_frame(GOAWAY, 0, 0, (1).to_bytes(4, "big") + (0).to_bytes(4, "big"))
-    # Frames on a finished stream: DATA (CVE-2019-9514, each answered with RST_STREAM),
-    # and RST_STREAM and WINDOW_UPDATE, which h2 drops without an event.
+    if kind == "data_on_reset_stream":  # CVE-2019-9514: each answered with RST_STREAM
+        c.send(c.request(1, "/echo", "POST", end_stream=False),
+               raw_frame(RST_STREAM, 0, 1, (8).to_bytes(4, "big")))
+        return raw_frame(DATA, 0, 1, b"x")
+    if kind == "data_on_stream_the_proxy_reset":  # ignored (RFC 9113 5.1), still work
+        c.send(c.request(1, "/echo", "POST", [("x-A", "1")], end_stream=False))
+        expect_reset(c, 1, (ErrorCodes.PROTOCOL_ERROR,))
+        return raw_frame(DATA, 0, 1, b"x")
+    # Frames on a finished stream that h2 drops without an event (DATA there is a
+    # connection error STREAM_CLOSED, RFC 9113 5.1).
     c.send(c.request(1, "/echo"))
     assert c.response(1).status == 200
     if kind == "rst_on_closed_stream":
         return raw_frame(RST_STREAM, 0, 1, (8).to_bytes(4, "big"))
-    if kind == "window_update_on_closed_stream":
-        return raw_frame(WINDOW_UPDATE, 0, 1, (1).to_bytes(4, "big"))
-    return raw_frame(DATA, 0, 1, b"x")
+    assert kind == "window_update_on_closed_stream", kind
+    return raw_frame(WINDOW_UPDATE, 0, 1, (1).to_bytes(4, "big"))
 
 
 @pytest.mark.parametrize("kind", ["empty_data", "one_byte_data", "priority", "unknown",
-                                  "window_update", "data_on_closed_stream", "settings_ack",
+                                  "window_update", "data_on_reset_stream",
+                                  "data_on_stream_the_proxy_reset", "settings_ack",
                                   "ping_ack", "goaway", "rst_on_closed_stream",
                                   "window_update_on_closed_stream"])
 def test_flood_of_frames_that_carry_no_request(proxy: ProxyProc, port: int, kind: str) -> None:

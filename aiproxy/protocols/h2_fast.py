@@ -472,6 +472,8 @@ class FastReceive:
     - RFC 9113 5.1.2 as a stream error (when `refuse_excess`): a HEADERS frame over the
       concurrent stream limit refuses that stream only (h2 itself would end the
       connection); `refused` counts them, for the caller to budget like client resets.
+    - RFC 9113 5.1 on closed streams: frames after our own RST_STREAM are ignored, DATA
+      after END_STREAM both ways is a connection error (h2 answers both with RST_STREAM).
     - `closed_frames` counts frames on closed streams and frames that raised no event,
       for the caller's idle-frame budget (h2_budgets.FrameBudgets.settle)."""
 
@@ -498,19 +500,13 @@ class FastReceive:
             frames, events = self._frame_dispatch_table[frame.__class__](frame)
         except h2.exceptions.StreamClosedError as e:
             if self._stream_is_closed_by_reset(e.stream_id):
-                f = RstStreamFrame(e.stream_id)
-                f.error_code = e.error_code
-                self._prepare_for_sending([f])
-                self.closed_frames += 1
+                self._on_reset_stream(e.stream_id, e.error_code, bool(e._events))
                 events = e._events
             else:
                 raise
         except h2.exceptions.StreamIDTooLowError as e:
             if self._stream_is_closed_by_reset(e.stream_id):
-                f = RstStreamFrame(e.stream_id)
-                f.error_code = ErrorCodes.STREAM_CLOSED
-                self._prepare_for_sending([f])
-                self.closed_frames += 1
+                self._on_reset_stream(e.stream_id, ErrorCodes.STREAM_CLOSED, False)
                 events = []
             elif self._stream_is_closed_by_end(e.stream_id):
                 raise h2.exceptions.StreamClosedError(e.stream_id) from e
@@ -525,9 +521,32 @@ class FastReceive:
                 self.closed_frames += 1
         return events
 
+    def _on_reset_stream(self, sid: int, code: int, now: bool) -> None:
+        """A frame other than DATA on a stream closed by RST_STREAM (`now`: by the one
+        h2 sends for this very frame). RFC 9113 5.1: after the peer's RST_STREAM it is a
+        stream error STREAM_CLOSED; after one we sent before it is ignored (it may have
+        been in flight; h2 answers it with another RST_STREAM)."""
+        self.closed_frames += 1
+        if now or self._stream_closed_by(sid) is not h2.stream.StreamClosedBy.SEND_RST_STREAM:
+            f = RstStreamFrame(sid)
+            f.error_code = code
+            self._prepare_for_sending([f])
+
     def _handle_data_on_closed_stream(self, events: list, exc: Any, frame: Any) -> tuple:
-        self.closed_frames += 1  # answered with RST_STREAM (and a WINDOW_UPDATE)
-        return super()._handle_data_on_closed_stream(events, exc, frame)
+        """DATA on a closed stream (RFC 9113 5.1): after END_STREAM from the peer, a
+        connection error STREAM_CLOSED (h2 makes it a stream error); after our own
+        RST_STREAM, ignored but for the connection's window (h2 answers RST_STREAM);
+        otherwise (half-closed, exc._events has the reset h2 makes of it now; or a
+        stream forgotten) a stream error STREAM_CLOSED, as h2 does."""
+        closed_by = None if exc._events else self._stream_closed_by(frame.stream_id)
+        if closed_by in (h2.stream.StreamClosedBy.RECV_END_STREAM,
+                         h2.stream.StreamClosedBy.SEND_END_STREAM):
+            raise exc
+        self.closed_frames += 1
+        frames, events = super()._handle_data_on_closed_stream(events, exc, frame)
+        if closed_by is h2.stream.StreamClosedBy.SEND_RST_STREAM:
+            frames = [f for f in frames if f.__class__ is not RstStreamFrame]
+        return frames, events
 
     def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> Any:
         stream = super()._begin_new_stream(stream_id, allowed_ids)
