@@ -593,3 +593,16 @@ def test_tls_listener_speaks_h2_after_alpn(proxy: ProxyProc) -> None:
         c.handshake()
         first = c.recv()
         assert first is not None and first.type == SETTINGS and "ACK" not in first.flags
+
+
+def test_client_goaway_is_answered_before_close(connect: Callable[[], FrameClient]) -> None:
+    """RFC 9113 6.8: an endpoint SHOULD send GOAWAY before it closes; what the client's
+    last frames asked for (a PING's ACK here) goes out first."""
+    with connect() as c:
+        c.handshake()
+        c.send(raw_frame(GOAWAY, 0, 0, bytes(8)), PingFrame(0, opaque_data=PROBE))
+        frames = c.frames_until(lambda f: isinstance(f, GoAwayFrame))
+        assert any(_is_probe(f) for f in frames), frames
+        assert frames and isinstance(frames[-1], GoAwayFrame), frames
+        assert frames[-1].error_code == E.NO_ERROR
+        assert c.closed_after(3)

@@ -407,6 +407,10 @@ class H2ServerConnection(asyncio.Protocol):
     def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
         # The client is going away: streams it still counts on finish, nothing new starts.
         self.budgets.idle_frames += 1  # a client may repeat its GOAWAY, but not endlessly
+        if not self.streams and not self.goaway_sent:
+            # RFC 9113 6.8: GOAWAY before closing, behind what h2 has queued (PING ACKs).
+            self._goaway(ErrorCodes.NO_ERROR, close=True)
+            return
         self.goaway_sent = True
         if not self.streams:
             self.close()
