@@ -235,6 +235,11 @@ class Authenticator:
             raise AuthError("invalid_token", "wrong issuer") from None
         except jwt.InvalidTokenError as exc:
             raise AuthError("invalid_token", f"invalid token: {exc}") from None
+        for name in ("exp", "nbf", "iat"):
+            value = claims.get(name)
+            if name in claims and (isinstance(value, bool) or not isinstance(value, int | float)):
+                # RFC 7519 2: a JSON number (pyjwt also takes "123" and true, by int()).
+                raise AuthError("invalid_token", f"{name} is not a NumericDate")
         subject = claims.get(cfg.subject_claim)
         if not isinstance(subject, str) or not subject:
             raise AuthError("invalid_token", f"no {cfg.subject_claim} claim")

@@ -15,6 +15,9 @@ from collections import OrderedDict
 from typing import Any
 
 FAIL_TTL = 1.0
+# Refusals are kept only for tokens up to this long: junk tokens near the header limit
+# (32 KiB) would otherwise let any client park cache_size of them in memory.
+MAX_REFUSED_LEN = 2048
 
 
 class TokenCache:
@@ -43,11 +46,13 @@ class TokenCache:
 
     def verified(self, token: str, value: Any, exp: Any, now: float) -> None:
         until = now + self.ttl
-        if isinstance(exp, int | float) and not isinstance(exp, bool):
-            until = min(until, float(exp))
+        if isinstance(exp, int | float) and not isinstance(exp, bool) and exp < until:
+            until = exp  # (compared as numbers: an int past float range is no error)
         self._put(token, value, until, now)
 
     def refused(self, token: str, value: Any, now: float) -> None:
+        if len(token) > MAX_REFUSED_LEN:
+            return
         self._put(token, value, now + min(FAIL_TTL, self.ttl), now)
 
     def _put(self, token: str, value: Any, until: float, now: float) -> None:
