@@ -168,6 +168,22 @@ def test_long_refused_tokens_do_not_fill_the_cache(proxy):
     assert entries() == 1
 
 
+def test_jwks_keys_for_encryption_or_other_algorithms_do_not_verify(proxy, keys):
+    """RFC 7517 4.2-4.4: a key with use "enc", or key_ops without "verify", is not a
+    signature key; a key that states its alg verifies only that alg."""
+    for kid in ("enc", "ops"):
+        token = _sign(keys[kid], {"alg": "RS256", "kid": kid}, _claims())
+        assert _invalid_token(_bearer(proxy, token)) == "unknown signing key"
+    token = _sign(keys["rs512"], {"alg": "RS256", "kid": "rs512"}, _claims())
+    assert "does not fit" in _invalid_token(_bearer(proxy, token))
+    token = _sign(keys["rs512"], {"alg": "RS512", "kid": "rs512"}, _claims(), "RS512")
+    assert _bearer(proxy, token).status_code == 200
+    # A key that states nothing serves its family (ec1: ES256).
+    token = _sign(keys["ec1"], {"alg": "ES256", "kid": "ec1"}, _claims(), "ES256")
+    assert _bearer(proxy, token).status_code == 200
+    assert "key enc skipped" in proxy.log() and "key ops skipped" in proxy.log()
+
+
 def test_credentials_never_reach_upstream_or_logs(proxy, keys):
     token = _sign(keys["rsa1"], {"alg": "RS256", "kid": "rsa1"}, _claims())
     bad = _sign(keys["other"], {"alg": "RS256", "kid": "rsa1"}, _claims())

@@ -103,8 +103,10 @@ class KeyStore:
 
 
 def read_jwks(path: str) -> tuple[dict[str | None, jwt.PyJWK], bytes, list[str]]:
-    """The keys of a JWKS file by kid, the file's digest, and why keys were skipped.
-    OSError or ValueError when the file cannot be read or is not a JWKS."""
+    """The signature keys of a JWKS file by kid, the file's digest, and why keys were
+    skipped (encryption keys among them: `use` other than "sig", or `key_ops` without
+    "verify", RFC 7517 4.2/4.3). OSError or ValueError when the file cannot be read or is
+    not a JWKS."""
     with open(path, "rb") as fh:
         raw = fh.read()
     data = json.loads(raw)
@@ -113,6 +115,13 @@ def read_jwks(path: str) -> tuple[dict[str | None, jwt.PyJWK], bytes, list[str]]
     keys = {}
     skipped = []
     for item in data["keys"]:
+        if isinstance(item, dict) and (
+                item.get("use", "sig") != "sig"
+                or ("key_ops" in item and not (isinstance(item["key_ops"], list)
+                                               and "verify" in item["key_ops"]))):
+            skipped.append(f"key {item.get('kid')} skipped: not a signature key "
+                           f"(use {item.get('use')!r}, key_ops {item.get('key_ops')!r})")
+            continue
         try:
             k = jwt.PyJWK(item)
         except (jwt.PyJWKError, jwt.InvalidKeyError, TypeError, AttributeError,
@@ -120,6 +129,9 @@ def read_jwks(path: str) -> tuple[dict[str | None, jwt.PyJWK], bytes, list[str]]
             kid = item.get("kid") if isinstance(item, dict) else None
             skipped.append(f"key {kid} skipped: {exc}")
             continue
+        # RFC 7517 4.4: a key that names its alg is for that alg only (PyJWK fills in a
+        # default for one that does not, so keep what the file said).
+        k.stated_alg = item.get("alg")
         keys[k.key_id] = k
     return keys, hashlib.sha256(raw).digest(), skipped
 
@@ -156,7 +168,7 @@ class Jwks:
             key = next(iter(self.keys.values()))
         if key is None:
             raise AuthError("invalid_token", "unknown signing key")
-        if key.key_type != KEY_FAMILIES.get(alg[:2]):
+        if key.key_type != KEY_FAMILIES.get(alg[:2]) or key.stated_alg not in (None, alg):
             raise AuthError("invalid_token", "signing key does not fit the token's algorithm")
         return key
 
