@@ -142,7 +142,8 @@ def test_api_key_good_and_bad_and_stripped(jwt_proxy):
     for name, value in (("x-api-key", KEY), ("authorization", f"Bearer {KEY}")):
         r = httpx.get(f"{jwt_proxy.url}/echo", timeout=10,
                       headers=[(name, value), (name, value + "x")])
-        assert r.status_code == 401 and "more than one" in r.json()["error"]["message"], r.text
+        # RFC 6750 3.1: invalid_request is a 400.
+        assert r.status_code == 400 and "more than one" in r.json()["error"]["message"], r.text
 
 
 def test_jwt_accepted_rs256_and_es256(jwt_proxy, keys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import signal
+import socket
 import time
 
 import httpx
@@ -182,6 +183,44 @@ def test_jwks_keys_for_encryption_or_other_algorithms_do_not_verify(proxy, keys)
     token = _sign(keys["ec1"], {"alg": "ES256", "kid": "ec1"}, _claims(), "ES256")
     assert _bearer(proxy, token).status_code == 200
     assert "key enc skipped" in proxy.log() and "key ops skipped" in proxy.log()
+
+
+def _raw(proxy, head_lines: list[bytes]) -> tuple[int, bytes]:
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+        s.sendall(b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                  + b"".join(line + b"\r\n" for line in head_lines) + b"\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head = data.split(b"\r\n\r\n", 1)[0]
+    return int(head.split(b" ", 2)[1]), head.lower()
+
+
+def test_transport_and_rfc6750_challenges(proxy, keys):
+    good = _sign(keys["rsa1"], {"alg": "RS256", "kid": "rsa1"}, _claims())
+    # The auth-scheme is case-insensitive (RFC 9110 11.1); spaces around the token are OWS.
+    for line in (b"Authorization: bearer " + good.encode(), b"authorization: BEARER   "
+                 + good.encode() + b"  ", b"x-api-key:   " + KEY.encode() + b" \t"):
+        status, _ = _raw(proxy, [line])
+        assert status == 200, line
+    # Another scheme is no usable credential: 401 with a challenge and no error code
+    # (RFC 6750 3.1), and the Basic credentials are not passed on.
+    r = _get(proxy, {"authorization": "Basic YWxpY2U6cHc="})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == 'Bearer realm="test"'
+    # A malformed request is invalid_request with 400 (RFC 6750 3.1).
+    for headers in ([("authorization", "Bearer")], [("authorization", f"Bearer\t{good}")],
+                    [("authorization", f"Bearer {good}"), ("authorization", f"Bearer {good}")],
+                    [("x-api-key", KEY), ("x-api-key", KEY)]):
+        r = _get(proxy, headers)
+        assert r.status_code == 400, (headers, r.text)
+        assert 'error="invalid_request"' in r.headers["www-authenticate"]
+        assert r.json()["error"]["code"] == "unauthorized"
+    # A token in the query string is not a credential (RFC 6750 2.3 is not offered).
+    r = _get(proxy, {}, f"/echo?access_token={good}")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == 'Bearer realm="test"'
+    # Past max_header_bytes: 431 before any token work.
+    status, _ = _raw(proxy, [b"authorization: Bearer " + b"a" * 40000 + b".b.c"])
+    assert status == 431
 
 
 def test_credentials_never_reach_upstream_or_logs(proxy, keys):

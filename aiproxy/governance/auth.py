@@ -58,9 +58,9 @@ def new_key() -> str:
 
 
 class AuthError(Exception):
-    def __init__(self, error: str, description: str) -> None:
+    def __init__(self, error: str | None, description: str) -> None:
         super().__init__(description)
-        self.error = error  # RFC 6750 error code: invalid_request | invalid_token
+        self.error = error  # RFC 6750 error code: invalid_request | invalid_token | None
 
 
 class KeyStore:
@@ -278,7 +278,11 @@ class Authenticator:
             raise AuthError("invalid_request", "more than one Authorization field")
         if authz is not None:
             scheme, _, value = authz.partition(b" ")
-            if scheme.lower() != b"bearer" or not value.strip():
+            if scheme.split(b"\t", 1)[0].lower() != b"bearer":
+                # RFC 6750 3.1: another scheme (or none) is no usable credential, so the
+                # challenge has no error code; it is refused, not passed on upstream.
+                raise AuthError(None, "expected Authorization: Bearer")
+            if len(scheme) != 6 or not value.strip():  # "Bearer<TAB>...", or no token
                 raise AuthError("invalid_request", "expected Authorization: Bearer")
             ex.set_upstream_header(b"authorization", None)
             token = value.strip().decode("latin-1")
@@ -388,7 +392,7 @@ class AuthFactory(FilterFactory):
 
 
 class _Refuse(Filter):
-    """Answers 401 when the chain reaches auth (filters before it, tracing and audit,
+    """Answers 401 (400 for invalid_request, RFC 6750 3.1) when the chain reaches auth (filters before it, tracing and audit,
     still see the refusal)."""
 
     __slots__ = ("reply",)
@@ -398,7 +402,8 @@ class _Refuse(Filter):
         if error is not None:
             challenge += b', error="%s", error_description="%s"' % (
                 error.encode(), description.replace('"', "'").encode("ascii", "replace"))
-        self.reply = LocalReply(401, "unauthorized", description,
+        status = 400 if error == "invalid_request" else 401
+        self.reply = LocalReply(status, "unauthorized", description,
                                 [(b"www-authenticate", challenge)])
 
     def request(self, ex: Exchange) -> LocalReply:
