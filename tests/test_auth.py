@@ -309,6 +309,11 @@ def test_grpc_unauthenticated_over_h2c(start_proxy, demo_upstream, tmp_path, key
         with pytest.raises(grpc.RpcError) as err:
             call(b"payload", timeout=10, metadata=[("x-api-key", "wrong")])
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # A malformed credential is 400 over HTTP (RFC 6750 3.1), which gRPC's status
+        # mapping makes INTERNAL; to a gRPC caller it is still UNAUTHENTICATED.
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"payload", timeout=10, metadata=[("authorization", "Bearer")])
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_mtls_subject_is_the_identity(start_proxy, demo_upstream, tmp_path):

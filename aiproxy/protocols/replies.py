@@ -38,9 +38,11 @@ GRPC_STATUS = {400: 13, 401: 16, 403: 7, 404: 12, 408: 4, 413: 8, 429: 8, 431: 8
                501: 12, 502: 14, 503: 14, 504: 4}
 # ... or by error code where the code says more: an upstream's RST_STREAM maps as
 # gRPC's PROTOCOL-HTTP2.md "Errors" maps it for a client talking to it directly.
+# By error code, where the HTTP status would map to the wrong gRPC status: an auth
+# refusal is UNAUTHENTICATED even when it is 400 (RFC 6750 3.1 invalid_request).
 GRPC_CODE_STATUS = {"deadline_exceeded": 4, "upstream_cancelled": 1,
                     "upstream_enhance_your_calm": 8, "upstream_inadequate_security": 7,
-                    "upstream_stream_error": 13}
+                    "upstream_stream_error": 13, "unauthorized": 16}
 
 
 def grpc_status_for(status: int, code: str | None) -> int:
