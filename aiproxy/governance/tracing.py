@@ -2,8 +2,10 @@
 span. A valid incoming `traceparent` is continued (same trace id, this hop's own span
 id as the upstream's parent); a missing or invalid one starts a new trace, and its
 `tracestate` is dropped with it (the spec forbids using tracestate without a valid
-traceparent). The upstream also gets `x-trace-id` (and `x-model-id` from a route with
-`model`, see aiproxy/routing/table.py); a caller's own x-model-id is kept in its span.
+traceparent). A continued trace's tracestate fields go on as one list, or not at all
+when the list is invalid (parse_tracestate). The upstream also gets `x-trace-id` (and
+`x-model-id` from a route with `model`, see aiproxy/routing/table.py); a caller's own
+x-model-id is kept in its span.
 
 Lineage: each proxied hop is a span (trace id, span id, parent span id, model id, route,
 cluster, status, timings) kept in a bounded in-memory store (the oldest traces go
@@ -51,6 +53,46 @@ def parse_traceparent(value: bytes | None) -> tuple[bytes, bytes, bytes] | None:
     if trace == _ZERO_TRACE or span == _ZERO_SPAN:
         return None
     return trace, span, flags
+
+
+_LCALPHA = frozenset(b"abcdefghijklmnopqrstuvwxyz")
+_LCALNUM = _LCALPHA | frozenset(b"0123456789")
+_KEYCHARS = _LCALNUM | frozenset(b"_-*/")
+_VALUECHARS = frozenset(range(0x20, 0x7F)) - frozenset(b",=")
+MAX_TRACESTATE_MEMBERS = 32
+
+
+def _tracestate_key(key: bytes) -> bool:
+    """W3C Trace Context 1, 3.3.1.3.1: a simple key, or tenant@system."""
+    tenant, at, system = key.partition(b"@")
+    if not at:
+        return 0 < len(key) <= 256 and key[0] in _LCALPHA and _KEYCHARS.issuperset(key)
+    return (0 < len(tenant) <= 241 and tenant[0] in _LCALNUM and _KEYCHARS.issuperset(tenant)
+            and 0 < len(system) <= 14 and system[0] in _LCALPHA
+            and _KEYCHARS.issuperset(system))
+
+
+def parse_tracestate(values: list[bytes]) -> bytes | None:
+    """The tracestate fields (in order) as one list without optional whitespace, or None
+    when there is no member or the list is invalid: a member breaking the key/value
+    grammar, a key given twice, more than 32 members. The spec lets a vendor discard a
+    tracestate it cannot parse, and its test harness expects the whole header gone."""
+    members: list[bytes] = []
+    keys: set[bytes] = set()
+    for field in values:
+        for member in field.split(b","):
+            member = member.strip(b" \t")  # OWS around members; empty members are allowed
+            if not member:
+                continue
+            key, eq, value = member.partition(b"=")
+            if (not eq or key in keys or not _tracestate_key(key)
+                    or not 0 < len(value) <= 256 or not _VALUECHARS.issuperset(value)):
+                return None
+            keys.add(key)
+            members.append(member)
+    if not members or len(members) > MAX_TRACESTATE_MEMBERS:
+        return None
+    return b",".join(members)
 
 
 MAX_TRACES = 10_000
@@ -167,6 +209,9 @@ class TraceFactory(FilterFactory):
             ex.set_upstream_header(b"tracestate", None)  # drops the client's
         else:
             trace, parent, flags = parsed
+            sent = head.get_all(b"tracestate")
+            if sent:  # one field, or none when invalid (3.3.1: combined into one)
+                ex.set_upstream_header(b"tracestate", parse_tracestate(sent))
         ex.set_upstream_header(b"traceparent", b"00-%s-%s-%s" % (trace, span, flags))
         ex.set_upstream_header(b"x-trace-id", trace)
         ex.trace_id = trace.decode()
