@@ -161,17 +161,41 @@ def test_tracestate_without_a_valid_traceparent_is_dropped(proxy_port: int) -> N
         assert trace != T and tracestate == []
 
 
+# -- trace flags ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sent, forwarded", [
+    ("00", "00"), ("01", "01"),
+    ("02", "02"), ("03", "03"),   # Level 2: the random trace-id flag is kept with the trace id
+    ("ff", "03"), ("09", "01"),   # undefined bits are sent as zero
+])
+def test_flags_undefined_bits_are_zeroed(proxy_port: int, sent: str, forwarded: str) -> None:
+    trace, _, flags, _ = context(upstream_fields(proxy_port, [("traceparent", f"00-{T}-{P}-{sent}")]))
+    assert (trace, flags) == (T, forwarded)
+    # a later version's traceparent is read as 00: the same rule for its flags
+    trace, _, flags, _ = context(upstream_fields(
+        proxy_port, [("traceparent", f"cc-{T}-{P}-{sent}-what-the-future-will-be-like")]))
+    assert (trace, flags) == (T, forwarded)
+
+
+def test_new_trace_is_sampled_and_random(proxy_port: int) -> None:
+    """A started trace's id is 16 bytes of os.urandom: Level 2's random flag says so."""
+    for parent in ([], [("traceparent", f"00-{'0' * 32}-{P}-01")]):
+        trace, _, flags, _ = context(upstream_fields(proxy_port, parent))
+        assert trace not in (T, "0" * 32) and flags == "03"
+
+
 # -- HTTP/2 and gRPC --------------------------------------------------------------------------
 
 
 def test_h2c_tracestate_fields_are_combined(proxy_port: int) -> None:
     with httpx.Client(http2=True, http1=False) as client:
         r = client.get(f"http://127.0.0.1:{proxy_port}/t", headers=httpx.Headers([
-            ("traceparent", f"00-{T}-{P}-01"), ("tracestate", "foo=1"),
+            ("traceparent", f"00-{T}-{P}-ff"), ("tracestate", "foo=1"),
             ("tracestate", "bar=2,  baz=3")]))
         assert r.http_version == "HTTP/2"
         trace, parent, flags, tracestate = context(r.json())
-        assert (trace, flags, tracestate) == (T, "01", ["foo=1,bar=2,baz=3"]) and parent != P
+        assert (trace, flags, tracestate) == (T, "03", ["foo=1,bar=2,baz=3"]) and parent != P
         r = client.get(f"http://127.0.0.1:{proxy_port}/t", headers=httpx.Headers([
             ("traceparent", f"00-{T}-{P}-01"), ("tracestate", "foo=1"), ("tracestate", "foo=2")]))
         assert context(r.json())[3] == []
@@ -192,7 +216,7 @@ def test_grpc_metadata_carries_the_trace(grpc_upstream: InferenceServer, start_p
     with grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=GRPC_OPTIONS) as channel:
         stub = pb2_grpc.PredictorStub(channel)
         stub.Predict(pb2.PredictRequest(model="m", prompt="hi"), timeout=10, metadata=[
-            ("traceparent", f"00-{T}-{P}-01"), ("tracestate", "foo=1"),
+            ("traceparent", f"00-{T}-{P}-05"), ("tracestate", "foo=1"),
             ("tracestate", "bar=2")])
     seen = grpc_upstream.recorder.metadata[-1]
     m = TRACEPARENT.match(seen["traceparent"])

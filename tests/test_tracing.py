@@ -78,7 +78,7 @@ def test_missing_or_invalid_traceparent_starts_a_trace(start_proxy, demo_upstrea
             assert parsed is not None
             trace = parsed[0].decode()
             assert trace != TRACE and seen["x-trace-id"] == trace
-            assert parsed[2] == b"01"
+            assert parsed[2] == b"03"  # sampled, and a random trace id (Level 2)
             assert "tracestate" not in seen  # never kept without a valid traceparent
             traces.add(trace)
     assert len(traces) == 4

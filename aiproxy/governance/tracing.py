@@ -3,9 +3,9 @@ span. A valid incoming `traceparent` is continued (same trace id, this hop's own
 id as the upstream's parent); a missing or invalid one starts a new trace, and its
 `tracestate` is dropped with it (the spec forbids using tracestate without a valid
 traceparent). A continued trace's tracestate fields go on as one list, or not at all
-when the list is invalid (parse_tracestate). The upstream also gets `x-trace-id` (and
-`x-model-id` from a route with `model`, see aiproxy/routing/table.py); a caller's own
-x-model-id is kept in its span.
+when the list is invalid (parse_tracestate); trace flags keep only the bits Level 2
+defines. The upstream also gets `x-trace-id` (and `x-model-id` from a route with
+`model`, see aiproxy/routing/table.py); a caller's own x-model-id is kept in its span.
 
 Lineage: each proxied hop is a span (trace id, span id, parent span id, model id, route,
 cluster, status, timings) kept in a bounded in-memory store (the oldest traces go
@@ -54,6 +54,11 @@ def parse_traceparent(value: bytes | None) -> tuple[bytes, bytes, bytes] | None:
         return None
     return trace, span, flags
 
+
+# Trace flags this hop forwards: sampled (01) and Level 2's random trace-id (02); W3C asks
+# that the bits it does not define be sent as zero.
+_KNOWN_FLAGS = 0x03
+_NEW_TRACE_FLAGS = b"03"  # sampled (every span is kept) and random (16 bytes of urandom)
 
 _LCALPHA = frozenset(b"abcdefghijklmnopqrstuvwxyz")
 _LCALNUM = _LCALPHA | frozenset(b"0123456789")
@@ -205,10 +210,11 @@ class TraceFactory(FilterFactory):
         parsed = parse_traceparent(sent[0]) if len(sent) == 1 else None
         span = os.urandom(8).hex().encode()
         if parsed is None:
-            trace, parent, flags = os.urandom(16).hex().encode(), None, b"01"
+            trace, parent, flags = os.urandom(16).hex().encode(), None, _NEW_TRACE_FLAGS
             ex.set_upstream_header(b"tracestate", None)  # drops the client's
         else:
             trace, parent, flags = parsed
+            flags = b"%02x" % (int(flags, 16) & _KNOWN_FLAGS)
             sent = head.get_all(b"tracestate")
             if sent:  # one field, or none when invalid (3.3.1: combined into one)
                 ex.set_upstream_header(b"tracestate", parse_tracestate(sent))
