@@ -469,7 +469,7 @@ class H2ServerConnection(asyncio.Protocol):
             if self.goaway_sent or self.server.draining:
                 self.close()
 
-    def drain(self) -> None:
+    def drain(self, idle_grace: float = 0.0) -> None:
         """Graceful stop: GOAWAY now, close once the streams in flight are done."""
         if self.closed or self.goaway_sent:
             return

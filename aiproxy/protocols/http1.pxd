@@ -32,7 +32,7 @@ cdef class H1ConnectionCore(Downstream):
     cdef public int pause_mask
     cdef public bint writing_paused, closed, lingering, tunnel, in_process, client_eof
     cdef public bint chunked_out, h2c, switched
-    cdef public double head_started, idle_since
+    cdef public double head_started, idle_since, drain_idle  # drain_idle: see drain()
 
     cpdef _process(self)
     @cython.locals(head=RequestHead, ex=Exchange, rt=Runtime)
@@ -55,3 +55,4 @@ cdef class H1ConnectionCore(Downstream):
     cpdef close(self)
     cpdef _arm(self, double delay)
     cpdef _cancel_timer(self)
+    cpdef double _idle_from(self)

@@ -119,6 +119,7 @@ class H1ConnectionCore(Downstream):
         self.timer: asyncio.TimerHandle | None = None
         self.head_started = 0.0
         self.idle_since = 0.0
+        self.drain_idle = 0.0
         self.in_process = False
         self.client_eof = False
         self.scheme = b"http"
@@ -626,10 +627,25 @@ class H1ConnectionCore(Downstream):
         self.transport.write_eof()
         self._arm(LINGER_SECONDS)
 
-    def drain(self) -> None:
-        """Graceful stop: idle connections close now, busy ones after their response."""
-        if self.exchange is None:
+    def drain(self, idle_grace: float = 0.0) -> None:
+        """Graceful stop: a busy connection closes after its response, which says
+        `Connection: close`. An idle one may have its next request already on the way,
+        and closing under it loses that request (or resets it): it closes once it has
+        been idle `idle_grace` seconds, unless a request comes first (and is answered
+        with `Connection: close`)."""
+        if self.exchange is not None or self.closed or self.lingering:
+            return
+        self.drain_idle = idle_grace
+        if self.buf:
+            return  # a head arriving: it becomes a request (or times out)
+        left = self._idle_from() + idle_grace - monotonic()
+        if left <= 0:
             self.close()
+        else:
+            self._arm(left)
+
+    def _idle_from(self) -> float:
+        return self.idle_since if self.served else self.head_started
 
     # -- timers ---------------------------------------------------------------------
 
@@ -672,6 +688,8 @@ class H1ConnectionCore(Downstream):
                 left = self.idle_since + http.keepalive_timeout_ms / 1000 - now
             else:
                 left = self.head_started + http.header_timeout_ms / 1000 - now
+            if self.server.draining:
+                left = min(left, self._idle_from() + self.drain_idle - now)
             if left <= 0:
                 self.close()  # idle: close quietly
                 return

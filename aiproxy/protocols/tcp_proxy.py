@@ -114,7 +114,7 @@ class TcpProxyConnection(asyncio.Protocol):
             self.task = None
         self._close("client_lost")
 
-    def drain(self) -> None:
+    def drain(self, idle_grace: float = 0.0) -> None:
         """Graceful stop: a tunnel runs on until the drain timeout aborts it."""
 
     # -- connecting ------------------------------------------------------------------

@@ -36,6 +36,10 @@ from aiproxy.telemetry.recorder import Telemetry
 
 log = logging.getLogger("aiproxy.server")
 
+# On stop, how long an idle HTTP/1.1 connection is kept for a request it may have on the
+# way (H1Connection.drain); at most the drain timeout.
+DRAIN_IDLE_SECONDS = 1.0
+
 
 class ListenerError(Exception):
     """A listener that cannot start; the message names it."""
@@ -237,8 +241,9 @@ class ProxyServer(ServerCore):
             self.policy_timer = None
         for server in self.servers:
             server.close()
+        idle_grace = min(DRAIN_IDLE_SECONDS, timeout)
         for conn in list(self.connections):
-            conn.drain()
+            conn.drain(idle_grace)
         deadline = self.loop.time() + timeout
         while self.connections and self.loop.time() < deadline:
             await asyncio.sleep(0.05)

@@ -1,0 +1,97 @@
+"""What clients see while the proxy drains on SIGTERM: keep-alive connections, HTTP/2
+connections and requests cut at the drain deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import signal
+import socket
+import time
+
+import pytest
+
+from tests.conftest import simple_config
+
+DRAIN = "[server]\nworkers = {workers}\ndrain_timeout_ms = 3000\n"
+REQUEST = b"GET /delay/1 HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def _keepalive_client(port: int, stats: collections.Counter,
+                            stop: asyncio.Event, request: bytes) -> None:
+    """One keep-alive connection sending requests back to back, counting how each ends."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        stats["connect failed"] += 1
+        return
+    try:
+        while not stop.is_set():
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:-2])
+            await reader.readexactly(int(fields[b"content-length"]))
+            stats["ok"] += 1
+            if fields.get(b"connection") == b"close":
+                stats["closed after response"] += 1
+                return
+    except asyncio.IncompleteReadError:
+        stats["lost request (EOF)"] += 1
+    except ConnectionResetError:
+        stats["lost request (RST)"] += 1
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_keepalive_load_sees_connection_close_not_lost_requests(start_proxy, demo_upstream,
+                                                                workers):
+    """Connections busy with back-to-back requests when SIGTERM comes each end with a
+    response saying `Connection: close`: none has its next request cut off by a close
+    (EOF) or a reset. The proxy answers these (404, no route) itself: quick answers
+    leave each connection idle, between a response and the next request, most often."""
+    proxy = start_proxy(DRAIN.format(workers=workers) + simple_config(demo_upstream)
+                        .replace('path_prefix = "/"', 'path_prefix = "/up/"'))
+    if workers > 1:
+        proxy.workers()
+    stats: collections.Counter = collections.Counter()
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        clients = [asyncio.create_task(
+            _keepalive_client(proxy.port, stats, stop, b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n"))
+                   for _ in range(16)]
+        while stats["ok"] < 200:
+            await asyncio.sleep(0.05)
+        proxy.proc.send_signal(signal.SIGTERM)
+        done, _ = await asyncio.wait(clients, timeout=5)
+        stop.set()
+        assert len(done) == len(clients)
+
+    asyncio.run(scenario())
+    assert stats["closed after response"] == 16, dict(stats)
+    assert proxy.proc.wait(10) == 0
+
+
+def test_idle_keepalive_connection_gets_its_next_request_answered(start_proxy, demo_upstream):
+    """A keep-alive connection idle when SIGTERM comes may have its next request on the
+    way: a request sent shortly after is answered, with `Connection: close`."""
+    proxy = start_proxy(DRAIN.format(workers=1) + simple_config(demo_upstream))
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(REQUEST)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        proxy.proc.send_signal(signal.SIGTERM)
+        # still listening until the proxy has the signal; then refused
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.01)
+        sock.sendall(REQUEST)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    assert b"\r\nconnection: close\r\n" in reply.lower()
+    assert proxy.proc.wait(10) == 0
