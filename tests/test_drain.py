@@ -10,8 +10,10 @@ import socket
 import time
 
 import pytest
+from hyperframe.frame import GoAwayFrame
 
 from tests.conftest import simple_config
+from tests.h2_support import FrameClient
 
 DRAIN = "[server]\nworkers = {workers}\ndrain_timeout_ms = 3000\n"
 REQUEST = b"GET /delay/1 HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -81,17 +83,45 @@ def test_idle_keepalive_connection_gets_its_next_request_answered(start_proxy, d
         sock.sendall(REQUEST)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         proxy.proc.send_signal(signal.SIGTERM)
-        # still listening until the proxy has the signal; then refused
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
-            except ConnectionRefusedError:
-                break
-            time.sleep(0.01)
+        _wait_refused(proxy.port)
         sock.sendall(REQUEST)
         reply = b""
         while chunk := sock.recv(65536):
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 200"), reply
     assert b"\r\nconnection: close\r\n" in reply.lower()
+    assert proxy.proc.wait(10) == 0
+
+
+def _wait_refused(port: int) -> None:
+    """Until the proxy has closed its listener (it drains)."""
+    for _ in range(500):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except ConnectionRefusedError:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the listener is still open")
+
+
+def test_h2_stream_crossing_the_drain_goaway_is_served(start_proxy, demo_upstream):
+    """RFC 9113 6.8: GOAWAY(2^31-1) and a PING first, the GOAWAY naming the last stream
+    after the PING's ACK. A stream the client sent before it read the first GOAWAY is
+    served rather than refused; the connection closes after it."""
+    proxy = start_proxy(DRAIN.format(workers=1) + simple_config(demo_upstream),
+                        'protocols = ["http1", "h2c"]')
+    with FrameClient(proxy.port) as client:
+        client.handshake()
+        client.send(client.request(1, "/delay/1"))
+        assert client.response(1).status == 200
+        proxy.proc.send_signal(signal.SIGTERM)
+        _wait_refused(proxy.port)
+        client.send(client.request(3, "/delay/1"))  # has not read the GOAWAY yet
+        response = client.response(3)  # answers the PING on the way
+        rest = client.frames_until(lambda frame: False, timeout=5)
+    assert response.status == 200, response
+    goaways = [response.goaway] + [f for f in rest if isinstance(f, GoAwayFrame)]
+    assert [(g.last_stream_id, g.error_code) for g in goaways if g is not None] == [
+        (2**31 - 1, 0), (3, 0)]
+    assert client.eof
     assert proxy.proc.wait(10) == 0

@@ -1008,9 +1008,12 @@ def test_sigterm_idle_h2_connection_gets_goaway(demo_upstream: int, tmp_path: Pa
             c.send(c.request(1, "/echo"))
             assert c.response(1).status == 200
             proxy.proc.send_signal(signal.SIGTERM)
-            goaway = c.goaway(5)
-            assert goaway is not None and goaway.error_code == ErrorCodes.NO_ERROR
-            assert goaway.last_stream_id == 1
+            # RFC 9113 6.8: GOAWAY(2^31-1) + PING, then (after the ACK c sends) the last id
+            first, last = c.goaway(5), c.goaway(5)
+            assert first is not None and first.error_code == ErrorCodes.NO_ERROR
+            assert first.last_stream_id == 2**31 - 1
+            assert last is not None and last.error_code == ErrorCodes.NO_ERROR
+            assert last.last_stream_id == 1
             assert c.closed_after(5)
         assert proxy.proc.wait(10) == 0
     finally:

@@ -60,6 +60,8 @@ SETTINGS_NO_RFC7540_PRIORITIES = 0x9  # RFC 9218 2.1: 0 or 1, else PROTOCOL_ERRO
 LINGER_SECONDS = 2.0        # how long a closing connection may take to flush its output
 EARLY_RESET_SECONDS = 5.0   # a stream answered early is reset this long after at the latest
 EARLY_PING = 0xA1 << 56     # PING opaque data: this tag | stream id (see end_early)
+DRAIN_PING = struct.pack(">Q", 0xD2 << 56)  # PING opaque data of drain()'s round trip
+MAX_STREAM_ID = 2**31 - 1
 # What h2 wraps in a plain ProtocolError when a field block cannot be decoded.
 HPACK_ERRORS = (hpack.HPACKError, IndexError, TypeError, UnicodeDecodeError)
 INFINITY = float("inf")
@@ -121,6 +123,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
         self.goaway_sent = False
+        self.drain_ping = False      # drain() announced the stop; the last GOAWAY is to come
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
@@ -349,6 +352,10 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_ping_ack(self, ev: h2.events.PingAckReceived) -> None:
         self.budgets.idle_frames += 1  # owed nothing; unasked-for ones are a flood
+        if ev.ping_data == DRAIN_PING:
+            if not self.goaway_sent:
+                self._goaway(ErrorCodes.NO_ERROR, close=not self.streams)
+            return
         (tag,) = struct.unpack(">Q", ev.ping_data)
         if tag & ~0x7FFFFFFF == EARLY_PING:
             self._reset_early(tag & 0x7FFFFFFF)
@@ -466,14 +473,28 @@ class H2ServerConnection(asyncio.Protocol):
         self.streams.pop(stream.sid, None)
         if not self.streams:
             self.idle_since = self.loop.time()
-            if self.goaway_sent or self.server.draining:
+            if self.goaway_sent or (self.server.draining and not self.drain_ping):
                 self.close()
 
     def drain(self, idle_grace: float = 0.0) -> None:
-        """Graceful stop: GOAWAY now, close once the streams in flight are done."""
-        if self.closed or self.goaway_sent:
+        """Graceful stop, in two steps (RFC 9113 6.8): GOAWAY with the largest stream id
+        and a PING; once its ACK is back, every stream the client opened before it has
+        arrived, and the GOAWAY naming the last of them follows. A stream the client
+        had on the way when the stop began is served, not refused. The connection closes
+        once the streams in flight are done (the drain timeout cuts a client that does
+        not answer the PING)."""
+        if self.closed or self.goaway_sent or self.drain_ping:
             return
-        self._goaway(ErrorCodes.NO_ERROR, close=not self.streams)
+        self.drain_ping = True
+        self._flush()
+        self.transport.write(GoAwayFrame(0, last_stream_id=MAX_STREAM_ID,
+                                         error_code=ErrorCodes.NO_ERROR).serialize())
+        try:
+            self.h2.ping(DRAIN_PING)
+        except h2.exceptions.ProtocolError:
+            self._goaway(ErrorCodes.NO_ERROR, close=not self.streams)
+            return
+        self._flush()
 
     def close(self) -> None:
         if not self.closed:
