@@ -308,8 +308,12 @@ class Exchange(ExchangeBase):
 
     def _inspect(self, kind: int, limit: int) -> None:
         """Wait for `limit` body bytes (or the whole body) before going on with `kind`."""
-        coding = self.head.get(b"content-encoding")
-        if coding is not None and coding.strip().lower() not in (b"", b"identity"):
+        # Every field and list member: `identity` first must not hide a `gzip` after it.
+        coded = False
+        for coding in b",".join(self.head.get_all(b"content-encoding")).lower().split(b","):
+            if coding.strip() not in (b"", b"identity"):
+                coded = True
+        if coded:
             if kind == INSPECT_SEMANTIC:
                 self.no_intent = "compressed"
                 return self._classify(b"")  # routed on what can be read: no body
