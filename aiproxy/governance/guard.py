@@ -4,13 +4,14 @@ Prompt guard (`[[guard.rules]]`): keywords (case-insensitive substrings, all rul
 one Aho-Corasick automaton) and regexes over the request's text: for a JSON body
 (whatever its content type) every string in it (all messages and roles, system
 prompts, instructions, tool definitions and call arguments: whatever the model may
-read); for a multipart/form-data body its text parts (fields, text/* and JSON files,
+read; each value of a duplicate name); for a multipart/form-data body its text parts (fields, text/* and JSON files,
 decoded if sent base64 or quoted-printable; other files are skipped; a body of more
 than MAX_FORM_PARTS parts is refused, 413 too_many_parts); otherwise the
 UnifiedRequest text the semantic layer extracts (gRPC strings, form values, plain text,
-a JSON body cut at inspect_bytes read leniently, ...). Keywords match
-the text as a reader sees it: compatibility-normalized (NFKC: fullwidth letters are
-letters), without zero-width characters, with each run of whitespace one space.
+...). A body longer than inspect_bytes is refused (413 guard_body_too_large); of a gRPC
+call the first message is read. Keywords match the text as a reader sees it:
+compatibility-normalized (NFKC: fullwidth letters are letters), without invisible
+(default-ignorable) characters, with each run of whitespace one space.
 A `block` rule answers 403 with its id; a `flag` rule lets the request through with
 x-aiproxy-guard-flags on the upstream request and the response, and in the audit record.
 
@@ -23,6 +24,7 @@ zstd, ...) never reaches the client: 502 `redaction_failed` (counted as "refused
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import unicodedata
@@ -62,15 +64,25 @@ FLAGS_HEADER = b"x-aiproxy-guard-flags"
 STREAMED_JSON = frozenset(("text/event-stream", "application/x-ndjson", "application/jsonl"))
 
 
-_INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))
+# Unicode's Default_Ignorable_Code_Point set (DerivedCoreProperties.txt): invisible
+# characters (zero-width, bidi controls, variation selectors, tags, fillers, ...) that a
+# reader (or a model's tokenizer) reads past.
+_IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160),
+              (0x17B4, 0x17B5), (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E),
+              (0x2060, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
+              (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
+              (0xE0000, 0xE0FFF))
+_INVISIBLE = dict.fromkeys(cp for lo, hi in _IGNORABLE for cp in range(lo, hi + 1))
 _SPACES = re.compile(r"\s+")
-MAX_STRINGS = 10_000
 _LEADING_WS = re.compile(rb"[ \t\r\n]*")
+# Each string of a (valid) JSON text; group 1 is set for a key.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"([ \t\r\n]*:)?')
 
 
 def json_text(body: bytes) -> str | None:
     """Every string value of a JSON body, one per line (None: not JSON). Keys are left
-    out; a body cut at the inspection limit is not JSON and is read as text instead."""
+    out; a body cut at the inspection limit is not JSON and is read as text instead.
+    Every value of a duplicate key is read: parsers differ on which one they keep."""
     start = _LEADING_WS.match(body).end()
     if body[start:start + 1] not in (b"{", b"["):
         return None
@@ -79,13 +91,33 @@ def json_text(body: bytes) -> str | None:
     except ValueError:
         return None
     out: list[str] = []
+    keys = 0
     stack = [doc]
-    while stack and len(out) < MAX_STRINGS:
+    while stack:
         value = stack.pop()
         if isinstance(value, str):
             out.append(value)
         elif isinstance(value, dict):
+            keys += len(value)
             stack.extend(reversed(list(value.values())))
+        elif isinstance(value, list):
+            stack.extend(reversed(value))
+    ends = _STRING.findall(body)
+    if keys < len(ends) - ends.count(b""):
+        # A duplicate key, whose other values orjson dropped: read them all.
+        return json_text_pairs(body)
+    return "\n".join(out)
+
+
+def json_text_pairs(body: bytes) -> str:
+    """json_text of a (valid) body read with every (key, value) pair kept."""
+    doc = json.loads(body, object_pairs_hook=lambda pairs: [v for _, v in pairs])
+    out: list[str] = []
+    stack = [doc]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            out.append(value)
         elif isinstance(value, list):
             stack.extend(reversed(value))
     return "\n".join(out)
@@ -145,11 +177,13 @@ class PromptGuard:
 
 
 class GuardFilter(Filter):
-    __slots__ = ("guard", "flags", "redactor", "decoder", "detector", "json_fields", "counts")
+    __slots__ = ("guard", "inspect_bytes", "flags", "redactor", "decoder", "detector",
+                 "json_fields", "counts")
 
     def __init__(self, guard: PromptGuard | None, detector: Any, json_fields: tuple,
-                 counts: dict[tuple[str, str], int]) -> None:
+                 counts: dict[tuple[str, str], int], inspect_bytes: int = 0) -> None:
         self.guard = guard
+        self.inspect_bytes = inspect_bytes
         self.detector = detector
         self.json_fields = json_fields
         self.counts = counts
@@ -162,6 +196,14 @@ class GuardFilter(Filter):
             return None
         head = ex.head
         body = ex.request_body()
+        whole = ex.req_done or 0 <= head.content_length <= len(body)
+        if not ex.grpc and (not whole or len(body) > self.inspect_bytes):
+            # What it did not read would go upstream unread: refused, as a coded body is
+            # (and so is any body over the limit, whether or not it all came in one read).
+            # A gRPC call is read up to its first message: a stream is not held.
+            return LocalReply(413, "guard_body_too_large", "the prompt guard reads at most "
+                              f"{self.inspect_bytes} bytes of a request body "
+                              "([guard] inspect_bytes)")
         text = json_text(body)
         if text is None:
             ctype = head.get(b"content-type") or b""
@@ -288,7 +330,8 @@ class GuardFactory(FilterFactory):
     def start(self, ex: Exchange) -> Filter:
         if self.detector is not None:
             ex.set_upstream_header(b"accept-encoding", b"identity")
-        return GuardFilter(self.guard, self.detector, self.json_fields, self.counts)
+        return GuardFilter(self.guard, self.detector, self.json_fields, self.counts,
+                           self.inspect_bytes)
 
     def metric_families(self) -> Any:
         from prometheus_client.core import CounterMetricFamily
