@@ -1,11 +1,13 @@
 """Cache keys: one hash of a request's canonical form, shared by the prompt cache
-(`pc:<hash>`) and the embedding cache (`ec:<hash>`), so both fill together.
+(`pc:<hash>:<variant>`) and the embedding cache (`ec:<hash>`), so both fill together.
 
 The canonical form is the endpoint plus the JSON body with its keys sorted and the
 fields that do not change the answer dropped (`user`, `metadata`): model, messages /
 prompt / input and every sampling parameter (temperature, top_p, seed, stop, tools,
 max_tokens, stream, ...) take part, so two requests share a key only when an upstream
-would see the same question asked the same way.
+would see the same question asked the same way. A prompt entry's key adds what else
+decides the answer (prompt.variant_of: route, cluster, query, Accept-Encoding) and whose
+entry it is.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ def context_hash(kind: str, body: dict[str, Any]) -> str:
     return request_hash(kind, form)
 
 
-def prompt_key(h: str, scope: str | None) -> str:
-    """`pc:<hash>`, or `pc:<hash>:<scope hash>` when entries are per identity."""
-    if scope is None:
-        return "pc:" + h
-    return f"pc:{h}:{hashlib.blake2b(scope.encode(), digest_size=8).hexdigest()}"
+def prompt_key(h: str, variant: str, scope: str | None) -> str:
+    """`pc:<hash>:<variant hash>`: the body's hash, then what else decides the answer
+    (the variant: route, cluster, query, Accept-Encoding) and, when entries are per
+    identity, whose entry it is."""
+    tail = variant if scope is None else f"{variant}\x1e{scope}"
+    digest = hashlib.blake2b(tail.encode("utf-8", "surrogatepass"), digest_size=16)
+    return f"pc:{h}:{digest.hexdigest()}"
 
 
 def embedding_key(h: str) -> str:

@@ -2,7 +2,7 @@
 embedding cache that lets a prompt seen before skip intent classification.
 
 A 200 response to an OpenAI-style request whose whole JSON body was read is stored
-under `pc:<hash>` (key.py) as it passes: head fields and the body pieces as they came,
+under `pc:<hash>:<variant>` (key.py) as it passes: head fields and the body pieces as they came,
 so a cached event stream is replayed with its original event boundaries (one HTTP/1.1
 chunk or HTTP/2 DATA frame per stored piece). Never stored: other statuses, responses
 with Set-Cookie or Cache-Control no-store (private too when entries are shared), bodies
@@ -154,6 +154,19 @@ def scope_of(ex: Exchange, tenant: str) -> str:
     return f"{tenant}\x1fcredentials:{digest}"
 
 
+def variant_of(ex: Exchange, route_part: str) -> str:
+    """What besides the body and the caller decides the answer: the route (route_part:
+    its name and what it changes in the upstream request), the cluster it chose (a
+    split's side), the query (Azure's api-version) and the codings the client accepts
+    (an entry stored gzip-coded is for a client that takes gzip)."""
+    target = ex.up_target
+    q = target.find(b"?")
+    query = target[q + 1:] if q >= 0 else b""
+    codings = b",".join(ex.head.get_all(b"accept-encoding")).lower().replace(b" ", b"")
+    return "\x1f".join((route_part, ex.cluster.name, query.decode("latin-1"),
+                        codings.decode("latin-1")))
+
+
 class CacheState:
     """The caches and their counters; kept across reloads (the config may change)."""
 
@@ -254,11 +267,12 @@ class CacheState:
 
 
 class CacheFilter(Filter):
-    __slots__ = ("state", "hash", "key", "mark", "items", "chunks", "size", "status",
-                 "index_key", "max_age")
+    __slots__ = ("state", "route_part", "hash", "key", "mark", "items", "chunks", "size",
+                 "status", "index_key", "max_age")
 
-    def __init__(self, state: CacheState) -> None:
+    def __init__(self, state: CacheState, route_part: str) -> None:
         self.state = state
+        self.route_part = route_part
         self.hash: str | None = None
         self.key: str | None = None  # where the response will be stored; None: not
         self.mark = MISS
@@ -280,10 +294,11 @@ class CacheFilter(Filter):
         cfg = state.cfg
         h = self.hash = request_hash(llm.endpoint, llm.body)
         scope = None if cfg.shared else scope_of(ex, llm.tenant)
-        self.key = prompt_key(h, scope)
+        variant = variant_of(ex, self.route_part)
+        self.key = prompt_key(h, variant, scope)
         if ex.intent is not None or cfg.semantic_threshold is not None:
             # Nearest neighbours only among requests equal but for their question.
-            self.index_key = (ex.route.name, scope, context_hash(llm.endpoint, llm.body))
+            self.index_key = (variant, scope, context_hash(llm.endpoint, llm.body))
         max_age = _max_age(cc)
         if b"no-cache" in cc or max_age == 0:
             state.misses += 1
@@ -397,13 +412,14 @@ class CacheFilter(Filter):
 class CacheFactory(FilterFactory):
     name = "cache"
 
-    def __init__(self, state: CacheState) -> None:
+    def __init__(self, state: CacheState, route_part: str) -> None:
         self.state = state
+        self.route_part = route_part
 
     def start(self, ex: Exchange) -> Filter | None:
         if ex.llm is None:
             return None
-        return CacheFilter(self.state)
+        return CacheFilter(self.state, self.route_part)
 
 
 def make_state(config: Config, previous: CacheState | None) -> CacheState | None:
@@ -419,4 +435,8 @@ def build(config: Config, route: RouteConfig, state: CacheState) -> FilterFactor
     routes = state.cfg.routes
     if routes and route.name not in routes:
         return None
-    return CacheFactory(state)
+    # A route's entries are its own, and a reload that changes what the route sends
+    # upstream starts new ones.
+    part = repr((route.name, route.model, route.prefix_rewrite, route.request_headers_add,
+                 route.request_headers_remove))
+    return CacheFactory(state, part)
