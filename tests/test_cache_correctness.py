@@ -247,3 +247,25 @@ def test_every_field_that_changes_the_answer_takes_part(start_proxy, upstream):
         assert (r.headers["x-aiproxy-cache"], r.text) == ("hit", first[1])
         assert _ask(c, url, {**CHAT, "user": "u2"}) == ("hit", first[1])
     assert len(upstream.calls) == len(variants) + 1
+
+
+def test_authenticated_tenants_never_share(start_proxy, upstream):
+    """With [auth] entries are per subject; a subject named like a client address is not
+    the anonymous callers from that address."""
+    from aiproxy.governance.auth import hash_key
+
+    auth = ('[auth]\nrequired = false\n\n'
+            f'[[auth.api_keys]]\nid = "ka"\nsubject = "alice"\nhash = "{hash_key("key-a")}"\n\n'
+            f'[[auth.api_keys]]\nid = "kb"\nsubject = "bob"\nhash = "{hash_key("key-b")}"\n\n'
+            f'[[auth.api_keys]]\nid = "kip"\nsubject = "127.0.0.1"\n'
+            f'hash = "{hash_key("key-ip")}"\n')
+    proxy = _proxy(start_proxy, upstream.port, more=auth)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        alice = _ask(c, url, **{"x-api-key": "key-a"})
+        bob = _ask(c, url, **{"x-api-key": "key-b"})
+        assert (alice[0], bob[0]) == ("miss", "miss") and alice[1] != bob[1]
+        assert _ask(c, url, **{"x-api-key": "key-a"}) == ("hit", alice[1])
+        named = _ask(c, url, **{"x-api-key": "key-ip"})
+        anonymous = _ask(c, url)
+        assert (named[0], anonymous[0]) == ("miss", "miss") and named[1] != anonymous[1]

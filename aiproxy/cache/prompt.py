@@ -145,7 +145,8 @@ def scope_of(ex: Exchange, tenant: str) -> str:
     key of the same client address / tenant header) read the answers another key paid
     for: a hit never reaches the upstream that checks the key."""
     if ex.identity is not None:
-        return tenant
+        # Marked: a subject named like a client address is not that address's callers.
+        return f"{tenant}\x1fauthenticated"
     head = ex.head
     creds = [value for name in CREDENTIALS for value in head.get_all(name)]
     if not creds:
