@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.support import free_port
@@ -24,7 +25,7 @@ class Upstream:
     """An OpenAI-style chat upstream on a raw asyncio server: every answer carries a new
     id (`c<N>`, N = calls so far) and the Host it was sent to, so a replay is told from a
     fresh answer. The last user message chooses misbehaviour: "cut" ends an event stream
-    mid-way, "cookie" adds Set-Cookie, "nostore"/"private" the Cache-Control, "error" is a
+    mid-way (a plain body half-way), "cookie" adds Set-Cookie, "nostore"/"private" the Cache-Control, "error" is a
     500, "slow" waits 0.5 s before answering. A request that accepts gzip gets gzip."""
 
     def __init__(self) -> None:
@@ -125,7 +126,13 @@ class Upstream:
             out = gzip.compress(out)
             extra += b"Content-Encoding: gzip\r\nVary: Accept-Encoding\r\n"
         writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n" % len(out) + extra + b"\r\n" + out)
+                     b"Content-Length: %d\r\n" % len(out) + extra + b"\r\n")
+        if "cut" in text:  # half the body, then the connection ends
+            writer.write(out[:len(out) // 2])
+            await writer.drain()
+            writer.transport.abort()
+            return False
+        writer.write(out)
         await writer.drain()
         return True
 
@@ -269,3 +276,144 @@ def test_authenticated_tenants_never_share(start_proxy, upstream):
         named = _ask(c, url, **{"x-api-key": "key-ip"})
         anonymous = _ask(c, url)
         assert (named[0], anonymous[0]) == ("miss", "miss") and named[1] != anonymous[1]
+
+
+def _said(text: str, **more: Any) -> dict:
+    return {**CHAT, "messages": [{"role": "user", "content": text}], **more}
+
+
+def test_only_whole_clean_answers_are_stored(start_proxy, upstream):
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        for body in (_said("cut", stream=True), _said("cut")):
+            for _ in range(2):
+                before = len(upstream.calls)
+                with pytest.raises(httpx.HTTPError):
+                    c.post(url, json=body).read()
+                assert len(upstream.calls) == before + 1  # asked again: nothing stored
+        cookies = [c.post(url, json=_said("cookie")) for _ in range(2)]
+        assert [r.headers["x-aiproxy-cache"] for r in cookies] == ["miss", "miss"]
+        assert cookies[0].headers["set-cookie"] != cookies[1].headers["set-cookie"]
+        for text in ("nostore", "error"):
+            assert [_ask(c, url, _said(text))[0] for _ in range(2)] == ["miss", "miss"]
+        # private: kept per caller (the default), never with shared = true (below).
+        assert [_ask(c, url, _said("private"))[0] for _ in range(2)] == ["miss", "hit"]
+        refused = c.post(url, json=_said("client"), headers={"cache-control": "no-store"})
+        assert refused.headers["x-aiproxy-cache"] == "bypass"
+        assert _ask(c, url, _said("client"))[0] == "miss"
+    shared = _proxy(start_proxy, upstream.port, cache="shared = true")
+    with httpx.Client() as c:
+        url = f"{shared.url}/v1/chat/completions"
+        assert [_ask(c, url, _said("private"))[0] for _ in range(2)] == ["miss", "miss"]
+
+
+def test_replays(start_proxy, upstream):
+    """A stored stream replays as an event stream the openai client reads alike; a stream
+    entry never answers a plain request (nor the reverse); plain hits have a length."""
+    proxy = _proxy(start_proxy, upstream.port)
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0)
+
+    def streamed() -> tuple[str | None, list[dict]]:
+        with client.chat.completions.with_streaming_response.create(
+                model="m", messages=CHAT["messages"], temperature=0, stream=True) as r:
+            return r.headers.get("x-aiproxy-cache"), [c.model_dump() for c in r.parse()]
+
+    first, again = streamed(), streamed()
+    assert (first[0], again[0]) == ("miss", "hit") and first[1] == again[1]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in again[1]).startswith("answer 1")
+    plain = client.chat.completions.with_raw_response.create(
+        model="m", messages=CHAT["messages"], temperature=0)
+    assert plain.headers["x-aiproxy-cache"] == "miss"
+    assert plain.parse().choices[0].message.content.startswith("answer 2")
+    with httpx.Client() as c:
+        url = f"{proxy.url}/v1/chat/completions"
+        hit = c.post(url, json=CHAT, headers={"authorization": "Bearer k"})
+        assert hit.headers["x-aiproxy-cache"] == "hit"
+        assert int(hit.headers["content-length"]) == hit.num_bytes_downloaded
+        assert "transfer-encoding" not in hit.headers and int(hit.headers["age"]) >= 0
+        assert hit.headers["content-type"] == "application/json"
+        with c.stream("POST", url, json={**CHAT, "stream": True},
+                      headers={"authorization": "Bearer k"}) as s:
+            assert s.headers["x-aiproxy-cache"] == "hit"
+            assert s.headers["transfer-encoding"] == "chunked"
+            assert "content-length" not in s.headers
+            assert s.headers["content-type"] == "text/event-stream"
+            assert b"".join(s.iter_bytes()).endswith(b"data: [DONE]\n\n")
+        # Only POSTs to the OpenAI endpoints are cached.
+        assert "x-aiproxy-cache" not in c.head(url).headers
+    assert len(upstream.calls) == 3
+
+
+def test_identical_misses_together_are_each_asked(start_proxy, upstream):
+    """No coalescing (documented): N identical misses at once make N upstream calls, each
+    answered whole; an entry is only there once a response ended."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient() as c:
+            return await asyncio.gather(*[c.post(url, json=_said("slow")) for _ in range(8)])
+
+    answers = asyncio.run(burst())
+    assert [r.headers["x-aiproxy-cache"] for r in answers] == ["miss"] * 8
+    assert len({r.json()["id"] for r in answers}) == 8 and len(upstream.calls) == 8
+    with httpx.Client() as c:
+        hit = c.post(url, json=_said("slow"))
+    assert hit.headers["x-aiproxy-cache"] == "hit"
+    assert hit.json()["id"] in {r.json()["id"] for r in answers}
+
+
+def _cache_bytes(admin: int) -> float:
+    for line in httpx.get(f"http://127.0.0.1:{admin}/metrics").text.splitlines():
+        if line.startswith("aiproxy_cache_bytes "):
+            return float(line.split()[1])
+    raise AssertionError("no aiproxy_cache_bytes")
+
+
+def test_size_bounds(start_proxy, upstream):
+    admin = free_port()
+    more = f'[admin]\naddress = "127.0.0.1:{admin}"\n'
+    small = _proxy(start_proxy, upstream.port, cache="max_entry_bytes = 400", more=more)
+    with httpx.Client() as c:
+        url = f"{small.url}/v1/chat/completions"
+        assert [_ask(c, url)[0] for _ in range(2)] == ["miss", "miss"]  # over 400: not kept
+    assert _cache_bytes(admin) == 0
+    admin = free_port()
+    more = f'[admin]\naddress = "127.0.0.1:{admin}"\n'
+    tight = _proxy(start_proxy, upstream.port, cache="max_bytes = 1024", more=more)
+    with httpx.Client() as c:
+        url = f"{tight.url}/v1/chat/completions"
+        assert [_ask(c, url, _said(t))[0] for t in ("a", "a", "b", "a")] == [
+            "miss", "hit", "miss", "miss"]  # one ~600-byte entry fits: b pushed a out
+    assert 0 < _cache_bytes(admin) <= 1024
+
+
+def test_reload_applies_new_bounds_to_entries_held(start_proxy, upstream):
+    """A reload keeps the entries, but a smaller max_bytes or a shorter ttl_ms holds for
+    them at once, and a route that now sends another model starts new entries."""
+    admin = free_port()
+    more = f'[admin]\naddress = "127.0.0.1:{admin}"\n'
+    proxy = _proxy(start_proxy, upstream.port, more=more)
+    url = f"{proxy.url}/v1/chat/completions"
+    source = proxy.config_path.read_text()
+
+    def reload(text: str) -> None:
+        proxy.config_path.write_text(text)
+        r = httpx.post(f"http://127.0.0.1:{admin}/config/reload", timeout=10)
+        assert r.status_code == 200, r.text
+
+    with httpx.Client() as c:
+        for t in ("a", "b", "c", "a"):
+            _ask(c, url, _said(t))
+        assert _cache_bytes(admin) > 1024
+        reload(source.replace("[cache]\n", "[cache]\nmax_bytes = 1024\n"))
+        assert 0 < _cache_bytes(admin) <= 1024
+        assert _ask(c, url, _said("a"))[0] == "hit"  # the most recent one stayed
+        reload(source.replace('cluster = "up"\n', 'cluster = "up"\nmodel = "m9"\n'))
+        assert _ask(c, url, _said("a"))[0] == "miss"
+        assert upstream.calls[-1]["body"]["model"] == "m9"
+        assert _ask(c, url, _said("a"))[0] == "hit"
+        reload(source.replace('cluster = "up"\n', 'cluster = "up"\nmodel = "m9"\n')
+               .replace("[cache]\n", "[cache]\nttl_ms = 1\n"))
+        assert _ask(c, url, _said("a"))[0] == "miss"  # stored under a 300 s ttl

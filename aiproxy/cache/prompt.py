@@ -205,6 +205,7 @@ class CacheState:
         old = self.cfg
         self.cfg = cfg
         self.store.max_bytes = cfg.max_bytes
+        self.store.trim()
         same = (old.backend, old.redis_url, old.redis_timeout_ms) == (
             cfg.backend, cfg.redis_url, cfg.redis_timeout_ms)
         if cfg.backend == "redis" and (self.shared is None or not same):
@@ -320,8 +321,12 @@ class CacheFilter(Filter):
         return None
 
     def _fresh(self, stored: Stored, now: float) -> bool:
-        """Young enough for the request's max-age (when it gave one)."""
-        return self.max_age is None or now - stored.created <= self.max_age
+        """Young enough for the ttl (a reload may have shortened it since the entry was
+        stored) and for the request's max-age (when it gave one)."""
+        age = now - stored.created
+        if age * 1000 >= self.state.cfg.ttl_ms:
+            return False
+        return self.max_age is None or age <= self.max_age
 
     def _nearest(self, ex: Exchange) -> str | None:
         """The prompt key of the most similar stored request, if similar enough."""

@@ -33,6 +33,10 @@ class MemoryCache:
             self.size -= old[1]
         self.entries[key] = (expires, size, value)
         self.size += size
+        self.trim()
+
+    def trim(self) -> None:
+        """Drop the least recently used entries until the rest fit max_bytes."""
         while self.size > self.max_bytes:
             _, (_, n, _) = self.entries.popitem(last=False)
             self.size -= n
