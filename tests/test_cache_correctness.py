@@ -8,7 +8,11 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
+import shutil
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import free_port
+from tests.support import free_port, start_redis_server, stop_process
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
 
@@ -417,3 +421,45 @@ def test_reload_applies_new_bounds_to_entries_held(start_proxy, upstream):
         reload(source.replace('cluster = "up"\n', 'cluster = "up"\nmodel = "m9"\n')
                .replace("[cache]\n", "[cache]\nttl_ms = 1\n"))
         assert _ask(c, url, _said("a"))[0] == "miss"  # stored under a 300 s ttl
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+def test_redis_entries_follow_the_same_rules(start_proxy, upstream, tmp_path):
+    import redis
+
+    proc, rport = start_redis_server(tmp_path)
+    try:
+        db = redis.Redis(port=rport)
+        cache = f'backend = "redis"\nredis_url = "redis://127.0.0.1:{rport}/0"'
+        proxy = _proxy(start_proxy, upstream.port, cache=cache,
+                       routes=TWO_ROUTES.format(port=upstream.port))
+        url = f"{proxy.url}/v1/chat/completions"
+
+        def stored(n: int) -> None:  # stores are sent after the response: wait for them
+            for _ in range(100):
+                if db.dbsize() >= n:
+                    break
+                time.sleep(0.02)
+            assert db.dbsize() == n
+
+        with httpx.Client() as c:
+            asks = [{}, {"host": "b.test"}, {"accept-encoding": "gzip"}]
+            for i, headers in enumerate(asks):
+                assert _ask(c, url, **headers)[0] == "miss", headers
+                stored(i + 1)
+            assert _ask(c, url + "?api-version=2")[0] == "miss"
+            stored(4)
+            assert _ask(c, url, host="b.test")[0] == "hit"
+            with pytest.raises(httpx.HTTPError):
+                c.post(url, json=_said("cut", stream=True)).read()
+            assert _ask(c, url, _said("cookie"))[0] == "miss"
+            assert _ask(c, url, _said("after"))[0] == "miss"
+            stored(5)  # "after" only
+            calls = len(upstream.calls)
+            with pytest.raises(httpx.HTTPError):
+                c.post(url, json=_said("cut", stream=True)).read()
+            assert len(upstream.calls) == calls + 1
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        stop_process(proc)
