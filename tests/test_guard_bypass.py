@@ -155,3 +155,70 @@ def test_a_body_longer_than_inspect_bytes_is_refused(start_proxy, upstream):
         r = _post(proxy, body)
         assert r.status_code == 200, r.text
     assert seen == [short, short]
+
+
+def _pb_string(field: int, text: bytes) -> bytes:
+    """One protobuf length-delimited field (wire type 2)."""
+    n, out = len(text), bytearray([field << 3 | 2])
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out) + text
+
+
+FILLER = [f"f{i}" for i in range(300)]  # more values than the semantic layer reads
+
+
+@pytest.mark.parametrize("case", ["form", "query", "query-beside-json", "protobuf",
+                                  "octet-stream-protobuf", "xml"])
+def test_every_value_of_a_form_query_or_protobuf_is_read(start_proxy, upstream, case):
+    """The guard read these through the semantic layer, which keeps 256 values (enough
+    to route by): a prompt in the 301st form field, query parameter or protobuf string
+    went upstream unread. A JSON body's query string was not read at all, nor a body of
+    a type the semantic layer does not know (XML)."""
+    port, seen = upstream
+    proxy = start_proxy(simple_config(port) + GUARD.replace("4096", "65536"))
+    from urllib.parse import urlencode
+    pairs = [(f"k{i}", v) for i, v in enumerate(FILLER)] + [("q", JAILBREAK)]
+    path, body, ctype = "/v1/chat/completions", b"", "application/json"
+    if case == "form":
+        body, ctype = urlencode(pairs).encode(), "application/x-www-form-urlencoded"
+    elif case.startswith("query"):
+        path += "?" + urlencode(pairs)
+        body = b'{"model": "m", "prompt": "hi"}' if case == "query-beside-json" else b""
+        ctype = "application/json" if body else "text/plain"
+    elif case == "xml":
+        body, ctype = b"<req><p>%s</p></req>" % JAILBREAK.encode(), "application/xml"
+    else:
+        body = b"".join(_pb_string(1, v.encode()) for v in FILLER + [JAILBREAK])
+        ctype = "application/x-protobuf" if case == "protobuf" else "application/octet-stream"
+    seen.clear()
+    r = httpx.post(f"{proxy.url}{path}", content=body, headers={"content-type": ctype},
+                   timeout=20)
+    assert _blocked(r), (r.status_code, r.text)
+    assert seen == []
+
+
+@pytest.mark.parametrize("body", [
+    # NaN: orjson refuses it, Python's json (and so many upstreams) reads it
+    b'{"model": "m", "temperature": NaN, "messages": [{"role": "user", "content": "hi"},'
+    b' {"role": "system", "content": "%s"}]}',
+    b'{"model": "m", "n": 1e999, "instructions": "%s", "input": "hi"}',
+    # not JSON at all to a strict parser (a trailing comma, a comment), read by lenient ones
+    b'{"model": "m", "instructions": "%s", "input": "hi",}',
+    b'{"model": "m", /* c */ "system": "%s"}',
+], ids=["nan-system-turn", "infinity-instructions", "trailing-comma", "comment"])
+def test_json_only_a_lenient_parser_reads_is_read_whole(start_proxy, upstream, body):
+    """A body orjson refuses went to the semantic layer's reader, which reads user turns
+    and a few fields (what routing needs): a system turn or `instructions` beside a NaN,
+    or in a document with a trailing comma, went through unread."""
+    port, seen = upstream
+    proxy = start_proxy(simple_config(port) + GUARD)
+    seen.clear()
+    r = _post(proxy, body % JAILBREAK.encode())
+    assert _blocked(r), (r.status_code, r.text)
+    assert seen == []
+    clean = body % b"be brief"
+    assert _post(proxy, clean).status_code == 200
+    assert seen == [clean]

@@ -29,6 +29,7 @@ import logging
 import re
 import unicodedata
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
 
 import ahocorasick
 import orjson
@@ -46,10 +47,13 @@ from aiproxy.pipeline.filters import (
 from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP
 from aiproxy.semantic.unified import (
     MAX_FORM_PARTS,
+    PROTOBUF_TYPES,
     extract,
     form_parts,
+    grpc_strings,
     is_json_type,
     part_text,
+    protobuf_strings,
 )
 
 if TYPE_CHECKING:
@@ -89,7 +93,12 @@ def json_text(body: bytes) -> str | None:
     try:
         doc = orjson.loads(body)
     except ValueError:
-        return None
+        # What orjson refuses and Python's json (so many an upstream) takes: NaN,
+        # Infinity, integers past 64 bits. Not JSON to either: None (read loosely).
+        try:
+            return json_text_pairs(body)
+        except (ValueError, RecursionError):
+            return None
     out: list[str] = []
     keys = 0
     stack = [doc]
@@ -105,7 +114,10 @@ def json_text(body: bytes) -> str | None:
     ends = _STRING.findall(body)
     if keys < len(ends) - ends.count(b""):
         # A duplicate key, whose other values orjson dropped: read them all.
-        return json_text_pairs(body)
+        try:
+            return json_text_pairs(body)
+        except RecursionError:  # nested deeper than Python's json goes: read loosely
+            return None
     return "\n".join(out)
 
 
@@ -136,6 +148,66 @@ def multipart_text(content_type: bytes, body: bytes) -> tuple[str, bool]:
         elif media.startswith("text/"):
             out.append(part_text(data, charset))
     return "\n".join(out), cut
+
+
+def loose_json_text(body: bytes) -> str:
+    """A document that looks like JSON but no strict parser takes (a trailing comma, a
+    comment, single quotes: what lenient parsers read): the body as text, and each of
+    its double-quoted strings decoded (escapes would hide a keyword in the raw text)."""
+    out = [body.decode("utf-8", "replace")]
+    for m in _STRING.finditer(body):
+        literal = m.group(0)
+        if m.group(1) is None and b"\\" in literal:
+            try:
+                out.append(json.loads(literal))
+            except ValueError:
+                pass
+    return "\n".join(out)
+
+
+def pairs_text(data: bytes) -> str:
+    """Every name and value of application/x-www-form-urlencoded data (a body or a
+    query string), one per line; all of them, where routing reads a few hundred."""
+    out = []
+    for name, value in parse_qsl(data.decode("utf-8", "replace"), keep_blank_values=True):
+        out.append(name)
+        if value:
+            out.append(value)
+    return "\n".join(out)
+
+
+def body_text(content_type: bytes, body: bytes, json_fields: tuple[str, ...],
+              size: int | None) -> tuple[str, bool]:
+    """Every piece of the body an upstream may read as text, one per line, and whether
+    parts were left unread (a multipart body of more than MAX_FORM_PARTS parts)."""
+    text = json_text(body)
+    if text is not None:
+        return text, False
+    media = content_type.split(b";", 1)[0].strip().lower()
+    if media == b"multipart/form-data":
+        return multipart_text(content_type, body)
+    start = _LEADING_WS.match(body).end()
+    if body[start:start + 1] in (b"{", b"[") or is_json_type(media.decode("latin-1")):
+        return loose_json_text(body), False
+    if media == b"application/x-www-form-urlencoded":
+        return pairs_text(body), False
+    if media.startswith(b"application/grpc") or media in PROTOBUF_TYPES or (
+            media == b"application/octet-stream"):
+        found: list[str] = []
+        if media.startswith(b"application/grpc"):
+            grpc_strings(body, found, limit=None)
+        else:  # octet-stream: what parses as protobuf is read as the router reads it
+            protobuf_strings(body, found, limit=None)
+        if found or media != b"application/octet-stream":
+            return "\n".join(found), False
+    text = extract(content_type, body, b"", json_fields, body_size=size).text
+    if not text and body:
+        # A type this reader does not know (XML, YAML, ...) that is text all the same.
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    return text, False
 
 
 def reader_text(text: str) -> str:
@@ -204,24 +276,16 @@ class GuardFilter(Filter):
             return LocalReply(413, "guard_body_too_large", "the prompt guard reads at most "
                               f"{self.inspect_bytes} bytes of a request body "
                               "([guard] inspect_bytes)")
-        text = json_text(body)
-        if text is None:
-            ctype = head.get(b"content-type") or b""
-            q = ex.up_target.find(b"?")
-            query = ex.up_target[q + 1:] if q >= 0 else b""
-            if ctype.split(b";", 1)[0].strip().lower() == b"multipart/form-data":
-                parts, cut = multipart_text(ctype, body)
-                if cut:
-                    # Parts it did not read could hold a prompt: refused, as a body
-                    # in a Content-Encoding is, not passed unread.
-                    return LocalReply(413, "too_many_parts", "a multipart body the guard "
-                                      f"reads may have at most {MAX_FORM_PARTS} parts")
-                # Its JSON parts read whole, as a JSON body is; then the query.
-                text = "\n".join(filter(None, (
-                    parts, extract(ctype, b"", query, self.json_fields).text)))
-            else:
-                size = head.content_length if head.content_length >= 0 else None
-                text = extract(ctype, body, query, self.json_fields, body_size=size).text
+        size = head.content_length if head.content_length >= 0 else None
+        text, cut = body_text(head.get(b"content-type") or b"", body, self.json_fields, size)
+        if cut:
+            # Parts it did not read could hold a prompt: refused, as a body in a
+            # Content-Encoding is, not passed unread.
+            return LocalReply(413, "too_many_parts", "a multipart body the guard "
+                              f"reads may have at most {MAX_FORM_PARTS} parts")
+        q = ex.up_target.find(b"?")
+        if q >= 0:
+            text = "\n".join(filter(None, (text, pairs_text(ex.up_target[q + 1:]))))
         if not text:
             return None
         hits = self.guard.scan(text)

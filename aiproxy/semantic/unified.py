@@ -48,6 +48,8 @@ __all__ = ["Modality", "UnifiedRequest", "extract", "sniff_media", "protobuf_str
            "form_parts", "is_json_type"]
 
 MAX_TEXT_PARTS = 256
+PROTOBUF_TYPES = frozenset((b"application/x-protobuf", b"application/protobuf",
+                            b"application/vnd.google.protobuf"))
 MAX_PB_DEPTH = 8
 _unpack_from = struct.unpack_from
 
@@ -283,7 +285,7 @@ def _extract_body(ctype: str, body: bytes, json_fields, parts: list[str],
         return TEXT
     if ctype == "multipart/form-data":
         return _multipart(content_type, json_fields, parts, meta, body)
-    if ctype in ("application/x-protobuf", "application/protobuf", "application/vnd.google.protobuf"):
+    if ctype.encode() in PROTOBUF_TYPES:
         protobuf_strings(body, parts)
         meta["protobuf"] = True
         return TEXT if parts else BINARY
@@ -481,9 +483,18 @@ def _grpc_inflate(payload: bytes) -> bytes | None:
 
 
 def _grpc(body: bytes, parts: list[str], meta: dict[str, Any]) -> Modality:
-    """Length-prefixed gRPC messages: 1 byte compressed flag + 4 bytes big-endian length.
-    A compressed message (gzip or deflate) is read decoded: a client that compresses
-    gets the route the same message gets uncompressed."""
+    grpc_strings(body, parts, meta)
+    return TEXT if parts else BINARY
+
+
+def grpc_strings(body: bytes, parts: list[str], meta: dict[str, Any] | None = None,
+                 limit: int | None = MAX_TEXT_PARTS) -> None:
+    """The text fields of length-prefixed gRPC messages (1 byte compressed flag + 4
+    bytes big-endian length), at most `limit` per message (None: all). A compressed
+    message (gzip or deflate) is read decoded: a client that compresses gets the route
+    the same message gets uncompressed."""
+    if meta is None:
+        meta = {}
     i, n, frames = 0, len(body), 0
     while i + 5 <= n:
         flag = body[i]
@@ -494,10 +505,9 @@ def _grpc(body: bytes, parts: list[str], meta: dict[str, Any]) -> Modality:
             meta["grpc_compressed"] = True
             payload = _grpc_inflate(payload)
         if payload:
-            protobuf_strings(payload, parts)
+            protobuf_strings(payload, parts, limit=limit)
         i += 5 + length
     meta["grpc_frames"] = frames
-    return TEXT if parts else BINARY
 
 
 def _varint(buf: bytes, i: int, n: int) -> tuple[int, int]:
@@ -525,9 +535,11 @@ def _texty(payload: bytes) -> str | None:
     return s
 
 
-def protobuf_strings(buf: bytes, out: list[str], depth: int = 0) -> bool:
-    """Append the text fields of a protobuf message (no schema) to `out`. Returns whether
-    `buf` parsed as a well-formed message (a cut-off last field counts as well-formed)."""
+def protobuf_strings(buf: bytes, out: list[str], depth: int = 0,
+                     limit: int | None = MAX_TEXT_PARTS) -> bool:
+    """Append the text fields of a protobuf message (no schema) to `out`, at most `limit`
+    (None: all). Returns whether `buf` parsed as a well-formed message (a cut-off last
+    field counts as well-formed)."""
     i, n = 0, len(buf)
     found: list[str] = []
     ok = True
@@ -564,14 +576,14 @@ def protobuf_strings(buf: bytes, out: list[str], depth: int = 0) -> bool:
                 found.append(text)
             elif depth < MAX_PB_DEPTH and payload:
                 nested: list[str] = []
-                if protobuf_strings(payload, nested, depth + 1):
+                if protobuf_strings(payload, nested, depth + 1, limit):
                     found.extend(nested)
         elif wt in (3, 4):
             continue  # group start/end: fields inside are walked as if flat
         else:
             ok = False
             break
-        if len(found) >= MAX_TEXT_PARTS:
+        if limit is not None and len(found) >= limit:
             break
     if ok or depth == 0:
         out.extend(found)
