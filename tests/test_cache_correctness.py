@@ -29,7 +29,8 @@ class Upstream:
     """An OpenAI-style chat upstream on a raw asyncio server: every answer carries a new
     id (`c<N>`, N = calls so far) and the Host it was sent to, so a replay is told from a
     fresh answer. The last user message chooses misbehaviour: "cut" ends an event stream
-    mid-way (a plain body half-way), "cookie" adds Set-Cookie, "nostore"/"private" the Cache-Control, "error" is a
+    mid-way (a plain body half-way), "cookie" adds Set-Cookie, "nostore"/"private" the
+    Cache-Control, "vary=<fields>" a Vary, "error" is a
     500, "slow" waits 0.5 s before answering. A request that accepts gzip gets gzip."""
 
     def __init__(self) -> None:
@@ -98,6 +99,8 @@ class Upstream:
             extra += b"Cache-Control: no-store\r\n"
         if "private" in text:
             extra += b"Cache-Control: private\r\n"
+        if text.startswith("vary="):  # "vary=<field list>": that Vary field
+            extra += b"Vary: " + text[5:].encode() + b"\r\n"
         content = f"answer {n} from {headers.get('host')}"
         if req.get("stream"):
             events = [{"id": f"c{n}", "object": "chat.completion.chunk", "created": 1,
@@ -310,6 +313,46 @@ def test_only_whole_clean_answers_are_stored(start_proxy, upstream):
     with httpx.Client() as c:
         url = f"{shared.url}/v1/chat/completions"
         assert [_ask(c, url, _said("private"))[0] for _ in range(2)] == ["miss", "miss"]
+
+
+@pytest.mark.parametrize("vary, stored", [
+    ("*", False),
+    ("X-User-Tier", False),
+    ("Accept-Encoding, anthropic-version", True),
+    ("accept-encoding,OpenAI-Beta", True),
+    ("Authorization", True),  # per caller: the key holds the credentials sent
+    ("Accept-Encoding, Cookie", False),
+])
+def test_a_vary_the_key_does_not_hold_is_not_stored(start_proxy, upstream, vary, stored):
+    """RFC 9111 4.1: a stored response answers only requests that match it on the fields
+    its Vary names. Those the key does not hold (or `*`) would be guessed: not stored."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        got = [_ask(c, url, _said(f"vary={vary}"), authorization="Bearer k1")[0]
+               for _ in range(2)]
+    assert got == (["miss", "hit"] if stored else ["miss", "miss"])
+    if vary == "Authorization":  # with shared entries the key holds no credentials
+        shared = _proxy(start_proxy, upstream.port, cache="shared = true")
+        with httpx.Client() as c:
+            url = f"{shared.url}/v1/chat/completions"
+            assert [_ask(c, url, _said(f"vary={vary}"), authorization="Bearer k1")[0]
+                    for _ in range(2)] == ["miss", "miss"]
+
+
+def test_api_version_and_beta_fields_take_part(start_proxy, upstream):
+    """anthropic-version, anthropic-beta and OpenAI-Beta change what an upstream answers
+    (its shape, its tools) for the same body: one entry each."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        for name in ("anthropic-version", "anthropic-beta", "openai-beta"):
+            body = _said(f"versions {name}")
+            a = _ask(c, url, body, **{name: "v1"})
+            b = _ask(c, url, body, **{name: "v2"})
+            assert (a[0], b[0]) == ("miss", "miss") and a[1] != b[1]
+            assert _ask(c, url, body, **{name: "v1"}) == ("hit", a[1])
+            assert _ask(c, url, body)[0] == "miss"
 
 
 def test_replays(start_proxy, upstream):

@@ -6,7 +6,8 @@ fields that do not change the answer dropped (`user`, `metadata`): model, messag
 prompt / input and every sampling parameter (temperature, top_p, seed, stop, tools,
 max_tokens, stream, ...) take part, so two requests share a key only when an upstream
 would see the same question asked the same way. A prompt entry's key adds what else
-decides the answer (prompt.variant_of: route, cluster, query, Accept-Encoding) and whose
+decides the answer (prompt.variant_of: route, cluster, query, Accept-Encoding, the API
+version and beta fields) and whose
 entry it is.
 """
 

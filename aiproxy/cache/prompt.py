@@ -5,7 +5,8 @@ A 200 response to an OpenAI-style request whose whole JSON body was read is stor
 under `pc:<hash>:<variant>` (key.py) as it passes: head fields and the body pieces as they came,
 so a cached event stream is replayed with its original event boundaries (one HTTP/1.1
 chunk or HTTP/2 DATA frame per stored piece). Never stored: other statuses, responses
-with Set-Cookie or Cache-Control no-store (private too when entries are shared), bodies
+with Set-Cookie, Cache-Control no-store (private too when entries are shared) or a Vary
+on a request field the key does not hold (`*`, say; key.py says what it holds), bodies
 over max_entry_bytes, requests with Cache-Control no-store. A request with
 Cache-Control no-cache is not answered from the cache but refreshes it. (A response's
 no-cache does not stop storing: event-stream servers send it to keep intermediaries
@@ -132,10 +133,20 @@ def _max_age(cc: dict[bytes, bytes]) -> float | None:
     return float(arg) if arg.isdigit() else 0.0  # RFC 9111 4.2.1: invalid is stale
 
 
+# Request fields that choose an API version or beta features: the same body may get
+# another answer (another shape, another tool format) under another value.
+VERSIONS = (b"anthropic-version", b"anthropic-beta", b"openai-beta")
+# What a response's Vary may name and still be stored: what variant_of keys by.
+KEYED = frozenset((b"accept-encoding", *VERSIONS))
+
+
 # Request fields that carry the caller's upstream credentials (OpenAI, Anthropic and
 # Azure OpenAI styles) or choose the account they bill to.
 CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"openai-organization",
                b"openai-project")
+
+
+KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
 
 
 def scope_of(ex: Exchange, tenant: str) -> str:
@@ -158,14 +169,29 @@ def scope_of(ex: Exchange, tenant: str) -> str:
 def variant_of(ex: Exchange, route_part: str) -> str:
     """What besides the body and the caller decides the answer: the route (route_part:
     its name and what it changes in the upstream request), the cluster it chose (a
-    split's side), the query (Azure's api-version) and the codings the client accepts
-    (an entry stored gzip-coded is for a client that takes gzip)."""
+    split's side), the query (Azure's api-version), the codings the client accepts
+    (an entry stored gzip-coded is for a client that takes gzip) and the API version
+    and beta fields (VERSIONS)."""
     target = ex.up_target
     q = target.find(b"?")
     query = target[q + 1:] if q >= 0 else b""
-    codings = b",".join(ex.head.get_all(b"accept-encoding")).lower().replace(b" ", b"")
+    head = ex.head
+    codings = b",".join(head.get_all(b"accept-encoding")).lower().replace(b" ", b"")
+    versions = b"\x1e".join(b",".join(head.get_all(name)) for name in VERSIONS)
     return "\x1f".join((route_part, ex.cluster.name, query.decode("latin-1"),
-                        codings.decode("latin-1")))
+                        codings.decode("latin-1"), versions.decode("latin-1")))
+
+
+def _varies_beyond_key(resp: Any, keyed: frozenset[bytes]) -> bool:
+    """Whether the response's Vary (RFC 9110 12.5.5) names a request field the key does
+    not hold, or is `*`: stored anyway, the entry would answer a request the upstream
+    might have answered otherwise (RFC 9111 4.1)."""
+    for value in resp.get_all(b"vary"):
+        for name in value.split(b","):
+            name = name.strip().lower()
+            if name and name not in keyed:
+                return True
+    return False
 
 
 class CacheState:
@@ -371,9 +397,14 @@ class CacheFilter(Filter):
             # Not no-cache: event streams carry it as a matter of course (the operator
             # opted in to caching them); no-store and private are kept to.
             refuse = {b"no-store"}
-            if self.state.cfg.shared:
+            shared = self.state.cfg.shared
+            if shared:
                 refuse.add(b"private")
-            if not cc.keys() & refuse and resp.get(b"set-cookie") is None:
+            # Unless shared, a caller the proxy did not authenticate is keyed by the
+            # credentials it sends (scope_of): a Vary on those is held by the key.
+            keyed = KEYED if shared or ex.identity is not None else KEYED_CREDENTIALS
+            if (not cc.keys() & refuse and resp.get(b"set-cookie") is None
+                    and not _varies_beyond_key(resp, keyed)):
                 self.items = [(n, v) for n, v in resp.fields(F_HOP | F_CONTENT_LENGTH)
                               if n not in (b"date", b"age", b"x-aiproxy-cache")]
                 self.chunks = []
