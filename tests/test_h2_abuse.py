@@ -688,6 +688,29 @@ def test_resets_the_client_provokes_get_enhance_your_calm(proxy: ProxyProc, port
     assert proxy.log().count(RESET_BUDGET_SPENT) == spent + 1, "not the reset budget"
 
 
+def test_oversized_header_lists_are_budgeted(proxy: ProxyProc, port: int) -> None:
+    """A header list over max_header_bytes is answered 431 (after decoding up to four
+    times the limit); one after another, as fast as they are answered, they are a flood
+    like provoked resets: the same budget, then GOAWAY(ENHANCE_YOUR_CALM)."""
+    spent = proxy.log().count(RESET_BUDGET_SPENT)
+    big = [("x-big", "v" * (MAX_HEADER_BYTES + 100))]
+    with FrameClient(port) as c:
+        c.handshake()
+        frame = None
+        for batch in range(250):
+            sids = [1 + 2 * (4 * batch + i) for i in range(4)]
+            if not c.try_send(*[c.request(sid, "/echo", extra=big) for sid in sids]):
+                break
+            got = c.frames_until(lambda f, last=sids[-1]: isinstance(f, GoAwayFrame) or (
+                f.stream_id == last and "END_STREAM" in f.flags))
+            if got and isinstance(got[-1], GoAwayFrame):
+                frame = got[-1]
+                break
+        frame = frame or c.goaway(5)
+        assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
+    assert proxy.log().count(RESET_BUDGET_SPENT) == spent + 1, "not the reset budget"
+
+
 # -- floods from a client that does not read -----------------------------------------------------
 
 

@@ -259,6 +259,10 @@ class H2ServerConnection(asyncio.Protocol):
         if too_large:
             log.info("HTTP/2 request on stream %d: header list over max_header_bytes",
                      ev.stream_id)
+            # Each costs a decode of up to 4x the limit and a reply: budgeted like the
+            # resets a client provokes, so a stream of them ends in GOAWAY.
+            if self._charge_resets(1):
+                return
         self._start_stream(ev.stream_id, head, bool(ev.stream_ended), too_large)
 
     def _reset_stream(self, sid: int, code: int) -> None:
