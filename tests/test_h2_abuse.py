@@ -673,19 +673,25 @@ def test_resets_the_client_provokes_get_enhance_your_calm(proxy: ProxyProc, port
         c.handshake()
         # A few streams at a time, each batch answered before the next: never over the
         # concurrency limit, whose refusals are budgeted too.
-        frame = None
-        for batch in range(250):
-            sids = [1 + 2 * (4 * batch + i) for i in range(4)]
-            if not c.try_send(*[f for sid in sids for f in _provoked_reset(c, sid, kind)]):
-                break
-            got = c.frames_until(lambda f, last=sids[-1]: isinstance(f, GoAwayFrame) or (
-                isinstance(f, RstStreamFrame) and f.stream_id == last))
-            if got and isinstance(got[-1], GoAwayFrame):
-                frame = got[-1]
-                break
-        frame = frame or c.goaway(5)
+        frame = _in_batches_until_goaway(
+            c, lambda sid: _provoked_reset(c, sid, kind),
+            lambda f, sid: isinstance(f, RstStreamFrame) and f.stream_id == sid)
         assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
     assert proxy.log().count(RESET_BUDGET_SPENT) == spent + 1, "not the reset budget"
+
+
+def _in_batches_until_goaway(c: FrameClient, frames_for, answered) -> GoAwayFrame | None:
+    """Up to 250 batches of four streams (frames_for(sid) opens each), each batch's last
+    stream answered (answered(frame, sid)) before the next: the GOAWAY that ends it."""
+    for batch in range(250):
+        sids = [1 + 2 * (4 * batch + i) for i in range(4)]
+        if not c.try_send(*[f for sid in sids for f in frames_for(sid)]):
+            break
+        got = c.frames_until(lambda f, last=sids[-1]: isinstance(f, GoAwayFrame)
+                             or answered(f, last))
+        if got and isinstance(got[-1], GoAwayFrame):
+            return got[-1]
+    return c.goaway(5)
 
 
 def test_oversized_header_lists_are_budgeted(proxy: ProxyProc, port: int) -> None:
@@ -696,17 +702,9 @@ def test_oversized_header_lists_are_budgeted(proxy: ProxyProc, port: int) -> Non
     big = [("x-big", "v" * (MAX_HEADER_BYTES + 100))]
     with FrameClient(port) as c:
         c.handshake()
-        frame = None
-        for batch in range(250):
-            sids = [1 + 2 * (4 * batch + i) for i in range(4)]
-            if not c.try_send(*[c.request(sid, "/echo", extra=big) for sid in sids]):
-                break
-            got = c.frames_until(lambda f, last=sids[-1]: isinstance(f, GoAwayFrame) or (
-                f.stream_id == last and "END_STREAM" in f.flags))
-            if got and isinstance(got[-1], GoAwayFrame):
-                frame = got[-1]
-                break
-        frame = frame or c.goaway(5)
+        frame = _in_batches_until_goaway(
+            c, lambda sid: [c.request(sid, "/echo", extra=big)],
+            lambda f, sid: f.stream_id == sid and "END_STREAM" in f.flags)
         assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
     assert proxy.log().count(RESET_BUDGET_SPENT) == spent + 1, "not the reset budget"
 

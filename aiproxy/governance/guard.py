@@ -99,18 +99,7 @@ def json_text(body: bytes) -> str | None:
             return json_text_pairs(body)
         except (ValueError, RecursionError):
             return None
-    out: list[str] = []
-    keys = 0
-    stack = [doc]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            out.append(value)
-        elif isinstance(value, dict):
-            keys += len(value)
-            stack.extend(reversed(list(value.values())))
-        elif isinstance(value, list):
-            stack.extend(reversed(value))
+    out, keys = _strings_in(doc)
     ends = _STRING.findall(body)
     if keys < len(ends) - ends.count(b""):
         # A duplicate key, whose other values orjson dropped: read them all.
@@ -124,15 +113,25 @@ def json_text(body: bytes) -> str | None:
 def json_text_pairs(body: bytes) -> str:
     """json_text of a (valid) body read with every (key, value) pair kept."""
     doc = json.loads(body, object_pairs_hook=lambda pairs: [v for _, v in pairs])
+    return "\n".join(_strings_in(doc)[0])
+
+
+def _strings_in(doc: Any) -> tuple[list[str], int]:
+    """Every string value of a parsed JSON document in document order, and how many
+    object members it has (keys are not read)."""
     out: list[str] = []
+    keys = 0
     stack = [doc]
     while stack:
         value = stack.pop()
         if isinstance(value, str):
             out.append(value)
+        elif isinstance(value, dict):
+            keys += len(value)
+            stack.extend(reversed(list(value.values())))
         elif isinstance(value, list):
             stack.extend(reversed(value))
-    return "\n".join(out)
+    return out, keys
 
 
 def multipart_text(content_type: bytes, body: bytes) -> tuple[str, bool]:
