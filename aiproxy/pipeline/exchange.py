@@ -1408,14 +1408,20 @@ class Exchange(ExchangeBase):
             # (after what was read in user space has been written); None: copied below.
             self.splice = kernel.splice_tunnel(self.loop, self.down.transport, up.transport)
 
+    # A tunnel's bytes count in req_bytes / resp_bytes (the access log's bytes_in and
+    # bytes_out), as Envoy counts an upgraded stream's: copied here, or added from the
+    # splice's counts when it is released.
+
     def tunnel_from_client(self, data: bytes) -> None:
         self.activity = monotonic()
+        self.req_bytes += len(data)
         up = self.upstream
         if up is not None:
             up.tunnel_write(data)
 
     def on_upstream_tunnel_data(self, data: bytes) -> None:
         self.activity = monotonic()
+        self.resp_bytes += len(data)
         self.down.tunnel_write(data)
 
     # A spliced tunnel acts on an EOF only once the kernel has written out what it
@@ -1474,6 +1480,9 @@ class Exchange(ExchangeBase):
         if splice is not None:
             self.splice = None
             splice.release()
+            to_up, to_down = splice.moved()
+            self.req_bytes += to_up
+            self.resp_bytes += to_down
 
     # -- endings --------------------------------------------------------------------
 

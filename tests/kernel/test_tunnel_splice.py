@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -137,6 +138,12 @@ def test_websocket_echo(start_proxy, demo_upstream, mode):
     assert m[mode] == 1 and m["active"] == 0, m
     if mode == "spliced":  # the kernel carried the messages (both ways, with framing)
         assert m["bytes"] >= 2 * MiB
+    # The access log counts the tunnel's bytes, however they went (the echo: the same
+    # frames back, the client's masked and 4 bytes a frame longer).
+    assert wait_for(lambda: '"path":"/ws"' in proxy.log())
+    line = next(json.loads(x) for x in proxy.log().splitlines() if '"path":"/ws"' in x)
+    assert line["status"] == 101
+    assert MiB < line["bytes_out"] < line["bytes_in"] < MiB + 2048, line
 
 
 class HashingEcholess:
