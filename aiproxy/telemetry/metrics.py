@@ -148,9 +148,9 @@ class ProxyCollector:
                 f"aiproxy_stage_{name}_seconds", f"Time spent in stage {name}")
             family.add_metric([], hist.cumulative(), hist.sum)
             yield family
-        yield CounterMetricFamily("aiproxy_request_bytes", "Request body bytes received",
+        yield CounterMetricFamily("aiproxy_request_bytes", "Request body bytes received, and client bytes an Upgrade tunnel carried",
                                   value=m.bytes_in)
-        yield CounterMetricFamily("aiproxy_response_bytes", "Response body bytes sent",
+        yield CounterMetricFamily("aiproxy_response_bytes", "Response body bytes sent, and upstream bytes an Upgrade tunnel carried",
                                   value=m.bytes_out)
         yield GaugeMetricFamily("aiproxy_active_connections", "Open client connections",
                                 value=len(server.connections))
