@@ -945,7 +945,7 @@ class Exchange(ExchangeBase):
         upstream_overflow."""
         cluster = self.cluster
         if cluster.limits_connections:
-            why = cluster.connect_overflow()
+            why = cluster.connect_overflow(pool)
             if why is not None:
                 return self.fail(503, "upstream_overflow", why)
         self._new_connection(pool)
@@ -975,7 +975,7 @@ class Exchange(ExchangeBase):
 
     async def _connect(self, pool: Pool) -> None:
         try:
-            up = await pool.connect()
+            up = await pool.connect(self.cluster)
         except UpstreamConnectError as exc:
             self.connect_task = None
             self._unpend()
@@ -991,6 +991,8 @@ class Exchange(ExchangeBase):
         self._attach(up, False)
 
     def _connect_failed(self, pool: Pool, exc: UpstreamConnectError) -> None:
+        if exc.code == "upstream_overflow":  # a breaker said no: not the endpoint's doing
+            return self.fail(exc.status, exc.code, str(exc))
         self.tried += (pool,)
         cluster = self.cluster
         cluster.record(pool, True)

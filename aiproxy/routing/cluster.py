@@ -346,19 +346,42 @@ class Cluster:
             return f"cluster {self.name!r} is at max_requests ({cfg.max_requests})"
         return None
 
-    def connect_overflow(self) -> str | None:
-        """Why a new upstream connection may not be opened now (None: it may)."""
+    def connect_overflow(self, pool: Any = None) -> str | None:
+        """Why a request may not wait for a new upstream connection of `pool` now (None:
+        it may). HTTP/1.1: each waiting request opens a connection of its own, so the
+        waiting requests count as connections being opened. HTTP/2: requests share one
+        attempt per endpoint, and wait on it; only an attempt to start is a connection."""
         cfg = self.cfg
         if cfg.max_pending and self.pending >= cfg.max_pending:
             self.overflows += 1
             return f"cluster {self.name!r} is at max_pending ({cfg.max_pending})"
         if cfg.max_connections:
+            if cfg.protocol == "h2":
+                if pool is not None and pool.connecting is not None:
+                    return None  # it waits for the attempt under way
+                return self.h2_connect_overflow()
             total = self.pending
-            for pool in self.pools:
-                total += pool.open_count
+            for p in self.pools:
+                total += p.open_count
             if total >= cfg.max_connections:
                 self.overflows += 1
                 return f"cluster {self.name!r} is at max_connections ({cfg.max_connections})"
+        return None
+
+    def h2_connect_overflow(self) -> str | None:
+        """Why another HTTP/2 connection may not be opened now (None: it may): the
+        cluster's connections open or being opened are at max_connections."""
+        limit = self.cfg.max_connections
+        if not limit:
+            return None
+        total = 0
+        for p in self.pools:
+            # A connection counts from its attempt (connecting) until it is lost
+            # (open_count), once in between (open_count rises at the TCP connect).
+            total += max(p.open_count, len(p.conns) + (p.connecting is not None))
+        if total >= limit:
+            self.overflows += 1
+            return f"cluster {self.name!r} is at max_connections ({limit})"
         return None
 
     # -- outlier detection ----------------------------------------------------------------

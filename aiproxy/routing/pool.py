@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.clock import event_now, monotonic
 from aiproxy.config import ClusterConfig, Endpoint, UpstreamTlsConfig
@@ -160,7 +160,7 @@ class Pool(EndpointPool):
             c.close()
         return None
 
-    async def connect(self) -> H1UpstreamConnection:
+    async def connect(self, cluster: Any = None) -> H1UpstreamConnection:
         conn = await open_connection(self, H1UpstreamConnection)
         self.opened += 1
         return conn
@@ -229,7 +229,7 @@ class H2Pool(EndpointPool):
                 return stream
         return None
 
-    async def connect(self) -> H2UpstreamStream:
+    async def connect(self, cluster: Any = None) -> H2UpstreamStream:
         # Waiters share one connection attempt at a time; those left without a stream
         # (the peer's limit is smaller than the crowd) start the next one.
         #
@@ -249,6 +249,11 @@ class H2Pool(EndpointPool):
             if stream is None and self._closed_for_streams() is None:
                 task = self.connecting
                 if task is None:
+                    # Another connection (the open ones are full): within the cluster's
+                    # max_connections, as the first attempt was (Exchange).
+                    why = cluster.h2_connect_overflow() if cluster is not None else None
+                    if why is not None:
+                        raise UpstreamConnectError(False, why, 503, "upstream_overflow")
                     task = self.connecting = self.loop.create_task(self._open())
                 try:
                     conn = await asyncio.shield(task)
