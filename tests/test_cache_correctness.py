@@ -322,6 +322,7 @@ def test_only_whole_clean_answers_are_stored(start_proxy, upstream):
     ("accept-encoding,OpenAI-Beta", True),
     ("Authorization", True),  # per caller: the key holds the credentials sent
     ("Accept-Encoding, Cookie", False),
+    ("Origin", True),  # a CORS answer: the key holds the Origin
 ])
 def test_a_vary_the_key_does_not_hold_is_not_stored(start_proxy, upstream, vary, stored):
     """RFC 9111 4.1: a stored response answers only requests that match it on the fields
@@ -340,13 +341,14 @@ def test_a_vary_the_key_does_not_hold_is_not_stored(start_proxy, upstream, vary,
                     for _ in range(2)] == ["miss", "miss"]
 
 
-def test_api_version_and_beta_fields_take_part(start_proxy, upstream):
+def test_api_version_beta_and_origin_fields_take_part(start_proxy, upstream):
     """anthropic-version, anthropic-beta and OpenAI-Beta change what an upstream answers
-    (its shape, its tools) for the same body: one entry each."""
+    (its shape, its tools) for the same body, and a CORS answer names the Origin it
+    allows: one entry each."""
     proxy = _proxy(start_proxy, upstream.port)
     url = f"{proxy.url}/v1/chat/completions"
     with httpx.Client() as c:
-        for name in ("anthropic-version", "anthropic-beta", "openai-beta"):
+        for name in ("anthropic-version", "anthropic-beta", "openai-beta", "origin"):
             body = _said(f"versions {name}")
             a = _ask(c, url, body, **{name: "v1"})
             b = _ask(c, url, body, **{name: "v2"})

@@ -133,11 +133,12 @@ def _max_age(cc: dict[bytes, bytes]) -> float | None:
     return float(arg) if arg.isdigit() else 0.0  # RFC 9111 4.2.1: invalid is stale
 
 
-# Request fields that choose an API version or beta features: the same body may get
-# another answer (another shape, another tool format) under another value.
-VERSIONS = (b"anthropic-version", b"anthropic-beta", b"openai-beta")
+# Request fields whose value may change the answer to the same body: the API version
+# and beta features chosen (another shape, another tool format), and Origin (a CORS
+# answer names the origin it allows, with Vary: Origin).
+VARIANT_FIELDS = (b"anthropic-version", b"anthropic-beta", b"openai-beta", b"origin")
 # What a response's Vary may name and still be stored: what variant_of keys by.
-KEYED = frozenset((b"accept-encoding", *VERSIONS))
+KEYED = frozenset((b"accept-encoding", *VARIANT_FIELDS))
 
 
 # Request fields that carry the caller's upstream credentials (OpenAI, Anthropic and
@@ -170,14 +171,13 @@ def variant_of(ex: Exchange, route_part: str) -> str:
     """What besides the body and the caller decides the answer: the route (route_part:
     its name and what it changes in the upstream request), the cluster it chose (a
     split's side), the query (Azure's api-version), the codings the client accepts
-    (an entry stored gzip-coded is for a client that takes gzip) and the API version
-    and beta fields (VERSIONS)."""
+    (an entry stored gzip-coded is for a client that takes gzip) and VARIANT_FIELDS."""
     target = ex.up_target
     q = target.find(b"?")
     query = target[q + 1:] if q >= 0 else b""
     head = ex.head
     codings = b",".join(head.get_all(b"accept-encoding")).lower().replace(b" ", b"")
-    versions = b"\x1e".join(b",".join(head.get_all(name)) for name in VERSIONS)
+    versions = b"\x1e".join(b",".join(head.get_all(name)) for name in VARIANT_FIELDS)
     return "\x1f".join((route_part, ex.cluster.name, query.decode("latin-1"),
                         codings.decode("latin-1"), versions.decode("latin-1")))
 
