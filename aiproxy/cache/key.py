@@ -7,7 +7,7 @@ prompt / input and every sampling parameter (temperature, top_p, seed, stop, too
 max_tokens, stream, ...) take part, so two requests share a key only when an upstream
 would see the same question asked the same way. A prompt entry's key adds what else
 decides the answer (prompt.variant_of: route, cluster, query, Accept-Encoding, the API
-version and beta fields) and whose
+version, beta and Origin fields) and whose
 entry it is.
 """
 
