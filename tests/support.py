@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -255,6 +256,41 @@ class RssMonitor:
 
 
 # -- raw sockets ---------------------------------------------------------------------------
+
+
+class StreamServerThread:
+    """asyncio.start_server(handler) on 127.0.0.1 (`port`) with an event loop in a thread
+    of its own: for upstreams a test scripts byte by byte. close() cancels what is still
+    running there and stops it."""
+
+    def __init__(self, handler: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.port = free_port()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(
+                asyncio.start_server(handler, "127.0.0.1", self.port))
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert ready.wait(10), "the scripted upstream did not start"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+    async def _shutdown(self) -> None:
+        self.server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def raw_exchange(port: int, request: bytes, until: bytes | None = None,

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,12 +19,12 @@ import httpx
 import openai
 import pytest
 
-from tests.support import free_port, start_redis_server, stop_process
+from tests.support import StreamServerThread, free_port, start_redis_server, stop_process
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
 
 
-class Upstream:
+class Upstream(StreamServerThread):
     """An OpenAI-style chat upstream on a raw asyncio server: every answer carries a new
     id (`c<N>`, N = calls so far) and the Host it was sent to, so a replay is told from a
     fresh answer. The last user message chooses misbehaviour: "cut" ends an event stream
@@ -35,33 +34,7 @@ class Upstream:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
-        self.loop = asyncio.new_event_loop()
-        self.port = free_port()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.server = self.loop.run_until_complete(
-                asyncio.start_server(self.serve, "127.0.0.1", self.port))
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        ready.wait(5)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-    async def _shutdown(self) -> None:
-        self.server.close()
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        super().__init__(self.serve)
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

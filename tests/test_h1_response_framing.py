@@ -15,14 +15,20 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import CRASH_MARKERS, Proxy, simple_config
-from tests.support import free_port, process_log, start_process, stop_process, wait_port
+from tests.support import (
+    StreamServerThread,
+    free_port,
+    process_log,
+    start_process,
+    stop_process,
+    wait_port,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,25 +128,12 @@ CASES.update({
 })
 
 
-class Scripted:
+class Scripted(StreamServerThread):
     """The raw upstream, an asyncio server in a thread (see the module docstring)."""
 
     def __init__(self) -> None:
         self.conns = 0
-        self.loop = asyncio.new_event_loop()
-        self.port = free_port()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.server = self.loop.run_until_complete(
-                asyncio.start_server(self._conn, "127.0.0.1", self.port))
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
+        super().__init__(self._conn)
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.conns += 1
@@ -164,11 +157,6 @@ class Scripted:
             pass
         finally:
             writer.close()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")
