@@ -52,6 +52,7 @@ from aiproxy.semantic.unified import (
     form_parts,
     grpc_strings,
     is_json_type,
+    media_type,
     part_text,
     protobuf_strings,
 )
@@ -182,22 +183,23 @@ def body_text(content_type: bytes, body: bytes, json_fields: tuple[str, ...],
     text = json_text(body)
     if text is not None:
         return text, False
-    media = content_type.split(b";", 1)[0].strip().lower()
-    if media == b"multipart/form-data":
+    media = media_type(content_type)
+    if media == "multipart/form-data":
         return multipart_text(content_type, body)
     start = _LEADING_WS.match(body).end()
-    if body[start:start + 1] in (b"{", b"[") or is_json_type(media.decode("latin-1")):
+    if body[start:start + 1] in (b"{", b"[") or is_json_type(media):
         return loose_json_text(body), False
-    if media == b"application/x-www-form-urlencoded":
+    if media == "application/x-www-form-urlencoded":
         return pairs_text(body), False
-    if media.startswith(b"application/grpc") or media in PROTOBUF_TYPES or (
-            media == b"application/octet-stream"):
+    grpc = media.startswith("application/grpc")
+    octets = media == "application/octet-stream"
+    if grpc or octets or media in PROTOBUF_TYPES:
         found: list[str] = []
-        if media.startswith(b"application/grpc"):
+        if grpc:
             grpc_strings(body, found, limit=None)
         else:  # octet-stream: what parses as protobuf is read as the router reads it
             protobuf_strings(body, found, limit=None)
-        if found or media != b"application/octet-stream":
+        if found or not octets:
             return "\n".join(found), False
     text = extract(content_type, body, b"", json_fields, body_size=size).text
     if not text and body:

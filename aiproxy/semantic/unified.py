@@ -48,8 +48,8 @@ __all__ = ["Modality", "UnifiedRequest", "extract", "sniff_media", "protobuf_str
            "form_parts", "is_json_type"]
 
 MAX_TEXT_PARTS = 256
-PROTOBUF_TYPES = frozenset((b"application/x-protobuf", b"application/protobuf",
-                            b"application/vnd.google.protobuf"))
+PROTOBUF_TYPES = frozenset(("application/x-protobuf", "application/protobuf",
+                            "application/vnd.google.protobuf"))
 MAX_PB_DEPTH = 8
 _unpack_from = struct.unpack_from
 
@@ -154,6 +154,11 @@ def _media_type(content_type: bytes | str | None) -> str:
                 _MEDIA_TYPES[content_type] = media
         return media
     return content_type.split(";", 1)[0].strip().lower()
+
+
+def media_type(content_type: bytes | str | None) -> str:
+    """A Content-Type field's media type: lower case, without parameters."""
+    return _media_type(content_type)
 
 
 def is_json_type(media: str) -> bool:
@@ -285,7 +290,7 @@ def _extract_body(ctype: str, body: bytes, json_fields, parts: list[str],
         return TEXT
     if ctype == "multipart/form-data":
         return _multipart(content_type, json_fields, parts, meta, body)
-    if ctype.encode() in PROTOBUF_TYPES:
+    if ctype in PROTOBUF_TYPES:
         protobuf_strings(body, parts)
         meta["protobuf"] = True
         return TEXT if parts else BINARY
