@@ -48,11 +48,11 @@ def h2load(url: str, n: int, extra: list[str]) -> tuple[float, int, int]:
 
 def measure(proc: e2e.Proc, url: str, n: int, extra: list[str]) -> dict:
     pids = proc.serving_pids()
-    before = e2e.cpu_ticks(pids)
+    before = sum(e2e.cpu_ticks(pids))
     rps, done, ok = h2load(url, n, extra)
-    ticks = e2e.cpu_ticks(pids) - before
-    hz = 100
-    return {"rps": rps, "cpu_us_per_req": ticks / hz * 1e6 / max(done, 1), "ok": ok, "n": done}
+    ticks = sum(e2e.cpu_ticks(pids)) - before
+    return {"rps": rps, "cpu_us_per_req": ticks / e2e.CLK_TCK * 1e6 / max(done, 1),
+            "ok": ok, "n": done}
 
 
 def grpc_body() -> bytes:
@@ -115,6 +115,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         """))
     def aiproxy_conf(aip: int, aip_g: int) -> str:
         return textwrap.dedent(f"""\
+        [server]
+        workers = 1
         [http]
         max_keepalive_requests = 0
         h2_max_concurrent_streams = 128
