@@ -42,6 +42,7 @@ log = logging.getLogger("aiproxy.auth")
 
 IDENTITY_HEADER = b"x-aiproxy-identity"
 SIGNATURE_HEADER = b"x-aiproxy-identity-signature"
+BEARER_CHALLENGE = "bearer_challenge"  # ex.gov key: the request's credential was a bearer token
 KEY_FAMILIES = {"HS": "oct", "RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
 VERIFIED_CACHE = 4096  # presented API key digests known good (unsalted, in memory only)
 
@@ -291,8 +292,13 @@ class Authenticator:
                     # RFC 7515 2: base64url without padding. Decoders that take padding
                     # would give one token many spellings (and cache entries).
                     raise AuthError("invalid_token", "malformed token (padding)")
-                return self.verify_jwt(token)
-            return self._api_key(token)
+                identity = self.verify_jwt(token)
+            else:
+                identity = self._api_key(token)
+            # A policy denial of a bearer token answers with this challenge (RFC 6750 3.1
+            # insufficient_scope); other credentials get no Bearer challenge.
+            ex.gov[BEARER_CHALLENGE] = self.challenge
+            return identity
         if presented is not None:
             return self._api_key(presented.strip().decode("latin-1"))
         if self.cfg.mtls:
