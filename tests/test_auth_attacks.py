@@ -268,3 +268,26 @@ def test_revoked_api_key_stops_after_sighup(proxy):
     r = _get(proxy, {"x-api-key": KEY})
     assert r.status_code == 401 and "unknown API key" in r.text
     assert _get(proxy, {"x-api-key": other}).status_code == 200
+
+
+def test_token_for_an_audience_is_refused_where_none_is_configured(start_proxy, demo_upstream,
+                                                                    tmp_path, keys):
+    """RFC 7519 4.1.3: a JWT with an `aud` claim MUST be rejected by a recipient that
+    does not identify itself with one of its values. Without `audience` configured the
+    proxy identifies with none, so a token minted for another service (any `aud`) is
+    refused; a token without `aud` still passes."""
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [_jwk(keys["rsa1"], "rsa1", use="sig")]}))
+    proxy = start_proxy(simple_config(demo_upstream) + f"""
+[auth]
+realm = "test"
+
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["RS256"]
+""")
+    head = {"alg": "RS256", "kid": "rsa1"}
+    assert _bearer(proxy, _sign(keys["rsa1"], head, _claims(aud=None))).status_code == 200
+    for aud in ("billing-service", ["billing-service", "other"]):
+        msg = _invalid_token(_bearer(proxy, _sign(keys["rsa1"], head, _claims(aud=aud))))
+        assert "wrong audience" in msg, msg

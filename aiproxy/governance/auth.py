@@ -234,10 +234,11 @@ class Authenticator:
         kid = header.get("kid")
         key = self.jwks.key_for(kid if isinstance(kid, str) else None, alg)
         try:
+            # With no audience configured, a token that names one is refused: the proxy
+            # is not among its audiences (RFC 7519 4.1.3 MUST).
             claims = jwt.decode(
                 token, key.key, algorithms=[alg], audience=list(cfg.audience) or None,
-                issuer=cfg.issuer, leeway=cfg.leeway_s,
-                options={"require": list(cfg.require), "verify_aud": bool(cfg.audience)})
+                issuer=cfg.issuer, leeway=cfg.leeway_s, options={"require": list(cfg.require)})
         except jwt.ExpiredSignatureError:
             raise AuthError("invalid_token", "token expired") from None
         except jwt.ImmatureSignatureError:
