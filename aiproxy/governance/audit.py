@@ -3,7 +3,7 @@
 Each record carries `seq` and `prev`, the SHA-256 (hex) of the previous record's line
 (without its newline); the chain runs across rotated files, so `aiproxy audit verify`
 finds an edited, removed or reordered record anywhere. The newest record's hash is what
-to anchor elsewhere to catch a truncated tail (verify prints it).
+to anchor elsewhere to catch a truncated tail (verify prints it; `verify --anchor` checks it).
 
 Durability (`fsync`):
   always    group commit: the thread writes what queued up, fsyncs once, then releases
