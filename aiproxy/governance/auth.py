@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,8 @@ IDENTITY_HEADER = b"x-aiproxy-identity"
 SIGNATURE_HEADER = b"x-aiproxy-identity-signature"
 BEARER_CHALLENGE = "bearer_challenge"  # ex.gov key: the request's credential was a bearer token
 KEY_FAMILIES = {"HS": "oct", "RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
+NOT_IN_DESCRIPTION = re.compile(r"[^\x20\x21\x23-\x5b\x5d-\x7e]")  # RFC 6750 3
+DESCRIPTION_MAX = 256
 VERIFIED_CACHE = 4096  # presented API key digests known good (unsalted, in memory only)
 
 
@@ -407,8 +410,11 @@ class _Refuse(Filter):
     def __init__(self, auth: Authenticator, error: str | None, description: str) -> None:
         challenge = auth.challenge
         if error is not None:
+            # The description can quote the token (pyjwt names an unknown crit extension
+            # as sent): only RFC 6750 3's characters, never a CR LF that splits the head.
+            text = NOT_IN_DESCRIPTION.sub("?", description.replace('"', "'"))
             challenge += b', error="%s", error_description="%s"' % (
-                error.encode(), description.replace('"', "'").encode("ascii", "replace"))
+                error.encode(), text[:DESCRIPTION_MAX].encode())
         status = 400 if error == "invalid_request" else 401
         self.reply = LocalReply(status, "unauthorized", description,
                                 [(b"www-authenticate", challenge)])
