@@ -349,3 +349,66 @@ def test_unrouted_replies_recorded(start_proxy, demo_upstream, tmp_path):
     assert len({r["trace_id"] for r in recs}) == 5
     res = _cli("verify", str(log))
     assert res.returncode == 0 and res.stdout.startswith("ok: 5 records"), res.stdout
+
+
+def test_a_failed_write_leaves_no_torn_record_and_a_chain_that_verifies(
+        start_proxy, demo_upstream, tmp_path):
+    """A write that fails part way (a full disk; here the process's file size limit,
+    set with prlimit) used to leave half a record in the file, and the chain went on
+    from the records that never got in: the next record was glued to the torn one and
+    `audit verify` reported tampering. The failed records' requests are not answered
+    (fsync = "always"); once the disk has room again the chain goes on and verifies,
+    with one record per answered request."""
+    proxy = start_proxy(_config(demo_upstream, tmp_path, 'fsync = "always"\n'))
+    pid = str(proxy.proc.pid)
+
+    def get() -> bool:
+        try:
+            with httpx.Client(timeout=10) as c:
+                return c.get(f"{proxy.url}/echo", headers={"x-api-key": KEY}).status_code == 200
+        except httpx.HTTPError:  # the response is cut short: its record was not written
+            return False
+
+    subprocess.run(["prlimit", "--pid", pid, "--fsize=2500:"], check=True)  # soft limit
+    answered = [get() for _ in range(8)]
+    assert answered[0] and not answered[-1], answered  # records of ~600 bytes: full at 4
+    subprocess.run(["prlimit", "--pid", pid, "--fsize=unlimited:"], check=True)
+    answered += [get() for _ in range(3)]
+    assert answered[-3:] == [True] * 3
+    log = tmp_path / "audit.log"
+    assert log.read_bytes().endswith(b"\n")
+    recs = _records(log)  # every line a whole record
+    assert len(recs) == sum(answered), (answered, recs)
+    res = _cli("verify", str(log))
+    assert res.returncode == 0 and f"ok: {sum(answered)} records" in res.stdout, res.stdout
+    assert "audit write failed: [Errno 27] File too large" in proxy.log()
+
+
+def test_verify_against_an_anchored_head_catches_a_truncated_log(start_proxy, demo_upstream,
+                                                                 tmp_path):
+    """Records cut off the end leave a chain that is whole: only a head hash kept
+    elsewhere tells. `audit verify --anchor HASH` (a head printed by an earlier verify)
+    fails unless that record is still in the chain."""
+    proxy = start_proxy(_config(demo_upstream, tmp_path, 'fsync = "always"\n'))
+    log = tmp_path / "audit.log"
+
+    def requests(n: int) -> None:
+        with httpx.Client(timeout=10) as c:
+            for _ in range(n):
+                assert c.get(f"{proxy.url}/echo", headers={"x-api-key": KEY}).status_code == 200
+
+    requests(3)
+    res = _cli("verify", str(log))
+    assert res.returncode == 0 and "ok: 3 records" in res.stdout, res.stdout
+    anchor = res.stdout.rsplit("head ", 1)[1].strip()
+    requests(3)
+    res = _cli("verify", "--anchor", anchor, str(log))
+    assert res.returncode == 0 and "ok: 6 records" in res.stdout, res.stdout
+    lines = log.read_bytes().splitlines(keepends=True)
+    cut = tmp_path / "cut.log"
+    cut.write_bytes(b"".join(lines[:2]))  # whole records removed from the end
+    assert _cli("verify", str(cut)).returncode == 0  # nothing to see without the anchor
+    res = _cli("verify", "--anchor", anchor, str(cut))
+    assert res.returncode == 1 and f"anchor {anchor} not found" in res.stdout, res.stdout
+    res = _cli("verify", "--anchor", "nothex", str(log))
+    assert res.returncode == 2 and "anchor" in res.stderr, (res.stdout, res.stderr)

@@ -268,3 +268,44 @@ def test_revoked_api_key_stops_after_sighup(proxy):
     r = _get(proxy, {"x-api-key": KEY})
     assert r.status_code == 401 and "unknown API key" in r.text
     assert _get(proxy, {"x-api-key": other}).status_code == 200
+
+
+def test_token_for_an_audience_is_refused_where_none_is_configured(start_proxy, demo_upstream,
+                                                                    tmp_path, keys):
+    """RFC 7519 4.1.3: a JWT with an `aud` claim MUST be rejected by a recipient that
+    does not identify itself with one of its values. Without `audience` configured the
+    proxy identifies with none, so a token minted for another service (any `aud`) is
+    refused; a token without `aud` still passes."""
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [_jwk(keys["rsa1"], "rsa1", use="sig")]}))
+    proxy = start_proxy(simple_config(demo_upstream) + f"""
+[auth]
+realm = "test"
+
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["RS256"]
+""")
+    head = {"alg": "RS256", "kid": "rsa1"}
+    assert _bearer(proxy, _sign(keys["rsa1"], head, _claims(aud=None))).status_code == 200
+    for aud in ("billing-service", ["billing-service", "other"]):
+        msg = _invalid_token(_bearer(proxy, _sign(keys["rsa1"], head, _claims(aud=aud))))
+        assert "wrong audience" in msg, msg
+
+
+def test_error_description_cannot_carry_header_injection(proxy, keys):
+    """The refusal's error_description quotes pyjwt's message, which for an unknown
+    `crit` extension is the attacker's string as sent: a CR LF in it split the 401's
+    head (an injected field, a second response). RFC 6750 3 allows only %x20-21,
+    %x23-5B and %x5D-7E there; anything else goes as "?"."""
+    ext = 'x\r\nx-evil: 1\r\n\r\nHTTP/1.1 200 OK\r\nback\\slash "q" \u00e9'
+    token = _sign(keys["rsa1"], {"alg": "RS256", "kid": "rsa1", "crit": [ext]}, _claims())
+    status, head = _raw(proxy, [b"authorization: Bearer " + token.encode()])
+    assert status == 401
+    fields = head.split(b"\r\n")[1:]
+    assert all(b":" in f and not f.startswith(b"http/") for f in fields), fields
+    assert not any(f.startswith(b"x-evil") for f in fields), fields
+    challenge = next(f for f in fields if f.startswith(b"www-authenticate:"))
+    desc = challenge.split(b'error_description="', 1)[1][:-1]
+    assert all(c in (0x20, 0x21) or 0x23 <= c <= 0x5B or 0x5D <= c <= 0x7E for c in desc), desc
+    assert desc.startswith(b"malformed token: unsupported critical extension: x??x-evil"), desc

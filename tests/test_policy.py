@@ -354,3 +354,66 @@ def test_hostile_json_bodies_are_answered_without_a_traceback(start_proxy, demo_
                    headers={"content-type": "application/json"})
         assert r.status_code == 200, r.text
         assert c.post(f"{proxy.url}/echo", json={"model": "m"}).status_code == 200
+
+
+def test_bearer_denials_say_insufficient_scope(start_proxy, demo_upstream, tmp_path):
+    """RFC 6750 3.1: a valid bearer token that lacks the privileges a request needs gets
+    403 with `WWW-Authenticate: Bearer error="insufficient_scope"`, and `scope` names
+    the missing permissions when the policy knows them (an rbac rule). A credential sent
+    in the API key header is no bearer token: its 403 carries no challenge."""
+    import json
+
+    import grpc
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(private.public_key()))
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [{**jwk, "kid": "k", "use": "sig"}]}))
+    pf = tmp_path / "policy.toml"
+    pf.write_text(POLICY)
+    text = _config(demo_upstream, pf).replace("[auth]\n", '[auth]\nrealm = "corp"\n')
+    proxy = start_proxy(text + f"""
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["RS256"]
+""", 'protocols = ["http1", "h2c"]')
+    token = jwt.encode({"sub": "carol", "roles": ["intern"], "exp": int(time.time()) + 300},
+                       private, "RS256", headers={"kid": "k"})
+    bearer = {"authorization": f"Bearer {token}"}
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{proxy.url}/echo", json={"model": "tiny-1"}, headers=bearer)
+        assert r.status_code == 200, r.text
+        r = c.post(f"{proxy.url}/echo", json={"model": "gpt-4o"}, headers=bearer)
+        _assert_403(r, "default")
+        assert r.headers["www-authenticate"] == (
+            'Bearer realm="corp", error="insufficient_scope", scope="model:gpt-4o"')
+        # A deny rule: no permission would help, so no scope to name.
+        r = c.delete(f"{proxy.url}/echo", headers=bearer)
+        _assert_403(r, "no-delete")
+        assert r.headers["www-authenticate"] == 'Bearer realm="corp", error="insufficient_scope"'
+        # An API key as the bearer token is one too.
+        r = c.post(f"{proxy.url}/echo", json={"model": "gpt-4o"},
+                   headers={"authorization": f"Bearer {KEYS['bob'][0]}"})
+        _assert_403(r, "default")
+        assert 'error="insufficient_scope", scope="model:gpt-4o"' in r.headers["www-authenticate"]
+        # A model name that is no scope-token (RFC 6750 3: no space, quote or backslash,
+        # let alone a line break) is not echoed: the challenge goes without scope.
+        r = c.post(f"{proxy.url}/echo", json={"model": 'gpt "4"\r\nx-evil: 1'}, headers=bearer)
+        _assert_403(r, "default")
+        assert r.headers["www-authenticate"] == 'Bearer realm="corp", error="insufficient_scope"'
+        assert "x-evil" not in r.headers
+        # The API key header: a 403 as before, with no Bearer challenge.
+        r = _req(c, proxy, "bob", model="gpt-4o")
+        _assert_403(r, "default")
+        assert "www-authenticate" not in r.headers
+    # No role, so not even route:all: to a gRPC caller still PERMISSION_DENIED.
+    token = jwt.encode({"sub": "dan", "exp": int(time.time()) + 300}, private, "RS256",
+                       headers={"kid": "k"})
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/pkg.Svc/Method")(
+                b"x", timeout=10, metadata=[("authorization", f"Bearer {token}")])
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
+    assert err.value.details() == "denied by policy rule default"

@@ -3,7 +3,7 @@
 Each record carries `seq` and `prev`, the SHA-256 (hex) of the previous record's line
 (without its newline); the chain runs across rotated files, so `aiproxy audit verify`
 finds an edited, removed or reordered record anywhere. The newest record's hash is what
-to anchor elsewhere to catch a truncated tail (verify prints it).
+to anchor elsewhere to catch a truncated tail (verify prints it; `verify --anchor` checks it).
 
 Durability (`fsync`):
   always    group commit: the thread writes what queued up, fsyncs once, then releases
@@ -162,21 +162,23 @@ class AuditWriter:
                         self._rotate()
                     out: list[bytes] = []
                     size = 0
+                    first = (self.seq, self.prev)  # the chain before `out`
                     for record, fut in batch:
+                        before = (self.seq, self.prev)
                         self.seq += 1
                         line = json.dumps({"seq": self.seq, "prev": self.prev, **record},
                                           separators=(",", ":"), ensure_ascii=False,
                                           default=str).encode() + b"\n"
                         self.prev = line_hash(line[:-1])
                         if (out or self.size) and self.size + size + len(line) > cfg.rotate_bytes:
-                            self._write(out)  # a group commit may span a rotation
+                            self._write(out, first)  # a group commit may span a rotation
                             self._rotate()
-                            out, size = [], 0
+                            out, size, first = [], 0, before
                         out.append(line)
                         size += len(line)
                         if fut is not None:
                             waiting.append(fut)
-                    self._write(out)
+                    self._write(out, first)
                     self.written += len(batch)
                     self.failed = None
                     dirty = True
@@ -201,12 +203,26 @@ class AuditWriter:
                 os.close(self.fd)
                 return
 
-    def _write(self, lines: list[bytes]) -> None:
-        view = memoryview(b"".join(lines))
-        self.size += len(view)
-        while view:
-            n = os.write(self.fd, view)
-            view = view[n:]
+    def _write(self, lines: list[bytes], first: tuple[int, str]) -> None:
+        """Append lines; `first` is (seq, prev) before them. When the write fails (a full
+        disk) the part that got in is cut off again and the chain goes back to `first`:
+        a torn line would make the next record unreadable, and records chained to ones
+        that never reached the file would read as tampering in `audit verify`."""
+        data = memoryview(b"".join(lines))
+        view = data
+        try:
+            while view:
+                n = os.write(self.fd, view)
+                view = view[n:]
+        except OSError:
+            self.seq, self.prev = first
+            if len(view) < len(data):
+                try:
+                    os.ftruncate(self.fd, self.size)
+                except OSError as exc:
+                    log.error("audit %s: a partly written record stays: %s", self.cfg.path, exc)
+            raise
+        self.size += len(data)
 
     @staticmethod
     def _settle(futures: list[asyncio.Future], exc: Exception | None) -> None:

@@ -30,6 +30,7 @@ def _first_seq(path: str) -> int:
     return 1 << 62
 
 
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _ROTATED = re.compile(r"\.\d{8}T\d{6}\.\d{6}Z$")  # audit.py's rotation stamp
 
 
@@ -39,19 +40,31 @@ def chain_of(path: str) -> str:
     return _ROTATED.sub("", path)
 
 
-def verify(paths: list[str], out: TextIO = sys.stdout, partial: bool = False) -> int:
+def verify(paths: list[str], out: TextIO = sys.stdout, partial: bool = False,
+           anchors: list[str] | tuple[str, ...] = ()) -> int:
     """0 when every record chains to the one before it (each chain's files in seq
-    order) and, unless `partial`, each chain starts at its first record."""
+    order), unless `partial` each chain starts at its first record, and each of
+    `anchors` (head hashes kept elsewhere) is the hash of a record in the chains.
+    ValueError for an anchor that is no SHA-256 hex digest."""
+    missing = set()
+    for anchor in anchors:
+        if not _HEX64.fullmatch(anchor):
+            raise ValueError(f"anchor {anchor!r} is not a SHA-256 hash (64 hex digits)")
+        missing.add(anchor.lower())
     chains: dict[str, list[str]] = {}
     for path in paths:
         chains.setdefault(chain_of(path), []).append(path)
     problems = count = 0
     heads = []
     for name, files in chains.items():
-        n_problems, n_records, head = _verify_chain(files, out, partial)
+        n_problems, n_records, head = _verify_chain(files, out, partial, missing)
         problems += n_problems
         count += n_records
         heads.append((name, len(files), n_records, head))
+    for anchor in sorted(missing):
+        print(f"anchor {anchor} not found: records were cut off the end of the log (or "
+              "it was rewritten)", file=out)
+        problems += 1
     if problems:
         print(f"FAILED: {problems} problem(s) in {count} records", file=out)
         return 1
@@ -61,8 +74,9 @@ def verify(paths: list[str], out: TextIO = sys.stdout, partial: bool = False) ->
     return 0
 
 
-def _verify_chain(paths: list[str], out: TextIO, partial: bool) -> tuple[int, int, str]:
-    """(problems, records, head hash) of one chain."""
+def _verify_chain(paths: list[str], out: TextIO, partial: bool,
+                  anchors: set[str]) -> tuple[int, int, str]:
+    """(problems, records, head hash) of one chain; found hashes leave `anchors`."""
     files = sorted(paths, key=_first_seq)
     prev = None
     expect_seq = None
@@ -98,6 +112,7 @@ def _verify_chain(paths: list[str], out: TextIO, partial: bool) -> tuple[int, in
                 problems += 1
             expect_seq = seq + 1
             prev = line_hash(line)
+            anchors.discard(prev)
             count += 1
         if tail:
             last_file = fi == len(files) - 1

@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,10 @@ log = logging.getLogger("aiproxy.auth")
 
 IDENTITY_HEADER = b"x-aiproxy-identity"
 SIGNATURE_HEADER = b"x-aiproxy-identity-signature"
+BEARER_CHALLENGE = "bearer_challenge"  # ex.gov key: the request's credential was a bearer token
 KEY_FAMILIES = {"HS": "oct", "RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
+NOT_IN_DESCRIPTION = re.compile(r"[^\x20\x21\x23-\x5b\x5d-\x7e]")  # RFC 6750 3
+DESCRIPTION_MAX = 256
 VERIFIED_CACHE = 4096  # presented API key digests known good (unsalted, in memory only)
 
 
@@ -233,10 +237,11 @@ class Authenticator:
         kid = header.get("kid")
         key = self.jwks.key_for(kid if isinstance(kid, str) else None, alg)
         try:
+            # With no audience configured, a token that names one is refused: the proxy
+            # is not among its audiences (RFC 7519 4.1.3 MUST).
             claims = jwt.decode(
                 token, key.key, algorithms=[alg], audience=list(cfg.audience) or None,
-                issuer=cfg.issuer, leeway=cfg.leeway_s,
-                options={"require": list(cfg.require), "verify_aud": bool(cfg.audience)})
+                issuer=cfg.issuer, leeway=cfg.leeway_s, options={"require": list(cfg.require)})
         except jwt.ExpiredSignatureError:
             raise AuthError("invalid_token", "token expired") from None
         except jwt.ImmatureSignatureError:
@@ -291,8 +296,13 @@ class Authenticator:
                     # RFC 7515 2: base64url without padding. Decoders that take padding
                     # would give one token many spellings (and cache entries).
                     raise AuthError("invalid_token", "malformed token (padding)")
-                return self.verify_jwt(token)
-            return self._api_key(token)
+                identity = self.verify_jwt(token)
+            else:
+                identity = self._api_key(token)
+            # A policy denial of a bearer token answers with this challenge (RFC 6750 3.1
+            # insufficient_scope); other credentials get no Bearer challenge.
+            ex.gov[BEARER_CHALLENGE] = self.challenge
+            return identity
         if presented is not None:
             return self._api_key(presented.strip().decode("latin-1"))
         if self.cfg.mtls:
@@ -400,8 +410,11 @@ class _Refuse(Filter):
     def __init__(self, auth: Authenticator, error: str | None, description: str) -> None:
         challenge = auth.challenge
         if error is not None:
+            # The description can quote the token (pyjwt names an unknown crit extension
+            # as sent): only RFC 6750 3's characters, never a CR LF that splits the head.
+            text = NOT_IN_DESCRIPTION.sub("?", description.replace('"', "'"))
             challenge += b', error="%s", error_description="%s"' % (
-                error.encode(), description.replace('"', "'").encode("ascii", "replace"))
+                error.encode(), text[:DESCRIPTION_MAX].encode())
         status = 400 if error == "invalid_request" else 401
         self.reply = LocalReply(status, "unauthorized", description,
                                 [(b"www-authenticate", challenge)])

@@ -102,6 +102,10 @@ def add_audit(sub: argparse._SubParsersAction) -> None:
                    "checked as separate chains")
     v.add_argument("--partial", action="store_true",
                    help="accept a chain whose first records are not given (archived)")
+    v.add_argument("--anchor", action="append", default=[], metavar="HASH",
+                   help="a head hash printed by an earlier verify and kept elsewhere: fail "
+                   "unless that record is still in the chain (catches a truncated log; "
+                   "repeatable)")
     q = cmds.add_parser(
         "query", help="filter and group records (schema-on-read)",
         description="Fields are dotted names of the JSON records (identity.sub, "
@@ -122,7 +126,7 @@ def run_audit(args: argparse.Namespace) -> int:
 
     try:
         if args.audit_command == "verify":
-            return audit_tools.verify(args.files, partial=args.partial)
+            return audit_tools.verify(args.files, partial=args.partial, anchors=args.anchor)
         group_by = [g for item in args.group_by for g in item.split(",") if g]
         fields = [f for f in args.fields.split(",") if f] if args.fields else None
         return audit_tools.query(args.files, args.where, group_by, args.since, fields,

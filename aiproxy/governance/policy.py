@@ -47,6 +47,7 @@ from aiproxy import wirejson
 from aiproxy.config.errors import ConfigError, Problem
 from aiproxy.config.locate import KeyPath, Locator
 from aiproxy.config.locate import format_path as _format_path
+from aiproxy.governance.auth import BEARER_CHALLENGE
 from aiproxy.governance.watch import FileWatch
 from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply
 
@@ -62,6 +63,7 @@ RULE_KEYS = ("id", "effect", "description", *GLOB_KEYS, "claims", "source_cidrs"
              "body_max", "time", "not_before", "expires", "rbac")
 MODEL_IN_BODY = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
 INSPECT_BYTES = 64 * 1024
+SCOPE_TOKEN = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]{1,256}")  # RFC 6750 3: 1*NQCHAR
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,6 +433,24 @@ def decide(policy: Policy, req: Request, explain: bool = False) -> Decision:
     return Decision(policy.default == "allow", "default", trace)
 
 
+def needed_scope(policy: Policy, req: Request, decision: Decision) -> str | None:
+    """The permissions a denied request lacks, as an RFC 6750 3 scope ("model:gpt-4o
+    route:chat"), when an rbac rule would have allowed it with them; None when no
+    permission would help (a deny rule decided) or a value is no scope-token."""
+    if decision.allowed or decision.rule != "default":
+        return None
+    if not any(r.effect == "allow" and r.rbac
+               and (why_not(policy, r, req) or "").startswith("rbac.") for r in policy.rules):
+        return None
+    perms = permissions(policy, req)
+    missing = [f"{kind}:{value}" for kind, value in (
+        ("route", req.route), ("model", req.model), ("intent", req.intent),
+        ("domain", req.domain)) if not _permitted(perms, kind, value)]
+    if not missing or not all(SCOPE_TOKEN.fullmatch(m) for m in missing):
+        return None  # the model is the client's text: never echoed unless it is a token
+    return " ".join(missing)
+
+
 # -- the filter --------------------------------------------------------------------------------
 
 
@@ -560,7 +580,8 @@ class PolicyFilter(Filter):
     def request(self, ex: Exchange) -> LocalReply | None:
         state = self.state
         policy = state.current()
-        decision = decide(policy, request_of(ex, policy.uses_model, policy.uses_intent))
+        req = request_of(ex, policy.uses_model, policy.uses_intent)
+        decision = decide(policy, req)
         if decision.allowed:
             ex.gov["policy"] = ("allow", decision.rule)
             state.count("allow", decision.rule)
@@ -574,8 +595,16 @@ class PolicyFilter(Filter):
             return None
         ex.gov["policy"] = ("deny", decision.rule)
         state.count("deny", decision.rule)
-        return LocalReply(403, "forbidden", f"denied by policy rule {decision.rule}",
-                          [(b"x-aiproxy-policy-rule", decision.rule.encode("latin-1"))])
+        headers = [(b"x-aiproxy-policy-rule", decision.rule.encode("latin-1"))]
+        challenge = ex.gov.get(BEARER_CHALLENGE)
+        if challenge is not None:
+            # RFC 6750 3.1: a bearer token without the privileges the request needs.
+            challenge += b', error="insufficient_scope"'
+            scope = needed_scope(policy, req, decision)
+            if scope is not None:
+                challenge += b', scope="%s"' % scope.encode()
+            headers.append((b"www-authenticate", challenge))
+        return LocalReply(403, "forbidden", f"denied by policy rule {decision.rule}", headers)
 
 
 class PolicyFactory(FilterFactory):
