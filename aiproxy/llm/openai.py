@@ -35,6 +35,9 @@ _USAGE_FIELD = re.compile(
 # output_text delta (string values only; "delta":{...} objects do not match).
 _TEXT = re.compile(rb'"(?:content|text|delta)"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+# A Responses API event's type: its text is generated in *.delta events, and the .done
+# events (output_text, content_part, output_item) repeat it whole.
+_RESPONSES_TYPE = re.compile(rb'"type"\s*:\s*"response\.[^"]*"')
 JSON_LIMIT = 1 << 20  # response bytes kept to read a JSON body's usage and text
 
 
@@ -227,7 +230,11 @@ class SseReader:
         if data == b"[DONE]":
             self.done = True
             return 0
+        m = _RESPONSES_TYPE.search(data) if b'"response.' in data else None
+        repeats = m is not None and not m.group().endswith(b'.delta"')
         if _HAS_USAGE.search(data) is None:
+            if repeats:
+                return 0
             # The common chunk: its text strings read without decoding the whole event.
             n = 0
             for raw in _TEXT.findall(data):
@@ -247,7 +254,7 @@ class SseReader:
         usage = usage_of(obj)
         if usage is not None:
             self.usage = usage
-        n = completion_text_bytes(obj)
+        n = 0 if repeats else completion_text_bytes(obj)
         self.text_bytes += n
         return 1 if n else 0
 
