@@ -402,3 +402,46 @@ def test_sse_reader_counts_responses_text_from_deltas_only():
     r = SseReader()
     n = sum(r.feed(e) for e in _responses_stream(["one", "two", "three"], completed=True))
     assert n == 3 and r.text_bytes == len("one two three") and r.usage == (1, 3)
+
+
+def test_sse_reader_skips_an_event_that_never_ends():
+    r = SseReader()
+    line = b"data: " + b"x" * 1000 + b"\n"
+    for _ in range(3000):  # 3 MB of one event's data lines, no blank line
+        r.feed(line * 1)
+    assert r.data == [] and r.events == 0
+    r.feed(b'\ndata: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3}}\n\n')
+    assert r.usage == (2, 3) and r.events == 1
+
+
+def test_event_stream_without_blank_lines_is_not_buffered(start_proxy):
+    """An upstream's event stream whose data lines never end an event (no blank line)
+    passes through while the accounting holds at most one event's worth of it (the SSE
+    reader kept every data line of the unfinished event: the stream's whole size)."""
+    from aiohttp import web
+
+    from tests.support import RssMonitor, serve_aiohttp
+
+    chunk = (b"data: " + b"x" * 1000 + b"\n") * 1000  # 1 MB
+    tail = b'\ndata: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3}}\n\n'
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(128):
+            await resp.write(chunk)
+        await resp.write(tail)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    with serve_aiohttp(app) as port:
+        proxy = start_proxy("[server]\nworkers = 1\n" + simple_config(port) + "\n[llm]\n")
+        body = {"model": "m", "stream": True, "messages": MESSAGES}
+        with (RssMonitor(proxy.proc.pid) as rss, httpx.Client(timeout=60) as c,
+              c.stream("POST", f"{proxy.url}/v1/chat/completions", json=body) as r):
+            got = sum(len(b) for b in r.iter_raw())
+    assert got == 128 * len(chunk) + len(tail)
+    assert rss.growth < 48 * 2**20, rss.describe()

@@ -189,11 +189,12 @@ class SseReader:
     get the number of text-carrying events it completed; partial lines wait (only the
     incomplete last line is kept). Tracks usage, generated text bytes and [DONE]."""
 
-    __slots__ = ("partial", "data", "usage", "text_bytes", "done", "events")
+    __slots__ = ("partial", "data", "size", "usage", "text_bytes", "done", "events")
 
     def __init__(self) -> None:
         self.partial = b""
         self.data: list[bytes] = []
+        self.size = 0  # bytes in data; -1: the event outgrew JSON_LIMIT and is skipped
         self.usage: tuple[int, int] | None = None
         self.text_bytes = 0
         self.done = False
@@ -216,9 +217,16 @@ class SseReader:
                 if self.data:
                     texty += self._event(b"\n".join(self.data))
                     self.data = []
-            elif line[:5] == b"data:":
+                self.size = 0
+            elif line[:5] == b"data:" and self.size >= 0:
                 value = line[5:]
-                self.data.append(value[1:] if value[:1] == b" " else value)
+                if value[:1] == b" ":
+                    value = value[1:]
+                self.size += len(value) + 1
+                if self.size > JSON_LIMIT:  # data lines without an end: stop collecting
+                    self.data, self.size = [], -1
+                else:
+                    self.data.append(value)
         rest = buf[start:]
         if len(rest) > JSON_LIMIT:  # a line without end: stop collecting it
             rest = b""
