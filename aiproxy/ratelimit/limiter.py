@@ -102,15 +102,21 @@ class Limiter:
                            (b"x-aiproxy-backpressure", b"backend_unavailable")])
 
 
+# Far above any model's limits, and small enough that a bucket's level in a double (or
+# Redis's 14-digit numbers) keeps fractions of a token: reserving 2**60 took the level
+# where settling to the real usage rounded it away.
+MAX_RESERVATION = 1 << 30
+
+
 def reservation(ex: Exchange, default_max: int) -> int:
     """Tokens reserved up front: estimated prompt + completion limit."""
     llm = ex.llm
     if llm is None:
         return 0
     if llm.endpoint == "embeddings":
-        return max(1, llm.prompt_tokens)
+        return min(MAX_RESERVATION, max(1, llm.prompt_tokens))
     completion = llm.max_tokens if llm.max_tokens is not None else default_max
-    return max(1, llm.prompt_tokens + completion)
+    return min(MAX_RESERVATION, max(1, llm.prompt_tokens + completion))
 
 
 class Grant:
