@@ -332,3 +332,34 @@ burst_tokens = 1000
         assert r.headers["x-aiproxy-backpressure"] == "tokens"
         r = c.post(url, json={"model": "m", "max_tokens": 991, "messages": hi})
         assert r.status_code == 200
+
+
+def test_a_queued_request_counts_once_in_every_limiter(start_proxy):
+    """A request that waits in the watermark queue for one limiter is admitted by the
+    others once: each retry of the queue took another unit from the requests bucket of
+    every limiter before the one it waited for, so one request cost several."""
+    proc, port = start_demo_upstream("band-2", extra=("--report-load", "60"))
+    try:
+        proxy = start_proxy(ONE_PROCESS + simple_config(port) + """
+[[ratelimits]]
+name = "per-client"
+requests_per_second = 0.01
+burst_requests = 3
+watermark = false
+[[ratelimits]]
+name = "shared"
+requests_per_second = 2
+burst_requests = 1
+max_wait_ms = 5000
+""")
+        url = f"{proxy.url}/v1/chat/completions"
+        with httpx.Client(timeout=30) as c:
+            # The first request makes the load (60%) known; "shared" is empty after it,
+            # so the second waits for it in the queue (about 0.7 s) and the third too.
+            codes = [c.post(url, json=_chat(2)).status_code for _ in range(3)]
+            fourth = c.post(url, json=_chat(2))
+    finally:
+        stop_process(proc)
+    assert codes == [200, 200, 200]  # three requests: "per-client"'s three units
+    assert fourth.status_code == 429
+    assert fourth.headers["x-aiproxy-backpressure"] == "requests"
