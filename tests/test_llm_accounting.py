@@ -325,3 +325,123 @@ def test_stream_cut_by_its_upstream_is_logged_as_an_upstream_error(start_proxy, 
     assert "read_timeout_ms" in recs[2]["upstream_error"]
     assert all(r["llm"]["completion_tokens"] == tokens_of_text("alpha beta") for r in recs)
     assert all("client_closed" not in r for r in recs)
+
+
+def _responses_stream(words: list[str], completed: bool) -> list[bytes]:
+    """A Responses API event stream as OpenAI sends it: the text arrives once in
+    output_text.delta events, and again whole in output_text.done, content_part.done and
+    output_item.done; usage comes only in response.completed."""
+    text = " ".join(words)
+    part = {"type": "output_text", "text": text, "annotations": []}
+    item = {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
+            "content": [part]}
+    resp = {"id": "resp_1", "object": "response", "created_at": 1, "status": "in_progress",
+            "model": "m", "output": [], "usage": None}
+    ids = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+    events = [{"type": "response.created", "response": resp},
+              {"type": "response.output_item.added", "output_index": 0,
+               "item": {**item, "status": "in_progress", "content": []}},
+              {"type": "response.content_part.added", **ids, "part": {**part, "text": ""}}]
+    events += [{"type": "response.output_text.delta", **ids, "delta": (" " if i else "") + w}
+               for i, w in enumerate(words)]
+    events += [{"type": "response.output_text.done", **ids, "text": text},
+               {"type": "response.content_part.done", **ids, "part": part},
+               {"type": "response.output_item.done", "output_index": 0, "item": item}]
+    if completed:
+        usage = {"input_tokens": 1, "output_tokens": len(words),
+                 "total_tokens": 1 + len(words)}
+        events.append({"type": "response.completed",
+                       "response": {**resp, "status": "completed", "output": [item],
+                                    "usage": usage}})
+    return [b"event: %s\ndata: %s\n\n" % (e["type"].encode(), json.dumps(e).encode())
+            for e in events]
+
+
+def test_responses_stream_text_is_estimated_once(start_proxy, tmp_path):
+    """A Responses API stream that ends before response.completed (no usage) is charged
+    the estimate of its text, counted from the deltas once: not again from the
+    output_text.done, content_part.done and output_item.done events that repeat it whole
+    (that was 4x the text, charged to the tenant's token bucket)."""
+    from aiohttp import web
+
+    from tests.support import serve_aiohttp
+
+    words = ["alpha"] * 40
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in _responses_stream(words, completed=False):
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    log = tmp_path / "a.log"
+    # 200 tokens, refilling 1 a minute. The cut stream costs 1 (prompt "hi") + 60 (its
+    # 239 bytes of text): 139 stay, enough for a second request reserving 1 + 100.
+    limit = '\n[[ratelimits]]\nname = "t"\ntokens_per_minute = 1\nburst_tokens = 200\n'
+    with serve_aiohttp(app) as port:
+        proxy = _proxy(start_proxy, port, log, free_port(), extra=limit)
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0)
+        events = list(client.responses.create(model="m", input="hi", max_output_tokens=1,
+                                              stream=True))
+        assert events[-1].type == "response.output_item.done"
+        assert events[-1].item.content[0].text == " ".join(words)
+        again = list(client.responses.create(model="m", input="hi", max_output_tokens=100,
+                                             stream=True))
+        assert len(again) == len(events)
+        recs = [r["llm"] for r in _records(log, 2)]
+    assert recs[0]["completion_tokens"] == tokens_of_text(" ".join(words)) == 60
+    assert recs[0]["estimated"] is True
+
+
+def test_sse_reader_counts_responses_text_from_deltas_only():
+    r = SseReader()
+    n = sum(r.feed(e) for e in _responses_stream(["one", "two", "three"], completed=True))
+    assert n == 3 and r.text_bytes == len("one two three") and r.usage == (1, 3)
+
+
+def test_sse_reader_skips_an_event_that_never_ends():
+    r = SseReader()
+    line = b"data: " + b"x" * 1000 + b"\n"
+    for _ in range(3000):  # 3 MB of one event's data lines, no blank line
+        r.feed(line * 1)
+    assert r.data == [] and r.events == 0
+    r.feed(b'\ndata: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3}}\n\n')
+    assert r.usage == (2, 3) and r.events == 1
+
+
+def test_event_stream_without_blank_lines_is_not_buffered(start_proxy):
+    """An upstream's event stream whose data lines never end an event (no blank line)
+    passes through while the accounting holds at most one event's worth of it (the SSE
+    reader kept every data line of the unfinished event: the stream's whole size)."""
+    from aiohttp import web
+
+    from tests.support import RssMonitor, serve_aiohttp
+
+    chunk = (b"data: " + b"x" * 1000 + b"\n") * 1000  # 1 MB
+    tail = b'\ndata: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3}}\n\n'
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(128):
+            await resp.write(chunk)
+        await resp.write(tail)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    with serve_aiohttp(app) as port:
+        proxy = start_proxy("[server]\nworkers = 1\n" + simple_config(port) + "\n[llm]\n")
+        body = {"model": "m", "stream": True, "messages": MESSAGES}
+        with (RssMonitor(proxy.proc.pid) as rss, httpx.Client(timeout=60) as c,
+              c.stream("POST", f"{proxy.url}/v1/chat/completions", json=body) as r):
+            got = sum(len(b) for b in r.iter_raw())
+    assert got == 128 * len(chunk) + len(tail)
+    assert rss.growth < 48 * 2**20, rss.describe()

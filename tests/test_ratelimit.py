@@ -307,3 +307,59 @@ burst_requests = 2
             time.sleep(0.05)
         # the bucket kept its level (0 of 2): not refilled to the new burst of 3
         assert c.post(url, json=_chat(2)).status_code == 429
+
+
+def test_a_huge_max_tokens_is_still_charged_its_usage(start_proxy, demo_upstream):
+    """A request reserving far more than the bucket holds (max_tokens = 2**60) is settled
+    to its real usage like any other. Reserving 2**60 took the whole level into a float
+    where a token is below rounding: settling gave back up to the whole bucket, so the
+    usage was never charged (any client could spend its tokens for free that way)."""
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + """
+[[ratelimits]]
+name = "tpm"
+tokens_per_minute = 1
+burst_tokens = 1000
+""")
+    url = f"{proxy.url}/v1/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
+    with httpx.Client(timeout=10) as c:
+        r = c.post(url, json={"model": "m", "max_tokens": 2**60, "messages": hi})
+        assert r.status_code == 200
+        assert r.json()["usage"]["total_tokens"] == 4  # 996 of 1000 left
+        # Reserves 5 (the estimate of "hi") + 992 = 997: more than is left.
+        r = c.post(url, json={"model": "m", "max_tokens": 992, "messages": hi})
+        assert r.status_code == 429, r.text
+        assert r.headers["x-aiproxy-backpressure"] == "tokens"
+        r = c.post(url, json={"model": "m", "max_tokens": 991, "messages": hi})
+        assert r.status_code == 200
+
+
+def test_a_queued_request_counts_once_in_every_limiter(start_proxy):
+    """A request that waits in the watermark queue for one limiter is admitted by the
+    others once: each retry of the queue took another unit from the requests bucket of
+    every limiter before the one it waited for, so one request cost several."""
+    proc, port = start_demo_upstream("band-2", extra=("--report-load", "60"))
+    try:
+        proxy = start_proxy(ONE_PROCESS + simple_config(port) + """
+[[ratelimits]]
+name = "per-client"
+requests_per_second = 0.01
+burst_requests = 3
+watermark = false
+[[ratelimits]]
+name = "shared"
+requests_per_second = 2
+burst_requests = 1
+max_wait_ms = 5000
+""")
+        url = f"{proxy.url}/v1/chat/completions"
+        with httpx.Client(timeout=30) as c:
+            # The first request makes the load (60%) known; "shared" is empty after it,
+            # so the second waits for it in the queue (about 0.7 s) and the third too.
+            codes = [c.post(url, json=_chat(2)).status_code for _ in range(3)]
+            fourth = c.post(url, json=_chat(2))
+    finally:
+        stop_process(proc)
+    assert codes == [200, 200, 200]  # three requests: "per-client"'s three units
+    assert fourth.status_code == 429
+    assert fourth.headers["x-aiproxy-backpressure"] == "requests"

@@ -229,3 +229,43 @@ redis_timeout_ms = {{timeout}}
             os.kill(redis_proc.pid, signal.SIGCONT)
     time.sleep(1)
     assert _settled(redis_port, before - 5, BURST) >= before - 5
+
+
+def test_debt_lasts_as_long_as_in_memory(start_proxy, demo_upstream, redis_port):
+    """A request that used more tokens than the bucket holds leaves it in debt: the
+    in-process bucket refuses until the debt has refilled, so the Redis bucket must live
+    that long too. It expired cap/rate + 60 s after its last use whatever its level, and
+    came back full, forgiving the rest of the debt."""
+    import redis
+
+    proxy = start_proxy(simple_config(demo_upstream) + f"""
+[[ratelimits]]
+name = "tpm"
+tokens_per_minute = 60
+burst_tokens = 100
+backend = "redis"
+redis_url = "redis://127.0.0.1:{redis_port}/0"
+""")
+    body = {"model": "m", "max_tokens": 5,
+            "messages": [{"role": "user", "content": " ".join(["word"] * 600)}]}
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{proxy.url}/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        used = r.json()["usage"]["total_tokens"]
+        assert used > 600
+        assert c.post(f"{proxy.url}/v1/chat/completions", json=body).status_code == 429
+    client = redis.Redis(port=redis_port)
+    try:
+        [key] = client.keys("rl:tpm:t:*")
+        deadline = time.monotonic() + 10
+        while True:  # until the settlement (fire and forget) has landed
+            level = float(client.hget(key, "l"))
+            if level > 100 - used - 10 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        ttl = client.pttl(key)
+    finally:
+        client.close()
+    assert level <= 100 - used + 10, level
+    refill_ms = (100 - level) / (60 / 60) * 1000  # ~600 s at 1 token/s
+    assert ttl >= refill_ms, (ttl, refill_ms)

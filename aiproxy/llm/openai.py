@@ -35,6 +35,9 @@ _USAGE_FIELD = re.compile(
 # output_text delta (string values only; "delta":{...} objects do not match).
 _TEXT = re.compile(rb'"(?:content|text|delta)"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+# A Responses API event's type: its text is generated in *.delta events, and the .done
+# events (output_text, content_part, output_item) repeat it whole.
+_RESPONSES_TYPE = re.compile(rb'"type"\s*:\s*"response\.[^"]*"')
 JSON_LIMIT = 1 << 20  # response bytes kept to read a JSON body's usage and text
 
 
@@ -186,11 +189,12 @@ class SseReader:
     get the number of text-carrying events it completed; partial lines wait (only the
     incomplete last line is kept). Tracks usage, generated text bytes and [DONE]."""
 
-    __slots__ = ("partial", "data", "usage", "text_bytes", "done", "events")
+    __slots__ = ("partial", "data", "size", "usage", "text_bytes", "done", "events")
 
     def __init__(self) -> None:
         self.partial = b""
         self.data: list[bytes] = []
+        self.size = 0  # bytes in data; -1: the event outgrew JSON_LIMIT and is skipped
         self.usage: tuple[int, int] | None = None
         self.text_bytes = 0
         self.done = False
@@ -213,9 +217,16 @@ class SseReader:
                 if self.data:
                     texty += self._event(b"\n".join(self.data))
                     self.data = []
-            elif line[:5] == b"data:":
+                self.size = 0
+            elif line[:5] == b"data:" and self.size >= 0:
                 value = line[5:]
-                self.data.append(value[1:] if value[:1] == b" " else value)
+                if value[:1] == b" ":
+                    value = value[1:]
+                self.size += len(value) + 1
+                if self.size > JSON_LIMIT:  # data lines without an end: stop collecting
+                    self.data, self.size = [], -1
+                else:
+                    self.data.append(value)
         rest = buf[start:]
         if len(rest) > JSON_LIMIT:  # a line without end: stop collecting it
             rest = b""
@@ -227,7 +238,11 @@ class SseReader:
         if data == b"[DONE]":
             self.done = True
             return 0
+        m = _RESPONSES_TYPE.search(data) if b'"response.' in data else None
+        repeats = m is not None and not m.group().endswith(b'.delta"')
         if _HAS_USAGE.search(data) is None:
+            if repeats:
+                return 0
             # The common chunk: its text strings read without decoding the whole event.
             n = 0
             for raw in _TEXT.findall(data):
@@ -247,7 +262,7 @@ class SseReader:
         usage = usage_of(obj)
         if usage is not None:
             self.usage = usage
-        n = completion_text_bytes(obj)
+        n = 0 if repeats else completion_text_bytes(obj)
         self.text_bytes += n
         return 1 if n else 0
 

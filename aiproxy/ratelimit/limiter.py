@@ -59,9 +59,10 @@ class Limiter:
         tpm = cfg.tokens_per_minute
         self.tok = (tpm / 60.0, float(cfg.burst_tokens or tpm)) if tpm else None
 
-    def buckets(self, ex: Exchange, header: bytes | None, apart: bool,
-                factor: float) -> tuple[list[str], list[Spec], list[str]]:
-        """Bucket keys, specs and kinds ("requests"/"tokens") this request takes from."""
+    def buckets(self, ex: Exchange, header: bytes | None, apart: bool, factor: float,
+                counted: bool = False) -> tuple[list[str], list[Spec], list[str]]:
+        """Bucket keys, specs and kinds ("requests"/"tokens") this request takes from;
+        `counted`: its request bucket already has this request (a retry from the queue)."""
         llm = ex.llm
         parts = []
         for part in self.cfg.key:
@@ -73,7 +74,7 @@ class Limiter:
                 parts.append((llm.model or "") if llm is not None else "")
         key = "\x1f".join(parts)
         keys, specs, kinds = [], [], []
-        if self.req is not None:
+        if self.req is not None and not counted:
             keys.append(f"rl:{self.name}:r:{key}")
             specs.append((self.req[0], self.req[1], 1.0, factor))
             kinds.append("requests")
@@ -102,15 +103,21 @@ class Limiter:
                            (b"x-aiproxy-backpressure", b"backend_unavailable")])
 
 
+# Far above any model's limits, and small enough that a bucket's level in a double (or
+# Redis's 14-digit numbers) keeps fractions of a token: reserving 2**60 took the level
+# where settling to the real usage rounded it away.
+MAX_RESERVATION = 1 << 30
+
+
 def reservation(ex: Exchange, default_max: int) -> int:
     """Tokens reserved up front: estimated prompt + completion limit."""
     llm = ex.llm
     if llm is None:
         return 0
     if llm.endpoint == "embeddings":
-        return max(1, llm.prompt_tokens)
+        return min(MAX_RESERVATION, max(1, llm.prompt_tokens))
     completion = llm.max_tokens if llm.max_tokens is not None else default_max
-    return max(1, llm.prompt_tokens + completion)
+    return min(MAX_RESERVATION, max(1, llm.prompt_tokens + completion))
 
 
 class Grant:
@@ -133,11 +140,12 @@ def refusal(limiter: Limiter, reason: str, wait: float, message: str) -> LocalRe
 
 
 class RateLimitFilter(Filter):
-    __slots__ = ("factory", "grants", "ended")
+    __slots__ = ("factory", "grants", "counted", "ended")
 
     def __init__(self, factory: RateLimitFactory) -> None:
         self.factory = factory
         self.grants: list[Grant] = []
+        self.counted: list[Limiter] = []  # limiters whose request bucket has this request
         self.ended = False  # done() has run: a grant arriving now is given back at once
 
     def request(self, ex: Exchange) -> Any:
@@ -157,7 +165,7 @@ class RateLimitFilter(Filter):
         now = ex.loop.time()
         for lim in self.factory.limiters:
             f = factor if lim.cfg.watermark else 1.0
-            keys, specs, kinds = lim.buckets(ex, header, apart, f)
+            keys, specs, kinds = lim.buckets(ex, header, apart, f, lim in self.counted)
             worst, wait = lim.store.take(keys, specs, now)
             if worst >= 0:
                 self._give_back(now)
@@ -167,13 +175,16 @@ class RateLimitFilter(Filter):
 
     def _granted(self, lim: Limiter, keys: list[str], specs: list[Spec],
                  kinds: list[str]) -> None:
-        lim.admitted += 1
+        if lim not in self.counted:
+            lim.admitted += 1
+            self.counted.append(lim)
         if kinds and kinds[-1] == "tokens":
             self.grants.append(Grant(lim, keys[-1], specs[-1]))
 
     def _give_back(self, now: float) -> None:
         """Return what earlier limiters granted this request (a later one refused);
-        its request-bucket unit stays taken, as the request was made."""
+        its request-bucket unit stays taken, as the request was made (and is not taken
+        again if it waits in the queue and retries)."""
         for g in self.grants:
             self._charge(g, -g.taken, now)
         self.grants = []
@@ -228,7 +239,7 @@ class RateLimitFilter(Filter):
         header, apart = self.factory.header, self.factory.apart
         for lim in self.factory.limiters:
             f = factor if lim.cfg.watermark else 1.0
-            keys, specs, kinds = lim.buckets(ex, header, apart, f)
+            keys, specs, kinds = lim.buckets(ex, header, apart, f, lim in self.counted)
             if not keys:
                 continue
             now = ex.loop.time()

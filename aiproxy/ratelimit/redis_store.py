@@ -29,7 +29,8 @@ VOID_ATTEMPTS = 8  # with VOID_BACKOFF doubling: retried for ~25 s (< RESERVATIO
 VOID_BACKOFF = 0.1
 
 # Shared by the scripts: Redis server time, a bucket's level refilled up to now, and
-# storing a level (kept until the bucket would be full again, plus a minute).
+# storing a level (kept until the bucket would be full again at the current factor,
+# plus a minute).
 BUCKET = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -40,9 +41,12 @@ local function level_of(key, rate, cap, factor)
   if now > stamp then level = math.min(cap, level + (now - stamp) * rate * factor) end
   return level
 end
-local function store(key, level, rate, cap)
+local function store(key, level, rate, cap, factor)
   redis.call('HSET', key, 'l', tostring(level), 't', tostring(now))
-  redis.call('PEXPIRE', key, math.ceil(cap / rate * 1000) + 60000)
+  -- Until it would be full again (a missing key reads as full), debt included; at most
+  -- 1e13 ms, which Lua still prints as an integer for PEXPIRE.
+  local refill = math.max(0, cap - level) / (rate * factor)
+  redis.call('PEXPIRE', key, math.min(math.ceil(refill * 1000) + 60000, 1e13))
 end
 """
 
@@ -73,7 +77,7 @@ for i = 1, n do
   local b = (i - 1) * 4
   local level = levels[i]
   if worst == 0 then level = level - tonumber(ARGV[b + 3]) end
-  store(KEYS[i], level, tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]))
+  store(KEYS[i], level, tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]))
 end
 if worst == 0 then redis.call('SET', res, '1', 'PX', ARGV[n * 4 + 1]) end
 return {worst, tostring(wait)}
@@ -91,7 +95,8 @@ for i = 1, n do
   local b = (i - 1) * 4
   local rate, cap = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local need, factor = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
-  store(KEYS[i], math.min(cap, level_of(KEYS[i], rate, cap, factor) + need), rate, cap)
+  store(KEYS[i], math.min(cap, level_of(KEYS[i], rate, cap, factor) + need), rate, cap,
+        factor)
 end
 return 1
 """
@@ -100,7 +105,8 @@ return 1
 CHARGE = BUCKET + """
 local rate, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
 local factor, amount = tonumber(ARGV[3]), tonumber(ARGV[4])
-store(KEYS[1], math.min(cap, level_of(KEYS[1], rate, cap, factor) - amount), rate, cap)
+store(KEYS[1], math.min(cap, level_of(KEYS[1], rate, cap, factor) - amount), rate, cap,
+      factor)
 return 1
 """
 
