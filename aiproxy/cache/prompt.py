@@ -5,12 +5,11 @@ A 200 response to an OpenAI-style request whose whole JSON body was read is stor
 under `pc:<hash>:<variant>` (key.py) as it passes: head fields and the body pieces as they came,
 so a cached event stream is replayed with its original event boundaries (one HTTP/1.1
 chunk or HTTP/2 DATA frame per stored piece). Never stored: other statuses, responses
-with Set-Cookie, Cache-Control no-store (private too when entries are shared) or a Vary
+with Set-Cookie, Cache-Control no-store, no-cache or private (RFC 9111 5.2.2: this is a
+shared cache and does not revalidate) or a Vary
 on a request field the key does not hold (`*`, say; key.py says what it holds), bodies
 over max_entry_bytes, requests with Cache-Control no-store. A request with
-Cache-Control no-cache is not answered from the cache but refreshes it. (A response's
-no-cache does not stop storing: event-stream servers send it to keep intermediaries
-from buffering, and this is an application cache the route opted into.) Entries
+Cache-Control no-cache is not answered from the cache but refreshes it. Entries
 are per tenant unless `shared = true`, and, for a caller the proxy did not
 authenticate, per upstream credentials (Authorization, x-api-key, api-key,
 OpenAI-Organization/-Project) as well. Responses carry `x-aiproxy-cache: hit|miss|bypass`.
@@ -148,6 +147,11 @@ CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"openai-organization
 
 
 KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
+
+# Response directives that keep a response out (RFC 9111 5.2.2): no-store; no-cache,
+# reuse only after revalidation, which this cache does not do; private, as a shared
+# cache (a scope is a tenant or a credential, not one user), qualified forms included.
+REFUSED = frozenset((b"no-store", b"no-cache", b"private"))
 
 
 def scope_of(ex: Exchange, tenant: str) -> str:
@@ -394,16 +398,11 @@ class CacheFilter(Filter):
     def response_head(self, ex: Exchange, resp: Any) -> Any:
         if self.key is not None and resp.status == 200:
             cc = _directives(resp)
-            # Not no-cache: event streams carry it as a matter of course (the operator
-            # opted in to caching them); no-store and private are kept to.
-            refuse = {b"no-store"}
             shared = self.state.cfg.shared
-            if shared:
-                refuse.add(b"private")
             # Unless shared, a caller the proxy did not authenticate is keyed by the
             # credentials it sends (scope_of): a Vary on those is held by the key.
             keyed = KEYED if shared or ex.identity is not None else KEYED_CREDENTIALS
-            if (not cc.keys() & refuse and resp.get(b"set-cookie") is None
+            if (not cc.keys() & REFUSED and resp.get(b"set-cookie") is None
                     and not _varies_beyond_key(resp, keyed)):
                 self.items = [(n, v) for n, v in resp.fields(F_HOP | F_CONTENT_LENGTH)
                               if n not in (b"date", b"age", b"x-aiproxy-cache")]
