@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import signal
+import time
 from collections.abc import Iterator
+from email.utils import formatdate, parsedate_to_datetime
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support import StreamServerThread
+from tests.support import StreamServerThread, free_port, start_redis_server, stop_process
 
 
 class Upstream(StreamServerThread):
@@ -83,7 +88,8 @@ def upstream() -> Iterator[Upstream]:
     up.close()
 
 
-def _proxy(start_proxy, port: int, cache: str = ""):
+def _proxy(start_proxy, port: int, cache: str = "", admin: int | None = None):
+    more = f'[admin]\naddress = "127.0.0.1:{admin}"\n' if admin else ""
     return start_proxy(f"""
 [server]
 workers = 1
@@ -97,6 +103,7 @@ name = "all"
 match = {{ path_prefix = "/" }}
 cluster = "up"
 
+{more}
 [cache]
 {cache}
 """)
@@ -135,3 +142,123 @@ def test_a_response_that_forbids_reuse_is_not_stored(start_proxy, upstream, cc, 
         rs = [c.post(url, json=_body(script, stream=stream)) for _ in range(2)]
     assert _marks(rs) == ["miss", "miss"]
     assert _id(rs[0]) != _id(rs[1]) and upstream.calls == 2
+
+
+def _entries(admin: int) -> float:
+    for line in httpx.get(f"http://127.0.0.1:{admin}/metrics").text.splitlines():
+        if line.startswith("aiproxy_cache_entries "):
+            return float(line.split()[1])
+    raise AssertionError("no aiproxy_cache_entries")
+
+
+def _dated(offset: float, **more: str) -> list[list[str]]:
+    """A Date of now and an Expires `offset` seconds from it, with more fields."""
+    now = time.time()
+    return [["Date", formatdate(now, usegmt=True)],
+            ["Expires", formatdate(now + offset, usegmt=True)],
+            *([k.replace("_", "-"), v] for k, v in more.items())]
+
+
+STALE = {  # a lifetime of 0, or an Age already past it: never stored
+    "max-age=0": [["Cache-Control", "max-age=0"]],
+    "s-maxage=0 first": [["Cache-Control", "s-maxage=0, max-age=60"]],
+    "max-age invalid": [["Cache-Control", "max-age=6O"]],
+    "Expires past": _dated(-60),
+    "Expires = Date": _dated(0),
+    "Expires invalid": [["Expires", "0"]],
+    "Age past max-age": [["Cache-Control", "max-age=60"], ["Age", "61"]],
+    "Age past ttl_ms": [["Age", "301"]],
+    "Age past Expires": _dated(60, Age="60"),
+}
+FRESH = {
+    "max-age=60": [["Cache-Control", "max-age=60"]],
+    "s-maxage first": [["Cache-Control", "s-maxage=60, max-age=0"]],
+    "Expires future": _dated(60),
+    "Expires, asctime Date": [["Date", "Sun Nov  6 08:49:37 1994"],
+                              ["Expires", "Sunday, 06-Nov-94 08:50:37 GMT"]],
+    "max-age over Expires": _dated(-60, Cache_Control="max-age=60"),
+}
+
+
+@pytest.mark.parametrize("fields", [*STALE.values(), *FRESH.values()],
+                         ids=[*STALE, *FRESH])
+def test_the_response_lifetime_decides_what_is_stored(start_proxy, upstream, fields):
+    """RFC 9111 4.2.1: s-maxage, else max-age, else Expires - Date give the lifetime
+    (within ttl_ms); invalid is stale; an entry whose Age is past it is not kept."""
+    admin = free_port()
+    proxy = _proxy(start_proxy, upstream.port, admin=admin)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        rs = _twice(c, url, {"h": fields})
+    fresh = fields in FRESH.values()
+    assert _marks(rs) == (["miss", "hit"] if fresh else ["miss", "miss"])
+    assert _entries(admin) == (1 if fresh else 0)
+
+
+def test_an_entry_lives_no_longer_than_its_max_age(start_proxy, upstream):
+    admin = free_port()
+    proxy = _proxy(start_proxy, upstream.port, admin=admin)
+    url = f"{proxy.url}/v1/chat/completions"
+    script = {"h": [["Cache-Control", "max-age=1"]]}
+    with httpx.Client() as c:
+        first = c.post(url, json=_body(script))
+        assert _entries(admin) == 1
+        time.sleep(1.1)
+        again = c.post(url, json=_body(script))
+    assert _marks([first, again]) == ["miss", "miss"] and _id(first) != _id(again)
+
+
+def test_a_hit_carries_its_age_and_the_upstream_date(start_proxy, upstream):
+    """RFC 9111 5.1 / 4.2.3: a hit's Age counts the Age it arrived with; its Date is the
+    upstream's (RFC 9111 3.1: stored fields are kept), or the time it was received. A
+    request's max-age is held against that age."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    date = "Tue, 01 Dec 2026 10:00:00 GMT"
+    with httpx.Client() as c:
+        aged = {"h": [["Age", "30"], ["Date", date], ["Cache-Control", "max-age=3600"]]}
+        miss, hit = _twice(c, url, aged)
+        assert _marks([miss, hit]) == ["miss", "hit"] and _id(miss) == _id(hit)
+        assert 30 <= int(hit.headers["age"]) < 3600 and hit.headers["date"] == date
+        assert hit.headers.get_list("age") == [hit.headers["age"]]
+        younger = c.post(url, json=_body(aged), headers={"cache-control": "max-age=29"})
+        assert younger.headers["x-aiproxy-cache"] == "miss"
+        undated = _twice(c, url, {"frame": "chunked"})
+        assert _marks(undated) == ["miss", "hit"]
+        assert abs(parsedate_to_datetime(undated[1].headers["date"]).timestamp()
+                   - time.time()) < 3600
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp_path):
+    import redis
+
+    proc, rport = start_redis_server(tmp_path)
+    try:
+        db = redis.Redis(port=rport)
+        proxy = _proxy(start_proxy, upstream.port,
+                       f'backend = "redis"\nredis_url = "redis://127.0.0.1:{rport}/0"')
+        url = f"{proxy.url}/v1/chat/completions"
+
+        def stored(n: int) -> None:  # stores are sent after the response: wait for them
+            for _ in range(100):
+                if db.dbsize() >= n:
+                    break
+                time.sleep(0.02)
+            assert db.dbsize() == n
+
+        with httpx.Client() as c:
+            for name, fields in STALE.items():
+                assert _marks(_twice(c, url, {"h": fields})) == ["miss", "miss"], name
+            aged = {"h": [["Age", "30"], ["Cache-Control", "max-age=60"]]}
+            assert c.post(url, json=_body(aged)).headers["x-aiproxy-cache"] == "miss"
+            stored(1)
+            (key,) = db.keys()
+            assert 0 < db.pttl(key) <= 30_000  # 60 s lifetime, 30 s of it gone
+            hit = c.post(url, json=_body(aged))
+            assert hit.headers["x-aiproxy-cache"] == "hit" and int(hit.headers["age"]) >= 30
+            assert "date" in hit.headers
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        stop_process(proc)

@@ -9,7 +9,9 @@ with Set-Cookie, Cache-Control no-store, no-cache or private (RFC 9111 5.2.2: th
 shared cache and does not revalidate) or a Vary
 on a request field the key does not hold (`*`, say; key.py says what it holds), bodies
 over max_entry_bytes, requests with Cache-Control no-store. A request with
-Cache-Control no-cache is not answered from the cache but refreshes it. Entries
+Cache-Control no-cache is not answered from the cache but refreshes it. An entry
+lives for the response's own lifetime (freshness.py) within ttl_ms, its age counting
+the Age it came with. Entries
 are per tenant unless `shared = true`, and, for a caller the proxy did not
 authenticate, per upstream credentials (Authorization, x-api-key, api-key,
 OpenAI-Organization/-Project) as well. Responses carry `x-aiproxy-cache: hit|miss|bypass`.
@@ -26,12 +28,14 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterator
+from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from aiproxy import wirejson
+from aiproxy.cache import freshness
 from aiproxy.cache.key import context_hash, embedding_key, prompt_key, request_hash
 from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
@@ -300,7 +304,7 @@ class CacheState:
 
 class CacheFilter(Filter):
     __slots__ = ("state", "route_part", "hash", "key", "mark", "items", "chunks", "size",
-                 "status", "index_key", "max_age")
+                 "status", "index_key", "max_age", "lifetime", "age")
 
     def __init__(self, state: CacheState, route_part: str) -> None:
         self.state = state
@@ -314,6 +318,8 @@ class CacheFilter(Filter):
         self.status = 0
         self.index_key: tuple | None = None
         self.max_age: float | None = None
+        self.lifetime = 0.0  # seconds the response being stored is fresh for
+        self.age = 0.0  # the Age it came with
 
     def request(self, ex: Exchange) -> StoredResponse | None:
         state = self.state
@@ -402,10 +408,21 @@ class CacheFilter(Filter):
             # Unless shared, a caller the proxy did not authenticate is keyed by the
             # credentials it sends (scope_of): a Vary on those is held by the key.
             keyed = KEYED if shared or ex.identity is not None else KEYED_CREDENTIALS
-            if (not cc.keys() & REFUSED and resp.get(b"set-cookie") is None
+            # The response's own lifetime (s-maxage, max-age, Expires) within ttl_ms; one
+            # that arrives with an Age past it is stale already (RFC 9111 4.2).
+            received = time.time()
+            ttl = self.state.cfg.ttl_ms / 1000
+            given = freshness.lifetime(resp, cc, received)
+            self.lifetime = ttl if given is None else min(given, ttl)
+            self.age = freshness.initial_age(resp)
+            if (self.age < self.lifetime and not cc.keys() & REFUSED
+                    and resp.get(b"set-cookie") is None
                     and not _varies_beyond_key(resp, keyed)):
+                # Date is kept (RFC 9111 3.1), or added (RFC 9110 6.6.1); Age is the hit's.
                 self.items = [(n, v) for n, v in resp.fields(F_HOP | F_CONTENT_LENGTH)
-                              if n not in (b"date", b"age", b"x-aiproxy-cache")]
+                              if n not in (b"age", b"x-aiproxy-cache")]
+                if resp.get(b"date") is None:
+                    self.items.append((b"date", formatdate(received, usegmt=True).encode()))
                 self.chunks = []
                 self.size = sum(len(n) + len(v) for n, v in self.items) + ENTRY_OVERHEAD
                 self.status = resp.status
@@ -428,16 +445,23 @@ class CacheFilter(Filter):
         self.chunks = None
         state = self.state
         now = ex.loop.time()
-        expires = now + state.cfg.ttl_ms / 1000
+        # Created back-dated by the Age it came with: a hit's Age counts it, and so do
+        # the lifetime and a request's max-age.
+        left = self.lifetime - self.age
         if state.shared is not None:  # entries carry wall-clock time: Age across hosts
-            state.shared.put(self.key, encode(self.status, time.time(), self.items, chunks),
-                             state.cfg.ttl_ms)
+            created = time.time() - self.age
+            left_ms = int(left * 1000)
+            if left_ms < 1:
+                return b""
+            state.shared.put(self.key, encode(self.status, created, self.items, chunks),
+                             left_ms)
         else:
-            state.store.put(self.key, Stored(self.status, self.items, chunks, now),
-                            self.size, expires)
+            state.store.put(self.key, Stored(self.status, self.items, chunks, now - self.age),
+                            self.size, now + left)
         state.stored += 1
         decision = ex.intent_decision
         if decision is not None:  # co-warm the embedding cache under the same hash
+            expires = now + state.cfg.ttl_ms / 1000
             state.decisions.put(embedding_key(self.hash), decision, 4 * 1024, expires)
             vector = unit(decision.embedding)
             if vector is not None and state.cfg.semantic_threshold is not None:
