@@ -262,3 +262,51 @@ def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGCONT)
         stop_process(proc)
+
+
+@pytest.mark.parametrize("cc, stored", [
+    (None, False), ("max-age=60", False), ("public", True), ("s-maxage=60", True),
+    ("must-revalidate", True),
+])
+def test_shared_entries_answer_an_authorization_only_when_the_upstream_allows(
+        start_proxy, upstream, cc, stored):
+    """RFC 9111 3.5: with shared = true the key holds no credentials, so a response to a
+    request whose Authorization went upstream is reused only if it says public,
+    s-maxage or must-revalidate; per-caller entries (the default) hold the credentials."""
+    script = {"h": [["Cache-Control", cc]] if cc else [], "tag": "shared"}
+    shared = _proxy(start_proxy, upstream.port, "shared = true")
+    url = f"{shared.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        rs = [c.post(url, json=_body(script), headers={"authorization": f"Bearer k{i}"})
+              for i in range(2)]
+        assert _marks(rs) == (["miss", "hit"] if stored else ["miss", "miss"])
+        anonymous = {**script, "tag": "anonymous"}
+        assert _marks(_twice(c, url, anonymous)) == ["miss", "hit"]
+    scoped = _proxy(start_proxy, upstream.port)
+    url = f"{scoped.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        assert _marks(_twice(c, url, script, authorization="Bearer k")) == ["miss", "hit"]
+
+
+def test_shared_entries_behind_auth_need_no_permission(start_proxy, upstream):
+    """With [auth] the proxy takes the caller's Authorization itself (it never goes
+    upstream): sharing among authenticated callers is the operator's choice."""
+    from aiproxy.governance.auth import hash_key
+
+    proxy = _proxy(start_proxy, upstream.port, "shared = true\n\n" + f"""
+[auth]
+[[auth.api_keys]]
+id = "ka"
+subject = "alice"
+hash = "{hash_key("key-a")}"
+
+[[auth.api_keys]]
+id = "kb"
+subject = "bob"
+hash = "{hash_key("key-b")}"
+""")
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        rs = [c.post(url, json=_body({}), headers={"authorization": f"Bearer key-{who}"})
+              for who in "ab"]
+    assert [r.status_code for r in rs] == [200, 200] and _marks(rs) == ["miss", "hit"]

@@ -156,6 +156,9 @@ KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
 # reuse only after revalidation, which this cache does not do; private, as a shared
 # cache (a scope is a tenant or a credential, not one user), qualified forms included.
 REFUSED = frozenset((b"no-store", b"no-cache", b"private"))
+# Response directives that let a shared cache reuse an answer to a request with
+# Authorization for other requests (RFC 9111 3.5).
+AUTHORIZED = frozenset((b"public", b"s-maxage", b"must-revalidate"))
 
 
 def scope_of(ex: Exchange, tenant: str) -> str:
@@ -188,6 +191,16 @@ def variant_of(ex: Exchange, route_part: str) -> str:
     versions = b"\x1e".join(b",".join(head.get_all(name)) for name in VARIANT_FIELDS)
     return "\x1f".join((route_part, ex.cluster.name, query.decode("latin-1"),
                         codings.decode("latin-1"), versions.decode("latin-1")))
+
+
+def _sends_authorization(ex: Exchange) -> bool:
+    """Whether the caller's own Authorization goes upstream: not when the proxy took it
+    ([auth] removes it: the proxy authorized the request) or the route removes it."""
+    if ex.head.get(b"authorization") is None:
+        return False
+    if ex.up_headers and any(name == b"authorization" for name, _ in ex.up_headers):
+        return False
+    return b"authorization" not in ex.route.req_remove
 
 
 def _varies_beyond_key(resp: Any, keyed: frozenset[bytes]) -> bool:
@@ -415,7 +428,11 @@ class CacheFilter(Filter):
             given = freshness.lifetime(resp, cc, received)
             self.lifetime = ttl if given is None else min(given, ttl)
             self.age = freshness.initial_age(resp)
+            # Shared entries do not hold the credentials: an answer the upstream gave one
+            # caller's Authorization is for the others only if it says so (RFC 9111 3.5).
             if (self.age < self.lifetime and not cc.keys() & REFUSED
+                    and not (shared and _sends_authorization(ex)
+                             and not cc.keys() & AUTHORIZED)
                     and resp.get(b"set-cookie") is None
                     and not _varies_beyond_key(resp, keyed)):
                 # Date is kept (RFC 9111 3.1), or added (RFC 9110 6.6.1); Age is the hit's.
