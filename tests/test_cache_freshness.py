@@ -310,3 +310,20 @@ hash = "{hash_key("key-b")}"
         rs = [c.post(url, json=_body({}), headers={"authorization": f"Bearer key-{who}"})
               for who in "ab"]
     assert [r.status_code for r in rs] == [200, 200] and _marks(rs) == ["miss", "hit"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_body_that_ends_with_the_connection_is_not_stored(start_proxy, upstream, stream):
+    """Without Content-Length or chunked framing an HTTP/1.1 body ends when the upstream
+    closes (RFC 9112 6.3), so a stream cut between two events looks whole: nothing shows
+    it is, and a hit would replay the cut answer for the entry's whole life."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        for script in ({"frame": "close", "cut": True}, {"frame": "close"}):
+            rs = [c.post(url, json=_body(script, stream=stream)) for _ in range(2)]
+            assert _marks(rs) == ["miss", "miss"], script
+        framed = [c.post(url, json=_body({"frame": "chunked"}, stream=stream))
+                  for _ in range(2)]
+        assert _marks(framed) == ["miss", "hit"]
+    assert upstream.calls == 5

@@ -8,7 +8,8 @@ chunk or HTTP/2 DATA frame per stored piece). Never stored: other statuses, resp
 with Set-Cookie, Cache-Control no-store, no-cache or private (RFC 9111 5.2.2: this is a
 shared cache and does not revalidate) or a Vary
 on a request field the key does not hold (`*`, say; key.py says what it holds), bodies
-over max_entry_bytes, requests with Cache-Control no-store. A request with
+over max_entry_bytes, HTTP/1.x bodies delimited by the connection's close (a cut looks
+like an end), requests with Cache-Control no-store. A request with
 Cache-Control no-cache is not answered from the cache but refreshes it. An entry
 lives for the response's own lifetime (freshness.py) within ttl_ms, its age counting
 the Age it came with. Entries
@@ -35,6 +36,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from aiproxy import wirejson
+from aiproxy._fast.h1 import ResponseHead as H1ResponseHead
 from aiproxy.cache import freshness
 from aiproxy.cache.key import context_hash, embedding_key, prompt_key, request_hash
 from aiproxy.cache.redis_store import encode
@@ -201,6 +203,13 @@ def _sends_authorization(ex: Exchange) -> bool:
     if ex.up_headers and any(name == b"authorization" for name, _ in ex.up_headers):
         return False
     return b"authorization" not in ex.route.req_remove
+
+
+def _ends_with_connection(resp: Any) -> bool:
+    """Whether the body is delimited by the upstream closing (an HTTP/1.x response with
+    neither Content-Length nor chunked: RFC 9112 6.3). A cut there looks like an end, so
+    nothing shows such a body is whole. (HTTP/2 bodies end with END_STREAM.)"""
+    return type(resp) is H1ResponseHead and not resp.chunked and resp.content_length < 0
 
 
 def _varies_beyond_key(resp: Any, keyed: frozenset[bytes]) -> bool:
@@ -434,7 +443,8 @@ class CacheFilter(Filter):
                     and not (shared and _sends_authorization(ex)
                              and not cc.keys() & AUTHORIZED)
                     and resp.get(b"set-cookie") is None
-                    and not _varies_beyond_key(resp, keyed)):
+                    and not _varies_beyond_key(resp, keyed)
+                    and not _ends_with_connection(resp)):
                 # Date is kept (RFC 9111 3.1), or added (RFC 9110 6.6.1); Age is the hit's.
                 self.items = [(n, v) for n, v in resp.fields(F_HOP | F_CONTENT_LENGTH)
                               if n not in (b"age", b"x-aiproxy-cache")]
