@@ -250,6 +250,12 @@ def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp
         with httpx.Client() as c:
             for name, fields in STALE.items():
                 assert _marks(_twice(c, url, {"h": fields})) == ["miss", "miss"], name
+            for cc in ("no-cache", "private", "no-store"):
+                assert _marks(_twice(c, url, {"h": [["Cache-Control", cc]]})) == [
+                    "miss", "miss"], cc
+            assert _marks([c.post(url, json=_body({"frame": "close", "cut": True},
+                                                  stream=True)) for _ in range(2)]) == [
+                "miss", "miss"]
             aged = {"h": [["Age", "30"], ["Cache-Control", "max-age=60"]]}
             assert c.post(url, json=_body(aged)).headers["x-aiproxy-cache"] == "miss"
             stored(1)
@@ -327,3 +333,19 @@ def test_a_body_that_ends_with_the_connection_is_not_stored(start_proxy, upstrea
                   for _ in range(2)]
         assert _marks(framed) == ["miss", "hit"]
     assert upstream.calls == 5
+
+
+def test_a_hit_replays_no_hop_by_hop_field(start_proxy, upstream):
+    """RFC 9111 3.1: Connection and the fields it names, and the Proxy-* fields, are not
+    stored; other fields are (a hit is the same answer)."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    script = {"h": [["Connection", "x-hop"], ["X-Hop", "1"], ["Keep-Alive", "timeout=5"],
+                    ["Proxy-Authenticate", "Basic"], ["Proxy-Authentication-Info", "a"],
+                    ["X-Kept", "2"]], "frame": "chunked"}
+    with httpx.Client() as c:
+        miss, hit = _twice(c, url, script)
+    assert _marks([miss, hit]) == ["miss", "hit"]
+    for name in ("x-hop", "keep-alive", "proxy-authenticate", "proxy-authentication-info"):
+        assert name not in hit.headers, name
+    assert hit.headers["x-kept"] == "2"
