@@ -82,7 +82,7 @@ class Upstream(StreamServerThread):
                             "finish_reason": None}]} for word in content.split()]
             events[-1]["choices"][0]["finish_reason"] = "stop"
             writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/event-stream\r\n"
-                         b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n"
+                         b"Transfer-Encoding: chunked\r\n"
                          + extra + b"\r\n")
             for i, event in enumerate(events):
                 data = b"data: " + json.dumps(event).encode() + b"\n\n"
@@ -277,8 +277,8 @@ def test_only_whole_clean_answers_are_stored(start_proxy, upstream):
         assert cookies[0].headers["set-cookie"] != cookies[1].headers["set-cookie"]
         for text in ("nostore", "error"):
             assert [_ask(c, url, _said(text))[0] for _ in range(2)] == ["miss", "miss"]
-        # private: kept per caller (the default), never with shared = true (below).
-        assert [_ask(c, url, _said("private"))[0] for _ in range(2)] == ["miss", "hit"]
+        # private: never, even per caller (a tenant is not one user; shared below too).
+        assert [_ask(c, url, _said("private"))[0] for _ in range(2)] == ["miss", "miss"]
         refused = c.post(url, json=_said("client"), headers={"cache-control": "no-store"})
         assert refused.headers["x-aiproxy-cache"] == "bypass"
         assert _ask(c, url, _said("client"))[0] == "miss"

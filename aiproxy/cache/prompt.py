@@ -5,12 +5,14 @@ A 200 response to an OpenAI-style request whose whole JSON body was read is stor
 under `pc:<hash>:<variant>` (key.py) as it passes: head fields and the body pieces as they came,
 so a cached event stream is replayed with its original event boundaries (one HTTP/1.1
 chunk or HTTP/2 DATA frame per stored piece). Never stored: other statuses, responses
-with Set-Cookie, Cache-Control no-store (private too when entries are shared) or a Vary
+with Set-Cookie, Cache-Control no-store, no-cache or private (RFC 9111 5.2.2: this is a
+shared cache and does not revalidate) or a Vary
 on a request field the key does not hold (`*`, say; key.py says what it holds), bodies
-over max_entry_bytes, requests with Cache-Control no-store. A request with
-Cache-Control no-cache is not answered from the cache but refreshes it. (A response's
-no-cache does not stop storing: event-stream servers send it to keep intermediaries
-from buffering, and this is an application cache the route opted into.) Entries
+over max_entry_bytes, HTTP/1.x bodies delimited by the connection's close (a cut looks
+like an end), requests with Cache-Control no-store. A request with
+Cache-Control no-cache is not answered from the cache but refreshes it. An entry
+lives for the response's own lifetime (freshness.py) within ttl_ms, its age counting
+the Age it came with. Entries
 are per tenant unless `shared = true`, and, for a caller the proxy did not
 authenticate, per upstream credentials (Authorization, x-api-key, api-key,
 OpenAI-Organization/-Project) as well. Responses carry `x-aiproxy-cache: hit|miss|bypass`.
@@ -27,12 +29,15 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterator
+from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from aiproxy import wirejson
+from aiproxy._fast.h1 import ResponseHead as H1ResponseHead
+from aiproxy.cache import freshness
 from aiproxy.cache.key import context_hash, embedding_key, prompt_key, request_hash
 from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
@@ -149,6 +154,14 @@ CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"openai-organization
 
 KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
 
+# Response directives that keep a response out (RFC 9111 5.2.2): no-store; no-cache,
+# reuse only after revalidation, which this cache does not do; private, as a shared
+# cache (a scope is a tenant or a credential, not one user), qualified forms included.
+REFUSED = frozenset((b"no-store", b"no-cache", b"private"))
+# Response directives that let a shared cache reuse an answer to a request with
+# Authorization for other requests (RFC 9111 3.5).
+AUTHORIZED = frozenset((b"public", b"s-maxage", b"must-revalidate"))
+
 
 def scope_of(ex: Exchange, tenant: str) -> str:
     """Whose entries a request may read and write (unless `shared`): the tenant, and,
@@ -180,6 +193,23 @@ def variant_of(ex: Exchange, route_part: str) -> str:
     versions = b"\x1e".join(b",".join(head.get_all(name)) for name in VARIANT_FIELDS)
     return "\x1f".join((route_part, ex.cluster.name, query.decode("latin-1"),
                         codings.decode("latin-1"), versions.decode("latin-1")))
+
+
+def _sends_authorization(ex: Exchange) -> bool:
+    """Whether the caller's own Authorization goes upstream: not when the proxy took it
+    ([auth] removes it: the proxy authorized the request) or the route removes it."""
+    if ex.head.get(b"authorization") is None:
+        return False
+    if ex.up_headers and any(name == b"authorization" for name, _ in ex.up_headers):
+        return False
+    return b"authorization" not in ex.route.req_remove
+
+
+def _ends_with_connection(resp: Any) -> bool:
+    """Whether the body is delimited by the upstream closing (an HTTP/1.x response with
+    neither Content-Length nor chunked: RFC 9112 6.3). A cut there looks like an end, so
+    nothing shows such a body is whole. (HTTP/2 bodies end with END_STREAM.)"""
+    return type(resp) is H1ResponseHead and not resp.chunked and resp.content_length < 0
 
 
 def _varies_beyond_key(resp: Any, keyed: frozenset[bytes]) -> bool:
@@ -296,7 +326,7 @@ class CacheState:
 
 class CacheFilter(Filter):
     __slots__ = ("state", "route_part", "hash", "key", "mark", "items", "chunks", "size",
-                 "status", "index_key", "max_age")
+                 "status", "index_key", "max_age", "lifetime", "age")
 
     def __init__(self, state: CacheState, route_part: str) -> None:
         self.state = state
@@ -310,6 +340,8 @@ class CacheFilter(Filter):
         self.status = 0
         self.index_key: tuple | None = None
         self.max_age: float | None = None
+        self.lifetime = 0.0  # seconds the response being stored is fresh for
+        self.age = 0.0  # the Age it came with
 
     def request(self, ex: Exchange) -> StoredResponse | None:
         state = self.state
@@ -394,19 +426,30 @@ class CacheFilter(Filter):
     def response_head(self, ex: Exchange, resp: Any) -> Any:
         if self.key is not None and resp.status == 200:
             cc = _directives(resp)
-            # Not no-cache: event streams carry it as a matter of course (the operator
-            # opted in to caching them); no-store and private are kept to.
-            refuse = {b"no-store"}
             shared = self.state.cfg.shared
-            if shared:
-                refuse.add(b"private")
             # Unless shared, a caller the proxy did not authenticate is keyed by the
             # credentials it sends (scope_of): a Vary on those is held by the key.
             keyed = KEYED if shared or ex.identity is not None else KEYED_CREDENTIALS
-            if (not cc.keys() & refuse and resp.get(b"set-cookie") is None
-                    and not _varies_beyond_key(resp, keyed)):
+            # The response's own lifetime (s-maxage, max-age, Expires) within ttl_ms; one
+            # that arrives with an Age past it is stale already (RFC 9111 4.2).
+            received = time.time()
+            ttl = self.state.cfg.ttl_ms / 1000
+            given = freshness.lifetime(resp, cc, received)
+            self.lifetime = ttl if given is None else min(given, ttl)
+            self.age = freshness.initial_age(resp)
+            # Shared entries do not hold the credentials: an answer the upstream gave one
+            # caller's Authorization is for the others only if it says so (RFC 9111 3.5).
+            if (self.age < self.lifetime and not cc.keys() & REFUSED
+                    and not (shared and _sends_authorization(ex)
+                             and not cc.keys() & AUTHORIZED)
+                    and resp.get(b"set-cookie") is None
+                    and not _varies_beyond_key(resp, keyed)
+                    and not _ends_with_connection(resp)):
+                # Date is kept (RFC 9111 3.1), or added (RFC 9110 6.6.1); Age is the hit's.
                 self.items = [(n, v) for n, v in resp.fields(F_HOP | F_CONTENT_LENGTH)
-                              if n not in (b"date", b"age", b"x-aiproxy-cache")]
+                              if n not in (b"age", b"x-aiproxy-cache")]
+                if resp.get(b"date") is None:
+                    self.items.append((b"date", formatdate(received, usegmt=True).encode()))
                 self.chunks = []
                 self.size = sum(len(n) + len(v) for n, v in self.items) + ENTRY_OVERHEAD
                 self.status = resp.status
@@ -429,16 +472,23 @@ class CacheFilter(Filter):
         self.chunks = None
         state = self.state
         now = ex.loop.time()
-        expires = now + state.cfg.ttl_ms / 1000
+        # Created back-dated by the Age it came with: a hit's Age counts it, and so do
+        # the lifetime and a request's max-age.
+        left = self.lifetime - self.age
         if state.shared is not None:  # entries carry wall-clock time: Age across hosts
-            state.shared.put(self.key, encode(self.status, time.time(), self.items, chunks),
-                             state.cfg.ttl_ms)
+            created = time.time() - self.age
+            left_ms = int(left * 1000)
+            if left_ms < 1:
+                return b""
+            state.shared.put(self.key, encode(self.status, created, self.items, chunks),
+                             left_ms)
         else:
-            state.store.put(self.key, Stored(self.status, self.items, chunks, now),
-                            self.size, expires)
+            state.store.put(self.key, Stored(self.status, self.items, chunks, now - self.age),
+                            self.size, now + left)
         state.stored += 1
         decision = ex.intent_decision
         if decision is not None:  # co-warm the embedding cache under the same hash
+            expires = now + state.cfg.ttl_ms / 1000
             state.decisions.put(embedding_key(self.hash), decision, 4 * 1024, expires)
             vector = unit(decision.embedding)
             if vector is not None and state.cfg.semantic_threshold is not None:

@@ -183,7 +183,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         final["usage"] = usage
         events.append(final)
 
-    resp = _sse_response()
+    resp = _sse_response(cache_control=False)  # as vLLM's: no Cache-Control
     await resp.prepare(request)
     delay = app[TOKEN_DELAY_KEY]
     for i, event in enumerate(events):
@@ -197,10 +197,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def _sse_response() -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+def _sse_response(cache_control: bool = True) -> web.StreamResponse:
+    headers = {"Content-Type": "text/event-stream"}
+    if cache_control:
+        headers["Cache-Control"] = "no-cache"
+    resp = web.StreamResponse(headers=headers)
     resp.enable_chunked_encoding()
     return resp
 
