@@ -445,6 +445,22 @@ VALID_REQUESTS = [
         id="no-expect",
     ),
     pytest.param(
+        # RFC 9110 10.1.1 and 5.6.1: a list; empty elements are ignored.
+        req(b"Expect: ,100-continue,, 100-continue ,", line=b"PUT / HTTP/1.1"),
+        dict(expect_continue=True, expect_unknown=False),
+        id="expect-100-continue-list",
+    ),
+    pytest.param(
+        req(b"Expect: 100-continue, x-custom", line=b"PUT / HTTP/1.1"),
+        dict(expect_continue=True, expect_unknown=True),
+        id="expect-list-with-unknown",
+    ),
+    pytest.param(
+        req(b"Expect:", line=b"PUT / HTTP/1.1"),
+        dict(expect_continue=False, expect_unknown=False),
+        id="expect-empty-list",
+    ),
+    pytest.param(
         # RFC 9110 10.1.1: a 100-continue expectation in HTTP/1.0 MUST be ignored.
         req(b"Expect: 100-continue", b"Content-Length: 3", line=b"PUT / HTTP/1.0"),
         dict(version=10, expect_continue=False, expect_unknown=False),

@@ -113,7 +113,19 @@ EXCESS = {
     "304-with-body": (b"HTTP/1.1 304 Not Modified\r\nContent-Length: 8\r\n\r\nSMUGGLED", 304),
 }
 
+# A 204 response with Content-Length or Transfer-Encoding (RFC 9110 8.6, RFC 9112
+# 6.1: MUST NOT) from an upstream that then sends the body it declared, only after the
+# proxy sent its next request on that connection: had the connection been reused, those
+# bytes would be read as the next request's response (another client's).
+LATE = {
+    "204-late-length": (b"HTTP/1.1 204 No Content\r\nContent-Length: %d\r\n\r\n"
+                        % len(SMUGGLED), SMUGGLED, 204),
+    "204-late-chunked": (b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n",
+                         b"0\r\n\r\n", 204),
+}
+
 CASES = {**REJECTED, **{k: v for k, (v, _) in ACCEPTED.items()},
+         **{k: v for k, (v, _, _) in LATE.items()},
          **{k: v for k, (v, _) in EXCESS.items()}}
 CASES.update({
     "head-with-body": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello" + SMUGGLED,
@@ -138,9 +150,13 @@ class Scripted(StreamServerThread):
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.conns += 1
         conn, served = self.conns, 0
+        late = b""
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if late:
+                    writer.write(late)  # see LATE
+                    late = b""
                 m = re.search(rb"\r\ncontent-length: *(\d+)", head, re.I)
                 await reader.readexactly(int(m.group(1)) if m else 0)
                 served += 1
@@ -148,6 +164,8 @@ class Scripted(StreamServerThread):
                 name = target[3:] if target.startswith("/c/") else target.partition("c=")[2]
                 if name:
                     writer.write(CASES[name])
+                    if name in LATE:
+                        late = LATE[name][1]
                 else:
                     text = f"conn={conn} req={served}".encode()
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
@@ -297,6 +315,17 @@ def test_bytes_past_the_response_are_never_served(proxy: Proxy, case: str) -> No
         assert status == EXCESS[case][1] and b"SMUGGLED" not in body
         if status == 204:
             assert b"content-length" not in fields  # RFC 9110 8.6
+        assert fresh_upstream_connection(c)
+
+
+@pytest.mark.parametrize("case", sorted(LATE))
+def test_response_that_declares_a_forbidden_body_ends_its_connection(proxy: Proxy,
+                                                                      case: str) -> None:
+    """The response ends at its head (RFC 9112 6.3), but its upstream thinks otherwise:
+    which bytes come next on that connection is not known, so it is not reused."""
+    with Client(proxy.port) as c:
+        status, fields, body = c.get(f"/c/{case}")
+        assert status == LATE[case][2] and b"SMUGGLED" not in body
         assert fresh_upstream_connection(c)
 
 

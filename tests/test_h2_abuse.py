@@ -386,6 +386,25 @@ def test_body_shorter_than_content_length(port: int, shape: str) -> None:
         assert (echoed["method"], echoed["path"], echoed["query"]) == ("GET", "/echo", "after")
 
 
+def test_underscore_aliases_of_framing_fields_are_not_forwarded(port: int) -> None:
+    """content_length, transfer_encoding, x_forwarded_for / _proto are valid names, but
+    servers that map '-' and '_' alike (CGI/WSGI environ) read them as the fields the
+    proxy frames and sets. They are dropped from an HTTP/1.1 request (h1.pyx); the same
+    names over HTTP/2 must not reach the HTTP/1.1 upstream either."""
+    aliases = [("transfer_encoding", "chunked"), ("content_length", "0"),
+               ("x_forwarded_for", "6.6.6.6"), ("x-forwarded_proto", "https"),
+               ("content-length", "5")]
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/echo", "POST", aliases, end_stream=False),
+               raw_frame(DATA, END_STREAM, 1, b"hello"))
+        echoed = _echoed(c.response(1))
+    names = {n.replace("_", "-") for n in echoed["headers"] if "_" in n}
+    assert not names, echoed["headers"]
+    assert echoed["body_bytes"] == 5
+    assert echoed["headers"]["x-forwarded-for"] == "127.0.0.1"
+
+
 def test_connect_answered_501(port: int) -> None:
     """RFC 9113 8.5: a well-formed CONNECT (:method and :authority only) is a request
     like any other; the proxy does not tunnel, so it answers 501, as over HTTP/1.1."""

@@ -708,6 +708,23 @@ def test_expect_unknown_in_list(proxy: Proxy, rec: Recorder) -> None:
     assert_upstream_saw_only_sentinels(rec)
 
 
+@pytest.mark.parametrize("value", [b"100-continue, 100-continue", b"100-continue,",
+                                   b", 100-continue", b"100-Continue ,,"])
+def test_expect_100_continue_as_a_list(proxy: Proxy, rec: Recorder, value: bytes) -> None:
+    """Expect is a list (RFC 9110 10.1.1, #expectation): a recipient must ignore empty
+    elements (5.6.1), and the same expectation twice is still only 100-continue, so the
+    client gets its 100 (Continue), not a 417."""
+    with connect(proxy.port) as sock:
+        sock.sendall(_post(b"Expect: " + value + b"\r\nContent-Length: 5\r\n", b""))
+        sock.settimeout(5)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(b"hello")
+        [resp] = read_responses(sock, 1)
+    assert (resp.status, resp.body) == (200, b"ok")
+    [req] = rec.requests()
+    assert req.body == b"hello" and req.header(b"expect") == []
+
+
 def test_header_limits_are_exact(proxy: Proxy, rec: Recorder) -> None:
     """max_headers fields pass (431 is only for more); so does a line at max length."""
     fields = b"".join(b"X-F%d: 1\r\n" % i for i in range(MAX_HEADERS - 1))

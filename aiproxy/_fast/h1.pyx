@@ -590,7 +590,8 @@ cdef struct FieldState:
 
 cdef int _scan_list_tokens(const unsigned char *p, Py_ssize_t a, Py_ssize_t b,
                            FieldState *st, int which) except -1:
-    """Split a field value on commas. which: 0 = Connection, 1 = Transfer-Encoding."""
+    """Split a field value on commas. which: 0 = Connection, 1 = Transfer-Encoding,
+    2 = Expect."""
     cdef Py_ssize_t i = a, ts, te
     while i <= b:
         while i < b and (p[i] == 32 or p[i] == 9):
@@ -616,6 +617,11 @@ cdef int _scan_list_tokens(const unsigned char *p, Py_ssize_t a, Py_ssize_t b,
             _ctok[2 * st.ntok] = ts
             _ctok[2 * st.ntok + 1] = te
             st.ntok += 1
+        elif which == 2:
+            if _ieq(p + ts, te - ts, b"100-continue", 12):
+                st.expect_continue = 1
+            else:
+                st.expect_unknown = 1  # any element with another expectation counts
         else:
             st.te_present = 1
             if _ieq(p + ts, te - ts, b"chunked", 7):
@@ -728,10 +734,8 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
         elif nlen == 6:
             if _ieq(name, 6, b"expect", 6):
                 fl = F_EXPECT | F_HOP
-                if _ieq(p + vs, ve - vs, b"100-continue", 12):
-                    st.expect_continue = 1
-                else:
-                    st.expect_unknown = 1  # any field with another expectation counts
+                # A list (RFC 9110 10.1.1): empty elements ignored, as for Connection.
+                _scan_list_tokens(p, vs, ve, st, 2)
         elif nlen == 15:
             if _ieq(name, 15, b"x-forwarded-for", 15):
                 fl = F_XFF

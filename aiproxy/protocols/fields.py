@@ -45,6 +45,10 @@ class MalformedHead(Exception):
 
 
 _NAME_FLAGS = {**_FLAGS, **dict.fromkeys(_HOP, F_HOP)}
+# content_length, transfer_encoding, x_forwarded_for/_proto: servers that map '-' and '_'
+# alike (CGI/WSGI environ names) read them as the fields the proxy frames and sets; not
+# forwarded, as for HTTP/1.1 (_ieq_us in h1.pyx).
+_ALIASED = {b"content-length", b"transfer-encoding", b"x-forwarded-for", b"x-forwarded-proto"}
 _OWN_PREFIXES = (b"x-aiproxy-", b"x_aiproxy_")  # names the proxy sets; see F_OWN
 _SCHEME_CHARS = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-."
 
@@ -75,6 +79,8 @@ def field_flags(items: list[tuple[bytes, bytes]]) -> tuple[list[int], int]:
                 f = F_HOP
             elif name[:10] in _OWN_PREFIXES:
                 f = F_OWN
+            elif b"_" in name and name.replace(b"_", b"-") in _ALIASED:
+                f = F_HOP
             else:
                 f = 0
         elif f == F_CONTENT_LENGTH:

@@ -318,6 +318,11 @@ class H1UpstreamCore(Upstream):
             mode = BODY_TUNNEL
         elif self.no_body or status == 204 or status == 304:
             mode = BODY_NONE
+            if status == 204 and (resp.content_length > 0 or resp.chunked):
+                # RFC 9110 8.6, RFC 9112 6.1: MUST NOT. The response ends at its head
+                # (RFC 9112 6.3), but the upstream may send the body it declared, which
+                # the next request on this connection would read as its response.
+                self.keep_alive = False
         elif resp.chunked:
             mode = BODY_CHUNKED
             self.decoder = ChunkedDecoder(max_head)
