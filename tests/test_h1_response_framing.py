@@ -100,7 +100,7 @@ ACCEPTED = {
     "te-mixed-case": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: ChUnKeD\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
                       b"hello"),
     "1xx-several": (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n"
-                    b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\nContent-Length: 9\r\n\r\n" + OK2, b"ok"),
+                    b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK2, b"ok"),
 }
 
 # Bytes past the end of the response: the response is passed on, the rest never is.
@@ -122,6 +122,10 @@ LATE = {
                         % len(SMUGGLED), SMUGGLED, 204),
     "204-late-chunked": (b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n",
                          b"0\r\n\r\n", 204),
+    "103-late-length": (b"HTTP/1.1 103 Early Hints\r\nContent-Length: %d\r\n\r\n"
+                        % len(SMUGGLED) + OK2, SMUGGLED, 200),
+    "103-late-chunked": (b"HTTP/1.1 103 Early Hints\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + OK2, b"0\r\n\r\n", 200),
 }
 
 CASES = {**REJECTED, **{k: v for k, (v, _) in ACCEPTED.items()},

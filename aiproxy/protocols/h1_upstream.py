@@ -284,6 +284,7 @@ class H1UpstreamCore(Upstream):
         """Parse from self.buf, or (self.buf empty) in place from slab[:nbytes]."""
         max_head = self.max_head
         start = 0
+        declared_body = False
         while True:
             try:
                 if slab is None:
@@ -308,21 +309,23 @@ class H1UpstreamCore(Upstream):
                 start += resp.consumed
             status = resp.status
             if status < 200 and status != 101:
+                if resp.content_length > 0 or resp.chunked:
+                    declared_body = True
                 self.exchange.on_upstream_informational(resp)
                 if self.exchange is None:
                     return
                 continue
             break
-        self.keep_alive = resp.keep_alive
+        if status == 204 and (resp.content_length > 0 or resp.chunked):
+            declared_body = True
+        # A 1xx or 204 declaring a body breaks a MUST NOT (RFC 9110 8.6, RFC 9112 6.1). The
+        # response ends at its head (RFC 9112 6.3), but the upstream may send the body it
+        # declared, which the next request on this connection would read as its response.
+        self.keep_alive = resp.keep_alive and not declared_body
         if status == 101:
             mode = BODY_TUNNEL
         elif self.no_body or status == 204 or status == 304:
             mode = BODY_NONE
-            if status == 204 and (resp.content_length > 0 or resp.chunked):
-                # RFC 9110 8.6, RFC 9112 6.1: MUST NOT. The response ends at its head
-                # (RFC 9112 6.3), but the upstream may send the body it declared, which
-                # the next request on this connection would read as its response.
-                self.keep_alive = False
         elif resp.chunked:
             mode = BODY_CHUNKED
             self.decoder = ChunkedDecoder(max_head)
