@@ -349,3 +349,22 @@ def test_a_hit_replays_no_hop_by_hop_field(start_proxy, upstream):
     for name in ("x-hop", "keep-alive", "proxy-authenticate", "proxy-authentication-info"):
         assert name not in hit.headers, name
     assert hit.headers["x-kept"] == "2"
+
+
+@pytest.mark.parametrize(("fields", "stored"), [
+    ([["Cache-Control", "no-cache, must-revalidate"]], True),
+    ([["Cache-Control", "private, max-age=0"]], True),
+    (_dated(-60), True),
+    ([["Cache-Control", "no-store"]], False),
+    ([["Cache-Control", "max-age=60"], ["Set-Cookie", "a=1"]], False),
+], ids=["no-cache", "private max-age=0", "Expires past", "no-store", "Set-Cookie"])
+def test_ignore_upstream_cache_control(start_proxy, upstream, fields, stored):
+    """nginx's proxy_ignore_headers Cache-Control Expires: the upstream's lifetime,
+    no-cache and private are not read and entries live ttl_ms; no-store and Set-Cookie
+    still keep a response out."""
+    proxy = _proxy(start_proxy, upstream.port, "ignore_upstream_cache_control = true")
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        rs = _twice(c, url, {"h": fields})
+    assert _marks(rs) == (["miss", "hit"] if stored else ["miss", "miss"])
+    assert (_id(rs[0]) == _id(rs[1])) == stored

@@ -165,6 +165,23 @@ burst_requests = 3
     assert b.status_code == 200  # another tenant has its own bucket
 
 
+def test_a_rate_near_zero_refuses_with_a_bounded_retry_after(start_proxy, demo_upstream):
+    """The wait for the next token overflows to inf at such a rate: still a 429, with
+    Retry-After at most a day (it was a 500 from math.ceil(inf))."""
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + """
+[[ratelimits]]
+name = "rps"
+requests_per_second = 1e-320
+burst_requests = 1
+""")
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        first = c.post(url, json=_chat(3))
+        second = c.post(url, json=_chat(3))
+    assert first.status_code == 200
+    assert second.status_code == 429 and second.headers["retry-after"] == "86400"
+
+
 @pytest.fixture(scope="module")
 def slow_upstream():
     proc, port = start_demo_upstream("rl-slow", token_delay_ms=100)

@@ -158,6 +158,7 @@ KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
 # reuse only after revalidation, which this cache does not do; private, as a shared
 # cache (a scope is a tenant or a credential, not one user), qualified forms included.
 REFUSED = frozenset((b"no-store", b"no-cache", b"private"))
+NO_STORE = frozenset((b"no-store",))  # all that is refused with ignore_upstream_cache_control
 # Response directives that let a shared cache reuse an answer to a request with
 # Authorization for other requests (RFC 9111 3.5).
 AUTHORIZED = frozenset((b"public", b"s-maxage", b"must-revalidate"))
@@ -434,12 +435,15 @@ class CacheFilter(Filter):
             # that arrives with an Age past it is stale already (RFC 9111 4.2).
             received = time.time()
             ttl = self.state.cfg.ttl_ms / 1000
-            given = freshness.lifetime(resp, cc, received)
+            if self.state.cfg.ignore_upstream_cache_control:
+                given, refused = None, NO_STORE
+            else:
+                given, refused = freshness.lifetime(resp, cc, received), REFUSED
             self.lifetime = ttl if given is None else min(given, ttl)
             self.age = freshness.initial_age(resp)
             # Shared entries do not hold the credentials: an answer the upstream gave one
             # caller's Authorization is for the others only if it says so (RFC 9111 3.5).
-            if (self.age < self.lifetime and not cc.keys() & REFUSED
+            if (self.age < self.lifetime and not cc.keys() & refused
                     and not (shared and _sends_authorization(ex)
                              and not cc.keys() & AUTHORIZED)
                     and resp.get(b"set-cookie") is None

@@ -354,6 +354,9 @@ class CacheConfig:
     max_bytes: int = _bounded(64 * 1024 * 1024, 1024)
     max_entry_bytes: int = _bounded(1024 * 1024, 1)
     shared: bool = False  # entries shared across identities (else scoped per tenant)
+    # nginx's `proxy_ignore_headers Cache-Control Expires`: the upstream's lifetime and
+    # no-cache/private are not read (no-store still is); entries live ttl_ms.
+    ignore_upstream_cache_control: bool = False
     semantic_threshold: float | None = None  # cosine similarity for a semantic hit
     backend: str = "memory"  # or "redis"
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -132,8 +132,13 @@ class Grant:
         self.taken = spec[2]
 
 
+# Retry-After at most a day: a rate configured near 0 makes the wait overflow to inf.
+MAX_RETRY_AFTER = 86_400
+
+
 def refusal(limiter: Limiter, reason: str, wait: float, message: str) -> LocalReply:
     limiter.refused[reason] = limiter.refused.get(reason, 0) + 1
+    wait = wait if wait < MAX_RETRY_AFTER else MAX_RETRY_AFTER  # inf and nan too
     after = str(max(1, math.ceil(wait))).encode()
     return LocalReply(429, "rate_limited", message,
                       [(b"retry-after", after), (b"x-aiproxy-backpressure", reason.encode())])
