@@ -291,7 +291,7 @@ def relay(a: socket.socket, b: socket.socket, splicer: Splicer | None = None,
     for EOFs (and copies a direction the kernel passed back, see Splicer.passed);
     otherwise it copies. Returns {"spliced": bool, "a_to_b": n, "b_to_a": n} (bytes
     carried either way) and, when spliced, "copied": [a_to_b, b_to_a], the part of those
-    that went through this thread. The sockets are left open (the caller closes them).
+    that went through this thread, and "passed": what the verdict handed to user space. The sockets are left open (the caller closes them).
     """
     if splicer is not None and splicer.available():
         return _relay_spliced(a, b, splicer)
@@ -334,9 +334,11 @@ def _relay_spliced(a: socket.socket, b: socket.socket, splicer: Splicer) -> dict
                 open_.discard(fd)
     finally:
         ab, ba = splicer.redirected(pair)
+        passed = splicer.passed(pair)
         splicer.unsplice(pair)
     ca, cb = copied[a.fileno()], copied[b.fileno()]
-    return {"spliced": True, "a_to_b": ab + ca, "b_to_a": ba + cb, "copied": [ca, cb]}
+    return {"spliced": True, "a_to_b": ab + ca, "b_to_a": ba + cb, "copied": [ca, cb],
+            "passed": list(passed)}
 
 
 def _relay_copy(a: socket.socket, b: socket.socket, bufsize: int) -> dict:

@@ -98,8 +98,10 @@ def test_16mib_both_ways(mode, request):
         t.client.sendall(b"early:")
         time.sleep(0.05)
         result, got = _relay_both_ways(t, splicer, up, down)
-        assert got["server"] == (SIZE + 6, hashlib.sha256(b"early:" + up).hexdigest())
-        assert got["client"] == (SIZE, hashlib.sha256(down).hexdigest())
+        # Seen once (2026-12-03, under load): the server got one loopback segment
+        # (65,483 bytes) twice. The relay's counts say which path carried it.
+        assert got["server"] == (SIZE + 6, hashlib.sha256(b"early:" + up).hexdigest()), result
+        assert got["client"] == (SIZE, hashlib.sha256(down).hexdigest()), result
         assert result["spliced"] is (mode == "splice")
         assert (result["a_to_b"], result["b_to_a"]) == (SIZE + 6, SIZE)
     finally:
