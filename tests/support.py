@@ -164,6 +164,16 @@ def start_demo_upstream(
     return proc, port
 
 
+def wait_redis_keys(db: Any, n: int) -> None:
+    """Until the Redis database `db` (a redis.Redis) holds n keys: the proxy sends its
+    cache stores after the response, so a test waits for them (2 s at most)."""
+    for _ in range(100):
+        if db.dbsize() >= n:
+            break
+        time.sleep(0.02)
+    assert db.dbsize() == n
+
+
 def start_redis_server(workdir: str | os.PathLike) -> tuple[subprocess.Popen, int]:
     """A redis-server (Debian package) of the caller's own on a free loopback port, no
     persistence; stop it with stop_process."""

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +18,13 @@ import httpx
 import openai
 import pytest
 
-from tests.support import StreamServerThread, free_port, start_redis_server, stop_process
+from tests.support import (
+    StreamServerThread,
+    free_port,
+    start_redis_server,
+    stop_process,
+    wait_redis_keys,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
 
@@ -453,26 +458,19 @@ def test_redis_entries_follow_the_same_rules(start_proxy, upstream, tmp_path):
                        routes=TWO_ROUTES.format(port=upstream.port))
         url = f"{proxy.url}/v1/chat/completions"
 
-        def stored(n: int) -> None:  # stores are sent after the response: wait for them
-            for _ in range(100):
-                if db.dbsize() >= n:
-                    break
-                time.sleep(0.02)
-            assert db.dbsize() == n
-
         with httpx.Client() as c:
             asks = [{}, {"host": "b.test"}, {"accept-encoding": "gzip"}]
             for i, headers in enumerate(asks):
                 assert _ask(c, url, **headers)[0] == "miss", headers
-                stored(i + 1)
+                wait_redis_keys(db, i + 1)
             assert _ask(c, url + "?api-version=2")[0] == "miss"
-            stored(4)
+            wait_redis_keys(db, 4)
             assert _ask(c, url, host="b.test")[0] == "hit"
             with pytest.raises(httpx.HTTPError):
                 c.post(url, json=_said("cut", stream=True)).read()
             assert _ask(c, url, _said("cookie"))[0] == "miss"
             assert _ask(c, url, _said("after"))[0] == "miss"
-            stored(5)  # "after" only
+            wait_redis_keys(db, 5)  # "after" only
             calls = len(upstream.calls)
             with pytest.raises(httpx.HTTPError):
                 c.post(url, json=_said("cut", stream=True)).read()

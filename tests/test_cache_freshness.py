@@ -19,7 +19,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import StreamServerThread, free_port, start_redis_server, stop_process
+from tests.support import (
+    StreamServerThread,
+    free_port,
+    start_redis_server,
+    stop_process,
+    wait_redis_keys,
+)
 
 
 class Upstream(StreamServerThread):
@@ -240,13 +246,6 @@ def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp
                        f'backend = "redis"\nredis_url = "redis://127.0.0.1:{rport}/0"')
         url = f"{proxy.url}/v1/chat/completions"
 
-        def stored(n: int) -> None:  # stores are sent after the response: wait for them
-            for _ in range(100):
-                if db.dbsize() >= n:
-                    break
-                time.sleep(0.02)
-            assert db.dbsize() == n
-
         with httpx.Client() as c:
             for name, fields in STALE.items():
                 assert _marks(_twice(c, url, {"h": fields})) == ["miss", "miss"], name
@@ -258,7 +257,7 @@ def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp
                 "miss", "miss"]
             aged = {"h": [["Age", "30"], ["Cache-Control", "max-age=60"]]}
             assert c.post(url, json=_body(aged)).headers["x-aiproxy-cache"] == "miss"
-            stored(1)
+            wait_redis_keys(db, 1)
             (key,) = db.keys()
             assert 0 < db.pttl(key) <= 30_000  # 60 s lifetime, 30 s of it gone
             hit = c.post(url, json=_body(aged))
