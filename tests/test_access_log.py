@@ -5,9 +5,14 @@ from __future__ import annotations
 import calendar
 import json
 import re
+import signal
 import time
+from pathlib import Path
+
+import httpx
 
 from aiproxy.telemetry.access_log import encode_line, iso_now, ms
+from tests.conftest import simple_config
 
 
 def test_line_is_compact_json_that_round_trips() -> None:
@@ -30,3 +35,41 @@ def test_iso_now_is_utc_milliseconds() -> None:
 def test_ms_matches_round_to_microseconds() -> None:
     for seconds in (0.0, 0.0004995, 0.0123456, 1.0, 12.3456789):
         assert ms(seconds) == round(seconds * 1000, 3)
+
+
+def _lines(path: Path, at_least: int) -> list[dict]:
+    deadline = time.monotonic() + 10
+    while True:
+        lines = ([json.loads(x) for x in path.read_text().splitlines()]
+                 if path.is_file() else [])
+        if len(lines) >= at_least or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def test_a_failed_reopen_keeps_logging(start_proxy, demo_upstream, tmp_path: Path) -> None:
+    """SIGUSR1 when the path cannot be opened (here: a directory took its place) keeps
+    the old file, as nginx does; the next SIGUSR1 that can open it moves on to it. The
+    writer thread used to die on the failed open, and every later line was lost."""
+    log = tmp_path / "access.log"
+    proxy = start_proxy(simple_config(demo_upstream)
+                        + f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n')
+    with httpx.Client(base_url=proxy.url) as client:
+        assert client.get("/echo/1").status_code == 200
+        assert [x["path"] for x in _lines(log, 1)] == ["/echo/1"]
+        rotated = tmp_path / "access.log.1"
+        log.rename(rotated)
+        log.mkdir()
+        proxy.proc.send_signal(signal.SIGUSR1)
+        assert client.get("/echo/2").status_code == 200
+        assert [x["path"] for x in _lines(rotated, 2)] == ["/echo/1", "/echo/2"]
+        log.rmdir()
+        proxy.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not log.is_file():  # reopened: later lines go to the new file
+            assert time.monotonic() < deadline, "the access log was never reopened"
+            time.sleep(0.05)
+        assert client.get("/echo/3").status_code == 200
+        assert [x["path"] for x in _lines(log, 1)] == ["/echo/3"]
+    assert [x["path"] for x in _lines(rotated, 2)] == ["/echo/1", "/echo/2"]
+    assert "cannot reopen" in proxy.log()

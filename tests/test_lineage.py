@@ -162,3 +162,51 @@ service_name = "edge-1"
     assert attrs["http.response.status_code"].int_value == 200
     assert attrs["aiproxy.route"].string_value == "all"
     assert spans[0].end_time_unix_nano > spans[0].start_time_unix_nano
+
+
+def test_reload_does_not_wait_for_a_slow_collector(start_proxy, demo_upstream):
+    """A reload that drops or moves otlp_endpoint stops the old exporter without waiting
+    for its export in flight: the reload runs on the event loop, and joining the export
+    thread there held every request (and the reload) until the collector answered or the
+    export timed out."""
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1 import (
+        trace_service_pb2,
+        trace_service_pb2_grpc,
+    )
+
+    from tests.conftest import simple_config
+    from tests.grpc_support import start_grpc_server
+    from tests.support import admin_block
+
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    class Stuck(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the generated name)
+            calls.append(context)
+            entered.set()
+            release.wait(30)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server, port = start_grpc_server(
+        lambda s: trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Stuck(), s),
+        max_workers=2)
+    admin = free_port()
+    try:
+        base = simple_config(demo_upstream) + admin_block(admin) + "\n[tracing]\n"
+        proxy = start_proxy(base + f'otlp_endpoint = "127.0.0.1:{port}"\n')
+        wait_port("127.0.0.1", admin)
+        assert httpx.get(f"{proxy.url}/echo", timeout=10).status_code == 200
+        assert entered.wait(10), "the span was never exported"
+        text = proxy.config_path.read_text()
+        proxy.config_path.write_text(text.replace(f'otlp_endpoint = "127.0.0.1:{port}"', ""))
+        r = httpx.post(f"http://127.0.0.1:{admin}/config/reload", timeout=30)
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{proxy.url}/echo", timeout=30).status_code == 200
+        # Both answered while the old exporter's call still waits on the collector.
+        assert calls[0].is_active()
+    finally:
+        release.set()
+        server.stop(0)

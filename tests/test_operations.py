@@ -108,6 +108,36 @@ redis_url = "rediss://cacheuser:pa%40ss@cache.internal:6380/1"
     assert "rediss://cacheuser:<redacted>@cache.internal:6380/1" in view
 
 
+def test_config_view_hides_credential_header_values(start_proxy, demo_upstream):
+    """An upstream key a route injects (request_headers_add, as gateways to OpenAI,
+    Anthropic or Azure do) is a secret like [admin] token: GET /config and
+    /config/routes show the field, never its value."""
+    admin = free_port()
+    proxy = start_proxy(f"""
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/", headers = {{ "Authorization" = "Bearer MATCH-SECRET" }} }}
+cluster = "up"
+request_headers_add = {{ Authorization = "Bearer sk-UPSTREAM-SECRET", "x-api-key" = "KEY-SECRET", "x-team" = "blue" }}
+response_headers_add = {{ "set-cookie" = "sid=COOKIE-SECRET" }}
+request_headers_remove = ["authorization", "cookie"]
+""" + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    r = httpx.get(proxy.url + "/echo", headers={"Authorization": "Bearer MATCH-SECRET"})
+    assert r.json()["headers"]["x-api-key"] == "KEY-SECRET"  # still sent upstream
+    for path in ("/config", "/config/routes"):
+        view = httpx.get(f"http://127.0.0.1:{admin}{path}").text
+        assert "SECRET" not in view, (path, view)
+    route = httpx.get(f"http://127.0.0.1:{admin}/config").json()["routes"][0]
+    assert route["request_headers_add"] == [["authorization", "<redacted>"],
+                                            ["x-api-key", "<redacted>"], ["x-team", "blue"]]
+    assert route["request_headers_remove"] == ["authorization", "cookie"]
+
+
 def test_reload_under_load_drops_nothing(start_proxy, demo_upstream):
     admin = free_port()
     base_cfg = simple_config(demo_upstream) + admin_block(admin)

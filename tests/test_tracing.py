@@ -106,3 +106,29 @@ def test_tracing_off_leaves_headers_alone(start_proxy, demo_upstream):
         seen = client.get(f"http://127.0.0.1:{proxy.port}/echo",
                           headers={"traceparent": "garbage"}).json()["headers"]
     assert seen["traceparent"] == "garbage" and "x-trace-id" not in seen
+
+
+def test_tracing_off_logs_only_a_valid_callers_trace_id(start_proxy, demo_upstream,
+                                                         tmp_path: Path):
+    """Without [tracing] the access log still names the caller's trace, but only from a
+    traceparent W3C calls valid: one it says to ignore (version ff, an all-zero or
+    upper-case trace id, bad hex, two of them) names no trace."""
+    log = tmp_path / "access.log"
+    proxy = start_proxy(simple_config(demo_upstream) + "\n[tracing]\nenabled = false\n"
+                        + f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n')
+    sent = [[f"ff-{TRACE}-{PARENT}-01"], [f"00-{'0' * 32}-{PARENT}-01"],
+            [f"00-{TRACE.upper()}-{PARENT}-01"], [f"00-{'z' * 32}-{PARENT}-01"],
+            [f"00-{TRACE}-{'0' * 16}-01"],
+            [f"00-{TRACE}-{PARENT}-01", f"00-{TRACE[::-1]}-{PARENT}-01"],
+            [f"00-{TRACE}-{PARENT}-01"]]
+    with httpx.Client() as client:
+        for values in sent:
+            headers = httpx.Headers([("traceparent", v) for v in values])
+            assert client.get(f"{proxy.url}/echo", headers=headers).status_code == 200
+    deadline = time.monotonic() + 5
+    lines: list[dict] = []
+    while time.monotonic() < deadline and len(lines) < len(sent):
+        time.sleep(0.05)
+        if log.exists():
+            lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["trace_id"] for x in lines] == [None] * (len(sent) - 1) + [TRACE]

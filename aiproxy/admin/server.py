@@ -41,14 +41,29 @@ def _plain(value: Any) -> Any:
 
 
 SECRET_KEYS = frozenset(("token", "upstream_secret", "salt", "digest", "password", "secret"))
+# Header fields that carry credentials: a route that adds one (an upstream API key) or
+# matches on one holds a secret in the entries of these lists of [name, value] (or
+# [name, op, value]).
+HEADER_LISTS = frozenset(("headers", "header_rules", "request_headers_add",
+                          "response_headers_add"))
+CREDENTIAL_FIELDS = frozenset(("authorization", "proxy-authorization", "cookie", "set-cookie",
+                               "x-api-key", "api-key", "x-goog-api-key", "x-auth-token"))
 _URL_PASSWORD = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/@:]*:)[^/@]*@")
 
 
+def _header_entry(entry: Any) -> Any:
+    if isinstance(entry, list) and entry and str(entry[0]).lower() in CREDENTIAL_FIELDS:
+        return [*entry[:-1], "<redacted>"]
+    return _redacted(entry)
+
+
 def _redacted(value: Any) -> Any:
-    """Secrets out of a config tree: values of SECRET_KEYS, and the password of any URL
-    (redis://:PASSWORD@host) wherever it is."""
+    """Secrets out of a config tree: values of SECRET_KEYS, values of credential header
+    fields, and the password of any URL (redis://:PASSWORD@host) wherever it is."""
     if isinstance(value, dict):
-        return {k: "<redacted>" if k in SECRET_KEYS and v else _redacted(v)
+        return {k: "<redacted>" if k in SECRET_KEYS and v
+                else [_header_entry(e) for e in v] if k in HEADER_LISTS and isinstance(v, list)
+                else _redacted(v)
                 for k, v in value.items()}
     if isinstance(value, list):
         return [_redacted(v) for v in value]
@@ -63,7 +78,8 @@ def effective_config(config: Config) -> dict[str, Any]:
 
 def describe_routes(server: ProxyServer) -> list[dict[str, Any]]:
     rt = server.runtime
-    return [{"name": r.name, **r.describe(), "match": _plain(dataclasses.asdict(cfg.match))}
+    return [{"name": r.name, **r.describe(),
+             "match": _redacted(_plain(dataclasses.asdict(cfg.match)))}
             for r, cfg in zip(rt.table.routes, rt.config.routes, strict=True)]
 
 

@@ -118,8 +118,12 @@ class OtlpExporter:
                 self.channel.close()
                 return
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop after sending what is queued; `wait` (at shutdown) up to 10 s for that.
+        A reload does not wait: it runs on the event loop, and an export in flight to a
+        slow collector may take its whole timeout."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
-        self.thread.join(timeout=10)
+        if wait:
+            self.thread.join(timeout=10)

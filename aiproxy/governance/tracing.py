@@ -232,9 +232,9 @@ class TraceFactory(FilterFactory):
         if self.exporter is not None:
             self.exporter.add(span)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if self.exporter is not None:
-            self.exporter.close()
+            self.exporter.close(wait)
             self.exporter = None
 
 
@@ -245,12 +245,12 @@ def make_state(config: Config, previous: Any) -> Any:
         previous = None
     if cfg is None:
         if previous is not None:
-            previous.close()
+            previous.close(wait=False)  # on the loop: never wait for a slow collector
         return None
     state = previous or TraceFactory()
     old = state.exporter
     if old is None or (old.endpoint, old.service_name) != (cfg.otlp_endpoint, cfg.service_name):
-        state.close()
+        state.close(wait=False)
         if cfg.otlp_endpoint:
             from aiproxy.governance.otlp import OtlpExporter
 

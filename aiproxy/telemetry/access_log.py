@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import sys
@@ -17,6 +18,8 @@ from typing import IO, Any
 
 import orjson
 from cython.cimports.libc.math import rint
+
+log = logging.getLogger("aiproxy.access_log")
 
 _REOPEN = object()
 _STOP = object()
@@ -79,9 +82,20 @@ class AccessLog:
             if item is _STOP:
                 break
             if item is _REOPEN:
+                # As nginx does: a file that cannot be opened keeps the old one in use (and
+                # this thread alive), so a failed rotation never loses every later line.
+                try:
+                    new = self._open()
+                except OSError as exc:
+                    log.warning("access log: cannot reopen %s, still writing to the old "
+                                "file: %s", self.path, exc)
+                    continue
                 if out is not sys.stderr.buffer:
-                    out.close()
-                out = self._open()
+                    try:
+                        out.close()
+                    except OSError:
+                        pass  # what it buffered could not be written (a full disk)
+                out = new
                 continue
             try:
                 out.write(b"\n".join(item) + b"\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.clock import monotonic
+from aiproxy.governance.tracing import parse_traceparent
 from aiproxy.pipeline.ends import Reporter
 from aiproxy.telemetry.access_log import AccessLog, iso_now, ms
 from aiproxy.telemetry.metrics import Metrics
@@ -16,11 +17,11 @@ if TYPE_CHECKING:
 CLIENT_CLOSED = 499
 
 
-def trace_id(traceparent: bytes | None) -> str | None:
-    """The trace-id of a W3C traceparent ("00-<32 hex>-<16 hex>-<2 hex>")."""
-    if traceparent is None or len(traceparent) < 55 or traceparent[2:3] != b"-":
-        return None
-    return traceparent[3:35].decode("ascii", "replace")
+def trace_id(traceparents: list[bytes]) -> str | None:
+    """The trace-id of the caller's traceparent (without [tracing]) when W3C calls it
+    valid, as the tracing filter reads it: one field, no all-zero or upper-case ids."""
+    parsed = parse_traceparent(traceparents[0]) if len(traceparents) == 1 else None
+    return None if parsed is None else parsed[0].decode()
 
 
 class Telemetry(Reporter):
@@ -58,7 +59,7 @@ class Telemetry(Reporter):
             "intent": ex.intent,
             "duration_ms": ms(timings["total"]),
             "timings_ms": {k: ms(v) for k, v in timings.items() if k != "total"},
-            "trace_id": ex.trace_id or trace_id(head.get(b"traceparent")),
+            "trace_id": ex.trace_id or trace_id(head.get_all(b"traceparent")),
         }
         if ex.no_intent is not None:  # semantic routing made no intent: why
             record["no_intent"] = ex.no_intent
