@@ -406,3 +406,30 @@ def test_workers_setting(value, expected):
         with pytest.raises(ConfigError) as err:
             load_config_text(text, "inline.toml")
         assert str(err.value) == expected
+
+
+def test_worker_restarted_after_a_listener_change_binds_what_its_siblings_bind(
+        workers_proxy, demo_upstream):
+    """Listener changes take effect on restart of the proxy, not of one worker: a worker
+    the supervisor replaces after such a reload binds the listeners the others serve (a
+    replacement on the new address would split the ports between the workers, and one
+    that cannot bind it would crash-loop)."""
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET)
+    moved = free_port()
+    text = proxy.config_path.read_text()
+    proxy.config_path.write_text(text.replace(f"127.0.0.1:{proxy.port}", f"127.0.0.1:{moved}"))
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "config reloaded in 2 workers" in proxy.log(), what="the reload")
+    assert "listener, admin and workers changes take effect on restart" in proxy.log()
+    (victim,) = [p for w, p in started(proxy.log()) if w == 1]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: any(serving(proxy.log(), p) for w, p in started(proxy.log())
+                         if w == 1 and p != victim), what="worker 1 replaced")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", moved), timeout=1)
+    before = per_worker(scrape(admin), "aiproxy_worker_requests_total")
+    for _ in range(30):  # new connections: SO_REUSEPORT spreads them over both workers
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").status_code == 200
+    after = per_worker(scrape(admin), "aiproxy_worker_requests_total")
+    assert after["1"] > before["1"], (before, after)

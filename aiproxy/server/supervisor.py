@@ -26,7 +26,13 @@ import uvloop
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from aiproxy.config import Config, ConfigError, load_config_text, read_config_text
+from aiproxy.config import (
+    Config,
+    ConfigError,
+    ListenerConfig,
+    load_config_text,
+    read_config_text,
+)
 from aiproxy.server import forkserver, sd_notify
 from aiproxy.server.channel import Channel
 from aiproxy.server.sockets import bound_sockets
@@ -85,6 +91,9 @@ class Supervisor:
     def __init__(self, config: Config, text: str, log_level: int = logging.INFO) -> None:
         self.config = config
         self.text = text
+        # What every worker binds: listener changes take effect on restart of the proxy,
+        # so a worker replaced after such a reload binds what its siblings do.
+        self.listeners = config.listeners
         self.log_level = log_level
         self.slots = [WorkerSlot(i) for i in range(config.server.workers)]
         # every [kernel] interface worker 0 may have attached to (union over reloads)
@@ -193,7 +202,7 @@ class Supervisor:
         process = self.mp.Process(
             target=_worker_main, name=f"aiproxy-worker-{slot.index}", daemon=False,
             args=(slot.index, theirs, self.text, self.config.source, self.log_level,
-                  os.getpid()))
+                  os.getpid(), self.listeners))
         try:
             process.start()
         except OSError as exc:
@@ -336,6 +345,7 @@ class Supervisor:
                 notes.append("listener, admin and workers changes take effect on restart")
                 log.warning("reload: %s", notes[-1])
             self.config = config
+            self.listeners = bound_listeners(self.listeners, config.listeners)
             self.kernel_interfaces |= set(config.kernel.interfaces)
             self.text = text
             self.reloads += 1
@@ -460,6 +470,16 @@ class WorkersCollector:
         yield up
         yield restarts
         yield requests
+
+
+def bound_listeners(bound: tuple[ListenerConfig, ...],
+                    new: tuple[ListenerConfig, ...]) -> tuple[ListenerConfig, ...]:
+    """The listeners workers bind after a reload to `new`: the bound ones, each replaced
+    by its namesake in `new` when only TLS file paths differ (the workers load those)."""
+    fresh = {listener.name: listener for listener in new}
+    return tuple(fresh[lst.name] if lst.name in fresh
+                 and restart_shape([fresh[lst.name]]) == restart_shape([lst]) else lst
+                 for lst in bound)
 
 
 def ports_in_use(config: Config) -> str | None:
