@@ -433,3 +433,36 @@ def test_worker_restarted_after_a_listener_change_binds_what_its_siblings_bind(
             assert client.get("/echo").status_code == 200
     after = per_worker(scrape(admin), "aiproxy_worker_requests_total")
     assert after["1"] > before["1"], (before, after)
+
+
+def test_reload_one_worker_rejects_is_undone_in_the_others(workers_proxy, demo_upstream,
+                                                          demo_upstream_b):
+    """A reload is all or nothing over the workers: when one rejects the validated text
+    (here worker 0, the one that attaches [kernel] interfaces), those that had taken it
+    go back to the running config, as the rejection in the log says."""
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET)
+    good = proxy.config_path.read_text()
+    proxy.config_path.write_text(
+        good.replace(f"127.0.0.1:{demo_upstream}", f"127.0.0.1:{demo_upstream_b}")
+        + '\n[kernel]\ninterfaces = ["nosuchif0"]\n')
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "aiproxy.server: reload rejected" in proxy.log(), what="the rejection")
+    assert "no interface 'nosuchif0'" in proxy.log().split("aiproxy.server: reload rejected")[1]
+    endpoints = {c["worker"]: [e["address"] for e in c["endpoints"]]
+                 for c in httpx.get(f"http://127.0.0.1:{admin}/clusters").json()}
+    assert endpoints == {0: [f"127.0.0.1:{demo_upstream}"],
+                         1: [f"127.0.0.1:{demo_upstream}"]}, endpoints
+    for _ in range(20):
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").headers["x-upstream"] == "demo-a"
+    found = scrape(admin)
+    assert found[("aiproxy_config_reload_failures_total", ())] == 1
+    assert found[("aiproxy_config_reloads_total", ())] == 0
+    # the same file fixed is taken by both
+    proxy.config_path.write_text(
+        good.replace(f"127.0.0.1:{demo_upstream}", f"127.0.0.1:{demo_upstream_b}"))
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "config reloaded in 2 workers" in proxy.log(), what="the good reload")
+    for _ in range(20):
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").headers["x-upstream"] == "demo-b"

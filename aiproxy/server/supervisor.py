@@ -336,6 +336,9 @@ class Supervisor:
             results = await asyncio.gather(*(self._reload_worker(s, text) for s in live))
             problems = [message for ok, message in results if not ok]
             if problems:
+                # All or nothing: worker 0 alone attaches [kernel] interfaces, so it may
+                # reject what the others took.
+                await self._undo_reload([s for s in live if s.text == text != self.text])
                 return self._reload_failed(problems[0])
             notes = []
             # (each worker re-reads its TLS listeners' changed certificate and key files)
@@ -368,6 +371,19 @@ class Supervisor:
         if result["ok"]:
             slot.text = text
         return result["ok"], result["message"]
+
+    async def _undo_reload(self, slots: list[WorkerSlot]) -> None:
+        """Put workers that took a reload another one rejected back on the running text;
+        one that cannot go back is restarted (it starts from the running text)."""
+        results = await asyncio.gather(*(self._reload_worker(s, self.text) for s in slots))
+        for slot, (ok, message) in zip(slots, results, strict=True):
+            if ok:
+                log.info("worker %d is back on the running config", slot.index)
+            elif slot.pid is not None and slot.running:
+                log.error("worker %d cannot go back to the running config, restarting "
+                          "it: %s", slot.index, message)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(slot.pid, signal.SIGTERM)
 
     def _reload_failed(self, message: str) -> tuple[bool, str]:
         self.reload_failures += 1
