@@ -466,3 +466,36 @@ def test_reload_one_worker_rejects_is_undone_in_the_others(workers_proxy, demo_u
     for _ in range(20):
         with httpx.Client(base_url=proxy.url) as client:
             assert client.get("/echo").headers["x-upstream"] == "demo-b"
+
+
+def test_worker_ready_during_a_reload_gets_the_new_config(workers_proxy, demo_upstream,
+                                                          demo_upstream_b):
+    """A worker the supervisor restarts while a reload is under way (here: worker 0 is
+    stopped, so the reload waits for it) comes up on the text it was started with; it
+    must end on the new config like its sibling, not serve the old one until the next
+    reload."""
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET)
+    pids = dict(started(proxy.log()))
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        wait_for(lambda: f"(pid {pids[1]}) killed by signal SIGKILL" in proxy.log(),
+                 what="worker 1 reaped")
+        proxy.config_path.write_text(proxy.config_path.read_text().replace(
+            f"127.0.0.1:{demo_upstream}", f"127.0.0.1:{demo_upstream_b}"))
+        proxy.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(serving(proxy.log(), p) for w, p in started(proxy.log())
+                             if w == 1 and p != pids[1]), what="worker 1 replaced")
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+    wait_for(lambda: "config reloaded in" in proxy.log(), what="the reload")
+
+    def endpoints() -> dict:
+        return {c["worker"]: [e["address"] for e in c["endpoints"]]
+                for c in httpx.get(f"http://127.0.0.1:{admin}/clusters").json()}
+
+    new = [f"127.0.0.1:{demo_upstream_b}"]
+    wait_for(lambda: endpoints() == {0: new, 1: new}, what="both on the new config")
+    for _ in range(20):
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").headers["x-upstream"] == "demo-b"

@@ -332,8 +332,17 @@ class Supervisor:
                 config = await self.loop.run_in_executor(None, load_config_text, text, source)
             except ConfigError as exc:
                 return self._reload_failed(str(exc))
-            live = [s for s in self.slots if s.ready and s.channel is not None]
-            results = await asyncio.gather(*(self._reload_worker(s, text) for s in live))
+            # A worker that comes up meanwhile runs the text it was started with, which
+            # _ready() took for current: it is reloaded in the next round.
+            live: list[WorkerSlot] = []
+            results: list[tuple[bool, str]] = []
+            asked: set[int | None] = set()
+            while todo := [s for s in self._serving() if s.pid not in asked]:
+                asked.update(s.pid for s in todo)
+                live += todo
+                results += await asyncio.gather(*(self._reload_worker(s, text)
+                                                  for s in todo))
+            live = list(dict.fromkeys(live))  # a slot restarted meanwhile came twice
             problems = [message for ok, message in results if not ok]
             if problems:
                 # All or nothing: worker 0 alone attaches [kernel] interfaces, so it may
