@@ -21,6 +21,7 @@ from tests.conftest import CRASH_MARKERS, Proxy, simple_config
 from tests.support import (
     admin_block,
     free_port,
+    process_log,
     scrape,
     start_process,
     stop_process,
@@ -499,3 +500,25 @@ def test_worker_ready_during_a_reload_gets_the_new_config(workers_proxy, demo_up
     for _ in range(20):
         with httpx.Client(base_url=proxy.url) as client:
             assert client.get("/echo").headers["x-upstream"] == "demo-b"
+
+
+def test_sigusr1_while_workers_start_does_not_kill_them(tmp_path: Path, demo_upstream):
+    """The supervisor passes SIGUSR1 (log reopen, e.g. from logrotate) on to every worker,
+    starting ones too: a worker that cannot act on it yet ignores it, rather than dying
+    of it (its default action) and failing the start."""
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(WORKERS + f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
+                   + simple_config(demo_upstream) + admin_block(admin))
+    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(cfg)])
+    try:
+        # the supervisor has its own handlers once it serves the admin API
+        wait_port("127.0.0.1", admin, timeout=60, proc=proc)
+        while "aiproxy ready: 2 workers" not in process_log(proc):
+            assert proc.poll() is None, process_log(proc)
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.005)
+        assert httpx.get(f"http://127.0.0.1:{port}/echo").status_code == 200
+    finally:
+        log = stop_process(proc, timeout=15)
+    assert "killed by signal" not in log, log
