@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from aiproxy import __version__
@@ -122,6 +123,11 @@ def _check(path: str) -> int:
 
 
 def _run(path: str, level: str) -> int:
+    # Until the event loop takes them over, SIGHUP and SIGUSR1 (logrotate) would kill the
+    # proxy as it starts: ignored meanwhile, here and in the forkserver and workers, which
+    # inherit it. Their config and logs are being read and opened anyway.
+    for sig in (signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     # Before numpy is imported (here or in the forkserver): a worker starts no thread it
     # does not need (aiproxy/server/sockets.py), and its vector math is small.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -21,6 +21,7 @@ from tests.conftest import CRASH_MARKERS, Proxy, simple_config
 from tests.support import (
     admin_block,
     free_port,
+    process_log,
     scrape,
     start_process,
     stop_process,
@@ -406,3 +407,118 @@ def test_workers_setting(value, expected):
         with pytest.raises(ConfigError) as err:
             load_config_text(text, "inline.toml")
         assert str(err.value) == expected
+
+
+def test_worker_restarted_after_a_listener_change_binds_what_its_siblings_bind(
+        workers_proxy, demo_upstream):
+    """Listener changes take effect on restart of the proxy, not of one worker: a worker
+    the supervisor replaces after such a reload binds the listeners the others serve (a
+    replacement on the new address would split the ports between the workers, and one
+    that cannot bind it would crash-loop)."""
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET)
+    moved = free_port()
+    text = proxy.config_path.read_text()
+    proxy.config_path.write_text(text.replace(f"127.0.0.1:{proxy.port}", f"127.0.0.1:{moved}"))
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "config reloaded in 2 workers" in proxy.log(), what="the reload")
+    assert "listener, admin and workers changes take effect on restart" in proxy.log()
+    (victim,) = [p for w, p in started(proxy.log()) if w == 1]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: any(serving(proxy.log(), p) for w, p in started(proxy.log())
+                         if w == 1 and p != victim), what="worker 1 replaced")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", moved), timeout=1)
+    before = per_worker(scrape(admin), "aiproxy_worker_requests_total")
+    for _ in range(30):  # new connections: SO_REUSEPORT spreads them over both workers
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").status_code == 200
+    after = per_worker(scrape(admin), "aiproxy_worker_requests_total")
+    assert after["1"] > before["1"], (before, after)
+
+
+def test_reload_one_worker_rejects_is_undone_in_the_others(workers_proxy, demo_upstream,
+                                                          demo_upstream_b):
+    """A reload is all or nothing over the workers: when one rejects the validated text
+    (here worker 0, the one that attaches [kernel] interfaces), those that had taken it
+    go back to the running config, as the rejection in the log says."""
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET)
+    good = proxy.config_path.read_text()
+    proxy.config_path.write_text(
+        good.replace(f"127.0.0.1:{demo_upstream}", f"127.0.0.1:{demo_upstream_b}")
+        + '\n[kernel]\ninterfaces = ["nosuchif0"]\n')
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "aiproxy.server: reload rejected" in proxy.log(), what="the rejection")
+    assert "no interface 'nosuchif0'" in proxy.log().split("aiproxy.server: reload rejected")[1]
+    endpoints = {c["worker"]: [e["address"] for e in c["endpoints"]]
+                 for c in httpx.get(f"http://127.0.0.1:{admin}/clusters").json()}
+    assert endpoints == {0: [f"127.0.0.1:{demo_upstream}"],
+                         1: [f"127.0.0.1:{demo_upstream}"]}, endpoints
+    for _ in range(20):
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").headers["x-upstream"] == "demo-a"
+    found = scrape(admin)
+    assert found[("aiproxy_config_reload_failures_total", ())] == 1
+    assert found[("aiproxy_config_reloads_total", ())] == 0
+    # the same file fixed is taken by both
+    proxy.config_path.write_text(
+        good.replace(f"127.0.0.1:{demo_upstream}", f"127.0.0.1:{demo_upstream_b}"))
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "config reloaded in 2 workers" in proxy.log(), what="the good reload")
+    for _ in range(20):
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").headers["x-upstream"] == "demo-b"
+
+
+def test_worker_ready_during_a_reload_gets_the_new_config(workers_proxy, demo_upstream,
+                                                          demo_upstream_b):
+    """A worker the supervisor restarts while a reload is under way (here: worker 0 is
+    stopped, so the reload waits for it) comes up on the text it was started with; it
+    must end on the new config like its sibling, not serve the old one until the next
+    reload."""
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET)
+    pids = dict(started(proxy.log()))
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        wait_for(lambda: f"(pid {pids[1]}) killed by signal SIGKILL" in proxy.log(),
+                 what="worker 1 reaped")
+        proxy.config_path.write_text(proxy.config_path.read_text().replace(
+            f"127.0.0.1:{demo_upstream}", f"127.0.0.1:{demo_upstream_b}"))
+        proxy.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(serving(proxy.log(), p) for w, p in started(proxy.log())
+                             if w == 1 and p != pids[1]), what="worker 1 replaced")
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+    wait_for(lambda: "config reloaded in" in proxy.log(), what="the reload")
+
+    def endpoints() -> dict:
+        return {c["worker"]: [e["address"] for e in c["endpoints"]]
+                for c in httpx.get(f"http://127.0.0.1:{admin}/clusters").json()}
+
+    new = [f"127.0.0.1:{demo_upstream_b}"]
+    wait_for(lambda: endpoints() == {0: new, 1: new}, what="both on the new config")
+    for _ in range(20):
+        with httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/echo").headers["x-upstream"] == "demo-b"
+
+
+def test_sigusr1_while_workers_start_does_not_kill_them(tmp_path: Path, demo_upstream):
+    """The supervisor passes SIGUSR1 (log reopen, e.g. from logrotate) on to every worker,
+    starting ones too: a worker that cannot act on it yet ignores it, rather than dying
+    of it (its default action) and failing the start."""
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(WORKERS + f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
+                   + simple_config(demo_upstream) + admin_block(admin))
+    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(cfg)])
+    try:
+        # the supervisor has its own handlers once it serves the admin API
+        wait_port("127.0.0.1", admin, timeout=60, proc=proc)
+        while "aiproxy ready: 2 workers" not in process_log(proc):
+            assert proc.poll() is None, process_log(proc)
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.005)
+        assert httpx.get(f"http://127.0.0.1:{port}/echo").status_code == 200
+    finally:
+        log = stop_process(proc, timeout=15)
+    assert "killed by signal" not in log, log

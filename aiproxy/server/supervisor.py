@@ -26,7 +26,13 @@ import uvloop
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from aiproxy.config import Config, ConfigError, load_config_text, read_config_text
+from aiproxy.config import (
+    Config,
+    ConfigError,
+    ListenerConfig,
+    load_config_text,
+    read_config_text,
+)
 from aiproxy.server import forkserver, sd_notify
 from aiproxy.server.channel import Channel
 from aiproxy.server.sockets import bound_sockets
@@ -85,6 +91,9 @@ class Supervisor:
     def __init__(self, config: Config, text: str, log_level: int = logging.INFO) -> None:
         self.config = config
         self.text = text
+        # What every worker binds: listener changes take effect on restart of the proxy,
+        # so a worker replaced after such a reload binds what its siblings do.
+        self.listeners = config.listeners
         self.log_level = log_level
         self.slots = [WorkerSlot(i) for i in range(config.server.workers)]
         # every [kernel] interface worker 0 may have attached to (union over reloads)
@@ -193,7 +202,7 @@ class Supervisor:
         process = self.mp.Process(
             target=_worker_main, name=f"aiproxy-worker-{slot.index}", daemon=False,
             args=(slot.index, theirs, self.text, self.config.source, self.log_level,
-                  os.getpid()))
+                  os.getpid(), self.listeners))
         try:
             process.start()
         except OSError as exc:
@@ -323,10 +332,22 @@ class Supervisor:
                 config = await self.loop.run_in_executor(None, load_config_text, text, source)
             except ConfigError as exc:
                 return self._reload_failed(str(exc))
-            live = [s for s in self.slots if s.ready and s.channel is not None]
-            results = await asyncio.gather(*(self._reload_worker(s, text) for s in live))
+            # A worker that comes up meanwhile runs the text it was started with, which
+            # _ready() took for current: it is reloaded in the next round.
+            live: list[WorkerSlot] = []
+            results: list[tuple[bool, str]] = []
+            asked: set[int | None] = set()
+            while todo := [s for s in self._serving() if s.pid not in asked]:
+                asked.update(s.pid for s in todo)
+                live += todo
+                results += await asyncio.gather(*(self._reload_worker(s, text)
+                                                  for s in todo))
+            live = list(dict.fromkeys(live))  # a slot restarted meanwhile came twice
             problems = [message for ok, message in results if not ok]
             if problems:
+                # All or nothing: worker 0 alone attaches [kernel] interfaces, so it may
+                # reject what the others took.
+                await self._undo_reload([s for s in live if s.text == text != self.text])
                 return self._reload_failed(problems[0])
             notes = []
             # (each worker re-reads its TLS listeners' changed certificate and key files)
@@ -336,6 +357,7 @@ class Supervisor:
                 notes.append("listener, admin and workers changes take effect on restart")
                 log.warning("reload: %s", notes[-1])
             self.config = config
+            self.listeners = bound_listeners(self.listeners, config.listeners)
             self.kernel_interfaces |= set(config.kernel.interfaces)
             self.text = text
             self.reloads += 1
@@ -358,6 +380,19 @@ class Supervisor:
         if result["ok"]:
             slot.text = text
         return result["ok"], result["message"]
+
+    async def _undo_reload(self, slots: list[WorkerSlot]) -> None:
+        """Put workers that took a reload another one rejected back on the running text;
+        one that cannot go back is restarted (it starts from the running text)."""
+        results = await asyncio.gather(*(self._reload_worker(s, self.text) for s in slots))
+        for slot, (ok, message) in zip(slots, results, strict=True):
+            if ok:
+                log.info("worker %d is back on the running config", slot.index)
+            elif slot.pid is not None and slot.running:
+                log.error("worker %d cannot go back to the running config, restarting "
+                          "it: %s", slot.index, message)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(slot.pid, signal.SIGTERM)
 
     def _reload_failed(self, message: str) -> tuple[bool, str]:
         self.reload_failures += 1
@@ -460,6 +495,16 @@ class WorkersCollector:
         yield up
         yield restarts
         yield requests
+
+
+def bound_listeners(bound: tuple[ListenerConfig, ...],
+                    new: tuple[ListenerConfig, ...]) -> tuple[ListenerConfig, ...]:
+    """The listeners workers bind after a reload to `new`: the bound ones, each replaced
+    by its namesake in `new` when only TLS file paths differ (the workers load those)."""
+    fresh = {listener.name: listener for listener in new}
+    return tuple(fresh[lst.name] if lst.name in fresh
+                 and restart_shape([fresh[lst.name]]) == restart_shape([lst]) else lst
+                 for lst in bound)
 
 
 def ports_in_use(config: Config) -> str | None:

@@ -8,6 +8,7 @@ It never talks to systemd: the supervisor is the main PID and notifies for all.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -16,7 +17,7 @@ import sys
 import uvloop
 
 from aiproxy.admin.server import LocalBackend, describe_clusters, describe_routes
-from aiproxy.config import Config, load_config_text
+from aiproxy.config import Config, ListenerConfig, load_config_text
 from aiproxy.governance.tracing import trace_spans
 from aiproxy.kernel.lifecycle import proxy_pin_dir
 from aiproxy.server.app import ProxyServer, start_server, stop_event, worker_config
@@ -30,15 +31,19 @@ SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
 def main(slot: int, sock: socket.socket, text: str, source: str, log_level: int,
-         owner_pid: int | None = None) -> None:
+         owner_pid: int | None = None,
+         listeners: tuple[ListenerConfig, ...] | None = None) -> None:
     """multiprocessing target; the exit code tells the supervisor how it went
     (0 stopped, 1 cannot bind, 2 bad model). ``owner_pid``: the supervisor's pid, which
-    names worker 0's bpffs pins (so its restart finds them)."""
+    names worker 0's bpffs pins (so its restart finds them). ``listeners``: what to bind
+    instead of the text's own (those its siblings serve, after a reload changed them)."""
     for name in SYSTEMD_VARS:
         os.environ.pop(name, None)
     logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {slot}]: %(message)s")
     config = load_config_text(text, source)  # the supervisor validated this text
+    if listeners is not None:
+        config = dataclasses.replace(config, listeners=listeners)
     sys.exit(uvloop.run(serve_worker(config, sock, slot, owner_pid)))
 
 
