@@ -17,6 +17,7 @@ from tests.test_proxy_e2e import (
     RawConn,
     ThreadedServer,
     raw_error,
+    read_body,
     read_request,
     serve,
     wait_for,
@@ -74,3 +75,40 @@ def test_invalid_101_is_not_a_tunnel(start_proxy: StartProxy,
         assert c.read_response().status == 400
     assert wait_for(lambda: upstream.finished == 1, 5), "the upstream connection was kept"
     assert after == [], after
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+def test_request_body_after_an_early_101_keeps_its_framing(
+        start_proxy: StartProxy, serve: Callable[..., ThreadedServer], framing: str) -> None:
+    """An upstream may send its 101 before the request body has all come; the client
+    still sends the rest of the body as HTTP/1.1 (RFC 9110 7.8: it cannot change protocol
+    in the middle of a message), so the proxy must carry it in the framing it chose
+    upstream, and only the bytes after the body are tunnel bytes."""
+    got: dict[str, bytes] = {}
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      conn_id: int) -> None:
+        request = await read_request(reader)
+        if request is None:
+            return
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
+                     b"Upgrade: websocket\r\n\r\n")
+        await writer.drain()
+        got["body"] = await read_body(reader, request[2])
+        got["tunnel"] = await reader.readexactly(3)
+        writer.write(b"echo:" + got["tunnel"])
+        await writer.drain()
+
+    upstream = serve(handler)
+    proxy = start_proxy(simple_config(upstream.port))
+    if framing == "chunked":
+        head, first, rest = b"Transfer-Encoding: chunked", b"a\r\nhello", b"world\r\n0\r\n\r\n"
+    else:
+        head, first, rest = b"Content-Length: 10", b"hello", b"world"
+    with RawConn(proxy.port) as c:
+        c.send(b"POST /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               + head + b"\r\n\r\n" + first)
+        assert c.read_head().status == 101
+        c.send(rest + b"RAW")
+        assert c.read_exact(8) == b"echo:RAW"
+    assert got == {"body": b"helloworld", "tunnel": b"RAW"}
