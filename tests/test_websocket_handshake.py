@@ -112,3 +112,32 @@ def test_request_body_after_an_early_101_keeps_its_framing(
         c.send(rest + b"RAW")
         assert c.read_exact(8) == b"echo:RAW"
     assert got == {"body": b"helloworld", "tunnel": b"RAW"}
+
+
+def test_upgrade_in_several_field_lines_is_offered_whole(
+        start_proxy: StartProxy, serve: Callable[..., ThreadedServer]) -> None:
+    """Upgrade split over two field lines is one list (RFC 9110 5.3): the upstream is
+    offered both protocols, and its switch to the first one is a tunnel."""
+    heads: list[dict[str, str]] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      conn_id: int) -> None:
+        request = await read_request(reader)
+        if request is None:
+            return
+        heads.append(request[2])
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
+                     b"Upgrade: websocket\r\n\r\n")
+        await writer.drain()
+        writer.write(b"echo:" + await reader.readexactly(3))
+        await writer.drain()
+
+    upstream = serve(handler)
+    proxy = start_proxy(simple_config(upstream.port))
+    with RawConn(proxy.port) as c:
+        c.send(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               b"Upgrade: foo/2\r\n\r\n")
+        assert c.read_head().status == 101
+        c.send(b"RAW")
+        assert c.read_exact(8) == b"echo:RAW"
+    assert heads[0]["upgrade"] == "websocket, foo/2"
