@@ -371,6 +371,12 @@ VALID_REQUESTS = [
         id="upgrade-before-connection",
     ),
     pytest.param(
+        # RFC 9110 5.3: field lines of one name are one comma-separated list.
+        req(b"Upgrade: websocket", b"Connection: upgrade", b"Upgrade: ", b"Upgrade: foo/2"),
+        dict(connection_upgrade=True, upgrade=b"websocket, foo/2"),
+        id="upgrade-in-several-fields",
+    ),
+    pytest.param(
         req(b"Upgrade: websocket"),
         dict(connection_upgrade=False, upgrade=None, flags=[F_HOST, F_UPGRADE | F_HOP]),
         id="upgrade-without-connection-upgrade-ignored",

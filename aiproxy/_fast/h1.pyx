@@ -583,6 +583,7 @@ cdef struct FieldState:
     int host_count
     Py_ssize_t host_idx
     Py_ssize_t upgrade_idx
+    int upgrade_count
     bint expect_continue
     bint expect_unknown
     bint has_xff
@@ -731,6 +732,7 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
             elif _ieq(name, 7, b"upgrade", 7):
                 fl = F_UPGRADE | F_HOP
                 st.upgrade_idx = st.nh
+                st.upgrade_count += 1
         elif nlen == 6:
             if _ieq(name, 6, b"expect", 6):
                 fl = F_EXPECT | F_HOP
@@ -799,6 +801,7 @@ cdef inline void _init_state(FieldState *st) noexcept:
     st.host_count = 0
     st.host_idx = -1
     st.upgrade_idx = -1
+    st.upgrade_count = 0
     st.expect_continue = 0
     st.expect_unknown = 0
     st.has_xff = 0
@@ -1053,8 +1056,12 @@ cdef _finish_framing(Head h, FieldState *st, bint is_request):
         h.keep_alive = st.conn_keepalive and not st.conn_close
     cdef int *o
     if st.upgrade_idx >= 0 and st.conn_upgrade and h.version >= 11:
-        o = h.offs + 5 * st.upgrade_idx
-        h.upgrade = PyBytes_FromStringAndSize(h.base + o[2], o[3] - o[2])
+        if st.upgrade_count > 1:
+            # Several field lines are one list (RFC 9110 5.3): every protocol offered.
+            h.upgrade = b", ".join([v for v in h.get_all(b"upgrade") if v]) or b""
+        else:
+            o = h.offs + 5 * st.upgrade_idx
+            h.upgrade = PyBytes_FromStringAndSize(h.base + o[2], o[3] - o[2])
 
 
 cpdef object parse_response(object buf, Py_ssize_t max_head=32768,

@@ -1386,7 +1386,9 @@ class Exchange(ExchangeBase):
     # -- tunnel (Upgrade) -------------------------------------------------------------
 
     def _start_tunnel(self, resp: Any) -> None:
-        upgrade = resp.upgrade or resp.get(b"upgrade")
+        # resp.upgrade: the Upgrade field of a 101 whose Connection names "upgrade", as
+        # its sender MUST (RFC 9110 7.8; RFC 6455 4.1 has the client fail without it).
+        upgrade = resp.upgrade
         offered = forwarded_upgrade(self.head.upgrade)
         if (offered is None or upgrade is None
                 or not upgrade_protocols(upgrade) <= upgrade_protocols(offered)):

@@ -197,7 +197,7 @@ class H1ConnectionCore(Downstream):
 
     def data_received(self, data: bytes) -> None:
         if self.tunnel:
-            self.exchange.tunnel_from_client(data)
+            self._tunnel_in(data)
             return
         if self.lingering:
             return
@@ -582,7 +582,7 @@ class H1ConnectionCore(Downstream):
         if self.buf:
             data = bytes(self.buf)
             self.buf.clear()
-            self.exchange.tunnel_from_client(data)
+            self._tunnel_in(data)
         # Bytes the client sent behind its Upgrade request were held as a pipelined
         # request (reading paused past max_header_bytes); they are tunnel bytes now.
         self.resume(P_PIPELINE)
@@ -590,6 +590,18 @@ class H1ConnectionCore(Downstream):
             # The client's FIN came before the 101: pass it on now, or each side would
             # wait for the other.
             self.exchange.tunnel_client_eof()
+
+    def _tunnel_in(self, data: bytes) -> None:
+        ex = self.exchange
+        if ex.reading_body:
+            # A 101 that came before the whole request body: the client sends the rest
+            # as HTTP/1.1 (RFC 9110 7.8), and it goes on in the upstream request's
+            # framing (re-chunked, say); only the bytes after it are the tunnel's.
+            n = ex.feed_body(data)
+            data = data[n:]
+            if not data or self.exchange is None or ex.reading_body:
+                return
+        ex.tunnel_from_client(data)
 
     def tunnel_write(self, data: bytes) -> None:
         self.transport.write(data)
