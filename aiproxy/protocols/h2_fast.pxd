@@ -1,0 +1,1 @@
+# Compiled by Cython in pure-Python mode (setup.py): h2_fast.py is the source.
