@@ -426,6 +426,58 @@ def _stream_error_code(kind: int, sid: int, payload: bytes | bytearray) -> int:
     return 0
 
 
+def _flag_sets(cls: type) -> list[frozenset[str]]:
+    """The names hyperframe sets for each value of a frame's flag byte (it ignores
+    undefined bits)."""
+    return [frozenset(f.name for f in cls.defined_flags if byte & f.bit) for byte in range(256)]
+
+
+_HEADERS_FLAGS = _flag_sets(hyperframe.frame.HeadersFrame)
+_DATA_FLAGS = _flag_sets(hyperframe.frame.DataFrame)
+_HEADERS_VALID = _FLAG_NAMES[id(hyperframe.frame.HeadersFrame.defined_flags)][1]
+_DATA_VALID = _FLAG_NAMES[id(hyperframe.frame.DataFrame.defined_flags)][1]
+_Flags = hyperframe.flags.Flags
+_HeadersFrame = hyperframe.frame.HeadersFrame
+_DataFrame = hyperframe.frame.DataFrame
+
+
+def _flags(valid: frozenset[str], names: frozenset[str]) -> Any:
+    flags = _Flags.__new__(_Flags)
+    flags._valid_flags = valid
+    flags._flags = set(names)
+    return flags
+
+
+def plain_frame(data: bytearray, length: int) -> Any:
+    """The frame at the start of data (its 9-byte header and `length` body bytes all
+    there) when it is a HEADERS frame with END_HEADERS and neither padding nor priority,
+    or an unpadded DATA frame, on a stream: what hyperframe would parse, built without
+    its per-frame constructor chain and flag parsing. None for any other frame."""
+    kind = data[3]
+    flags = data[4]
+    if kind > 1 or not (data[5] & 0x7F or data[6] or data[7] or data[8]):
+        return None
+    sid = int.from_bytes(data[5:9], "big") & 0x7FFFFFFF
+    if kind == 1:
+        if flags & 0x2C != 0x04:  # END_HEADERS, not PADDED, not PRIORITY
+            return None
+        f = _HeadersFrame.__new__(_HeadersFrame)
+        f.flags = _flags(_HEADERS_VALID, _HEADERS_FLAGS[flags])
+        f.depends_on = 0
+        f.stream_weight = 0
+        f.exclusive = False
+    else:
+        if flags & 0x08:  # PADDED
+            return None
+        f = _DataFrame.__new__(_DataFrame)
+        f.flags = _flags(_DATA_VALID, _DATA_FLAGS[flags])
+    f.stream_id = sid
+    f.body_len = length
+    f.pad_length = 0
+    f.data = bytes(data[9:9 + length])
+    return f
+
+
 class _FrameBuffer(h2.frame_buffer.FrameBuffer):
     """h2's FrameBuffer, checked on the frame header before h2 parses anything:
     - RFC 9113 6.5: a SETTINGS frame with ACK and a payload is a FRAME_SIZE_ERROR
@@ -435,7 +487,9 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
     - a frame longer than SETTINGS_MAX_FRAME_SIZE is a FRAME_SIZE_ERROR when its header
       arrives (h2 checks once the whole frame is buffered: up to 16 MiB a connection);
     - a WINDOW_UPDATE or PRIORITY frame that is a stream error (_stream_error_code) is
-      passed on as a STREAM_ERROR_FRAME (hyperframe would refuse it, a connection error)."""
+      passed on as a STREAM_ERROR_FRAME (hyperframe would refuse it, a connection error);
+    - the frames of most requests (plain_frame: HEADERS in one frame, DATA unpadded) are
+      built without hyperframe's parser, as it would build them."""
 
     stream_errors = 0
 
@@ -445,6 +499,11 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
             length = int.from_bytes(data[0:3], "big")
             self._validate_frame_length(length)
             kind = data[3]
+            if kind <= 1 and len(data) >= 9 + length and not self._headers_buffer:
+                f = plain_frame(data, length)
+                if f is not None:
+                    del data[:9 + length]
+                    return f
             if kind in (0x2, 0x8) and len(data) >= 9 + length and data[5:9] != b"\0\0\0\0":
                 code = _stream_error_code(kind, int.from_bytes(data[5:9], "big") & 0x7FFFFFFF,
                                           data[9:9 + length])
