@@ -20,7 +20,7 @@ from aiproxy.admin.server import LocalBackend, describe_clusters, describe_route
 from aiproxy.config import Config, ListenerConfig, load_config_text
 from aiproxy.governance.tracing import trace_spans
 from aiproxy.kernel.lifecycle import proxy_pin_dir
-from aiproxy.server.app import ProxyServer, start_server, stop_event, worker_config
+from aiproxy.server.app import ProxyServer, settle_gc, start_server, stop_event, worker_config
 from aiproxy.server.channel import Channel
 from aiproxy.telemetry.aggregate import snapshot
 
@@ -61,6 +61,7 @@ async def serve_worker(config: Config, sock: socket.socket, slot: int,
                                 serve_admin=False)
     if isinstance(server, int):
         return server
+    settle_gc()
     backend = LocalBackend(server)
     stop = stop_event(server)
 
