@@ -111,6 +111,20 @@ def test_store_is_bounded():
     assert store.graph("t0") is None
 
 
+def test_store_is_bounded_in_spans_of_all_traces():
+    """Clients choose trace ids: 10,000 traces of 256 spans would be theirs to fill."""
+    store = LineageStore(max_traces=100, max_spans=1000)
+    for i in range(20):
+        for j in range(200):
+            store.add({"trace_id": f"t{i}", "span_id": f"s{j}", "parent_id": None,
+                       "model_id": None, "start": j})
+    assert store.spans == sum(map(len, store.traces.values())) == 1000
+    assert list(store.traces) == [f"t{i}" for i in range(15, 20)] and store.dropped == 15
+    store.add({"trace_id": "t15", "span_id": "x", "parent_id": None, "model_id": None,
+               "start": 0})  # t15 is touched: t16 goes first
+    assert list(store.traces)[:2] == ["t17", "t18"] and store.spans == 801
+
+
 def test_spans_exported_over_otlp_grpc(start_proxy, demo_upstream):
     """A real OTLP/gRPC receiver (opentelemetry-proto's service on a grpcio server)."""
     from opentelemetry.proto.collector.trace.v1 import (
@@ -210,3 +224,18 @@ def test_reload_does_not_wait_for_a_slow_collector(start_proxy, demo_upstream):
     finally:
         release.set()
         server.stop(0)
+
+
+def test_a_span_keeps_the_first_1024_characters_of_a_long_path(start_proxy, demo_upstream):
+    from tests.conftest import simple_config
+
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream)
+                        + f'[admin]\naddress = "127.0.0.1:{admin}"\n\n[tracing]\n')
+    wait_port("127.0.0.1", admin)
+    path = "/echo/" + "p" * 6000
+    r = httpx.get(f"{proxy.url}{path}?token=secret", timeout=10,
+                  headers={"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"})
+    assert r.status_code == 200
+    (span,) = httpx.get(f"http://127.0.0.1:{admin}/lineage/{TRACE}").json()["spans"]
+    assert span["path"] == path[:1024]

@@ -102,15 +102,21 @@ def parse_tracestate(values: list[bytes]) -> bytes | None:
 
 MAX_TRACES = 10_000
 MAX_SPANS = 256  # per trace
+# In all: clients choose trace ids, so 10,000 traces of 256 spans (2.5 million, each a
+# dict of some hundred bytes) would be theirs to fill.
+MAX_STORED_SPANS = 50_000
+MAX_PATH = 1024  # characters of a span's path kept (url.path; the query is never kept)
 
 
 class LineageStore:
-    """Spans by trace id, bounded: at most MAX_TRACES traces (least recently touched
-    dropped first) of at most MAX_SPANS spans each."""
+    """Spans by trace id, bounded: at most MAX_TRACES traces of at most MAX_SPANS spans
+    each, and max_spans in all (least recently touched traces dropped first)."""
 
-    def __init__(self, max_traces: int = MAX_TRACES) -> None:
+    def __init__(self, max_traces: int = MAX_TRACES, max_spans: int = MAX_STORED_SPANS) -> None:
         self.max_traces = max_traces
+        self.max_spans = max_spans
         self.traces: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self.spans = 0
         self.dropped = 0
 
     def add(self, span: dict[str, Any]) -> None:
@@ -118,13 +124,16 @@ class LineageStore:
         spans = self.traces.get(trace)
         if spans is None:
             spans = self.traces[trace] = []
-            if len(self.traces) > self.max_traces:
-                self.traces.popitem(last=False)
-                self.dropped += 1
         else:
             self.traces.move_to_end(trace)
-        if len(spans) < MAX_SPANS:
-            spans.append(span)
+        if len(spans) >= MAX_SPANS:
+            return
+        spans.append(span)
+        self.spans += 1
+        while len(self.traces) > self.max_traces or self.spans > self.max_spans:
+            _, oldest = self.traces.popitem(last=False)
+            self.spans -= len(oldest)
+            self.dropped += 1
 
     def graph(self, trace_id: str) -> dict[str, Any] | None:
         spans = self.traces.get(trace_id)
@@ -189,7 +198,7 @@ class TraceFilter(Filter):
             "endpoint": ex.pool.endpoint.address if ex.pool is not None else None,
             "subject": ex.identity.subject if ex.identity is not None else None,
             "method": ex.method.decode("latin-1"),
-            "path": ex.path.decode("latin-1"),
+            "path": ex.path[:MAX_PATH].decode("latin-1"),
             "status": ex.status,
             "start": self.start,
             "duration_ms": round((time.time() - self.start) * 1000, 3),
