@@ -73,3 +73,31 @@ def test_a_failed_reopen_keeps_logging(start_proxy, demo_upstream, tmp_path: Pat
         assert [x["path"] for x in _lines(log, 1)] == ["/echo/3"]
     assert [x["path"] for x in _lines(rotated, 2)] == ["/echo/1", "/echo/2"]
     assert "cannot reopen" in proxy.log()
+
+
+def test_a_request_refused_before_it_was_one_is_logged(start_proxy, demo_upstream,
+                                                       tmp_path: Path) -> None:
+    """nginx logs its 400s: a message the parser refuses (here: Content-Length and
+    Transfer-Encoding together, then a head too large) gets an access line with its
+    status, bytes and why, and no request fields it never had."""
+    import socket
+
+    log = tmp_path / "access.log"
+    proxy = start_proxy(simple_config(demo_upstream)
+                        + f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n')
+    smuggle = (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    huge = b"GET / HTTP/1.1\r\nHost: a\r\nX-Big: " + b"b" * 70_000 + b"\r\n\r\n"
+    for raw in (smuggle, huge):
+        with socket.create_connection(("127.0.0.1", proxy.port)) as s:
+            s.sendall(raw)
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+        assert reply.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 431 "))
+    lines = _lines(log, 2)
+    assert [x["status"] for x in lines] == [400, 431]
+    for line in lines:
+        assert line["method"] is None and line["path"] is None and line["route"] is None
+        assert line["rejected"] and line["client"] == "127.0.0.1"
+        assert line["bytes_out"] > 0 and line["bytes_in"] > 0

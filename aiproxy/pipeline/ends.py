@@ -43,6 +43,11 @@ class Reporter:
     def exchange_done(self, ex: Any) -> None:
         raise NotImplementedError
 
+    def rejected(self, peer: bytes, status: int, reason: str, bytes_in: int,
+                 bytes_out: int) -> None:
+        """A message refused before it became a request (it could not be framed, or its
+        head did not arrive in time): answered `status` and the connection closed."""
+
 
 class Downstream:
     """The client side: an HTTP/1.1 connection or one HTTP/2 stream."""

@@ -306,7 +306,7 @@ class H1ConnectionCore(Downstream):
                 head = parse_request(slab, rt.max_header_bytes, rt.max_request_line_bytes,
                                      rt.max_headers, nbytes)
         except ParseError as exc:
-            self.reject(exc.status, exc.message)
+            self.reject(exc.status, exc.message, nbytes if slab is not None else len(self.buf))
             return False
         if head is None:
             if slab is not None:
@@ -362,10 +362,13 @@ class H1ConnectionCore(Downstream):
         self.transport.set_protocol(proto)
         proto.connection_made(self.transport, data)
 
-    def reject(self, status: int, message: str) -> None:
-        """Answer a message that cannot be framed, then close."""
+    def reject(self, status: int, message: str, received: int) -> None:
+        """Answer a message that cannot be framed (`received` bytes of it read), then
+        close."""
         log.info("rejecting request from %s: %d %s", self.peer.decode(), status, message)
-        self.transport.write(replies.error_response(status, message))
+        reply = replies.error_response(status, message)
+        self.transport.write(reply)
+        self.server.telemetry.rejected(self.peer, status, message, received, len(reply))
         self.linger()
 
     # -- called by the exchange ---------------------------------------------------------
@@ -693,7 +696,7 @@ class H1ConnectionCore(Downstream):
         elif self.buf:
             left = self.head_started + http.header_timeout_ms / 1000 - now
             if left <= 0:
-                self.reject(408, "timed out reading the request head")
+                self.reject(408, "timed out reading the request head", len(self.buf))
                 return
         else:
             if self.served:

@@ -72,6 +72,23 @@ class Telemetry(Reporter):
         log.write(record)
 
 
+    def rejected(self, peer: bytes, status: int, reason: str, bytes_in: int,
+                 bytes_out: int) -> None:
+        """An access line for a message refused before it was a request (nginx logs its
+        400s too): the fields of one, None where there was no request to read them from,
+        and `rejected` saying why."""
+        log = self.access_log
+        if log is None:
+            return
+        log.write({
+            "time": iso_now(), "client": peer.decode(), "method": None, "path": None,
+            "protocol": "HTTP/1.1", "status": status, "bytes_in": bytes_in,
+            "bytes_out": bytes_out, "route": None, "cluster": None, "endpoint": None,
+            "intent": None, "duration_ms": None, "timings_ms": {}, "trace_id": None,
+            "rejected": reason,
+        })
+
+
 def server_timing(ex: Exchange) -> bytes:
     """Server-Timing field value for the stages known when the response head goes out."""
     timings = ex.timings()
