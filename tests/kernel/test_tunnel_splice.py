@@ -28,7 +28,7 @@ from websockets.sync.server import serve as ws_serve
 from aiproxy.kernel.splice import Splicer
 from tests.conftest import simple_config
 from tests.h2_support import make_pki
-from tests.kernel.conftest import bpf_skip_reason
+from tests.kernel.conftest import SPLICE_DAMAGE, bpf_skip_reason
 from tests.support import (
     admin_block,
     free_port,
@@ -188,7 +188,9 @@ class HashingEcholess:
 
 
 @pytest.mark.timeout(300)
-def test_websocket_100mib_both_ways(start_proxy, mode, record_property):
+def test_websocket_100mib_both_ways(start_proxy, mode, record_property, request):
+    if mode == "spliced":
+        request.applymarker(SPLICE_DAMAGE)
     server = HashingEcholess(BIG)
     got_n, admin = 0, 0
     try:
