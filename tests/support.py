@@ -164,6 +164,22 @@ def start_demo_upstream(
     return proc, port
 
 
+async def read_request(reader: asyncio.StreamReader
+                       ) -> tuple[str, str, dict[str, str], bytes] | None:
+    """One request (a Content-Length body or none) for a scripted upstream: (method,
+    target, fields by lower-cased name, body), or None when the connection ended."""
+    line = await reader.readline()
+    if not line:
+        return None
+    method, target, _ = line.decode().split(" ", 2)
+    headers: dict[str, str] = {}
+    while (h := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = h.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return method, target, headers, body
+
+
 def wait_redis_keys(db: Any, n: int) -> None:
     """Until the Redis database `db` (a redis.Redis) holds n keys: the proxy sends its
     cache stores after the response, so a test waits for them (2 s at most)."""

@@ -21,6 +21,7 @@ import pytest
 from tests.support import (
     StreamServerThread,
     free_port,
+    read_request,
     start_redis_server,
     stop_process,
     wait_redis_keys,
@@ -43,17 +44,8 @@ class Upstream(StreamServerThread):
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while True:
-                line = await reader.readline()
-                if not line:
-                    return
-                method, target, _ = line.decode().split(" ", 2)
-                headers: dict[str, str] = {}
-                while (h := await reader.readline()) not in (b"\r\n", b""):
-                    name, _, value = h.decode().partition(":")
-                    headers[name.strip().lower()] = value.strip()
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                if not await self.answer(method, target, headers, body, writer):
+            while (req := await read_request(reader)) is not None:
+                if not await self.answer(*req, writer):
                     return
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass

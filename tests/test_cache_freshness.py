@@ -22,6 +22,7 @@ import pytest
 from tests.support import (
     StreamServerThread,
     free_port,
+    read_request,
     start_redis_server,
     stop_process,
     wait_redis_keys,
@@ -37,16 +38,8 @@ class Upstream(StreamServerThread):
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while True:
-                line = await reader.readline()
-                if not line:
-                    return
-                headers: dict[str, str] = {}
-                while (h := await reader.readline()) not in (b"\r\n", b""):
-                    name, _, value = h.decode().partition(":")
-                    headers[name.strip().lower()] = value.strip()
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                if not await self.answer(json.loads(body), writer):
+            while (req := await read_request(reader)) is not None:
+                if not await self.answer(json.loads(req[3]), writer):
                     return
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
