@@ -73,6 +73,28 @@ def wait_port(
             time.sleep(0.05)
 
 
+def wait_ready(admin_port: int, timeout: float = 20) -> None:
+    """Block until the admin port's /readyz answers 200: every worker has told the
+    supervisor it serves. A worker binds its listeners before it says so, so a
+    listener (or the admin port) taking connections does not mean /metrics has every
+    worker's counters yet; a baseline scrape must come after this."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{admin_port}/readyz", timeout=2)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"/readyz on {admin_port} not 200 after {timeout}s: {last}")
+        time.sleep(0.05)
+
+
 def start_process(
     args: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
 ) -> subprocess.Popen:

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import free_port, run_nginx, wait_port
+from tests.support import free_port, run_nginx, wait_ready
 
 SIZES = {"a.bin": 3 * 1024 * 1024 + 17, "b.bin": 2 * 1024 * 1024 + 65537,
          "c.bin": 1024 * 1024 + 3, "d.bin": 700_001, "s.bin": 100, "t.bin": 2048,
@@ -242,7 +242,7 @@ def test_slow_pipelined_reader_gets_intact_bodies(start_proxy, nginx_files, demo
                                                   files) -> None:
     admin = free_port()
     proxy = start_proxy(config(nginx_files, demo_upstream, admin))
-    wait_port("127.0.0.1", admin)
+    wait_ready(admin)
     before = metrics(admin)
     stop = threading.Event()
     errors: list[str] = []
@@ -311,7 +311,7 @@ def test_uploads_to_a_slow_upstream_arrive_intact(start_proxy, nginx_files, demo
     other clients reuse every free slab."""
     admin = free_port()
     proxy = start_proxy(config(nginx_files, demo_upstream, admin, slow_upstream))
-    wait_port("127.0.0.1", admin)
+    wait_ready(admin)
     before = metrics(admin)
     stop = threading.Event()
     errors: list[str] = []
@@ -359,7 +359,7 @@ def test_a_client_that_keeps_up_parks_no_slab(start_proxy, nginx_files, demo_ups
     slab free as the write returns, the same as a body sent as a copy."""
     admin = free_port()
     proxy = start_proxy(config(nginx_files, demo_upstream, admin))
-    wait_port("127.0.0.1", admin)
+    wait_ready(admin)
     with httpx.Client(base_url=proxy.url, timeout=10) as client:
         client.get("/s.bin")
         before = metrics(admin)

@@ -23,7 +23,13 @@ from tests.kernel.test_tunnel_splice import (
     tunnel_metrics,
     wait_for,
 )
-from tests.support import admin_block, free_port, recv_exact, tree_cpu_seconds, wait_port
+from tests.support import (
+    admin_block,
+    free_port,
+    recv_exact,
+    tree_cpu_seconds,
+    wait_ready,
+)
 from tests.test_tcp_proxy import ThreadServer, echo, start_tcp_proxy, tunnel_lines
 
 MiB = 1 << 20
@@ -45,7 +51,7 @@ def start(start_proxy, mode: str, *ports: int, listener_extra: str = ""):
     kernel = f"[kernel]\nsplice_tunnels = {'true' if mode == 'spliced' else 'false'}\n"
     proxy = start_tcp_proxy(start_proxy, *ports, extra=admin_block(admin) + "\n" + kernel,
                             listener_extra=listener_extra)
-    wait_port("127.0.0.1", admin)
+    wait_ready(admin)
     return proxy, admin
 
 

@@ -36,6 +36,7 @@ from tests.support import (
     scrape,
     tree_cpu_seconds,
     wait_port,
+    wait_ready,
 )
 
 MiB = 1 << 20
@@ -68,7 +69,7 @@ def start(start_proxy, mode: str, upstream_port: int):
     admin = free_port()
     kernel = f"\n[kernel]\nsplice_tunnels = {'true' if mode == 'spliced' else 'false'}\n"
     proxy = start_proxy(simple_config(upstream_port) + admin_block(admin) + kernel)
-    wait_port("127.0.0.1", admin)
+    wait_ready(admin)
     return proxy, admin
 
 
