@@ -45,10 +45,13 @@ async def _keepalive_client(port: int, stats: collections.Counter,
         writer.close()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(("workers", "sig"), [(1, signal.SIGTERM), (2, signal.SIGTERM),
+                                           (1, signal.SIGQUIT), (2, signal.SIGQUIT)],
+                         ids=["1-TERM", "2-TERM", "1-QUIT", "2-QUIT"])
 def test_keepalive_load_sees_connection_close_not_lost_requests(start_proxy, demo_upstream,
-                                                                workers):
-    """Connections busy with back-to-back requests when SIGTERM comes each end with a
+                                                                workers, sig):
+    """Connections busy with back-to-back requests when SIGTERM (or SIGQUIT, nginx's
+    graceful stop) comes each end with a
     response saying `Connection: close`: none has its next request cut off by a close
     (EOF) or a reset. The proxy answers these (404, no route) itself: quick answers
     leave each connection idle, between a response and the next request, most often."""
@@ -65,7 +68,7 @@ def test_keepalive_load_sees_connection_close_not_lost_requests(start_proxy, dem
                    for _ in range(16)]
         while stats["ok"] < 200:
             await asyncio.sleep(0.05)
-        proxy.proc.send_signal(signal.SIGTERM)
+        proxy.proc.send_signal(sig)
         done, _ = await asyncio.wait(clients, timeout=5)
         stop.set()
         assert len(done) == len(clients)

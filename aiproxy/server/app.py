@@ -26,7 +26,7 @@ from aiproxy.protocols.http1 import H1Connection
 from aiproxy.protocols.tcp_proxy import TcpProxyConnection
 from aiproxy.routing.cluster import finish_checks
 from aiproxy.semantic.classifier import ModelError
-from aiproxy.server import sd_notify
+from aiproxy.server import STOP_SIGNALS, sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.server.tls import ListenerTls, Stamp, restart_shape
@@ -361,10 +361,11 @@ def settle_gc() -> None:
 
 
 def stop_event(server: ProxyServer) -> asyncio.Event:
-    """Set on SIGTERM/SIGINT; SIGHUP reloads the config, SIGUSR1 reopens the logs."""
+    """Set on SIGTERM/SIGINT/SIGQUIT; SIGHUP reloads the config, SIGUSR1 reopens the
+    logs."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
     loop.add_signal_handler(signal.SIGUSR1, server.reopen_logs)

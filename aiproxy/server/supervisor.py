@@ -6,7 +6,7 @@ is a fork, not a fresh interpreter. Each worker binds the listeners with SO_REUS
 The parent binds no proxy listener; it serves the admin API, sums the workers' metrics, speaks sd_notify for
 the service and restarts a worker that dies (exponential backoff, capped).
 
-Signals: SIGTERM/SIGINT drain every worker (SIGKILL after drain_timeout plus a margin);
+Signals: SIGTERM/SIGINT/SIGQUIT drain every worker (SIGKILL after drain_timeout plus a margin);
 SIGHUP validates the file here and, if it is good, sends the validated text to each
 worker, which swaps it in place (see reload()); SIGUSR1 is passed on.
 """
@@ -33,7 +33,7 @@ from aiproxy.config import (
     load_config_text,
     read_config_text,
 )
-from aiproxy.server import forkserver, sd_notify
+from aiproxy.server import STOP_SIGNALS, forkserver, sd_notify
 from aiproxy.server.channel import Channel
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.server.tls import restart_shape
@@ -120,7 +120,7 @@ class Supervisor:
             log.error("%s: %s", self.config.source, busy)  # as a single process words it
             return 1
         stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
         loop.add_signal_handler(signal.SIGUSR1, self.signal_workers, signal.SIGUSR1)
