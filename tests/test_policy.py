@@ -417,3 +417,147 @@ algorithms = ["RS256"]
                 b"x", timeout=10, metadata=[("authorization", f"Bearer {token}")])
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
     assert err.value.details() == "denied by policy rule default"
+
+
+def _jwt_proxy(start_proxy, upstream: int, tmp_path: Path, policy: str,
+               auth_extra: str = "", listener_extra: str = ""):
+    """A proxy with [auth.jwt] (an RSA key in a JWKS file) and `policy`; returns it and
+    sign(claims) -> a token for it."""
+    import json
+
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(private.public_key()))
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [{**jwk, "kid": "k", "use": "sig"}]}))
+    pf = tmp_path / "policy.toml"
+    pf.write_text(policy)
+    proxy = start_proxy(simple_config(upstream) + f"""
+[auth]
+realm = "corp"
+{auth_extra}
+
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["RS256"]
+
+[policy]
+files = ["{pf}"]
+""", listener_extra)
+    proxy.policy_file = pf
+
+    def sign(claims: dict) -> str:
+        return jwt.encode({"sub": "u", "exp": int(time.time()) + 300, **claims}, private,
+                          "RS256", headers={"kid": "k"})
+
+    return proxy, sign
+
+
+def test_claims_match_by_json_type(start_proxy, demo_upstream, tmp_path):
+    """A claim condition compares JSON types: a TOML boolean matches a JSON boolean, a
+    number a number (1 and 1.0 are one JSON number), a string a string; a claim that is
+    an array matches when one element does. Compared as str() on both sides, the deny
+    rule `suspended = true` also hit the string "True" and missed nothing else, while
+    `level = [0, 1.5]` missed 0.0 (fail open) and hit the string "0"."""
+    proxy, sign = _jwt_proxy(start_proxy, demo_upstream, tmp_path, """
+default = "allow"
+
+[[rules]]
+id = "suspended"
+effect = "deny"
+claims = { suspended = true }
+
+[[rules]]
+id = "level"
+effect = "deny"
+claims = { level = [0, 1.5] }
+
+[[rules]]
+id = "contractors"
+effect = "deny"
+claims = { groups = "contractors" }
+
+[[rules]]
+id = "flag-as-text"
+effect = "deny"
+claims = { flag = "true" }
+""")
+
+    def status(claims: dict) -> tuple[int, str | None]:
+        r = httpx.post(f"{proxy.url}/echo", json={"model": "m"}, timeout=10,
+                       headers={"authorization": f"Bearer {sign(claims)}"})
+        return r.status_code, r.headers.get("x-aiproxy-policy-rule")
+
+    assert status({}) == (200, None)
+    assert status({"suspended": True}) == (403, "suspended")
+    assert status({"suspended": False}) == (200, None)
+    assert status({"suspended": "True"}) == (200, None)
+    assert status({"suspended": 1}) == (200, None)
+    assert status({"level": 0}) == (403, "level")
+    assert status({"level": 0.0}) == (403, "level")
+    assert status({"level": 1.5}) == (403, "level")
+    assert status({"level": "0"}) == (200, None)
+    assert status({"level": False}) == (200, None)  # a JSON boolean is no number
+    assert status({"groups": ["staff", "contractors"]}) == (403, "contractors")
+    assert status({"groups": ["staff"]}) == (200, None)
+    assert status({"groups": "contractors"}) == (403, "contractors")
+    assert status({"flag": "true"}) == (403, "flag-as-text")
+    # The string "true" is not the boolean true. That cannot be told from the file, so
+    # the first such claim is logged, naming the rule and where it is written.
+    for _ in range(5):
+        assert status({"flag": True}) == (200, None)
+    log = proxy.log()
+    warning = (f"policy rule flag-as-text ({proxy.policy_file}:19): claim flag is a "
+               "JSON boolean, the rule's values are strings: no match")
+    assert 1 <= log.count(warning) <= proxy.workers(), log[-3000:]  # once per worker
+
+
+def test_claim_values_that_can_never_match_are_errors(tmp_path):
+    """A claim value no JWT claim can equal is a config error naming FILE:LINE and key:
+    TOML date-times (JSON has none), nan and inf, tables in arrays or arrays in arrays,
+    an empty list, and registered claims of another type than RFC 7519 4.1 gives them
+    (exp/nbf/iat are numbers, iss/sub/jti/aud strings)."""
+    pf = tmp_path / "p.toml"
+    pf.write_text("""[[rules]]
+id = "a"
+effect = "deny"
+claims = { since = 2026-01-01T00:00:00Z }
+
+[[rules]]
+id = "b"
+effect = "deny"
+claims = { score = nan, cap = inf }
+
+[[rules]]
+id = "c"
+effect = "deny"
+claims = { nested = [[1]], objs = [{ a = 1 }], none = [] }
+
+[[rules]]
+id = "d"
+effect = "deny"
+claims = { exp = "1700000000", sub = 5, aud = ["x", true] }
+
+[[rules]]
+id = "e"
+effect = "allow"
+claims = { tier = ["gold", 1], ok = true, n = -2.5, "iss" = "https://issuer" }
+""")
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(pf)])
+    text = str(err.value)
+    for line, key, why in (
+            (4, "rules[0].claims.since", "a date-time"),
+            (9, "rules[1].claims.score", "nan"),
+            (9, "rules[1].claims.cap", "inf"),
+            (14, "rules[2].claims.nested[0]", "an array"),
+            (14, "rules[2].claims.objs[0]", "a table"),
+            (14, "rules[2].claims.none", "an empty list"),
+            (19, "rules[3].claims.exp", "a number"),
+            (19, "rules[3].claims.sub", "a string"),
+            (19, "rules[3].claims.aud[1]", "a string")):
+        assert any(ln.startswith(f"{pf}:{line}: {key}: ") and why in ln
+                   for ln in text.splitlines()), (key, text)
+    assert "rules[4]" not in text, text

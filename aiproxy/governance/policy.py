@@ -22,7 +22,8 @@ A policy file (TOML) has role permissions (RBAC) and rules with conditions (ABAC
 Conditions of one rule must all hold: subjects, roles, claims, methods, paths, routes,
 models, intents, domains (globs), source_cidrs, body_over/body_max (bytes), time (UTC
 days and hours), not_before/expires, rbac. Any matching deny wins over every allow (deny
-overrides); with no match the file's default decides. JWT claim `aiproxy_grants`
+overrides); with no match the file's default decides. A claim matches a value of its
+JSON type (true is not "true"; an array claim matches by element). JWT claim `aiproxy_grants`
 ([{"permission": "model:x", "exp": epoch}]) adds permissions until their exp.
 
 Files are re-read when they change (checked every poll_ms on the request path); a file
@@ -34,12 +35,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import math
 import re
 import time as _time
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
+from datetime import time as _clock
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +67,11 @@ RULE_KEYS = ("id", "effect", "description", *GLOB_KEYS, "claims", "source_cidrs"
 MODEL_IN_BODY = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
 INSPECT_BYTES = 64 * 1024
 SCOPE_TOKEN = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]{1,256}")  # RFC 6750 3: 1*NQCHAR
+# RFC 7519 4.1: the registered claims' JSON types (auth refuses exp/nbf/iat of another).
+REGISTERED_CLAIMS = {"exp": "number", "nbf": "number", "iat": "number", "iss": "string",
+                     "sub": "string", "jti": "string", "aud": "string"}
+TYPE_WARNINGS_MAX = 1024
+_type_warned: set[tuple[str, str, str]] = set()  # (rule source, claim, its type): logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +80,7 @@ class Rule:
     effect: str
     source: str  # FILE:LINE
     globs: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    claims: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    claims: dict[str, tuple[str | int | float | bool, ...]] = field(default_factory=dict)
     cidrs: tuple[Any, ...] = ()
     body_over: int | None = None
     body_max: int | None = None
@@ -144,6 +152,33 @@ def _hhmm(text: Any) -> int | None:
     return minutes if minutes <= 1440 else None
 
 
+def json_type(value: Any) -> str | None:
+    """"boolean", "number" or "string" for a JSON scalar (None for arrays, objects,
+    null). A bool is an int to Python, never a number to JSON."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "string" if isinstance(value, str) else None
+
+
+def _claim_value_problem(name: str, value: Any) -> str | None:
+    """Why a rule's claim value can never equal a JWT claim (None when it can)."""
+    if isinstance(value, datetime | date | _clock):
+        return ("a date-time never matches: a JWT is JSON, which has none (exp/nbf/iat "
+                "are numbers of seconds)")
+    if isinstance(value, list):
+        return "an array in an array never matches (an array claim matches by element)"
+    if isinstance(value, dict):
+        return "a table in an array never matches"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} never matches: JSON has no nan or inf"
+    want = REGISTERED_CLAIMS.get(name)
+    if want is not None and json_type(value) != want:
+        return f"{name} is a {want} (RFC 7519 4.1), never a {json_type(value)}"
+    return None
+
+
 def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
     try:
         data = tomllib.loads(text)
@@ -208,10 +243,10 @@ def _policy(rules: list[Rule], roles: Any, default: Any) -> Policy:
 def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
     ok = True
 
-    def bad(key: str, message: str) -> None:
+    def bad(key: str | KeyPath, message: str) -> None:
         nonlocal ok
         ok = False
-        error(path + (key,), message)
+        error(path + (key if isinstance(key, tuple) else (key,)), message)
 
     for key in raw:
         if key not in RULE_KEYS:
@@ -236,8 +271,18 @@ def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
             bad("claims", "expected table of claim = value or [values]")
         else:
             for name, value in raw["claims"].items():
+                if isinstance(value, dict):
+                    bad(("claims", name), "expected a value or [values], not a table")
+                    continue
+                if value == []:
+                    bad(("claims", name), "an empty list never matches")
+                    continue
                 values = value if isinstance(value, list) else [value]
-                claims[name] = tuple(str(v) for v in values)
+                for j, v in enumerate(values):
+                    why = _claim_value_problem(name, v)
+                    if why is not None:
+                        bad(("claims", name) + ((j,) if isinstance(value, list) else ()), why)
+                claims[name] = tuple(values)
     cidrs = []
     for j, text in enumerate(raw.get("source_cidrs", [])):
         try:
@@ -346,6 +391,34 @@ def _permitted(perms: list[str], kind: str, value: str | None) -> bool:
                for p in perms)
 
 
+def _claim_matches(have: Any, allowed: tuple[Any, ...]) -> bool:
+    """A claim (an array: one of its elements) equal to one of the values, in JSON type
+    too: true is not "true", 1 is 1.0 (JSON has one number type)."""
+    for h in have if isinstance(have, list) else (have,):
+        kind = json_type(h)
+        if kind is not None and any(kind == json_type(a) and h == a for a in allowed):
+            return True
+    return False
+
+
+def _warn_type(rule: Rule, name: str, have: Any, allowed: tuple[Any, ...]) -> None:
+    """Log (once) a claim none of whose values has a JSON type of the rule's values: a
+    deny rule that can never match it (`suspended = "true"` for `"suspended": true`)
+    must not go unnoticed. The claims' types cannot be known from the file."""
+    kinds = {json_type(h) for h in (have if isinstance(have, list) else (have,))}
+    wanted = sorted({json_type(a) for a in allowed})
+    if kinds & set(wanted):
+        return
+    what = ("a JSON array" if isinstance(have, list) else "a JSON object"
+            if isinstance(have, dict) else f"a JSON {json_type(have)}")
+    key = (rule.source, name, what)
+    if key in _type_warned or len(_type_warned) >= TYPE_WARNINGS_MAX:
+        return
+    _type_warned.add(key)
+    log.warning("policy rule %s (%s): claim %s is %s, the rule's values are %s: no match",
+                rule.id, rule.source, name, what, " or ".join(f"{k}s" for k in wanted))
+
+
 def permissions(policy: Policy, req: Request) -> list[str]:
     perms = [p for role in req.roles for p in policy.roles.get(role, ())]
     grants = req.claims.get("aiproxy_grants")
@@ -376,8 +449,9 @@ def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
             return key
     for name, allowed in rule.claims.items():
         have = req.claims.get(name)
-        have_list = have if isinstance(have, list) else [have] if have is not None else []
-        if not any(str(h) in allowed for h in have_list):
+        if not _claim_matches(have, allowed):
+            if have is not None:
+                _warn_type(rule, name, have, allowed)
             return f"claims.{name}"
     if rule.cidrs:
         try:
