@@ -561,3 +561,75 @@ claims = { tier = ["gold", 1], ok = true, n = -2.5, "iss" = "https://issuer" }
         assert any(ln.startswith(f"{pf}:{line}: {key}: ") and why in ln
                    for ln in text.splitlines()), (key, text)
     assert "rules[4]" not in text, text
+
+
+def test_nested_and_namespaced_claims(start_proxy, demo_upstream, tmp_path):
+    """A TOML dotted key is a path into the token's JSON (Keycloak's realm_access.roles,
+    resource_access.CLIENT.roles); a quoted key is one claim name, dots and all (Auth0's
+    namespaced "https://example.com/roles"); the two combine. Before, a nested claim
+    could not be named at all: a deny rule on one never matched."""
+    proxy, sign = _jwt_proxy(start_proxy, demo_upstream, tmp_path, """
+default = "allow"
+
+[[rules]]
+id = "realm-banned"
+effect = "deny"
+claims = { realm_access.roles = "banned" }
+
+[[rules]]
+id = "namespaced"
+effect = "deny"
+claims = { "https://example.com/roles" = "banned" }
+
+[[rules]]
+id = "free-tier"
+effect = "deny"
+claims."https://example.com/app".plan.tier = "free"
+
+[[rules]]
+id = "client-role"
+effect = "deny"
+[rules.claims.resource_access.billing]
+roles = ["suspended", "closed"]
+""")
+
+    def rule(claims: dict) -> str | None:
+        r = httpx.post(f"{proxy.url}/echo", json={"model": "m"}, timeout=10,
+                       headers={"authorization": f"Bearer {sign(claims)}"})
+        assert r.status_code == (200 if "x-aiproxy-policy-rule" not in r.headers else 403)
+        return r.headers.get("x-aiproxy-policy-rule")
+
+    assert rule({"realm_access": {"roles": ["offline_access", "banned"]}}) == "realm-banned"
+    assert rule({"realm_access": {"roles": ["offline_access"]}}) is None
+    assert rule({"realm_access": ["banned"]}) is None  # no member "roles" to look in
+    assert rule({"realm_access.roles": ["banned"]}) is None  # a path, not that name
+    assert rule({"https://example.com/roles": ["banned"]}) == "namespaced"
+    assert rule({"https://example": {"com/roles": ["banned"]}}) is None  # one name
+    assert rule({"https://example.com/app": {"plan": {"tier": "free"}}}) == "free-tier"
+    assert rule({"https://example.com/app": {"plan": {"tier": "pro"}}}) is None
+    assert rule({"resource_access": {"billing": {"roles": ["closed"]},
+                                     "account": {"roles": ["view"]}}}) == "client-role"
+    assert rule({"resource_access": {"account": {"roles": ["closed"]}}}) is None
+
+
+def test_claim_paths_in_explain_and_errors(tmp_path):
+    """`policy explain` names a claim condition by its path as TOML writes it; a table
+    that names no claim, or members of a registered claim (a number or a string), are
+    errors with FILE:LINE."""
+    pf = tmp_path / "p.toml"
+    pf.write_text('[[rules]]\nid = "a"\neffect = "allow"\n'
+                  'claims = { realm_access.roles = "admin", "https://x.io/tier" = "gold" }\n')
+    policy = load_policy_files([str(pf)])
+    trace = decide(policy, Request(claims={"realm_access": {"roles": ["admin"]}}),
+                   explain=True).trace
+    assert trace == [("a", "allow", 'no: claims."https://x.io/tier"')]
+    req = Request(claims={"realm_access": {"roles": "admin"}, "https://x.io/tier": "gold"})
+    assert decide(policy, req).rule == "a"
+    pf.write_text('[[rules]]\nid = "a"\neffect = "deny"\nclaims = { x = {} }\n\n'
+                  '[[rules]]\nid = "b"\neffect = "deny"\nclaims.exp.at = 1\n')
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(pf)])
+    lines = str(err.value).splitlines()
+    assert any(ln.startswith(f"{pf}:4: rules[0].claims.x: an empty table") for ln in lines), lines
+    assert any(ln.startswith(f"{pf}:9: rules[1].claims.exp: exp is a number")
+               for ln in lines), lines

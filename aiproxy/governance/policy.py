@@ -23,7 +23,8 @@ Conditions of one rule must all hold: subjects, roles, claims, methods, paths, r
 models, intents, domains (globs), source_cidrs, body_over/body_max (bytes), time (UTC
 days and hours), not_before/expires, rbac. Any matching deny wins over every allow (deny
 overrides); with no match the file's default decides. A claim matches a value of its
-JSON type (true is not "true"; an array claim matches by element). JWT claim `aiproxy_grants`
+JSON type (true is not "true"; an array claim matches by element); a dotted key is a path
+into the claims (realm_access.roles), a quoted one a name. JWT claim `aiproxy_grants`
 ([{"permission": "model:x", "exp": epoch}]) adds permissions until their exp.
 
 Files are re-read when they change (checked every poll_ms on the request path); a file
@@ -80,7 +81,9 @@ class Rule:
     effect: str
     source: str  # FILE:LINE
     globs: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    claims: dict[str, tuple[str | int | float | bool, ...]] = field(default_factory=dict)
+    # claim path (names from the token's top level down) -> the values that match
+    claims: dict[tuple[str, ...], tuple[str | int | float | bool, ...]] = field(
+        default_factory=dict)
     cidrs: tuple[Any, ...] = ()
     body_over: int | None = None
     body_max: int | None = None
@@ -179,6 +182,34 @@ def _claim_value_problem(name: str, value: Any) -> str | None:
     return None
 
 
+def _claim_conditions(table: dict, prefix: tuple[str, ...],
+                      out: dict[tuple[str, ...], tuple[Any, ...]], bad: Any) -> None:
+    """The claim conditions of a `claims` table into `out`, by path: a TOML table (a
+    dotted key, `realm_access.roles`) goes into the claim's members; a quoted key is
+    one name (`"https://example.com/roles"`)."""
+    for name, value in table.items():
+        path = prefix + (name,)
+        where = ("claims", *path)
+        registered = REGISTERED_CLAIMS.get(name) if not prefix else None
+        if isinstance(value, dict):
+            if not value:
+                bad(where, "an empty table names no claim")
+            elif registered is not None:
+                bad(where, f"{name} is a {registered} (RFC 7519 4.1): it has no members")
+            else:
+                _claim_conditions(value, path, out, bad)
+            continue
+        if value == []:
+            bad(where, "an empty list never matches")
+            continue
+        values = value if isinstance(value, list) else [value]
+        for j, v in enumerate(values):
+            why = _claim_value_problem(name if not prefix else "", v)
+            if why is not None:
+                bad(where + ((j,) if isinstance(value, list) else ()), why)
+        out[path] = tuple(values)
+
+
 def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
     try:
         data = tomllib.loads(text)
@@ -265,24 +296,12 @@ def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
                 bad(key, "expected an array of non-empty strings")
             else:
                 globs[key] = tuple(v.upper() for v in value) if key == "methods" else tuple(value)
-    claims = {}
+    claims: dict[tuple[str, ...], tuple[Any, ...]] = {}
     if "claims" in raw:
         if not isinstance(raw["claims"], dict):
             bad("claims", "expected table of claim = value or [values]")
         else:
-            for name, value in raw["claims"].items():
-                if isinstance(value, dict):
-                    bad(("claims", name), "expected a value or [values], not a table")
-                    continue
-                if value == []:
-                    bad(("claims", name), "an empty list never matches")
-                    continue
-                values = value if isinstance(value, list) else [value]
-                for j, v in enumerate(values):
-                    why = _claim_value_problem(name, v)
-                    if why is not None:
-                        bad(("claims", name) + ((j,) if isinstance(value, list) else ()), why)
-                claims[name] = tuple(values)
+            _claim_conditions(raw["claims"], (), claims, bad)
     cidrs = []
     for j, text in enumerate(raw.get("source_cidrs", [])):
         try:
@@ -447,12 +466,15 @@ def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
                 return "roles"
         elif not _any_glob(patterns, values[key]):
             return key
-    for name, allowed in rule.claims.items():
-        have = req.claims.get(name)
+    for path, allowed in rule.claims.items():
+        have: Any = req.claims
+        for name in path:
+            have = have.get(name) if isinstance(have, dict) else None
         if not _claim_matches(have, allowed):
+            name = _format_path(("claims", *path))
             if have is not None:
-                _warn_type(rule, name, have, allowed)
-            return f"claims.{name}"
+                _warn_type(rule, name[len("claims."):], have, allowed)
+            return name
     if rule.cidrs:
         try:
             addr = ipaddress.ip_address(req.source or "")
