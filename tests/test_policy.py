@@ -633,3 +633,73 @@ def test_claim_paths_in_explain_and_errors(tmp_path):
     assert any(ln.startswith(f"{pf}:4: rules[0].claims.x: an empty table") for ln in lines), lines
     assert any(ln.startswith(f"{pf}:9: rules[1].claims.exp: exp is a number")
                for ln in lines), lines
+
+
+def test_anonymous_denial_that_credentials_could_lift_is_a_challenge(
+        start_proxy, demo_upstream, tmp_path):
+    """RFC 9110 15.5.2, RFC 6750 3.1: a request that carried no credentials, denied where
+    credentials could make it succeed ([auth] required = false and an allow rule that
+    only wants an identity), is 401 with the bare challenge (no error code: the client
+    may not know auth is needed), not a 403 that says nothing of how to get in. A denial
+    no identity would lift (a deny rule, or allow rules failing on more than the
+    identity) stays 403; so does a policy with no [auth] to authenticate with."""
+    import grpc
+
+    proxy, sign = _jwt_proxy(start_proxy, demo_upstream, tmp_path, """
+default = "deny"
+
+[[rules]]
+id = "no-delete"
+effect = "deny"
+methods = ["DELETE"]
+
+[[rules]]
+id = "open"
+effect = "allow"
+paths = ["/echo/open"]
+
+[[rules]]
+id = "staff"
+effect = "allow"
+methods = ["POST"]
+claims = { realm_access.roles = "staff" }
+""", auth_extra="required = false", listener_extra='protocols = ["http1", "h2c"]')
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{proxy.url}/echo", json={"model": "m"})
+        assert r.status_code == 401, r.text
+        assert r.headers["www-authenticate"] == 'Bearer realm="corp"'
+        assert r.json()["error"] == {"code": "unauthorized",
+                                     "message": "credentials required by policy rule default"}
+        assert r.headers["x-aiproxy-policy-rule"] == "default"
+        assert c.get(f"{proxy.url}/echo/open").status_code == 200
+        # No identity makes a GET pass (staff wants POST), nor a DELETE (a deny rule).
+        r = c.get(f"{proxy.url}/echo")
+        _assert_403(r, "default")
+        assert "www-authenticate" not in r.headers
+        r = c.delete(f"{proxy.url}/echo/open")
+        _assert_403(r, "no-delete")
+        assert "www-authenticate" not in r.headers
+        # With the credentials the challenge asked for, in and out as before.
+        staff = sign({"realm_access": {"roles": ["staff"]}})
+        r = c.post(f"{proxy.url}/echo", json={"model": "m"},
+                   headers={"authorization": f"Bearer {staff}"})
+        assert r.status_code == 200, r.text
+        r = c.post(f"{proxy.url}/echo", json={"model": "m"},
+                   headers={"authorization": f"Bearer {sign({})}"})
+        _assert_403(r, "default")
+        assert r.headers["www-authenticate"] == 'Bearer realm="corp", error="insufficient_scope"'
+    res = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %header{www-authenticate}",
+                          "-X", "POST", "--data", "{}", f"{proxy.url}/echo"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.stdout == '401 Bearer realm="corp"', res
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/pkg.Svc/Method")(b"x", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+    # No [auth]: nothing to authenticate with, so a plain 403.
+    pf = tmp_path / "noauth.toml"
+    pf.write_text('[[rules]]\nid = "staff"\neffect = "allow"\nroles = ["staff"]\n')
+    plain = start_proxy(simple_config(demo_upstream) + f'\n[policy]\nfiles = ["{pf}"]\n')
+    r = httpx.post(f"{plain.url}/echo", json={"model": "m"}, timeout=10)
+    _assert_403(r, "default")
+    assert "www-authenticate" not in r.headers

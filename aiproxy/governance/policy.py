@@ -41,7 +41,7 @@ import re
 import time as _time
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime
 from datetime import time as _clock
 from fnmatch import fnmatchcase
@@ -51,7 +51,7 @@ from aiproxy import wirejson
 from aiproxy.config.errors import ConfigError, Problem
 from aiproxy.config.locate import KeyPath, Locator
 from aiproxy.config.locate import format_path as _format_path
-from aiproxy.governance.auth import BEARER_CHALLENGE
+from aiproxy.governance.auth import AUTH_CHALLENGE, BEARER_CHALLENGE
 from aiproxy.governance.watch import FileWatch
 from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply
 
@@ -529,6 +529,22 @@ def decide(policy: Policy, req: Request, explain: bool = False) -> Decision:
     return Decision(policy.default == "allow", "default", trace)
 
 
+def identity_could_allow(policy: Policy, req: Request, decision: Decision) -> bool:
+    """Could some identity lift this denial: no rule but the default denied, and an
+    allow rule holds but for what it asks of the identity (subjects, roles, claims,
+    rbac)? A deny rule that matched a request without identity matches with one too."""
+    if decision.allowed or decision.rule != "default":
+        return False
+    for r in policy.rules:
+        if r.effect == "allow" and (r.claims or r.rbac or "subjects" in r.globs
+                                    or "roles" in r.globs):
+            anyone = replace(r, claims={}, rbac=False, globs={
+                k: v for k, v in r.globs.items() if k not in ("subjects", "roles")})
+            if why_not(policy, anyone, req) is None:
+                return True
+    return False
+
+
 def needed_scope(policy: Policy, req: Request, decision: Decision) -> str | None:
     """The permissions a denied request lacks, as an RFC 6750 3 scope ("model:gpt-4o
     route:chat"), when an rbac rule would have allowed it with them; None when no
@@ -692,6 +708,14 @@ class PolicyFilter(Filter):
         ex.gov["policy"] = ("deny", decision.rule)
         state.count("deny", decision.rule)
         headers = [(b"x-aiproxy-policy-rule", decision.rule.encode("latin-1"))]
+        anonymous = ex.gov.get(AUTH_CHALLENGE)
+        if anonymous is not None and identity_could_allow(policy, req, decision):
+            # RFC 9110 15.5.2: no credentials, where some could make the request succeed,
+            # is 401 with the challenge; with no error code, as RFC 6750 3.1 has it for a
+            # request that lacks any authentication information.
+            headers.append((b"www-authenticate", anonymous))
+            return LocalReply(401, "unauthorized",
+                              f"credentials required by policy rule {decision.rule}", headers)
         challenge = ex.gov.get(BEARER_CHALLENGE)
         if challenge is not None:
             # RFC 6750 3.1: a bearer token without the privileges the request needs.
