@@ -703,3 +703,39 @@ claims = { realm_access.roles = "staff" }
     r = httpx.post(f"{plain.url}/echo", json={"model": "m"}, timeout=10)
     _assert_403(r, "default")
     assert "www-authenticate" not in r.headers
+
+
+def test_scope_claim_matches_by_scope_token(start_proxy, demo_upstream, tmp_path):
+    """RFC 8693 4.2 (and RFC 9068 2.2.3 for JWT access tokens): `scope` is one string of
+    space-separated scopes, so `scope = "ai:chat"` matches "openid ai:chat" as it would
+    the array ["openid", "ai:chat"]. Compared as a whole, an allow on a scope missed
+    every token with more than one, and a deny on one failed open."""
+    proxy, sign = _jwt_proxy(start_proxy, demo_upstream, tmp_path, """
+[[rules]]
+id = "no-guests"
+effect = "deny"
+claims = { scope = "guest" }
+
+[[rules]]
+id = "chat"
+effect = "allow"
+claims = { scope = "ai:chat" }
+""")
+
+    def rule(claims: dict) -> str | None:
+        r = httpx.post(f"{proxy.url}/echo", json={"model": "m"}, timeout=10,
+                       headers={"authorization": f"Bearer {sign(claims)}"})
+        return r.headers.get("x-aiproxy-policy-rule") or str(r.status_code)
+
+    assert rule({"scope": "ai:chat"}) == "200"
+    assert rule({"scope": "openid ai:chat profile"}) == "200"
+    assert rule({"scope": ["openid", "ai:chat"]}) == "200"
+    assert rule({"scope": "openid ai:chat-admin"}) == "default"
+    assert rule({"scope": "ai:chat guest"}) == "no-guests"
+    # Only the registered top-level claim: any other string is one value.
+    assert rule({"scope": "openid", "x": {"scope": "ai:chat guest"}}) == "default"
+    pf = tmp_path / "bad.toml"
+    pf.write_text('[[rules]]\nid = "a"\neffect = "allow"\nclaims = { scope = "a b" }\n')
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(pf)])
+    assert str(err.value).startswith(f"{pf}:4: rules[0].claims.scope: "), str(err.value)

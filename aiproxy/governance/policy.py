@@ -23,9 +23,10 @@ Conditions of one rule must all hold: subjects, roles, claims, methods, paths, r
 models, intents, domains (globs), source_cidrs, body_over/body_max (bytes), time (UTC
 days and hours), not_before/expires, rbac. Any matching deny wins over every allow (deny
 overrides); with no match the file's default decides. A claim matches a value of its
-JSON type (true is not "true"; an array claim matches by element); a dotted key is a path
-into the claims (realm_access.roles), a quoted one a name. JWT claim `aiproxy_grants`
-([{"permission": "model:x", "exp": epoch}]) adds permissions until their exp.
+JSON type (true is not "true"; an array claim, or the scopes of `scope`, by element); a
+dotted key is a path into the claims (realm_access.roles), a quoted one a name. JWT claim
+`aiproxy_grants` ([{"permission": "model:x", "exp": epoch}]) adds permissions until their
+exp.
 
 Files are re-read when they change (checked every poll_ms on the request path); a file
 that does not parse is reported with FILE:LINE and the previous policy keeps serving.
@@ -68,9 +69,10 @@ RULE_KEYS = ("id", "effect", "description", *GLOB_KEYS, "claims", "source_cidrs"
 MODEL_IN_BODY = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
 INSPECT_BYTES = 64 * 1024
 SCOPE_TOKEN = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]{1,256}")  # RFC 6750 3: 1*NQCHAR
-# RFC 7519 4.1: the registered claims' JSON types (auth refuses exp/nbf/iat of another).
+# The registered claims' JSON types (auth refuses exp/nbf/iat of another) and where.
 REGISTERED_CLAIMS = {"exp": "number", "nbf": "number", "iat": "number", "iss": "string",
-                     "sub": "string", "jti": "string", "aud": "string"}
+                     "sub": "string", "jti": "string", "aud": "string", "scope": "string"}
+REGISTERED_IN = {"scope": "RFC 8693 4.2"}  # the others: RFC 7519 4.1
 TYPE_WARNINGS_MAX = 1024
 _type_warned: set[tuple[str, str, str]] = set()  # (rule source, claim, its type): logged
 
@@ -178,7 +180,11 @@ def _claim_value_problem(name: str, value: Any) -> str | None:
         return f"{value} never matches: JSON has no nan or inf"
     want = REGISTERED_CLAIMS.get(name)
     if want is not None and json_type(value) != want:
-        return f"{name} is a {want} (RFC 7519 4.1), never a {json_type(value)}"
+        return (f"{name} is a {want} ({REGISTERED_IN.get(name, 'RFC 7519 4.1')}), never a "
+                f"{json_type(value)}")
+    if name == "scope" and (not value or " " in value):
+        return "a scope is a token, matched among the claim's space-separated scopes: " \
+            "it is neither empty nor has a space (RFC 6749 3.3)"
     return None
 
 
@@ -195,7 +201,8 @@ def _claim_conditions(table: dict, prefix: tuple[str, ...],
             if not value:
                 bad(where, "an empty table names no claim")
             elif registered is not None:
-                bad(where, f"{name} is a {registered} (RFC 7519 4.1): it has no members")
+                bad(where, f"{name} is a {registered} "
+                    f"({REGISTERED_IN.get(name, 'RFC 7519 4.1')}): it has no members")
             else:
                 _claim_conditions(value, path, out, bad)
             continue
@@ -470,6 +477,8 @@ def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
         have: Any = req.claims
         for name in path:
             have = have.get(name) if isinstance(have, dict) else None
+        if path == ("scope",) and isinstance(have, str):
+            have = have.split(" ")  # RFC 8693 4.2: space-separated scopes
         if not _claim_matches(have, allowed):
             name = _format_path(("claims", *path))
             if have is not None:
