@@ -417,3 +417,325 @@ algorithms = ["RS256"]
                 b"x", timeout=10, metadata=[("authorization", f"Bearer {token}")])
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value
     assert err.value.details() == "denied by policy rule default"
+
+
+def _jwt_proxy(start_proxy, upstream: int, tmp_path: Path, policy: str,
+               auth_extra: str = "", listener_extra: str = ""):
+    """A proxy with [auth.jwt] (an RSA key in a JWKS file) and `policy`; returns it and
+    sign(claims) -> a token for it."""
+    import json
+
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(private.public_key()))
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [{**jwk, "kid": "k", "use": "sig"}]}))
+    pf = tmp_path / "policy.toml"
+    pf.write_text(policy)
+    proxy = start_proxy(simple_config(upstream) + f"""
+[auth]
+realm = "corp"
+{auth_extra}
+
+[auth.jwt]
+jwks_file = "{jwks}"
+algorithms = ["RS256"]
+
+[policy]
+files = ["{pf}"]
+""", listener_extra)
+    proxy.policy_file = pf
+
+    def sign(claims: dict) -> str:
+        return jwt.encode({"sub": "u", "exp": int(time.time()) + 300, **claims}, private,
+                          "RS256", headers={"kid": "k"})
+
+    return proxy, sign
+
+
+def test_claims_match_by_json_type(start_proxy, demo_upstream, tmp_path):
+    """A claim condition compares JSON types: a TOML boolean matches a JSON boolean, a
+    number a number (1 and 1.0 are one JSON number), a string a string; a claim that is
+    an array matches when one element does. Compared as str() on both sides, the deny
+    rule `suspended = true` also hit the string "True" and missed nothing else, while
+    `level = [0, 1.5]` missed 0.0 (fail open) and hit the string "0"."""
+    proxy, sign = _jwt_proxy(start_proxy, demo_upstream, tmp_path, """
+default = "allow"
+
+[[rules]]
+id = "suspended"
+effect = "deny"
+claims = { suspended = true }
+
+[[rules]]
+id = "level"
+effect = "deny"
+claims = { level = [0, 1.5] }
+
+[[rules]]
+id = "contractors"
+effect = "deny"
+claims = { groups = "contractors" }
+
+[[rules]]
+id = "flag-as-text"
+effect = "deny"
+claims = { flag = "true" }
+""")
+
+    def status(claims: dict) -> tuple[int, str | None]:
+        r = httpx.post(f"{proxy.url}/echo", json={"model": "m"}, timeout=10,
+                       headers={"authorization": f"Bearer {sign(claims)}"})
+        return r.status_code, r.headers.get("x-aiproxy-policy-rule")
+
+    assert status({}) == (200, None)
+    assert status({"suspended": True}) == (403, "suspended")
+    assert status({"suspended": False}) == (200, None)
+    assert status({"suspended": "True"}) == (200, None)
+    assert status({"suspended": 1}) == (200, None)
+    assert status({"level": 0}) == (403, "level")
+    assert status({"level": 0.0}) == (403, "level")
+    assert status({"level": 1.5}) == (403, "level")
+    assert status({"level": "0"}) == (200, None)
+    assert status({"level": False}) == (200, None)  # a JSON boolean is no number
+    assert status({"groups": ["staff", "contractors"]}) == (403, "contractors")
+    assert status({"groups": ["staff"]}) == (200, None)
+    assert status({"groups": "contractors"}) == (403, "contractors")
+    assert status({"flag": "true"}) == (403, "flag-as-text")
+    # The string "true" is not the boolean true. That cannot be told from the file, so
+    # the first such claim is logged, naming the rule and where it is written.
+    for _ in range(5):
+        assert status({"flag": True}) == (200, None)
+    log = proxy.log()
+    warning = (f"policy rule flag-as-text ({proxy.policy_file}:19): claim flag is a "
+               "JSON boolean, the rule's values are strings: no match")
+    assert 1 <= log.count(warning) <= proxy.workers(), log[-3000:]  # once per worker
+
+
+def test_claim_values_that_can_never_match_are_errors(tmp_path):
+    """A claim value no JWT claim can equal is a config error naming FILE:LINE and key:
+    TOML date-times (JSON has none), nan and inf, tables in arrays or arrays in arrays,
+    an empty list, and registered claims of another type than RFC 7519 4.1 gives them
+    (exp/nbf/iat are numbers, iss/sub/jti/aud strings)."""
+    pf = tmp_path / "p.toml"
+    pf.write_text("""[[rules]]
+id = "a"
+effect = "deny"
+claims = { since = 2026-01-01T00:00:00Z }
+
+[[rules]]
+id = "b"
+effect = "deny"
+claims = { score = nan, cap = inf }
+
+[[rules]]
+id = "c"
+effect = "deny"
+claims = { nested = [[1]], objs = [{ a = 1 }], none = [] }
+
+[[rules]]
+id = "d"
+effect = "deny"
+claims = { exp = "1700000000", sub = 5, aud = ["x", true] }
+
+[[rules]]
+id = "e"
+effect = "allow"
+claims = { tier = ["gold", 1], ok = true, n = -2.5, "iss" = "https://issuer" }
+""")
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(pf)])
+    text = str(err.value)
+    for line, key, why in (
+            (4, "rules[0].claims.since", "a date-time"),
+            (9, "rules[1].claims.score", "nan"),
+            (9, "rules[1].claims.cap", "inf"),
+            (14, "rules[2].claims.nested[0]", "an array"),
+            (14, "rules[2].claims.objs[0]", "a table"),
+            (14, "rules[2].claims.none", "an empty list"),
+            (19, "rules[3].claims.exp", "a number"),
+            (19, "rules[3].claims.sub", "a string"),
+            (19, "rules[3].claims.aud[1]", "a string")):
+        assert any(ln.startswith(f"{pf}:{line}: {key}: ") and why in ln
+                   for ln in text.splitlines()), (key, text)
+    assert "rules[4]" not in text, text
+
+
+def test_nested_and_namespaced_claims(start_proxy, demo_upstream, tmp_path):
+    """A TOML dotted key is a path into the token's JSON (Keycloak's realm_access.roles,
+    resource_access.CLIENT.roles); a quoted key is one claim name, dots and all (Auth0's
+    namespaced "https://example.com/roles"); the two combine. Before, a nested claim
+    could not be named at all: a deny rule on one never matched."""
+    proxy, sign = _jwt_proxy(start_proxy, demo_upstream, tmp_path, """
+default = "allow"
+
+[[rules]]
+id = "realm-banned"
+effect = "deny"
+claims = { realm_access.roles = "banned" }
+
+[[rules]]
+id = "namespaced"
+effect = "deny"
+claims = { "https://example.com/roles" = "banned" }
+
+[[rules]]
+id = "free-tier"
+effect = "deny"
+claims."https://example.com/app".plan.tier = "free"
+
+[[rules]]
+id = "client-role"
+effect = "deny"
+[rules.claims.resource_access.billing]
+roles = ["suspended", "closed"]
+""")
+
+    def rule(claims: dict) -> str | None:
+        r = httpx.post(f"{proxy.url}/echo", json={"model": "m"}, timeout=10,
+                       headers={"authorization": f"Bearer {sign(claims)}"})
+        assert r.status_code == (200 if "x-aiproxy-policy-rule" not in r.headers else 403)
+        return r.headers.get("x-aiproxy-policy-rule")
+
+    assert rule({"realm_access": {"roles": ["offline_access", "banned"]}}) == "realm-banned"
+    assert rule({"realm_access": {"roles": ["offline_access"]}}) is None
+    assert rule({"realm_access": ["banned"]}) is None  # no member "roles" to look in
+    assert rule({"realm_access.roles": ["banned"]}) is None  # a path, not that name
+    assert rule({"https://example.com/roles": ["banned"]}) == "namespaced"
+    assert rule({"https://example": {"com/roles": ["banned"]}}) is None  # one name
+    assert rule({"https://example.com/app": {"plan": {"tier": "free"}}}) == "free-tier"
+    assert rule({"https://example.com/app": {"plan": {"tier": "pro"}}}) is None
+    assert rule({"resource_access": {"billing": {"roles": ["closed"]},
+                                     "account": {"roles": ["view"]}}}) == "client-role"
+    assert rule({"resource_access": {"account": {"roles": ["closed"]}}}) is None
+
+
+def test_claim_paths_in_explain_and_errors(tmp_path):
+    """`policy explain` names a claim condition by its path as TOML writes it; a table
+    that names no claim, or members of a registered claim (a number or a string), are
+    errors with FILE:LINE."""
+    pf = tmp_path / "p.toml"
+    pf.write_text('[[rules]]\nid = "a"\neffect = "allow"\n'
+                  'claims = { realm_access.roles = "admin", "https://x.io/tier" = "gold" }\n')
+    policy = load_policy_files([str(pf)])
+    trace = decide(policy, Request(claims={"realm_access": {"roles": ["admin"]}}),
+                   explain=True).trace
+    assert trace == [("a", "allow", 'no: claims."https://x.io/tier"')]
+    req = Request(claims={"realm_access": {"roles": "admin"}, "https://x.io/tier": "gold"})
+    assert decide(policy, req).rule == "a"
+    pf.write_text('[[rules]]\nid = "a"\neffect = "deny"\nclaims = { x = {} }\n\n'
+                  '[[rules]]\nid = "b"\neffect = "deny"\nclaims.exp.at = 1\n')
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(pf)])
+    lines = str(err.value).splitlines()
+    assert any(ln.startswith(f"{pf}:4: rules[0].claims.x: an empty table") for ln in lines), lines
+    assert any(ln.startswith(f"{pf}:9: rules[1].claims.exp: exp is a number")
+               for ln in lines), lines
+
+
+def test_anonymous_denial_that_credentials_could_lift_is_a_challenge(
+        start_proxy, demo_upstream, tmp_path):
+    """RFC 9110 15.5.2, RFC 6750 3.1: a request that carried no credentials, denied where
+    credentials could make it succeed ([auth] required = false and an allow rule that
+    only wants an identity), is 401 with the bare challenge (no error code: the client
+    may not know auth is needed), not a 403 that says nothing of how to get in. A denial
+    no identity would lift (a deny rule, or allow rules failing on more than the
+    identity) stays 403; so does a policy with no [auth] to authenticate with."""
+    import grpc
+
+    proxy, sign = _jwt_proxy(start_proxy, demo_upstream, tmp_path, """
+default = "deny"
+
+[[rules]]
+id = "no-delete"
+effect = "deny"
+methods = ["DELETE"]
+
+[[rules]]
+id = "open"
+effect = "allow"
+paths = ["/echo/open"]
+
+[[rules]]
+id = "staff"
+effect = "allow"
+methods = ["POST"]
+claims = { realm_access.roles = "staff" }
+""", auth_extra="required = false", listener_extra='protocols = ["http1", "h2c"]')
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{proxy.url}/echo", json={"model": "m"})
+        assert r.status_code == 401, r.text
+        assert r.headers["www-authenticate"] == 'Bearer realm="corp"'
+        assert r.json()["error"] == {"code": "unauthorized",
+                                     "message": "credentials required by policy rule default"}
+        assert r.headers["x-aiproxy-policy-rule"] == "default"
+        assert c.get(f"{proxy.url}/echo/open").status_code == 200
+        # No identity makes a GET pass (staff wants POST), nor a DELETE (a deny rule).
+        r = c.get(f"{proxy.url}/echo")
+        _assert_403(r, "default")
+        assert "www-authenticate" not in r.headers
+        r = c.delete(f"{proxy.url}/echo/open")
+        _assert_403(r, "no-delete")
+        assert "www-authenticate" not in r.headers
+        # With the credentials the challenge asked for, in and out as before.
+        staff = sign({"realm_access": {"roles": ["staff"]}})
+        r = c.post(f"{proxy.url}/echo", json={"model": "m"},
+                   headers={"authorization": f"Bearer {staff}"})
+        assert r.status_code == 200, r.text
+        r = c.post(f"{proxy.url}/echo", json={"model": "m"},
+                   headers={"authorization": f"Bearer {sign({})}"})
+        _assert_403(r, "default")
+        assert r.headers["www-authenticate"] == 'Bearer realm="corp", error="insufficient_scope"'
+    res = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %header{www-authenticate}",
+                          "-X", "POST", "--data", "{}", f"{proxy.url}/echo"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.stdout == '401 Bearer realm="corp"', res
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/pkg.Svc/Method")(b"x", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+    # No [auth]: nothing to authenticate with, so a plain 403.
+    pf = tmp_path / "noauth.toml"
+    pf.write_text('[[rules]]\nid = "staff"\neffect = "allow"\nroles = ["staff"]\n')
+    plain = start_proxy(simple_config(demo_upstream) + f'\n[policy]\nfiles = ["{pf}"]\n')
+    r = httpx.post(f"{plain.url}/echo", json={"model": "m"}, timeout=10)
+    _assert_403(r, "default")
+    assert "www-authenticate" not in r.headers
+
+
+def test_scope_claim_matches_by_scope_token(start_proxy, demo_upstream, tmp_path):
+    """RFC 8693 4.2 (and RFC 9068 2.2.3 for JWT access tokens): `scope` is one string of
+    space-separated scopes, so `scope = "ai:chat"` matches "openid ai:chat" as it would
+    the array ["openid", "ai:chat"]. Compared as a whole, an allow on a scope missed
+    every token with more than one, and a deny on one failed open."""
+    proxy, sign = _jwt_proxy(start_proxy, demo_upstream, tmp_path, """
+[[rules]]
+id = "no-guests"
+effect = "deny"
+claims = { scope = "guest" }
+
+[[rules]]
+id = "chat"
+effect = "allow"
+claims = { scope = "ai:chat" }
+""")
+
+    def rule(claims: dict) -> str | None:
+        r = httpx.post(f"{proxy.url}/echo", json={"model": "m"}, timeout=10,
+                       headers={"authorization": f"Bearer {sign(claims)}"})
+        return r.headers.get("x-aiproxy-policy-rule") or str(r.status_code)
+
+    assert rule({"scope": "ai:chat"}) == "200"
+    assert rule({"scope": "openid ai:chat profile"}) == "200"
+    assert rule({"scope": ["openid", "ai:chat"]}) == "200"
+    assert rule({"scope": "openid ai:chat-admin"}) == "default"
+    assert rule({"scope": "ai:chat guest"}) == "no-guests"
+    # Only the registered top-level claim: any other string is one value.
+    assert rule({"scope": "openid", "x": {"scope": "ai:chat guest"}}) == "default"
+    pf = tmp_path / "bad.toml"
+    pf.write_text('[[rules]]\nid = "a"\neffect = "allow"\nclaims = { scope = "a b" }\n')
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(pf)])
+    assert str(err.value).startswith(f"{pf}:4: rules[0].claims.scope: "), str(err.value)

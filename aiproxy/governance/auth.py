@@ -1,6 +1,7 @@
 """`[auth]`: who is asking. API keys (salted hashes), JWT bearer tokens and mTLS client
 certificates establish ex.identity; a request without valid credentials gets 401 with
-WWW-Authenticate (RFC 6750 3) when auth is required.
+WWW-Authenticate (RFC 6750 3) when auth is required (when it is not, also when the policy
+denies it and credentials could lift that: policy.identity_could_allow).
 
 JWT: the token's `alg` must be on the configured allow-list (so `none` never passes),
 and the key is chosen by `kid` from a JWKS file and must be of the algorithm's family
@@ -44,6 +45,8 @@ log = logging.getLogger("aiproxy.auth")
 IDENTITY_HEADER = b"x-aiproxy-identity"
 SIGNATURE_HEADER = b"x-aiproxy-identity-signature"
 BEARER_CHALLENGE = "bearer_challenge"  # ex.gov key: the request's credential was a bearer token
+# ex.gov key: the request carried no credentials where auth would have taken some
+AUTH_CHALLENGE = "auth_challenge"
 KEY_FAMILIES = {"HS": "oct", "RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
 NOT_IN_DESCRIPTION = re.compile(r"[^\x20\x21\x23-\x5b\x5d-\x7e]")  # RFC 6750 3
 DESCRIPTION_MAX = 256
@@ -392,6 +395,8 @@ class AuthFactory(FilterFactory):
         if identity is None:
             if auth.cfg.required:
                 return _Refuse(auth, None, "credentials required")
+            # For the policy: a denial that credentials could lift is then a 401.
+            ex.gov[AUTH_CHALLENGE] = auth.challenge
             return None
         ex.identity = identity
         if auth.cfg.upstream_secret is not None:

@@ -22,8 +22,11 @@ A policy file (TOML) has role permissions (RBAC) and rules with conditions (ABAC
 Conditions of one rule must all hold: subjects, roles, claims, methods, paths, routes,
 models, intents, domains (globs), source_cidrs, body_over/body_max (bytes), time (UTC
 days and hours), not_before/expires, rbac. Any matching deny wins over every allow (deny
-overrides); with no match the file's default decides. JWT claim `aiproxy_grants`
-([{"permission": "model:x", "exp": epoch}]) adds permissions until their exp.
+overrides); with no match the file's default decides. A claim matches a value of its
+JSON type (true is not "true"; an array claim, or the scopes of `scope`, by element); a
+dotted key is a path into the claims (realm_access.roles), a quoted one a name. JWT claim
+`aiproxy_grants` ([{"permission": "model:x", "exp": epoch}]) adds permissions until their
+exp.
 
 Files are re-read when they change (checked every poll_ms on the request path); a file
 that does not parse is reported with FILE:LINE and the previous policy keeps serving.
@@ -34,12 +37,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import math
 import re
 import time as _time
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime
+from datetime import time as _clock
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +52,7 @@ from aiproxy import wirejson
 from aiproxy.config.errors import ConfigError, Problem
 from aiproxy.config.locate import KeyPath, Locator
 from aiproxy.config.locate import format_path as _format_path
-from aiproxy.governance.auth import BEARER_CHALLENGE
+from aiproxy.governance.auth import AUTH_CHALLENGE, BEARER_CHALLENGE
 from aiproxy.governance.watch import FileWatch
 from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply
 
@@ -64,6 +69,12 @@ RULE_KEYS = ("id", "effect", "description", *GLOB_KEYS, "claims", "source_cidrs"
 MODEL_IN_BODY = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
 INSPECT_BYTES = 64 * 1024
 SCOPE_TOKEN = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]{1,256}")  # RFC 6750 3: 1*NQCHAR
+# The registered claims' JSON types (auth refuses exp/nbf/iat of another) and where.
+REGISTERED_CLAIMS = {"exp": "number", "nbf": "number", "iat": "number", "iss": "string",
+                     "sub": "string", "jti": "string", "aud": "string", "scope": "string"}
+REGISTERED_IN = {"scope": "RFC 8693 4.2"}  # the others: RFC 7519 4.1
+TYPE_WARNINGS_MAX = 1024
+_type_warned: set[tuple[str, str, str]] = set()  # (rule source, claim, its type): logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +83,9 @@ class Rule:
     effect: str
     source: str  # FILE:LINE
     globs: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    claims: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # claim path (names from the token's top level down) -> the values that match
+    claims: dict[tuple[str, ...], tuple[str | int | float | bool, ...]] = field(
+        default_factory=dict)
     cidrs: tuple[Any, ...] = ()
     body_over: int | None = None
     body_max: int | None = None
@@ -144,6 +157,66 @@ def _hhmm(text: Any) -> int | None:
     return minutes if minutes <= 1440 else None
 
 
+def json_type(value: Any) -> str | None:
+    """"boolean", "number" or "string" for a JSON scalar (None for arrays, objects,
+    null). A bool is an int to Python, never a number to JSON."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "string" if isinstance(value, str) else None
+
+
+def _claim_value_problem(name: str, value: Any) -> str | None:
+    """Why a rule's claim value can never equal a JWT claim (None when it can)."""
+    if isinstance(value, datetime | date | _clock):
+        return ("a date-time never matches: a JWT is JSON, which has none (exp/nbf/iat "
+                "are numbers of seconds)")
+    if isinstance(value, list):
+        return "an array in an array never matches (an array claim matches by element)"
+    if isinstance(value, dict):
+        return "a table in an array never matches"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} never matches: JSON has no nan or inf"
+    want = REGISTERED_CLAIMS.get(name)
+    if want is not None and json_type(value) != want:
+        return (f"{name} is a {want} ({REGISTERED_IN.get(name, 'RFC 7519 4.1')}), never a "
+                f"{json_type(value)}")
+    if name == "scope" and (not value or " " in value):
+        return "a scope is a token, matched among the claim's space-separated scopes: " \
+            "it is neither empty nor has a space (RFC 6749 3.3)"
+    return None
+
+
+def _claim_conditions(table: dict, prefix: tuple[str, ...],
+                      out: dict[tuple[str, ...], tuple[Any, ...]], bad: Any) -> None:
+    """The claim conditions of a `claims` table into `out`, by path: a TOML table (a
+    dotted key, `realm_access.roles`) goes into the claim's members; a quoted key is
+    one name (`"https://example.com/roles"`)."""
+    for name, value in table.items():
+        path = prefix + (name,)
+        where = ("claims", *path)
+        registered = REGISTERED_CLAIMS.get(name) if not prefix else None
+        if isinstance(value, dict):
+            if not value:
+                bad(where, "an empty table names no claim")
+            elif registered is not None:
+                bad(where, f"{name} is a {registered} "
+                    f"({REGISTERED_IN.get(name, 'RFC 7519 4.1')}): it has no members")
+            else:
+                _claim_conditions(value, path, out, bad)
+            continue
+        if value == []:
+            bad(where, "an empty list never matches")
+            continue
+        values = value if isinstance(value, list) else [value]
+        for j, v in enumerate(values):
+            why = _claim_value_problem(name if not prefix else "", v)
+            if why is not None:
+                bad(where + ((j,) if isinstance(value, list) else ()), why)
+        out[path] = tuple(values)
+
+
 def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
     try:
         data = tomllib.loads(text)
@@ -208,10 +281,10 @@ def _policy(rules: list[Rule], roles: Any, default: Any) -> Policy:
 def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
     ok = True
 
-    def bad(key: str, message: str) -> None:
+    def bad(key: str | KeyPath, message: str) -> None:
         nonlocal ok
         ok = False
-        error(path + (key,), message)
+        error(path + (key if isinstance(key, tuple) else (key,)), message)
 
     for key in raw:
         if key not in RULE_KEYS:
@@ -230,14 +303,12 @@ def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
                 bad(key, "expected an array of non-empty strings")
             else:
                 globs[key] = tuple(v.upper() for v in value) if key == "methods" else tuple(value)
-    claims = {}
+    claims: dict[tuple[str, ...], tuple[Any, ...]] = {}
     if "claims" in raw:
         if not isinstance(raw["claims"], dict):
             bad("claims", "expected table of claim = value or [values]")
         else:
-            for name, value in raw["claims"].items():
-                values = value if isinstance(value, list) else [value]
-                claims[name] = tuple(str(v) for v in values)
+            _claim_conditions(raw["claims"], (), claims, bad)
     cidrs = []
     for j, text in enumerate(raw.get("source_cidrs", [])):
         try:
@@ -346,6 +417,34 @@ def _permitted(perms: list[str], kind: str, value: str | None) -> bool:
                for p in perms)
 
 
+def _claim_matches(have: Any, allowed: tuple[Any, ...]) -> bool:
+    """A claim (an array: one of its elements) equal to one of the values, in JSON type
+    too: true is not "true", 1 is 1.0 (JSON has one number type)."""
+    for h in have if isinstance(have, list) else (have,):
+        kind = json_type(h)
+        if kind is not None and any(kind == json_type(a) and h == a for a in allowed):
+            return True
+    return False
+
+
+def _warn_type(rule: Rule, name: str, have: Any, allowed: tuple[Any, ...]) -> None:
+    """Log (once) a claim none of whose values has a JSON type of the rule's values: a
+    deny rule that can never match it (`suspended = "true"` for `"suspended": true`)
+    must not go unnoticed. The claims' types cannot be known from the file."""
+    kinds = {json_type(h) for h in (have if isinstance(have, list) else (have,))}
+    wanted = sorted({json_type(a) for a in allowed})
+    if kinds & set(wanted):
+        return
+    what = ("a JSON array" if isinstance(have, list) else "a JSON object"
+            if isinstance(have, dict) else f"a JSON {json_type(have)}")
+    key = (rule.source, name, what)
+    if key in _type_warned or len(_type_warned) >= TYPE_WARNINGS_MAX:
+        return
+    _type_warned.add(key)
+    log.warning("policy rule %s (%s): claim %s is %s, the rule's values are %s: no match",
+                rule.id, rule.source, name, what, " or ".join(f"{k}s" for k in wanted))
+
+
 def permissions(policy: Policy, req: Request) -> list[str]:
     perms = [p for role in req.roles for p in policy.roles.get(role, ())]
     grants = req.claims.get("aiproxy_grants")
@@ -374,11 +473,17 @@ def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
                 return "roles"
         elif not _any_glob(patterns, values[key]):
             return key
-    for name, allowed in rule.claims.items():
-        have = req.claims.get(name)
-        have_list = have if isinstance(have, list) else [have] if have is not None else []
-        if not any(str(h) in allowed for h in have_list):
-            return f"claims.{name}"
+    for path, allowed in rule.claims.items():
+        have: Any = req.claims
+        for name in path:
+            have = have.get(name) if isinstance(have, dict) else None
+        if path == ("scope",) and isinstance(have, str):
+            have = have.split(" ")  # RFC 8693 4.2: space-separated scopes
+        if not _claim_matches(have, allowed):
+            name = _format_path(("claims", *path))
+            if have is not None:
+                _warn_type(rule, name[len("claims."):], have, allowed)
+            return name
     if rule.cidrs:
         try:
             addr = ipaddress.ip_address(req.source or "")
@@ -431,6 +536,22 @@ def decide(policy: Policy, req: Request, explain: bool = False) -> Decision:
     if allow is not None:
         return Decision(True, allow, trace)
     return Decision(policy.default == "allow", "default", trace)
+
+
+def identity_could_allow(policy: Policy, req: Request, decision: Decision) -> bool:
+    """Could some identity lift this denial: no rule but the default denied, and an
+    allow rule holds but for what it asks of the identity (subjects, roles, claims,
+    rbac)? A deny rule that matched a request without identity matches with one too."""
+    if decision.allowed or decision.rule != "default":
+        return False
+    for r in policy.rules:
+        if r.effect == "allow" and (r.claims or r.rbac or "subjects" in r.globs
+                                    or "roles" in r.globs):
+            anyone = replace(r, claims={}, rbac=False, globs={
+                k: v for k, v in r.globs.items() if k not in ("subjects", "roles")})
+            if why_not(policy, anyone, req) is None:
+                return True
+    return False
 
 
 def needed_scope(policy: Policy, req: Request, decision: Decision) -> str | None:
@@ -596,6 +717,14 @@ class PolicyFilter(Filter):
         ex.gov["policy"] = ("deny", decision.rule)
         state.count("deny", decision.rule)
         headers = [(b"x-aiproxy-policy-rule", decision.rule.encode("latin-1"))]
+        anonymous = ex.gov.get(AUTH_CHALLENGE)
+        if anonymous is not None and identity_could_allow(policy, req, decision):
+            # RFC 9110 15.5.2: no credentials, where some could make the request succeed,
+            # is 401 with the challenge; with no error code, as RFC 6750 3.1 has it for a
+            # request that lacks any authentication information.
+            headers.append((b"www-authenticate", anonymous))
+            return LocalReply(401, "unauthorized",
+                              f"credentials required by policy rule {decision.rule}", headers)
         challenge = ex.gov.get(BEARER_CHALLENGE)
         if challenge is not None:
             # RFC 6750 3.1: a bearer token without the privileges the request needs.
