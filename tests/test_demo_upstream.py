@@ -105,6 +105,65 @@ def test_chat_completion_stream_without_usage(client: httpx.Client) -> None:
     assert all("usage" not in c for c in chunks)
 
 
+ANTHROPIC_SYSTEM = [{"type": "text", "text": "you are a careful assistant",
+                     "cache_control": {"type": "ephemeral"}}]
+ANTHROPIC_MESSAGES = [{"role": "user", "content": "hello there big world"}]
+
+
+def test_anthropic_messages_with_the_anthropic_client(upstream: int) -> None:
+    """The real `anthropic` client parses the demo's Messages API JSON and SSE."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{upstream}", api_key="k",
+                                 max_retries=0)
+    msg = client.messages.create(model="claude-demo", max_tokens=100,
+                                 system=ANTHROPIC_SYSTEM, messages=ANTHROPIC_MESSAGES)
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == "claude-demo"
+    assert [b.text for b in msg.content] == ["You said: hello there big world"]
+    assert msg.stop_reason == "end_turn"
+    # The system block carries cache_control: its 5 words are reported as cache reads.
+    assert (msg.usage.input_tokens, msg.usage.cache_read_input_tokens,
+            msg.usage.cache_creation_input_tokens, msg.usage.output_tokens) == (4, 5, 0, 6)
+
+    with client.messages.stream(model="claude-demo", max_tokens=3, system=ANTHROPIC_SYSTEM,
+                                messages=ANTHROPIC_MESSAGES) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert pieces == ["You", " said:", " hello"]
+    assert final.stop_reason == "max_tokens"
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens,
+            final.usage.output_tokens) == (4, 5, 3)
+
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model="claude-demo", max_tokens=0, messages=ANTHROPIC_MESSAGES)
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_anthropic_stream_event_sequence(client: httpx.Client) -> None:
+    """The events Anthropic documents, in its order, each an `event:` and a `data:` line."""
+    request = {"model": "claude-demo", "max_tokens": 2, "stream": True,
+               "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    with client.stream("POST", "/v1/messages", json=request) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    events = []
+    for raw in filter(None, text.split("\n\n")):
+        name, data = raw.split("\n")
+        events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    assert all(name == data["type"] for name, data in events)
+    assert [name for name, _ in events] == [
+        "message_start", "content_block_start", "ping", "content_block_delta",
+        "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None
+    assert start["usage"]["input_tokens"] == 1 and start["usage"]["output_tokens"] == 1
+    assert [e[1]["delta"] for e in events[3:5]] == [{"type": "text_delta", "text": "You"},
+                                                   {"type": "text_delta", "text": " said:"}]
+    assert events[6][1]["delta"]["stop_reason"] == "max_tokens"
+    assert events[6][1]["usage"] == {"output_tokens": 2}
+
+
 def read_chunked_response(port: int, request: bytes) -> tuple[bytes, list[bytes]]:
     """Send a raw request with Connection: close; return the head and the HTTP chunks."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

@@ -219,3 +219,35 @@ def test_plain_text_data_lines_are_text():
     for _ in range(300):
         cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
         assert _run(data, "sse", cuts)[0] == whole, cuts
+
+
+def _anthropic_delta(index: int, delta: dict) -> bytes:
+    event = {"type": "content_block_delta", "index": index, "delta": delta}
+    return b"event: content_block_delta\ndata: " + json.dumps(event).encode() + b"\n\n"
+
+
+def test_anthropic_thinking_and_tool_input_are_running_texts():
+    """Anthropic streams a thinking block in thinking_delta events and a tool call's input
+    in input_json_delta events (`partial_json`: pieces of a JSON text, as OpenAI's
+    `arguments`): each block is one running text, so a value split over its events is
+    masked whole, and the tool input stays JSON."""
+    thinking = ["the card is 4111 11", "11 1111 1111 ok"]
+    tool = ['{"to": "bob@exa', 'mple.com", "card": "4111 1111 ', '1111 1111"}']
+    data = b"".join(_anthropic_delta(0, {"type": "thinking_delta", "thinking": t})
+                    for t in thinking)
+    data += b"".join(_anthropic_delta(1, {"type": "input_json_delta", "partial_json": p})
+                     for p in tool)
+    whole, r, _ = _run(data, "sse", [])
+    assert r.counts == {"card": 2, "email": 1}
+    texts = {0: "", 1: ""}
+    for line in whole.decode().split("\n"):
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            delta = event["delta"]
+            texts[event["index"]] += delta.get("thinking", delta.get("partial_json", ""))
+    assert texts[0] == "the card is **** **** **** 1111 ok"
+    assert json.loads(texts[1]) == {"to": "***@******e.com", "card": "**** **** **** 1111"}
+    rng = random.Random(5)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
+        assert _run(data, "sse", cuts)[0] == whole, cuts

@@ -6,6 +6,16 @@ Endpoints (every response carries ``x-upstream: NAME``):
   The reply is deterministic: "You said: <last user message>", cut to ``max_tokens`` words
   (default 16). ``usage`` counts whitespace-separated words: prompt_tokens over the content of
   all messages, completion_tokens over the reply. Streams send one event per word.
+- ``POST /v1/messages``           Anthropic Messages API, streamed (SSE) or not, with the same
+  deterministic reply ("You said: <last user message>" cut to ``max_tokens`` words, which the
+  Messages API requires). ``usage`` counts words too: ``input_tokens`` over ``system`` and all
+  messages' text (strings, text blocks, tool_result contents), except blocks that carry
+  ``cache_control``, whose words are reported as ``cache_read_input_tokens`` (as if the
+  prefix were cached already); ``output_tokens`` over the reply. A stream sends the documented
+  events: message_start (its usage with ``output_tokens`` 1), content_block_start, ping, one
+  content_block_delta (text_delta) per word, content_block_stop, message_delta (the
+  cumulative ``output_tokens``), message_stop. Errors are Anthropic-shaped
+  (``{"type": "error", "error": {...}}``).
 - ``GET  /v1/models``            OpenAI model list with the single model "demo-model".
 - ``ANY  /echo[/{tail}]``        JSON description of the request (method, path, query,
   headers, body_bytes, body_sha256, http_version, upstream); the body is hashed while streaming.
@@ -197,6 +207,106 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def anthropic_error(status: int, message: str,
+                    err_type: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"type": "error", "error": {"type": err_type, "message": message}},
+                             status=status)
+
+
+def _block_words(content: Any) -> tuple[int, int]:
+    """(uncached, cached) words of a Messages API content value: a string, or blocks
+    (text, tool_result whose content is a string or blocks); blocks with cache_control
+    count as cached."""
+    if isinstance(content, str):
+        return count_tokens(content), 0
+    plain = cached = 0
+    if isinstance(content, list):
+        for block in content:
+            if not isinstance(block, dict):
+                continue
+            text = block.get("text")
+            n = count_tokens(text) if isinstance(text, str) else 0
+            if block.get("type") == "tool_result":
+                n += sum(_block_words(block.get("content")))
+            if block.get("cache_control") is not None:
+                cached += n
+            else:
+                plain += n
+    return plain, cached
+
+
+def _sse_event(name: str, obj: Any) -> bytes:
+    return (f"event: {name}\ndata: ".encode() + json.dumps(obj, separators=(",", ":")).encode()
+            + b"\n\n")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages: see the module docstring."""
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        return anthropic_error(400, f"request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return anthropic_error(400, "request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        return anthropic_error(400, "model: Field required")
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        return anthropic_error(400, "max_tokens: must be a positive integer")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return anthropic_error(400, "messages: must be a non-empty array")
+    plain, cached = _block_words(body.get("system"))
+    for m in msgs:
+        if isinstance(m, dict):
+            p, c = _block_words(m.get("content"))
+            plain, cached = plain + p, cached + c
+    full = reply_words(msgs, 1 << 30)
+    words = full[:max_tokens]
+    stop_reason = "max_tokens" if len(full) > max_tokens else "end_turn"
+    app = request.app
+    message_id = f"msg_{app[NAME_KEY]}_{next(app[COUNTER_KEY])}"
+    usage = {"input_tokens": plain, "cache_creation_input_tokens": 0,
+             "cache_read_input_tokens": cached, "output_tokens": len(words)}
+    message: dict[str, Any] = {
+        "id": message_id, "type": "message", "role": "assistant", "model": model,
+        "content": [{"type": "text", "text": " ".join(words)}],
+        "stop_reason": stop_reason, "stop_sequence": None, "usage": usage,
+    }
+    if not body.get("stream"):
+        return web.json_response(message)
+
+    start = dict(message, content=[], stop_reason=None, usage=dict(usage, output_tokens=1))
+    events: list[bytes] = [
+        _sse_event("message_start", {"type": "message_start", "message": start}),
+        _sse_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                           "content_block": {"type": "text", "text": ""}}),
+        _sse_event("ping", {"type": "ping"}),
+    ]
+    for i, word in enumerate(words):
+        events.append(_sse_event("content_block_delta", {
+            "type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": word if i == 0 else " " + word}}))
+    events += [
+        _sse_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        _sse_event("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+            "usage": {"output_tokens": len(words)}}),
+        _sse_event("message_stop", {"type": "message_stop"}),
+    ]
+    resp = _sse_response()
+    await resp.prepare(request)
+    delay = app[TOKEN_DELAY_KEY]
+    for i, event in enumerate(events):
+        if i and delay and event.startswith(b"event: content_block_delta"):
+            await asyncio.sleep(delay)
+        await resp.write(event)
+    await resp.write_eof()
+    return resp
+
+
 def _sse_response(cache_control: bool = True) -> web.StreamResponse:
     headers = {"Content-Type": "text/event-stream"}
     if cache_control:
@@ -353,6 +463,7 @@ def build_app(name: str, token_delay_ms: float = 20,
     # on_response_prepare also covers streamed, WebSocket and router-generated error responses.
     app.on_response_prepare.append(_upstream_header(name, report_load))
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", models)
     app.router.add_route("*", "/echo", echo)
     app.router.add_route("*", "/echo/{tail:.*}", echo)
@@ -398,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=20,
         metavar="N",
-        help="delay between streamed chat completion events (default 20)",
+        help="delay between streamed chat completion events and Messages API text deltas "
+        "(default 20)",
     )
     parser.add_argument(
         "--report-load",

@@ -10,7 +10,8 @@ masked whole (`\u0034` becomes `******`).
 
 Streams: a token stream's text arrives split over events (OpenAI-style deltas) or
 lines (NDJSON, as Ollama streams), so the string values of content keys ("content",
-"text", "delta", "arguments", ...) are read as running text across them; other strings
+"text", "delta", "arguments", Anthropic's "thinking" and "partial_json", ...) are read
+as running text across them; other strings
 are read one by one. There is one running text per channel: the values of the "index"
 keys of the objects around a string (OpenAI's choices[].index with n>1, whose events
 alternate between choices; Anthropic's content block index; a tool call's index), so
@@ -31,8 +32,11 @@ from typing import Any
 
 import regex
 
+# Anthropic streams thinking in thinking_delta events and a tool call's input, a JSON
+# text cut anywhere, in input_json_delta's partial_json (as OpenAI's arguments).
 CONTENT_KEYS = frozenset((b"content", b"text", b"delta", b"arguments", b"output_text",
-                          b"reasoning_content", b"refusal", b"transcript"))
+                          b"reasoning_content", b"refusal", b"transcript", b"thinking",
+                          b"partial_json"))
 MAX_HOLD = 64 * 1024  # a bound on held bytes, whatever a pattern could still become
 TAIL = 512  # longer than any match of the patterns below
 

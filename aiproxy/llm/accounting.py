@@ -1,4 +1,5 @@
-"""The LLM accounting filter: reads OpenAI-style requests and responses into ex.llm,
+"""The LLM accounting filter: reads OpenAI-style and Anthropic Messages requests and
+responses into ex.llm,
 counts tokens per tenant/route/model for /metrics and feeds the llm_score balancer."""
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class LlmState:
     def collect(self) -> Iterator[Any]:
         labels = ["tenant", "route", "model", "pattern"]
         fams = [CounterMetricFamily(name, text, labels=labels) for name, text in (
-            ("aiproxy_llm_requests", "OpenAI-style requests by tenant, route, model, pattern"),
+            ("aiproxy_llm_requests", "OpenAI-style and Anthropic Messages requests by "
+             "tenant, route, model, pattern"),
             ("aiproxy_llm_prompt_tokens", "Prompt tokens (upstream usage, else estimated)"),
             ("aiproxy_llm_completion_tokens", "Completion tokens (usage, else estimated)"),
             ("aiproxy_llm_estimated_requests", "Requests whose token counts are estimates"),
@@ -205,6 +207,11 @@ class LlmFilter(Filter):
             f.usage_reported = True
         else:
             f.completion_tokens = tokens_of_bytes(text_bytes)
+            if type(reader) is SseReader and reader.prompt is not None:
+                # A Messages stream that ended before message_delta: its input is known.
+                f.prompt_tokens = reader.prompt
+                f.prompt_estimated = False
+                f.usage_reported = True
         end = perf_counter()
         if type(reader) is SseReader:
             if f.t_first_token:

@@ -1,4 +1,5 @@
-"""ex.llm: what the LLM accounting filter read of one OpenAI-style exchange."""
+"""ex.llm: what the LLM accounting filter read of one OpenAI-style or Anthropic Messages
+exchange."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ PATTERN_GAPS = 5
 
 
 class LlmFacts:
-    """One OpenAI-style request and its response, as the accounting filter read them.
+    """One OpenAI-style or Anthropic Messages request and its response, as the accounting
+    filter read them.
 
-    endpoint            "chat" | "completions" | "embeddings" | "responses"
+    endpoint            "chat" | "completions" | "embeddings" | "responses" | "messages"
     tenant              who is charged: the auth identity's subject, else the configured
                         tenant header's value, else the client IP
     model               the request's `model` (None if absent)
     stream              the request asked for an event stream
     max_tokens          max_tokens / max_completion_tokens / max_output_tokens, or None
-    prompt_tokens       the upstream's usage.prompt_tokens, else the estimate
+    prompt_tokens       the upstream's usage.prompt_tokens (Anthropic: input_tokens plus
+                        cache_creation_ and cache_read_input_tokens), else the estimate
     completion_tokens   usage.completion_tokens, else the estimate of the text so far
     prompt_estimated    prompt_tokens is an estimate (aiproxy/llm/estimate.py)
     completion_estimated  likewise for completion_tokens

@@ -1,13 +1,17 @@
-"""What an OpenAI-style request asks for and what its response used.
+"""What an OpenAI-style or Anthropic Messages request asks for and what its response used.
 
-Requests: the JSON body of /v1/chat/completions, /v1/completions, /v1/embeddings and
-/v1/responses gives model, stream, the completion limit and the prompt text; a body
-longer than the bytes inspected is read with regexes on its start and its prompt size
-estimated from its length.
+Requests: the JSON body of /v1/chat/completions, /v1/completions, /v1/embeddings,
+/v1/responses and Anthropic's /v1/messages gives model, stream, the completion limit and
+the prompt text; a body longer than the bytes inspected is read with regexes on its
+start and its prompt size estimated from its length.
 
 Responses: a JSON body's `usage`, or an SSE stream read event by event as its bytes go
 past (nothing is held back): each `data:` event's delta text, `usage` in the final
-chunk (stream_options.include_usage), and `[DONE]`.
+chunk (stream_options.include_usage), and `[DONE]`. Anthropic's usage counts input
+apart from cache reads and writes (input_tokens + cache_creation_input_tokens +
+cache_read_input_tokens is the prompt, as OpenAI's prompt_tokens includes its cached
+tokens); a Messages stream reports the input in message_start's message.usage and the
+output, cumulatively, in message_delta's usage.
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ ENDPOINTS = {
     b"/v1/completions": "completions",
     b"/v1/embeddings": "embeddings",
     b"/v1/responses": "responses",
+    b"/v1/messages": "messages",  # Anthropic's Messages API
 }
+# Anthropic's usage: input apart from the tokens written to and read from its cache.
+CACHE_FIELDS = ("cache_creation_input_tokens", "cache_read_input_tokens")
 
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,200})"')
 _STREAM = re.compile(rb'"stream"\s*:\s*(true|false)')
 _MAX = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:\s*(\d{1,9})')
 _USAGE_FIELD = re.compile(
-    rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens)"\s*:\s*(\d{1,12})')
+    rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens|cache_creation_input_tokens'
+    rb'|cache_read_input_tokens)"\s*:\s*(\d{1,12})')
 # Generated text in a stream chunk: chat delta content, completions text, Responses API
 # output_text delta (string values only; "delta":{...} objects do not match).
 _TEXT = re.compile(rb'"(?:content|text|delta)"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -112,7 +120,9 @@ def read_request(kind: str, body: bytes, complete: bool, length: int) -> Request
             break
     texts: list[str] = []
     overhead = 0
-    if kind == "chat":
+    if kind == "chat" or kind == "messages":
+        if kind == "messages":  # Anthropic: a top-level system (a string or text blocks)
+            _text(data.get("system"), texts)
         messages = data.get("messages")
         if isinstance(messages, list):
             overhead = MESSAGE_OVERHEAD * len(messages)
@@ -130,9 +140,29 @@ def read_request(kind: str, body: bytes, complete: bool, length: int) -> Request
     return info
 
 
+def _count(value: Any) -> int | None:
+    """A token count: a non-negative integer (not a bool), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _input_tokens(usage: dict[str, Any]) -> int | None:
+    """The prompt of a usage object: prompt_tokens, else input_tokens plus Anthropic's
+    cache writes and reads (absent or null: none)."""
+    if "prompt_tokens" in usage:
+        return _count(usage["prompt_tokens"])
+    prompt = _count(usage.get("input_tokens"))
+    if prompt is not None:
+        for key in CACHE_FIELDS:
+            prompt += _count(usage.get(key)) or 0
+    return prompt
+
+
 def usage_of(obj: Any) -> tuple[int, int] | None:
     """(prompt, completion) tokens of an OpenAI `usage` object (chat/completions/
-    embeddings: prompt_/completion_tokens; responses: input_/output_tokens)."""
+    embeddings: prompt_/completion_tokens; responses: input_/output_tokens) or of an
+    Anthropic message's (input_tokens and cache counts, output_tokens)."""
     if not isinstance(obj, dict):
         return None
     usage = obj.get("usage")
@@ -142,11 +172,9 @@ def usage_of(obj: Any) -> tuple[int, int] | None:
         usage = resp.get("usage") if isinstance(resp, dict) else None
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
-    if (not isinstance(prompt, int) or not isinstance(completion, int)
-            or isinstance(prompt, bool) or isinstance(completion, bool)
-            or prompt < 0 or completion < 0):
+    prompt = _input_tokens(usage)
+    completion = _count(usage.get("completion_tokens", usage.get("output_tokens", 0)))
+    if prompt is None or completion is None:
         return None
     return prompt, completion
 
@@ -181,15 +209,23 @@ def completion_text_bytes(obj: Any) -> int:
         texts: list[str] = []
         _text(output, texts)
         n += sum(map(_utf8_len, texts))
+    content = obj.get("content")  # an Anthropic message: its text blocks
+    if obj.get("type") == "message" and isinstance(content, list):
+        texts = []
+        _text(content, texts)
+        n += sum(map(_utf8_len, texts))
     return n
 
 
 class SseReader:
     """Reads an event stream incrementally: feed() each body piece as it passes and
     get the number of text-carrying events it completed; partial lines wait (only the
-    incomplete last line is kept). Tracks usage, generated text bytes and [DONE]."""
+    incomplete last line is kept). Tracks usage, generated text bytes and [DONE].
+    Anthropic's usage comes in parts: `prompt` from message_start (or a message_delta
+    that repeats it), the output from message_delta; `usage` is set once both came."""
 
-    __slots__ = ("partial", "data", "size", "usage", "text_bytes", "done", "events")
+    __slots__ = ("partial", "data", "size", "usage", "text_bytes", "done", "events",
+                 "prompt", "output")
 
     def __init__(self) -> None:
         self.partial = b""
@@ -199,6 +235,8 @@ class SseReader:
         self.text_bytes = 0
         self.done = False
         self.events = 0
+        self.prompt: int | None = None  # Anthropic: the input reported so far
+        self.output: int | None = None  # Anthropic: the cumulative output reported
 
     def feed(self, chunk: bytes) -> int:
         """Returns how many events carrying generated text ended in this chunk."""
@@ -259,12 +297,37 @@ class SseReader:
             obj = wirejson.loads(data)
         except ValueError:
             return 0
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        if kind == "message_start" or kind == "message_delta":
+            self._messages_usage(obj)
+            return 0
         usage = usage_of(obj)
         if usage is not None:
             self.usage = usage
         n = 0 if repeats else completion_text_bytes(obj)
         self.text_bytes += n
         return 1 if n else 0
+
+
+    def _messages_usage(self, obj: dict[str, Any]) -> None:
+        """An Anthropic message_start (message.usage) or message_delta (usage): each
+        count is cumulative, so the last one reported stands (never added up)."""
+        if obj["type"] == "message_start":
+            message = obj.get("message")
+            usage = message.get("usage") if isinstance(message, dict) else None
+        else:
+            usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            return
+        prompt = _input_tokens(usage)
+        if prompt is not None:
+            self.prompt = prompt
+        output = _count(usage.get("output_tokens"))
+        if output is not None and obj["type"] == "message_delta":
+            # message_start's output_tokens is a placeholder (1) before any is generated.
+            self.output = output
+        if self.prompt is not None and self.output is not None:
+            self.usage = (self.prompt, self.output)
 
 
 class JsonReader:
@@ -299,4 +362,5 @@ class JsonReader:
         completion = found.get(b"completion_tokens", found.get(b"output_tokens"))
         if prompt is None or completion is None:
             return None, self.size
-        return (int(prompt), int(completion)), self.size
+        cached = sum(int(found.get(k.encode(), 0)) for k in CACHE_FIELDS)
+        return (int(prompt) + cached, int(completion)), self.size
