@@ -286,6 +286,41 @@ def test_shared_entries_answer_an_authorization_only_when_the_upstream_allows(
         assert _marks(_twice(c, url, script, authorization="Bearer k")) == ["miss", "hit"]
 
 
+@pytest.mark.parametrize("field", ["x-api-key", "api-key", "x-goog-api-key", "x-auth-token",
+                                   "cookie"])
+@pytest.mark.parametrize("cc, stored", [(None, False), ("public", True)])
+def test_shared_entries_hold_every_credential_field_to_the_authorization_rule(
+        start_proxy, upstream, field, cc, stored):
+    """Anthropic's x-api-key, Azure's api-key, Gemini's x-goog-api-key, a session
+    cookie: the upstream checks them as it does Authorization, so with shared = true an
+    answer to one is not kept for another key, or for a caller with none, unless the
+    upstream marks it for others (RFC 9111 3.5). Proxy-Authorization never goes
+    upstream (hop-by-hop), so it does not keep an answer out."""
+    script = {"h": [["Cache-Control", cc]] if cc else [], "tag": field}
+    shared = _proxy(start_proxy, upstream.port, "shared = true")
+    url = f"{shared.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        rs = [c.post(url, json=_body(script), headers={field: f"k{i}"}) for i in range(2)]
+        rs.append(c.post(url, json=_body(script)))
+        assert _marks(rs) == (["miss", "hit", "hit"] if stored else ["miss"] * 3)
+        assert upstream.calls == (1 if stored else 3)
+        hop = {"tag": "proxy-authorization"}
+        assert _marks([c.post(url, json=_body(hop), headers={"proxy-authorization": f"k{i}"})
+                       for i in range(2)]) == ["miss", "hit"]
+
+
+@pytest.mark.parametrize("field", ["x-goog-api-key", "x-auth-token", "cookie"])
+def test_per_caller_entries_are_keyed_by_every_credential_field(start_proxy, upstream, field):
+    """Unless shared, entries are per the credentials a caller sends upstream: another
+    key (or none) from the same address never reads them."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        got = [c.post(url, json=_body({}), headers=h)
+               for h in ({field: "k1"}, {field: "k2"}, {}, {field: "k1"})]
+    assert _marks(got) == ["miss", "miss", "miss", "hit"]
+
+
 def test_shared_entries_behind_auth_need_no_permission(start_proxy, upstream):
     """With [auth] the proxy takes the caller's Authorization itself (it never goes
     upstream): sharing among authenticated callers is the operator's choice."""

@@ -14,8 +14,10 @@ Cache-Control no-cache is not answered from the cache but refreshes it. An entry
 lives for the response's own lifetime (freshness.py) within ttl_ms, its age counting
 the Age it came with. Entries
 are per tenant unless `shared = true`, and, for a caller the proxy did not
-authenticate, per upstream credentials (Authorization, x-api-key, api-key,
-OpenAI-Organization/-Project) as well. Responses carry `x-aiproxy-cache: hit|miss|bypass`.
+authenticate, per upstream credentials (fields.REQUEST_CREDENTIALS: Authorization,
+the API key fields, Cookie; and OpenAI-Organization/-Project) as well. Shared entries
+hold no credentials: an answer to a request whose credentials went upstream is stored
+only when the upstream marks it for others (RFC 9111 3.5). Responses carry `x-aiproxy-cache: hit|miss|bypass`.
 
 With [semantic] on, the request's intent decision and embedding go under
 `ec:<same hash>` when the response is stored; the Exchange asks for it before running
@@ -43,7 +45,7 @@ from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
 from aiproxy.llm.openai import endpoint_of
 from aiproxy.pipeline.filters import Filter, FilterFactory, ResponseHead, StoredResponse
-from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP
+from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, REQUEST_CREDENTIALS
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
@@ -146,10 +148,9 @@ VARIANT_FIELDS = (b"anthropic-version", b"anthropic-beta", b"openai-beta", b"ori
 KEYED = frozenset((b"accept-encoding", *VARIANT_FIELDS))
 
 
-# Request fields that carry the caller's upstream credentials (OpenAI, Anthropic and
-# Azure OpenAI styles) or choose the account they bill to.
-CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"openai-organization",
-               b"openai-project")
+# Request fields that carry the caller's upstream credentials or choose the account
+# they bill to.
+CREDENTIALS = (*REQUEST_CREDENTIALS, b"openai-organization", b"openai-project")
 
 
 KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
@@ -160,7 +161,7 @@ KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
 REFUSED = frozenset((b"no-store", b"no-cache", b"private"))
 NO_STORE = frozenset((b"no-store",))  # all that is refused with ignore_upstream_cache_control
 # Response directives that let a shared cache reuse an answer to a request with
-# Authorization for other requests (RFC 9111 3.5).
+# Authorization for other requests (RFC 9111 3.5); held to every credential field.
 AUTHORIZED = frozenset((b"public", b"s-maxage", b"must-revalidate"))
 
 
@@ -174,7 +175,8 @@ def scope_of(ex: Exchange, tenant: str) -> str:
         # Marked: a subject named like a client address is not that address's callers.
         return f"{tenant}\x1fauthenticated"
     head = ex.head
-    creds = [value for name in CREDENTIALS for value in head.get_all(name)]
+    # Named: `x-api-key: K` and `authorization: K` are not the same credentials.
+    creds = [b"%s:%s" % (name, value) for name in CREDENTIALS for value in head.get_all(name)]
     if not creds:
         return tenant
     digest = hashlib.blake2b(b"\x00".join(creds), digest_size=16).hexdigest()
@@ -196,14 +198,18 @@ def variant_of(ex: Exchange, route_part: str) -> str:
                         codings.decode("latin-1"), versions.decode("latin-1")))
 
 
-def _sends_authorization(ex: Exchange) -> bool:
-    """Whether the caller's own Authorization goes upstream: not when the proxy took it
-    ([auth] removes it: the proxy authorized the request) or the route removes it."""
-    if ex.head.get(b"authorization") is None:
-        return False
-    if ex.up_headers and any(name == b"authorization" for name, _ in ex.up_headers):
-        return False
-    return b"authorization" not in ex.route.req_remove
+def _sends_credentials(ex: Exchange) -> bool:
+    """Whether any of the caller's own credential fields (REQUEST_CREDENTIALS) goes
+    upstream: not one the proxy took ([auth] removes it: the proxy authorized the
+    request) or the route removes."""
+    head = ex.head
+    up = ex.up_headers
+    remove = ex.route.req_remove
+    for name in REQUEST_CREDENTIALS:
+        if (head.get(name) is not None and name not in remove
+                and not (up and any(n == name for n, _ in up))):
+            return True
+    return False
 
 
 def _ends_with_connection(resp: Any) -> bool:
@@ -442,9 +448,11 @@ class CacheFilter(Filter):
             self.lifetime = ttl if given is None else min(given, ttl)
             self.age = freshness.initial_age(resp)
             # Shared entries do not hold the credentials: an answer the upstream gave one
-            # caller's Authorization is for the others only if it says so (RFC 9111 3.5).
+            # caller's Authorization (or API key, or cookie) is for the others, and for
+            # callers with none or a key it would refuse, only if it says so (RFC 9111
+            # 3.5).
             if (self.age < self.lifetime and not cc.keys() & refused
-                    and not (shared and _sends_authorization(ex)
+                    and not (shared and _sends_credentials(ex)
                              and not cc.keys() & AUTHORIZED)
                     and resp.get(b"set-cookie") is None
                     and not _varies_beyond_key(resp, keyed)
