@@ -228,6 +228,36 @@ def test_a_hit_carries_its_age_and_the_upstream_date(start_proxy, upstream):
                    - time.time()) < 3600
 
 
+ONLY = {"cache-control": "only-if-cached"}
+
+
+def _not_cached(r: httpx.Response, mark: str = "miss") -> bool:
+    return (r.status_code == 504 and r.json()["error"]["code"] == "not_cached"
+            and r.headers["x-aiproxy-cache"] == mark)
+
+
+def test_only_if_cached_is_answered_from_the_cache_or_504(start_proxy, upstream):
+    """RFC 9111 5.2.1.7: a request with only-if-cached gets a stored response that meets
+    its other directives, or 504; it never goes upstream."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    script = {"h": [["Cache-Control", "max-age=60"]]}
+    with httpx.Client() as c:
+        assert _not_cached(c.post(url, json=_body(script), headers=ONLY))
+        assert upstream.calls == 0
+        stored = c.post(url, json=_body(script))
+        hit = c.post(url, json=_body(script), headers=ONLY)
+        assert hit.status_code == 200 and hit.headers["x-aiproxy-cache"] == "hit"
+        assert _id(hit) == _id(stored)
+        for cc in ("only-if-cached, no-cache", "only-if-cached, max-age=0"):
+            assert _not_cached(c.post(url, json=_body(script), headers={"cache-control": cc}))
+        assert _not_cached(c.post(url, json=_body(script),
+                                  headers={"cache-control": "no-store, only-if-cached"}),
+                           "bypass")
+        assert _not_cached(c.post(url, json=_body(script, stream=True), headers=ONLY))
+        assert upstream.calls == 1
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp_path):
     import redis
@@ -240,6 +270,8 @@ def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp
         url = f"{proxy.url}/v1/chat/completions"
 
         with httpx.Client() as c:
+            assert _not_cached(c.post(url, json=_body({"tag": "redis"}), headers=ONLY))
+            assert upstream.calls == 0
             for name, fields in STALE.items():
                 assert _marks(_twice(c, url, {"h": fields})) == ["miss", "miss"], name
             for cc in ("no-cache", "private", "no-store"):

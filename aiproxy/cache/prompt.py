@@ -10,7 +10,8 @@ shared cache and does not revalidate) or a Vary
 on a request field the key does not hold (`*`, say; key.py says what it holds), bodies
 over max_entry_bytes, HTTP/1.x bodies delimited by the connection's close (a cut looks
 like an end), requests with Cache-Control no-store. A request with
-Cache-Control no-cache is not answered from the cache but refreshes it. An entry
+Cache-Control no-cache is not answered from the cache but refreshes it; one with
+only-if-cached that the cache cannot answer gets 504 and never goes upstream. An entry
 lives for the response's own lifetime (freshness.py) within ttl_ms, its age counting
 the Age it came with. Entries
 are per tenant unless `shared = true`, and, for a caller the proxy did not
@@ -44,7 +45,13 @@ from aiproxy.cache.key import context_hash, embedding_key, prompt_key, request_h
 from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
 from aiproxy.llm.openai import endpoint_of
-from aiproxy.pipeline.filters import Filter, FilterFactory, ResponseHead, StoredResponse
+from aiproxy.pipeline.filters import (
+    Filter,
+    FilterFactory,
+    LocalReply,
+    ResponseHead,
+    StoredResponse,
+)
 from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, REQUEST_CREDENTIALS
 
 if TYPE_CHECKING:
@@ -130,6 +137,13 @@ def _directives(head: Any) -> dict[bytes, bytes]:
     if not out and b"no-cache" in (head.get(b"pragma") or b"").lower():
         out[b"no-cache"] = b""
     return out
+
+
+def _not_stored(mark: tuple[bytes, bytes]) -> LocalReply:
+    """The answer to `Cache-Control: only-if-cached` the cache cannot give: 504, the
+    request never goes upstream (RFC 9111 5.2.1.7)."""
+    return LocalReply(504, "not_cached", "only-if-cached: no stored response to answer with",
+                      [mark])
 
 
 def _max_age(cc: dict[bytes, bytes]) -> float | None:
@@ -333,7 +347,7 @@ class CacheState:
 
 class CacheFilter(Filter):
     __slots__ = ("state", "route_part", "hash", "key", "mark", "items", "chunks", "size",
-                 "status", "index_key", "max_age", "lifetime", "age")
+                 "status", "index_key", "max_age", "lifetime", "age", "only_if_cached")
 
     def __init__(self, state: CacheState, route_part: str) -> None:
         self.state = state
@@ -349,15 +363,17 @@ class CacheFilter(Filter):
         self.max_age: float | None = None
         self.lifetime = 0.0  # seconds the response being stored is fresh for
         self.age = 0.0  # the Age it came with
+        self.only_if_cached = False
 
-    def request(self, ex: Exchange) -> StoredResponse | None:
+    def request(self, ex: Exchange) -> StoredResponse | LocalReply | None:
         state = self.state
         llm = ex.llm
         cc = _directives(ex.head)
+        self.only_if_cached = b"only-if-cached" in cc
         if llm.body is None or b"no-store" in cc:
             self.mark = BYPASS
             state.bypass += 1
-            return None
+            return _not_stored(BYPASS) if self.only_if_cached else None
         cfg = state.cfg
         h = self.hash = request_hash(llm.endpoint, llm.body)
         scope = None if cfg.shared else scope_of(ex, llm.tenant)
@@ -369,7 +385,8 @@ class CacheFilter(Filter):
         max_age = _max_age(cc)
         if b"no-cache" in cc or max_age == 0:
             state.misses += 1
-            return None  # refresh the entry with the upstream's answer
+            # Refresh the entry with the upstream's answer (no revalidation here).
+            return _not_stored(MISS) if self.only_if_cached else None
         self.max_age = max_age
         if state.shared is not None:
             return self._lookup_shared(ex)
@@ -383,7 +400,7 @@ class CacheFilter(Filter):
             if stored is not None and self._fresh(stored, now):
                 return self._hit(ex, stored, now, True)
         state.misses += 1
-        return None
+        return _not_stored(MISS) if self.only_if_cached else None
 
     def _fresh(self, stored: Stored, now: float) -> bool:
         """Young enough for the ttl (a reload may have shortened it since the entry was
@@ -415,7 +432,7 @@ class CacheFilter(Filter):
         ex.llm.cached = True
         return stored.response(now, ex.llm.stream)
 
-    async def _lookup_shared(self, ex: Exchange) -> StoredResponse | None:
+    async def _lookup_shared(self, ex: Exchange) -> StoredResponse | LocalReply | None:
         shared = self.state.shared
         for key, semantic in ((self.key, False), (self._nearest(ex), True)):
             if key is None:
@@ -428,7 +445,7 @@ class CacheFilter(Filter):
                 if self._fresh(stored, wall):
                     return self._hit(ex, stored, wall, semantic)
         self.state.misses += 1
-        return None
+        return _not_stored(MISS) if self.only_if_cached else None
 
     def response_head(self, ex: Exchange, resp: Any) -> Any:
         if self.key is not None and resp.status == 200:
