@@ -291,7 +291,7 @@ def test_only_whole_clean_answers_are_stored(start_proxy, upstream):
     ("Accept-Encoding, anthropic-version", True),
     ("accept-encoding,OpenAI-Beta", True),
     ("Authorization", True),  # per caller: the key holds the credentials sent
-    ("Accept-Encoding, Cookie", False),
+    ("Accept-Encoding, Cookie", True),  # per caller: Cookie is a credential field
     ("Origin", True),  # a CORS answer: the key holds the Origin
 ])
 def test_a_vary_the_key_does_not_hold_is_not_stored(start_proxy, upstream, vary, stored):
@@ -303,7 +303,7 @@ def test_a_vary_the_key_does_not_hold_is_not_stored(start_proxy, upstream, vary,
         got = [_ask(c, url, _said(f"vary={vary}"), authorization="Bearer k1")[0]
                for _ in range(2)]
     assert got == (["miss", "hit"] if stored else ["miss", "miss"])
-    if vary == "Authorization":  # with shared entries the key holds no credentials
+    if "Cookie" in vary or vary == "Authorization":  # shared: the key holds no credentials
         shared = _proxy(start_proxy, upstream.port, cache="shared = true")
         with httpx.Client() as c:
             url = f"{shared.url}/v1/chat/completions"

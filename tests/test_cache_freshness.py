@@ -228,6 +228,36 @@ def test_a_hit_carries_its_age_and_the_upstream_date(start_proxy, upstream):
                    - time.time()) < 3600
 
 
+ONLY = {"cache-control": "only-if-cached"}
+
+
+def _not_cached(r: httpx.Response, mark: str = "miss") -> bool:
+    return (r.status_code == 504 and r.json()["error"]["code"] == "not_cached"
+            and r.headers["x-aiproxy-cache"] == mark)
+
+
+def test_only_if_cached_is_answered_from_the_cache_or_504(start_proxy, upstream):
+    """RFC 9111 5.2.1.7: a request with only-if-cached gets a stored response that meets
+    its other directives, or 504; it never goes upstream."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    script = {"h": [["Cache-Control", "max-age=60"]]}
+    with httpx.Client() as c:
+        assert _not_cached(c.post(url, json=_body(script), headers=ONLY))
+        assert upstream.calls == 0
+        stored = c.post(url, json=_body(script))
+        hit = c.post(url, json=_body(script), headers=ONLY)
+        assert hit.status_code == 200 and hit.headers["x-aiproxy-cache"] == "hit"
+        assert _id(hit) == _id(stored)
+        for cc in ("only-if-cached, no-cache", "only-if-cached, max-age=0"):
+            assert _not_cached(c.post(url, json=_body(script), headers={"cache-control": cc}))
+        assert _not_cached(c.post(url, json=_body(script),
+                                  headers={"cache-control": "no-store, only-if-cached"}),
+                           "bypass")
+        assert _not_cached(c.post(url, json=_body(script, stream=True), headers=ONLY))
+        assert upstream.calls == 1
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp_path):
     import redis
@@ -240,6 +270,8 @@ def test_redis_entries_keep_the_same_lifetime_and_age(start_proxy, upstream, tmp
         url = f"{proxy.url}/v1/chat/completions"
 
         with httpx.Client() as c:
+            assert _not_cached(c.post(url, json=_body({"tag": "redis"}), headers=ONLY))
+            assert upstream.calls == 0
             for name, fields in STALE.items():
                 assert _marks(_twice(c, url, {"h": fields})) == ["miss", "miss"], name
             for cc in ("no-cache", "private", "no-store"):
@@ -284,6 +316,41 @@ def test_shared_entries_answer_an_authorization_only_when_the_upstream_allows(
     url = f"{scoped.url}/v1/chat/completions"
     with httpx.Client() as c:
         assert _marks(_twice(c, url, script, authorization="Bearer k")) == ["miss", "hit"]
+
+
+@pytest.mark.parametrize("field", ["x-api-key", "api-key", "x-goog-api-key", "x-auth-token",
+                                   "cookie"])
+@pytest.mark.parametrize("cc, stored", [(None, False), ("public", True)])
+def test_shared_entries_hold_every_credential_field_to_the_authorization_rule(
+        start_proxy, upstream, field, cc, stored):
+    """Anthropic's x-api-key, Azure's api-key, Gemini's x-goog-api-key, a session
+    cookie: the upstream checks them as it does Authorization, so with shared = true an
+    answer to one is not kept for another key, or for a caller with none, unless the
+    upstream marks it for others (RFC 9111 3.5). Proxy-Authorization never goes
+    upstream (hop-by-hop), so it does not keep an answer out."""
+    script = {"h": [["Cache-Control", cc]] if cc else [], "tag": field}
+    shared = _proxy(start_proxy, upstream.port, "shared = true")
+    url = f"{shared.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        rs = [c.post(url, json=_body(script), headers={field: f"k{i}"}) for i in range(2)]
+        rs.append(c.post(url, json=_body(script)))
+        assert _marks(rs) == (["miss", "hit", "hit"] if stored else ["miss"] * 3)
+        assert upstream.calls == (1 if stored else 3)
+        hop = {"tag": "proxy-authorization"}
+        assert _marks([c.post(url, json=_body(hop), headers={"proxy-authorization": f"k{i}"})
+                       for i in range(2)]) == ["miss", "hit"]
+
+
+@pytest.mark.parametrize("field", ["x-goog-api-key", "x-auth-token", "cookie"])
+def test_per_caller_entries_are_keyed_by_every_credential_field(start_proxy, upstream, field):
+    """Unless shared, entries are per the credentials a caller sends upstream: another
+    key (or none) from the same address never reads them."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        got = [c.post(url, json=_body({}), headers=h)
+               for h in ({field: "k1"}, {field: "k2"}, {}, {field: "k1"})]
+    assert _marks(got) == ["miss", "miss", "miss", "hit"]
 
 
 def test_shared_entries_behind_auth_need_no_permission(start_proxy, upstream):

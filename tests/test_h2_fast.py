@@ -23,6 +23,8 @@ FIELDS = [
     (b"x-custom", b"value"), (b"x-long", b"v" * 300), (b"n" * 200, b"short"),
     (b"x-binary", bytes(range(0x21, 0x7f)) + bytes(range(0x80, 0x100))),
     (b"authorization", b"Bearer secret"), (b"cookie", b"a=b"), (b"set-cookie", b"c=d"),
+    (b"proxy-authorization", b"Basic eDp5"), (b"x-api-key", b"sk-ant-1"),
+    (b"api-key", b"azure-1"), (b"x-goog-api-key", b"AIza1"), (b"x-auth-token", b"t1"),
     (b"grpc-status", b"0"), (b"grpc-message", b""), (b"te", b"trailers"),
 ]
 
@@ -36,8 +38,11 @@ def test_encoded_fields_decode_to_the_same_list_and_leave_the_table_empty() -> N
         assert [tuple(f) for f in out] == fields
         assert len(dec.header_table.dynamic_entries) == 0
         for got, (name, _value) in zip(out, fields, strict=True):
+            # RFC 7541 7.1.3: credentials (an upstream API key as much as
+            # Authorization) and cookies go out never-indexed.
             secret = name in (b"authorization", b"proxy-authorization", b"cookie",
-                              b"set-cookie")
+                              b"set-cookie", b"x-api-key", b"api-key", b"x-goog-api-key",
+                              b"x-auth-token")
             assert isinstance(got, hpack.NeverIndexedHeaderTuple) == secret
 
 

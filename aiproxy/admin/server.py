@@ -21,6 +21,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from aiproxy.config import Config
 from aiproxy.governance.tracing import build_graph, trace_spans
+from aiproxy.protocols import fields
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.telemetry.metrics import registry_for
 
@@ -46,8 +47,7 @@ SECRET_KEYS = frozenset(("token", "upstream_secret", "salt", "digest", "password
 # [name, op, value]).
 HEADER_LISTS = frozenset(("headers", "header_rules", "request_headers_add",
                           "response_headers_add"))
-CREDENTIAL_FIELDS = frozenset(("authorization", "proxy-authorization", "cookie", "set-cookie",
-                               "x-api-key", "api-key", "x-goog-api-key", "x-auth-token"))
+CREDENTIAL_FIELDS = frozenset(name.decode() for name in fields.CREDENTIAL_FIELDS)
 _URL_PASSWORD = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/@:]*:)[^/@]*@")
 
 

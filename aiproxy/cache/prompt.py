@@ -10,12 +10,15 @@ shared cache and does not revalidate) or a Vary
 on a request field the key does not hold (`*`, say; key.py says what it holds), bodies
 over max_entry_bytes, HTTP/1.x bodies delimited by the connection's close (a cut looks
 like an end), requests with Cache-Control no-store. A request with
-Cache-Control no-cache is not answered from the cache but refreshes it. An entry
+Cache-Control no-cache is not answered from the cache but refreshes it; one with
+only-if-cached that the cache cannot answer gets 504 and never goes upstream. An entry
 lives for the response's own lifetime (freshness.py) within ttl_ms, its age counting
 the Age it came with. Entries
 are per tenant unless `shared = true`, and, for a caller the proxy did not
-authenticate, per upstream credentials (Authorization, x-api-key, api-key,
-OpenAI-Organization/-Project) as well. Responses carry `x-aiproxy-cache: hit|miss|bypass`.
+authenticate, per upstream credentials (fields.REQUEST_CREDENTIALS: Authorization,
+the API key fields, Cookie; and OpenAI-Organization/-Project) as well. Shared entries
+hold no credentials: an answer to a request whose credentials went upstream is stored
+only when the upstream marks it for others (RFC 9111 3.5). Responses carry `x-aiproxy-cache: hit|miss|bypass`.
 
 With [semantic] on, the request's intent decision and embedding go under
 `ec:<same hash>` when the response is stored; the Exchange asks for it before running
@@ -42,8 +45,14 @@ from aiproxy.cache.key import context_hash, embedding_key, prompt_key, request_h
 from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
 from aiproxy.llm.openai import endpoint_of
-from aiproxy.pipeline.filters import Filter, FilterFactory, ResponseHead, StoredResponse
-from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP
+from aiproxy.pipeline.filters import (
+    Filter,
+    FilterFactory,
+    LocalReply,
+    ResponseHead,
+    StoredResponse,
+)
+from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, REQUEST_CREDENTIALS
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
@@ -130,6 +139,13 @@ def _directives(head: Any) -> dict[bytes, bytes]:
     return out
 
 
+def _not_stored(mark: tuple[bytes, bytes]) -> LocalReply:
+    """The answer to `Cache-Control: only-if-cached` the cache cannot give: 504, the
+    request never goes upstream (RFC 9111 5.2.1.7)."""
+    return LocalReply(504, "not_cached", "only-if-cached: no stored response to answer with",
+                      [mark])
+
+
 def _max_age(cc: dict[bytes, bytes]) -> float | None:
     """A request's max-age in seconds: the oldest entry it takes (None: any)."""
     arg = cc.get(b"max-age")
@@ -146,10 +162,9 @@ VARIANT_FIELDS = (b"anthropic-version", b"anthropic-beta", b"openai-beta", b"ori
 KEYED = frozenset((b"accept-encoding", *VARIANT_FIELDS))
 
 
-# Request fields that carry the caller's upstream credentials (OpenAI, Anthropic and
-# Azure OpenAI styles) or choose the account they bill to.
-CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"openai-organization",
-               b"openai-project")
+# Request fields that carry the caller's upstream credentials or choose the account
+# they bill to.
+CREDENTIALS = (*REQUEST_CREDENTIALS, b"openai-organization", b"openai-project")
 
 
 KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
@@ -160,7 +175,7 @@ KEYED_CREDENTIALS = KEYED | frozenset(CREDENTIALS)
 REFUSED = frozenset((b"no-store", b"no-cache", b"private"))
 NO_STORE = frozenset((b"no-store",))  # all that is refused with ignore_upstream_cache_control
 # Response directives that let a shared cache reuse an answer to a request with
-# Authorization for other requests (RFC 9111 3.5).
+# Authorization for other requests (RFC 9111 3.5); held to every credential field.
 AUTHORIZED = frozenset((b"public", b"s-maxage", b"must-revalidate"))
 
 
@@ -174,7 +189,8 @@ def scope_of(ex: Exchange, tenant: str) -> str:
         # Marked: a subject named like a client address is not that address's callers.
         return f"{tenant}\x1fauthenticated"
     head = ex.head
-    creds = [value for name in CREDENTIALS for value in head.get_all(name)]
+    # Named: `x-api-key: K` and `authorization: K` are not the same credentials.
+    creds = [b"%s:%s" % (name, value) for name in CREDENTIALS for value in head.get_all(name)]
     if not creds:
         return tenant
     digest = hashlib.blake2b(b"\x00".join(creds), digest_size=16).hexdigest()
@@ -196,14 +212,18 @@ def variant_of(ex: Exchange, route_part: str) -> str:
                         codings.decode("latin-1"), versions.decode("latin-1")))
 
 
-def _sends_authorization(ex: Exchange) -> bool:
-    """Whether the caller's own Authorization goes upstream: not when the proxy took it
-    ([auth] removes it: the proxy authorized the request) or the route removes it."""
-    if ex.head.get(b"authorization") is None:
-        return False
-    if ex.up_headers and any(name == b"authorization" for name, _ in ex.up_headers):
-        return False
-    return b"authorization" not in ex.route.req_remove
+def _sends_credentials(ex: Exchange) -> bool:
+    """Whether any of the caller's own credential fields (REQUEST_CREDENTIALS) goes
+    upstream: not one the proxy took ([auth] removes it: the proxy authorized the
+    request) or the route removes."""
+    head = ex.head
+    up = ex.up_headers
+    remove = ex.route.req_remove
+    for name in REQUEST_CREDENTIALS:
+        if (head.get(name) is not None and name not in remove
+                and not (up and any(n == name for n, _ in up))):
+            return True
+    return False
 
 
 def _ends_with_connection(resp: Any) -> bool:
@@ -327,7 +347,7 @@ class CacheState:
 
 class CacheFilter(Filter):
     __slots__ = ("state", "route_part", "hash", "key", "mark", "items", "chunks", "size",
-                 "status", "index_key", "max_age", "lifetime", "age")
+                 "status", "index_key", "max_age", "lifetime", "age", "only_if_cached")
 
     def __init__(self, state: CacheState, route_part: str) -> None:
         self.state = state
@@ -343,15 +363,17 @@ class CacheFilter(Filter):
         self.max_age: float | None = None
         self.lifetime = 0.0  # seconds the response being stored is fresh for
         self.age = 0.0  # the Age it came with
+        self.only_if_cached = False
 
-    def request(self, ex: Exchange) -> StoredResponse | None:
+    def request(self, ex: Exchange) -> StoredResponse | LocalReply | None:
         state = self.state
         llm = ex.llm
         cc = _directives(ex.head)
+        self.only_if_cached = b"only-if-cached" in cc
         if llm.body is None or b"no-store" in cc:
             self.mark = BYPASS
             state.bypass += 1
-            return None
+            return _not_stored(BYPASS) if self.only_if_cached else None
         cfg = state.cfg
         h = self.hash = request_hash(llm.endpoint, llm.body)
         scope = None if cfg.shared else scope_of(ex, llm.tenant)
@@ -363,7 +385,8 @@ class CacheFilter(Filter):
         max_age = _max_age(cc)
         if b"no-cache" in cc or max_age == 0:
             state.misses += 1
-            return None  # refresh the entry with the upstream's answer
+            # Refresh the entry with the upstream's answer (no revalidation here).
+            return _not_stored(MISS) if self.only_if_cached else None
         self.max_age = max_age
         if state.shared is not None:
             return self._lookup_shared(ex)
@@ -377,7 +400,7 @@ class CacheFilter(Filter):
             if stored is not None and self._fresh(stored, now):
                 return self._hit(ex, stored, now, True)
         state.misses += 1
-        return None
+        return _not_stored(MISS) if self.only_if_cached else None
 
     def _fresh(self, stored: Stored, now: float) -> bool:
         """Young enough for the ttl (a reload may have shortened it since the entry was
@@ -409,7 +432,7 @@ class CacheFilter(Filter):
         ex.llm.cached = True
         return stored.response(now, ex.llm.stream)
 
-    async def _lookup_shared(self, ex: Exchange) -> StoredResponse | None:
+    async def _lookup_shared(self, ex: Exchange) -> StoredResponse | LocalReply | None:
         shared = self.state.shared
         for key, semantic in ((self.key, False), (self._nearest(ex), True)):
             if key is None:
@@ -422,7 +445,7 @@ class CacheFilter(Filter):
                 if self._fresh(stored, wall):
                     return self._hit(ex, stored, wall, semantic)
         self.state.misses += 1
-        return None
+        return _not_stored(MISS) if self.only_if_cached else None
 
     def response_head(self, ex: Exchange, resp: Any) -> Any:
         if self.key is not None and resp.status == 200:
@@ -442,9 +465,11 @@ class CacheFilter(Filter):
             self.lifetime = ttl if given is None else min(given, ttl)
             self.age = freshness.initial_age(resp)
             # Shared entries do not hold the credentials: an answer the upstream gave one
-            # caller's Authorization is for the others only if it says so (RFC 9111 3.5).
+            # caller's Authorization (or API key, or cookie) is for the others, and for
+            # callers with none or a key it would refuse, only if it says so (RFC 9111
+            # 3.5).
             if (self.age < self.lifetime and not cc.keys() & refused
-                    and not (shared and _sends_authorization(ex)
+                    and not (shared and _sends_credentials(ex)
                              and not cc.keys() & AUTHORIZED)
                     and resp.get(b"set-cookie") is None
                     and not _varies_beyond_key(resp, keyed)

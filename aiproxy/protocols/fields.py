@@ -24,6 +24,17 @@ _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
 _FLAGS = {b"content-length": F_CONTENT_LENGTH, b"host": F_HOST, b"x-forwarded-for": F_XFF,
           b"x-forwarded-proto": F_XFP}
 
+# Request fields that carry a caller's credentials to the upstream: HTTP authentication,
+# the API key fields of Anthropic (x-api-key), Azure OpenAI (api-key), Gemini
+# (x-goog-api-key) and OpenStack-style APIs (x-auth-token), and cookies. The cache keys
+# its entries by them (aiproxy/cache/prompt.py).
+REQUEST_CREDENTIALS = (b"authorization", b"x-api-key", b"api-key", b"x-goog-api-key",
+                       b"x-auth-token", b"cookie")
+# Every field whose value is a secret: those, Proxy-Authorization (credentials for one
+# hop) and Set-Cookie. The admin /config view redacts their values; HTTP/2 sends them
+# never-indexed (RFC 7541 7.1.3) and does not keep their encoding.
+CREDENTIAL_FIELDS = frozenset((*REQUEST_CREDENTIALS, b"proxy-authorization", b"set-cookie"))
+
 
 # RFC 9110 6.5.1: besides hop fields, what a trailer section must not carry (framing,
 # routing): dropped when request trailers are forwarded.

@@ -39,6 +39,8 @@ from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
 from hyperframe.frame import ExtensionFrame, RstStreamFrame
 
+from aiproxy.protocols.fields import CREDENTIAL_FIELDS
+
 T_DATA = 0x0
 T_HEADERS = 0x1
 T_CONTINUATION = 0x9
@@ -69,7 +71,7 @@ _STATIC_NAMES: dict[bytes, int] = {}
 for _i, _field in enumerate(HeaderTable.STATIC_TABLE, 1):
     _STATIC.setdefault(_field, _i)
     _STATIC_NAMES.setdefault(_field[0], _i)
-_SECRET = frozenset((b"authorization", b"proxy-authorization", b"cookie", b"set-cookie"))
+_SECRET = CREDENTIAL_FIELDS
 _CACHE: dict[tuple[bytes, bytes], bytes] = {}
 CACHE_LIMIT = 4096
 
