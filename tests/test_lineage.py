@@ -175,6 +175,13 @@ service_name = "edge-1"
     attrs = {kv.key: kv.value for kv in spans[0].attributes}
     assert attrs["http.response.status_code"].int_value == 200
     assert attrs["aiproxy.route"].string_value == "all"
+    # OpenTelemetry's HTTP server span: server.* is the proxy as addressed, not upstream
+    assert attrs["url.scheme"].string_value == "http"
+    assert attrs["network.protocol.version"].string_value == "1.1"
+    assert attrs["client.address"].string_value == "127.0.0.1"
+    assert attrs["server.address"].string_value == "127.0.0.1"
+    assert attrs["server.port"].int_value == proxy.port
+    assert attrs["aiproxy.upstream.address"].string_value == f"127.0.0.1:{demo_upstream}"
     assert spans[0].end_time_unix_nano > spans[0].start_time_unix_nano
 
 
@@ -239,3 +246,17 @@ def test_a_span_keeps_the_first_1024_characters_of_a_long_path(start_proxy, demo
     assert r.status_code == 200
     (span,) = httpx.get(f"http://127.0.0.1:{admin}/lineage/{TRACE}").json()["spans"]
     assert span["path"] == path[:1024]
+
+
+@pytest.mark.parametrize(("host", "attrs"), [
+    ("api.example.com", [("server.address", "api.example.com")]),
+    ("api.example.com:8443", [("server.address", "api.example.com"), ("server.port", 8443)]),
+    ("[::1]:8080", [("server.address", "::1"), ("server.port", 8080)]),
+    ("[::1]", [("server.address", "::1")]),
+    ("example.com:99999", [("server.address", "example.com")]),
+    (None, []),
+])
+def test_host_becomes_server_address_and_port(host, attrs):
+    from aiproxy.governance.otlp import host_attributes
+
+    assert host_attributes(host) == attrs

@@ -34,11 +34,32 @@ def _attr(key: str, value: Any) -> Any:
     return KeyValue(key=key, value=v)
 
 
+# OpenTelemetry's HTTP server span attributes (semantic conventions 1.26+): server.* is
+# the proxy as the client addressed it (the Host), not the upstream, which is aiproxy's own.
 ATTRIBUTES = (("method", "http.request.method"), ("path", "url.path"),
+              ("scheme", "url.scheme"), ("protocol", "network.protocol.version"),
+              ("client", "client.address"),
               ("status", "http.response.status_code"), ("route", "aiproxy.route"),
-              ("cluster", "aiproxy.cluster"), ("endpoint", "server.address"),
+              ("cluster", "aiproxy.cluster"), ("endpoint", "aiproxy.upstream.address"),
               ("model_id", "gen_ai.request.model"), ("caller_model_id", "aiproxy.caller_model"),
               ("subject", "enduser.id"))
+
+
+def host_attributes(host: str | None) -> list[tuple[str, str | int]]:
+    """server.address and server.port of a Host value ("example.com:8443", "[::1]")."""
+    if not host:
+        return []
+    name, port = host, ""
+    if host.startswith("["):
+        end = host.find("]")
+        if end > 0:
+            name, port = host[1:end], host[end + 2:] if host[end + 1:end + 2] == ":" else ""
+    elif host.count(":") == 1:
+        name, _, port = host.partition(":")
+    out: list[tuple[str, str | int]] = [("server.address", name)]
+    if port.isdigit() and 0 < int(port) < 65536:
+        out.append(("server.port", int(port)))
+    return out
 
 
 def to_proto(span: dict[str, Any]) -> Any:
@@ -50,7 +71,8 @@ def to_proto(span: dict[str, Any]) -> Any:
         name=f"{span['method']} {span['route'] or span['path']}", kind=SPAN_KIND_SERVER,
         start_time_unix_nano=start,
         end_time_unix_nano=start + int(span["duration_ms"] * 1e6),
-        attributes=[_attr(name, span[k]) for k, name in ATTRIBUTES if span.get(k) is not None])
+        attributes=[_attr(name, span[k]) for k, name in ATTRIBUTES if span.get(k) is not None]
+        + [_attr(name, value) for name, value in host_attributes(span.get("host"))])
     if span["parent_id"]:
         out.parent_span_id = bytes.fromhex(span["parent_id"])
     if span["status"] >= 500 or not span["status"]:

@@ -106,6 +106,7 @@ MAX_SPANS = 256  # per trace
 # dict of some hundred bytes) would be theirs to fill.
 MAX_STORED_SPANS = 50_000
 MAX_PATH = 1024  # characters of a span's path kept (url.path; the query is never kept)
+MAX_HOST = 256  # of the Host (server.address and server.port)
 
 
 class LineageStore:
@@ -199,6 +200,11 @@ class TraceFilter(Filter):
             "subject": ex.identity.subject if ex.identity is not None else None,
             "method": ex.method.decode("latin-1"),
             "path": ex.path[:MAX_PATH].decode("latin-1"),
+            "scheme": ex.down.scheme.decode("latin-1"),
+            "protocol": "2" if ex.head.version == 20 else f"1.{ex.head.version % 10}",
+            "client": ex.down.peer.decode("latin-1"),
+            "host": (ex.head.host if not ex.host_line else ex.host_line[6:-2] or b""
+                     )[:MAX_HOST].decode("latin-1") or None,
             "status": ex.status,
             "start": self.start,
             "duration_ms": round((time.time() - self.start) * 1000, 3),
