@@ -260,3 +260,23 @@ def test_host_becomes_server_address_and_port(host, attrs):
     from aiproxy.governance.otlp import host_attributes
 
     assert host_attributes(host) == attrs
+
+
+def test_a_collector_that_is_down_is_reported_now_and_then(start_proxy, demo_upstream):
+    """Spans go out every 0.2 s; with no collector listening each export fails at once.
+    One warning says so (with how many spans were lost since), not one per batch."""
+    from tests.conftest import simple_config
+    from tests.support import stop_process
+
+    down = free_port()  # nothing listens there
+    proxy = start_proxy("[server]\nworkers = 1\n" + simple_config(demo_upstream)
+                        + f'\n[tracing]\notlp_endpoint = "127.0.0.1:{down}"\n')
+    with httpx.Client(timeout=10) as c:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:  # a flush or more every 0.2 s, each a failure
+            assert c.get(f"{proxy.url}/echo").status_code == 200
+            time.sleep(0.02)
+    log = stop_process(proxy.proc)
+    lines = [line for line in log.splitlines() if "OTLP export" in line]
+    assert len(lines) == 1, lines
+    assert f"127.0.0.1:{down}" in lines[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -18,6 +19,7 @@ log = logging.getLogger("aiproxy.otlp")
 MAX_QUEUE = 10_000
 MAX_BATCH = 512
 FLUSH_S = 0.2
+REPORT_EVERY = 60  # seconds between warnings of failed exports
 SPAN_KIND_SERVER = 2
 STATUS_ERROR = 2
 
@@ -93,6 +95,8 @@ class OtlpExporter:
         self.cond = threading.Condition()
         self.stopping = False
         self.exported = self.dropped = self.failed = 0
+        self.reported_at = -REPORT_EVERY
+        self.unreported = 0
         self.thread = threading.Thread(target=self._run, name="otlp-export", daemon=True)
         self.thread.start()
 
@@ -133,12 +137,27 @@ class OtlpExporter:
                     self.exported += len(batch)
                 except Exception as exc:  # the collector's problem must not stop export
                     self.failed += len(batch)
-                    log.warning("OTLP export of %d spans to %s failed: %s", len(batch),
-                                self.endpoint, exc)
+                    self._report(len(batch), exc)
                     break
             if stopping:
                 self.channel.close()
                 return
+
+    def _report(self, lost: int, exc: Exception) -> None:
+        """One warning a REPORT_EVERY at most: a collector that is down fails every
+        flush (five a second), each with grpc's multi-line error text."""
+        self.unreported += lost
+        now = time.monotonic()
+        if now - self.reported_at < REPORT_EVERY:
+            return
+        code = getattr(exc, "code", None)
+        why = (f"{code().name}: {exc.details()}" if callable(code)  # a grpc.RpcError
+               else str(exc) or type(exc).__name__)
+        log.warning("OTLP export to %s failed, %d spans dropped since the last report "
+                    "(reported at most every %d s): %s", self.endpoint, self.unreported,
+                    REPORT_EVERY, " ".join(why.split()))
+        self.reported_at = now
+        self.unreported = 0
 
     def close(self, wait: bool = True) -> None:
         """Stop after sending what is queued; `wait` (at shutdown) up to 10 s for that.
