@@ -45,7 +45,7 @@ from aiproxy.pipeline.filters import (
     StoredResponse,
 )
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
-from aiproxy.protocols.replies import error_body, grpc_status_for
+from aiproxy.protocols.replies import error_body, grpc_status_for, grpc_status_value
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
@@ -144,7 +144,7 @@ class Exchange(ExchangeBase):
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
-        "info_budget", "upstream_error", "no_intent",
+        "info_budget", "upstream_error", "no_intent", "grpc_status",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -190,6 +190,7 @@ class Exchange(ExchangeBase):
         self.t_start_pc = now if now < self.t_parsed else self.t_parsed
         self.filters = ()
         self.body_len = -1  # Content-Length of a rewritten body
+        self.grpc_status = -1  # a gRPC call's grpc-status as the client got it; -1: none
 
     @property
     def gov(self) -> dict[str, Any]:
@@ -1213,6 +1214,8 @@ class Exchange(ExchangeBase):
         self.status = status
         self.head_sent = True
         self.activity = self.t_first = t_first  # one clock read: microseconds apart
+        if self.grpc:  # a trailers-only response carries it in its head
+            self.grpc_status = grpc_status_value(resp.get(b"grpc-status"))
         if mode == BODY_TUNNEL:
             return self._start_tunnel(resp)
         if self.filters:
@@ -1244,6 +1247,10 @@ class Exchange(ExchangeBase):
                 self.pool.release(up)
             else:
                 up.close()
+        if self.grpc and trailers:
+            for name, value in trailers:
+                if name == b"grpc-status":
+                    self.grpc_status = grpc_status_value(value)
         if self.filters:
             self._end_filtered(trailers)
             return
@@ -1342,7 +1349,8 @@ class Exchange(ExchangeBase):
     def _end_grpc(self, status: int, code: str, message: str) -> None:
         """End a gRPC call whose response headers went out: its status in trailers."""
         self.status = status
-        self.down.send_end([(b"grpc-status", b"%d" % grpc_status_for(status, code)),
+        self.grpc_status = grpc_status_for(status, code)
+        self.down.send_end([(b"grpc-status", b"%d" % self.grpc_status),
                             (b"grpc-message", quote(message).encode())])
         self._finish(False)
 

@@ -706,8 +706,9 @@ class H2Stream(StreamOutput, Downstream):
         extra = headers or []
         if ex.grpc:
             # gRPC callers get a trailers-only response, never an HTTP error page.
+            ex.grpc_status = replies.grpc_status_for(status, code)
             self._headers([(b":status", b"200"), (b"content-type", b"application/grpc"),
-                           (b"grpc-status", b"%d" % replies.grpc_status_for(status, code)),
+                           (b"grpc-status", b"%d" % ex.grpc_status),
                            (b"grpc-message", quote(message).encode()), *extra], True)
             self.ended = True
             return True

@@ -37,6 +37,9 @@ STATUS_SLOTS = 600  # statuses 0-599 are counted in a C array; others (none expe
 COMPLETE = "complete"
 UPSTREAM_ERROR = "upstream_error"
 CLIENT_CLOSED = "client_closed"
+# aiproxy_grpc_calls_total's `grpc_status`: the 17 codes of the gRPC spec, "none" for a
+# call that ended without one (cancelled, reset), "other" for a code past the spec's.
+GRPC_LABELS = tuple(str(code) for code in range(17))
 
 
 class StatusCounts:
@@ -69,6 +72,8 @@ class Metrics:
     def __init__(self) -> None:
         # route name -> cluster name -> StatusCounts: two lookups by interned str, no tuple.
         self.requests: dict[str, dict[str, StatusCounts]] = {}
+        # gRPC calls by (route, cluster, grpc_status label).
+        self.grpc: dict[tuple[str, str, str], int] = {}
         # The last (route, cluster) counted, by identity: most requests repeat it.
         self.last_route: str | None = None
         self.last_cluster: str | None = None
@@ -108,6 +113,11 @@ class Metrics:
         else:
             counts.add_outcome(UPSTREAM_ERROR if ex.upstream_error is not None
                                else CLIENT_CLOSED, status)
+        if ex.grpc:
+            code = ex.grpc_status
+            key = (route, cluster, GRPC_LABELS[code] if 0 <= code <= 16
+                   else "none" if code < 0 else "other")
+            self.grpc[key] = self.grpc.get(key, 0) + 1
         self.bytes_in += bytes_in
         self.bytes_out += bytes_out
         start = ex.t_start_pc
@@ -143,6 +153,13 @@ class ProxyCollector:
                 for outcome, status, count in counts.items():
                     requests.add_metric([route, cluster, str(status), outcome], count)
         yield requests
+        grpc_calls = CounterMetricFamily(
+            "aiproxy_grpc_calls", "gRPC calls by route, cluster and the grpc-status the "
+            "client got (none: the call ended without one)",
+            labels=["route", "cluster", "grpc_status"])
+        for (route, cluster, code), count in sorted(m.grpc.items()):
+            grpc_calls.add_metric([route, cluster, code], count)
+        yield grpc_calls
         for name, hist in m.stages.items():
             family = HistogramMetricFamily(
                 f"aiproxy_stage_{name}_seconds", f"Time spent in stage {name}")

@@ -61,6 +61,8 @@ class Telemetry(Reporter):
             "timings_ms": {k: ms(v) for k, v in timings.items() if k != "total"},
             "trace_id": ex.trace_id or trace_id(head.get_all(b"traceparent")),
         }
+        if ex.grpc:  # the HTTP status is 200 for nearly every call: the gRPC one says more
+            record["grpc_status"] = ex.grpc_status if ex.grpc_status >= 0 else None
         if ex.no_intent is not None:  # semantic routing made no intent: why
             record["no_intent"] = ex.no_intent
         if ex.client_lost:
