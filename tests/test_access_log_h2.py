@@ -1,5 +1,6 @@
-"""Access log lines and request metrics of gRPC: the grpc-status of each call (a real
-grpcio client and server, and raw frames)."""
+"""Access log lines and request metrics of HTTP/2 and gRPC: the grpc-status of each call
+(a real grpcio client and server, and raw frames), one line for each stream however it
+ended (a client's reset, a stream the proxy reset for a protocol error)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from hyperframe.frame import DataFrame
+from hyperframe.frame import DataFrame, RstStreamFrame
 
 from tests.conftest import simple_config
 from tests.grpc_support import (
@@ -166,4 +167,52 @@ def test_grpc_call_the_client_cancels_has_no_grpc_status(
         stream.cancel()
     [line] = _lines(log, 1)
     assert line["grpc_status"] is None and line["client_closed"] is True, line
+
+
+def test_h2_streams_that_end_in_an_error_get_one_line_each(start_proxy, demo_upstream,
+                                                            tmp_path: Path) -> None:
+    """RFC 9113 8.1.1: a malformed request is a stream error. One the proxy resets
+    before it was a request (a connection-specific field, a `:path` that is no
+    request-target) gets a `rejected` line, as HTTP/1.1's 400s do; one whose body does
+    not add up to its content-length (at a DATA frame, or at trailers) a line with
+    `stream_error` and 400, not the client_closed/499 of a client's own reset, which
+    still gets its line."""
+    log = tmp_path / "access.log"
+    proxy = start_proxy(f'[access_log]\npath = "{log}"\nflush_interval_ms = 20\n'
+                        + simple_config(demo_upstream), 'protocols = ["h2c"]')
+    base = [(":method", "GET"), (":scheme", "http"), (":authority", "test")]
+    with FrameClient(proxy.port) as client:
+        client.handshake()
+        client.send(client.headers(1, [*base, (":path", "/a"), ("connection", "close")]))
+        assert client.response(1).reset == 1
+        client.send(client.headers(3, [*base, (":path", "/b c")]))
+        assert client.response(3).reset == 1
+        short = DataFrame(5, data=b"abc")
+        short.flags.add("END_STREAM")
+        client.send(client.request(5, "/echo/short", "POST", [("content-length", "10")],
+                                   end_stream=False), short)
+        assert client.response(5).reset == 1
+        client.send(client.request(7, "/echo/trailers", "POST", [("content-length", "10")],
+                                   end_stream=False), DataFrame(7, data=b"abc"),
+                    client.headers(7, [("x-trailer", "t")]))
+        assert client.response(7).reset == 1
+        client.send(client.request(9, "/delay/5000", "POST", end_stream=False))
+        time.sleep(0.2)  # let it reach the upstream: a reset mid-request
+        client.send(RstStreamFrame(9, error_code=8))
+        client.send(client.request(11, "/echo/ok"))
+        assert client.response(11).status == 200
+    lines = _lines(log, 6)
+    assert len(lines) == 6, lines
+    rejected = [x for x in lines if "rejected" in x]
+    assert [(x["protocol"], x["status"], x["method"]) for x in rejected] == [
+        ("HTTP/2", 400, None)] * 2, rejected
+    by_path = {x["path"]: x for x in lines if x["path"]}
+    for path in ("/echo/short", "/echo/trailers"):
+        line = by_path[path]
+        assert line["status"] == 400 and "content-length" in line["stream_error"], line
+        assert "client_closed" not in line
+    assert by_path["/delay/5000"]["status"] == 499
+    assert by_path["/delay/5000"]["client_closed"] is True
+    assert by_path["/echo/ok"]["status"] == 200
+    assert not {"client_closed", "stream_error"} & set(by_path["/echo/ok"])
 

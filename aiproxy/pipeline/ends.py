@@ -44,9 +44,10 @@ class Reporter:
         raise NotImplementedError
 
     def rejected(self, peer: bytes, status: int, reason: str, bytes_in: int,
-                 bytes_out: int) -> None:
+                 bytes_out: int, protocol: str = "HTTP/1.1") -> None:
         """A message refused before it became a request (it could not be framed, or its
-        head did not arrive in time): answered `status` and the connection closed."""
+        head did not arrive in time): answered `status` and the connection closed; an
+        HTTP/2 one (`protocol`), its stream reset."""
 
 
 class Downstream:

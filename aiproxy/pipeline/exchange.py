@@ -145,6 +145,7 @@ class Exchange(ExchangeBase):
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
         "info_budget", "upstream_error", "no_intent", "grpc_status",
+        "stream_error",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -163,7 +164,8 @@ class Exchange(ExchangeBase):
         it), intent/intent_domain/intent_decision, retry_handle, hold (the pool to
         use once a held body is rewritten), upstream_error (why the upstream failed
         after the response head went out: the client got a cut-off response), no_intent
-        (why a request semantic routing looked at got no intent: see _classify)."""
+        (why a request semantic routing looked at got no intent: see _classify),
+        stream_error (why the proxy reset the client's HTTP/2 stream, RFC 9113 8.1.1)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
