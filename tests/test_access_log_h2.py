@@ -1,11 +1,14 @@
 """Access log lines and request metrics of HTTP/2 and gRPC: the grpc-status of each call
 (a real grpcio client and server, and raw frames), one line for each stream however it
-ended (a client's reset, a stream the proxy reset for a protocol error)."""
+ended (a client's reset, a stream the proxy reset for a protocol error), and requests
+cut by the drain deadline told apart from clients that left."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,3 +219,48 @@ def test_h2_streams_that_end_in_an_error_get_one_line_each(start_proxy, demo_ups
     assert by_path["/echo/ok"]["status"] == 200
     assert not {"client_closed", "stream_error"} & set(by_path["/echo/ok"])
 
+
+def test_requests_cut_by_the_drain_deadline_say_so(start_proxy, demo_upstream,
+                                                   tmp_path: Path) -> None:
+    """SIGTERM with drain_timeout_ms: what is still running at the deadline is cut by
+    the proxy, and its line says `drained` (503 when no response head had gone out),
+    not client_closed; a TCP tunnel's line says `ended: "drained"`."""
+    log = tmp_path / "access.log"
+    admin = free_port()
+    tcp = free_port()
+    proxy = start_proxy(f"""
+[server]
+workers = 1
+drain_timeout_ms = 500
+[access_log]
+path = "{log}"
+flush_interval_ms = 20
+{admin_block(admin)}
+[[listeners]]
+name = "tcp"
+address = "127.0.0.1:{tcp}"
+protocols = ["tcp"]
+cluster = "up"
+""" + simple_config(demo_upstream), 'protocols = ["http1", "h2c"]')
+    wait_ready(admin)
+    with (socket.create_connection(("127.0.0.1", proxy.port)) as h1,
+          socket.create_connection(("127.0.0.1", tcp)) as tunnel,
+          FrameClient(proxy.port) as client):
+        h1.sendall(b"GET /delay/10000 HTTP/1.1\r\nHost: a\r\n\r\n")
+        client.handshake()
+        client.send(client.request(1, "/delay/10000"))
+        tunnel.sendall(b"GET /echo/tunnel HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert tunnel.recv(12) == b"HTTP/1.1 200"
+        deadline = time.monotonic() + 10
+        while scrape(admin).get(("aiproxy_active_connections", ())) != 3:
+            assert time.monotonic() < deadline, "the connections never arrived"
+            time.sleep(0.05)
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert proxy.proc.wait(10) == 0
+    lines = _lines(log, 3)
+    http = sorted((x for x in lines if x.get("protocol") != "tcp"), key=lambda x: x["protocol"])
+    assert [(x["protocol"], x["path"], x["status"], x.get("drained")) for x in http] == [
+        ("HTTP/1.1", "/delay/10000", 503, True), ("HTTP/2", "/delay/10000", 503, True)]
+    assert not any("client_closed" in x for x in http), http
+    [tunnel_line] = [x for x in lines if x.get("protocol") == "tcp"]
+    assert tunnel_line["ended"] == "drained", tunnel_line

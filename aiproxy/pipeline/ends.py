@@ -32,7 +32,9 @@ class ServerCore:
     """What the per-request path reads of the server (app.ProxyServer is the subclass):
     C fields, so a connection or exchange reads them without an attribute lookup."""
 
-    __slots__ = ("runtime", "telemetry", "draining")
+    # drain_expired: the drain deadline has passed and the connections left are being
+    # cut: what they lose is the proxy's doing, not the client's.
+    __slots__ = ("runtime", "telemetry", "draining", "drain_expired")
 
 
 class Reporter:

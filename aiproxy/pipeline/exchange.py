@@ -145,7 +145,7 @@ class Exchange(ExchangeBase):
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
         "info_budget", "upstream_error", "no_intent", "grpc_status",
-        "stream_error",
+        "stream_error", "drained",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -165,7 +165,8 @@ class Exchange(ExchangeBase):
         use once a held body is rewritten), upstream_error (why the upstream failed
         after the response head went out: the client got a cut-off response), no_intent
         (why a request semantic routing looked at got no intent: see _classify),
-        stream_error (why the proxy reset the client's HTTP/2 stream, RFC 9113 8.1.1)."""
+        stream_error (why the proxy reset the client's HTTP/2 stream, RFC 9113 8.1.1);
+        drained (the client was cut by the drain deadline: see on_client_lost)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -1388,6 +1389,7 @@ class Exchange(ExchangeBase):
         if self.finished:
             return
         self.client_lost = True
+        self.drained = self.down.server.drain_expired  # the proxy cut it, not the client
         self.finished = True
         self._unsplice()
         self._drop_upstream()

@@ -34,12 +34,13 @@ STATUS_SLOTS = 600  # statuses 0-599 are counted in a C array; others (none expe
 # aiproxy_requests_total's `outcome`, as the access log tells them apart: the response
 # went out whole (whatever its status), the upstream cut it off after its head
 # (`upstream_error`), the client left first (`client_closed`; 499 if before the head),
-# or the proxy reset the client's HTTP/2 stream for a protocol error (`stream_error`;
-# 400 if before the head).
+# the proxy reset the client's HTTP/2 stream for a protocol error (`stream_error`; 400
+# if before the head) or cut it at the drain deadline (`drained`; 503 if before).
 COMPLETE = "complete"
 UPSTREAM_ERROR = "upstream_error"
 CLIENT_CLOSED = "client_closed"
 STREAM_ERROR = "stream_error"
+DRAINED = "drained"
 # aiproxy_grpc_calls_total's `grpc_status`: the 17 codes of the gRPC spec, "none" for a
 # call that ended without one (cancelled, reset), "other" for a code past the spec's.
 GRPC_LABELS = tuple(str(code) for code in range(17))
@@ -117,7 +118,7 @@ class Metrics:
             counts.add_outcome(UPSTREAM_ERROR, status)
         else:
             counts.add_outcome(STREAM_ERROR if ex.stream_error is not None
-                               else CLIENT_CLOSED, status)
+                               else DRAINED if ex.drained else CLIENT_CLOSED, status)
         if ex.grpc:
             code = ex.grpc_status
             key = (route, cluster, GRPC_LABELS[code] if 0 <= code <= 16
@@ -152,7 +153,8 @@ class ProxyCollector:
         requests = CounterMetricFamily(
             "aiproxy_requests", "Requests answered, by route, cluster, status and outcome "
             "(complete, upstream_error: cut off by the upstream, client_closed, "
-            "stream_error: HTTP/2 stream reset for a protocol error)",
+            "stream_error: HTTP/2 stream reset for a protocol error, drained: cut by the "
+            "drain deadline)",
             labels=["route", "cluster", "status", "outcome"])
         for route, by_cluster in sorted(m.requests.items()):
             for cluster, counts in sorted(by_cluster.items()):

@@ -16,13 +16,16 @@ if TYPE_CHECKING:
 # nginx's code for "the client closed the connection before the response".
 CLIENT_CLOSED = 499
 # Before the response, a stream reset for a malformed request is what HTTP/1.1 answers
-# 400.
+# 400; a request cut by the drain deadline, the server going away (503).
 STREAM_ERROR = 400
+DRAINED = 503
 
 
 def lost_status(ex: Exchange) -> int:
     """The status of an exchange whose client side ended before a response head."""
-    return STREAM_ERROR if ex.stream_error is not None else CLIENT_CLOSED
+    if ex.stream_error is not None:
+        return STREAM_ERROR
+    return DRAINED if ex.drained else CLIENT_CLOSED
 
 
 def trace_id(traceparents: list[bytes]) -> str | None:
@@ -76,6 +79,8 @@ class Telemetry(Reporter):
         if ex.client_lost:  # how it ended: the client left, or the proxy cut it
             if ex.stream_error is not None:
                 record["stream_error"] = ex.stream_error
+            elif ex.drained:
+                record["drained"] = True
             else:
                 record["client_closed"] = True
         if ex.upstream_error is not None:  # the response was cut off: an error, not a 200
