@@ -7,7 +7,7 @@ cdef class Reporter:
 cdef class ServerCore:
     cdef public object runtime  # a server.runtime.Runtime, swapped on reload
     cdef public Reporter telemetry
-    cdef public bint draining
+    cdef public bint draining, drain_expired
 
 
 cdef class Downstream:

@@ -32,7 +32,9 @@ class ServerCore:
     """What the per-request path reads of the server (app.ProxyServer is the subclass):
     C fields, so a connection or exchange reads them without an attribute lookup."""
 
-    __slots__ = ("runtime", "telemetry", "draining")
+    # drain_expired: the drain deadline has passed and the connections left are being
+    # cut: what they lose is the proxy's doing, not the client's.
+    __slots__ = ("runtime", "telemetry", "draining", "drain_expired")
 
 
 class Reporter:
@@ -44,9 +46,10 @@ class Reporter:
         raise NotImplementedError
 
     def rejected(self, peer: bytes, status: int, reason: str, bytes_in: int,
-                 bytes_out: int) -> None:
+                 bytes_out: int, protocol: str = "HTTP/1.1") -> None:
         """A message refused before it became a request (it could not be framed, or its
-        head did not arrive in time): answered `status` and the connection closed."""
+        head did not arrive in time): answered `status` and the connection closed; an
+        HTTP/2 one (`protocol`), its stream reset."""
 
 
 class Downstream:

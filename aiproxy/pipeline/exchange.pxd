@@ -40,17 +40,17 @@ cdef class Exchange(ExchangeBase):
     cdef public object path, up_target
     cdef public bytes host_line
     cdef public bint head_sent, finished, keep_alive, tunnel, tunnel_up_eof, grpc
-    cdef public int status, inspecting, attempts
+    cdef public int status, inspecting, attempts, grpc_status
     cdef public double activity, body_activity, req_done_at, t_start, deadline_at
     cdef public double t_parsed, t_routed, t_connect, t_connected, t_sent, t_first
     cdef public double t_start_pc, t_classify, intent_conf, req_timeout
     cdef public bint reported, client_lost, counted, pending_conn, is_retry, replayed
-    cdef public bint continued
+    cdef public bint continued, drained
     cdef public object intent, intent_domain, retry_handle, tok_tail, hold
     cdef public tuple filters  # tested for truth per request: a size check in C
     cdef public object up_headers, gate_task, trace_id, identity, llm
     cdef public object done_filters, splice, intent_decision, _gov, info_budget
-    cdef public object upstream_error, no_intent
+    cdef public object upstream_error, no_intent, stream_error
 
     # The per-request path: C calls between them (no attribute lookup per call).
     cpdef setup(self, down, RequestHead head, double now)

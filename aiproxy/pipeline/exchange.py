@@ -45,7 +45,7 @@ from aiproxy.pipeline.filters import (
     StoredResponse,
 )
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
-from aiproxy.protocols.replies import error_body, grpc_status_for
+from aiproxy.protocols.replies import error_body, grpc_status_for, grpc_status_value
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
@@ -144,7 +144,8 @@ class Exchange(ExchangeBase):
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
-        "info_budget", "upstream_error", "no_intent",
+        "info_budget", "upstream_error", "no_intent", "grpc_status",
+        "stream_error", "drained",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -163,7 +164,9 @@ class Exchange(ExchangeBase):
         it), intent/intent_domain/intent_decision, retry_handle, hold (the pool to
         use once a held body is rewritten), upstream_error (why the upstream failed
         after the response head went out: the client got a cut-off response), no_intent
-        (why a request semantic routing looked at got no intent: see _classify)."""
+        (why a request semantic routing looked at got no intent: see _classify),
+        stream_error (why the proxy reset the client's HTTP/2 stream, RFC 9113 8.1.1);
+        drained (the client was cut by the drain deadline: see on_client_lost)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -190,6 +193,7 @@ class Exchange(ExchangeBase):
         self.t_start_pc = now if now < self.t_parsed else self.t_parsed
         self.filters = ()
         self.body_len = -1  # Content-Length of a rewritten body
+        self.grpc_status = -1  # a gRPC call's grpc-status as the client got it; -1: none
 
     @property
     def gov(self) -> dict[str, Any]:
@@ -1213,6 +1217,8 @@ class Exchange(ExchangeBase):
         self.status = status
         self.head_sent = True
         self.activity = self.t_first = t_first  # one clock read: microseconds apart
+        if self.grpc:  # a trailers-only response carries it in its head
+            self.grpc_status = grpc_status_value(resp.get(b"grpc-status"))
         if mode == BODY_TUNNEL:
             return self._start_tunnel(resp)
         if self.filters:
@@ -1244,6 +1250,10 @@ class Exchange(ExchangeBase):
                 self.pool.release(up)
             else:
                 up.close()
+        if self.grpc and trailers:
+            for name, value in trailers:
+                if name == b"grpc-status":
+                    self.grpc_status = grpc_status_value(value)
         if self.filters:
             self._end_filtered(trailers)
             return
@@ -1342,7 +1352,8 @@ class Exchange(ExchangeBase):
     def _end_grpc(self, status: int, code: str, message: str) -> None:
         """End a gRPC call whose response headers went out: its status in trailers."""
         self.status = status
-        self.down.send_end([(b"grpc-status", b"%d" % grpc_status_for(status, code)),
+        self.grpc_status = grpc_status_for(status, code)
+        self.down.send_end([(b"grpc-status", b"%d" % self.grpc_status),
                             (b"grpc-message", quote(message).encode())])
         self._finish(False)
 
@@ -1378,6 +1389,7 @@ class Exchange(ExchangeBase):
         if self.finished:
             return
         self.client_lost = True
+        self.drained = self.down.server.drain_expired  # the proxy cut it, not the client
         self.finished = True
         self._unsplice()
         self._drop_upstream()

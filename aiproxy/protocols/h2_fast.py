@@ -406,6 +406,15 @@ class _Stream(h2.stream.H2Stream):
         return checked_fields(headers, flags)
 
 
+class MalformedStream(h2.events.Event):
+    """A new stream reset with PROTOCOL_ERROR for its malformed field block (RFC 9113
+    8.1.1) before the caller heard of it."""
+
+    def __init__(self, stream_id: int, reason: str) -> None:
+        self.stream_id = stream_id
+        self.reason = reason
+
+
 # A frame h2 would take as a connection error where RFC 9113 asks for a stream error is
 # rewritten, in the buffer, into an extension frame of this type carrying the error code;
 # FastReceive._receive_frame resets its stream. Only as many as the buffer rewrote count.
@@ -614,27 +623,31 @@ class FastReceive:
         stream.__class__ = _Stream
         return stream
 
-    def _malformed(self, sid: int, known: bool) -> tuple[list, list]:
+    def _malformed(self, sid: int, known: bool, reason: str) -> tuple[list, list]:
         """RFC 9113 8.1.1: a malformed request or response is a stream error: the stream
         is reset with PROTOCOL_ERROR and the connection's other streams go on. A stream
         the caller knows of ends with a StreamReset event; a new one counts in
-        `refused`, budgeted like a client's reset."""
+        `refused`, budgeted like a client's reset, and is told as a MalformedStream
+        event (for the access log: a request refused before it was one)."""
         if known:
-            return [], self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR)
+            return [], self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR, reason)
         self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
         self.refused += 1
-        return [], []
+        self.closed_frames += 1  # as before the event: budgeted as a frame doing nothing
+        return [], [MalformedStream(sid, reason)]
 
-    def _stream_error(self, sid: int, code: int) -> list:
-        """Reset an open stream with `code` (its caller learns it as a StreamReset); on
-        an idle or closed stream the frame is dropped (RFC 9113 6.4: no RST_STREAM for
-        an idle stream) and counted with the frames that do nothing."""
+    def _stream_error(self, sid: int, code: int, reason: str = "") -> list:
+        """Reset an open stream with `code` (its caller learns it as a StreamReset, with
+        `reason` why); on an idle or closed stream the frame is dropped (RFC 9113 6.4:
+        no RST_STREAM for an idle stream) and counted with the frames that do nothing."""
         stream = self.streams.get(sid)
         if stream is None or stream.closed:
             self.closed_frames += 1
             return []
         self.reset_stream(sid, code)
-        return [h2.events.StreamReset(stream_id=sid, error_code=code, remote_reset=False)]
+        event = h2.events.StreamReset(stream_id=sid, error_code=code, remote_reset=False)
+        event.reason = reason
+        return [event]
 
     def _receive_data_frame(self, frame: Any) -> tuple[list, list]:
         try:
@@ -647,7 +660,8 @@ class FastReceive:
                 frame.flow_controlled_length)
             if increment:
                 self.increment_flow_control_window(increment)
-            return self._malformed(frame.stream_id, True)
+            return self._malformed(frame.stream_id, True, "DATA does not add up to its "
+                                   "content-length")
 
     def _receive_headers_frame(self, frame: Any) -> tuple[list, list]:
         sid = frame.stream_id
@@ -671,7 +685,8 @@ class FastReceive:
         headers = h2.connection._decode_headers(self.decoder, frame.data)
         oversized = self.decoder.oversized
         if oversized and known:
-            return self._malformed(sid, True)  # trailers: the request cannot be answered 431
+            # trailers: the request cannot be answered 431
+            return self._malformed(sid, True, "trailer section over max_header_bytes")
         events = self.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
         stream = self._get_or_create_stream(sid, AllowedStreamIDs(not self.config.client_side))
         try:
@@ -682,10 +697,10 @@ class FastReceive:
         except h2.exceptions.ProtocolError as exc:
             if isinstance(exc, h2.exceptions.FlowControlError) or stream.closed:
                 raise
-            return self._malformed(sid, known)
+            return self._malformed(sid, known, str(exc))
         if "PRIORITY" in frame.flags:
             if frame.depends_on == sid:  # RFC 9113 5.3.1: a stream error
-                return self._malformed(sid, known)
+                return self._malformed(sid, known, "stream depends on itself")
             p_frames, p_events = self._receive_priority_frame(frame)
             stream_events[0].priority_updated = p_events[0]
             stream_events.extend(p_events)

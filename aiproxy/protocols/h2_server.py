@@ -253,6 +253,7 @@ class H2ServerConnection(asyncio.Protocol):
         except MalformedHead as exc:
             log.info("malformed HTTP/2 request on stream %d: %s", ev.stream_id, exc)
             self._reset_stream(ev.stream_id, ErrorCodes.PROTOCOL_ERROR)
+            self._rejected(str(exc))
             self._charge_resets(1)  # CVE-2025-8671: resets the client provokes count too
             return
         too_large = getattr(ev, "header_list_too_large", False)
@@ -264,6 +265,15 @@ class H2ServerConnection(asyncio.Protocol):
             if self._charge_resets(1):
                 return
         self._start_stream(ev.stream_id, head, bool(ev.stream_ended), too_large)
+
+    def _on_malformed(self, ev: h2_fast.MalformedStream) -> None:
+        log.info("malformed HTTP/2 request on stream %d: %s", ev.stream_id, ev.reason)
+        self._rejected(ev.reason)
+
+    def _rejected(self, reason: str) -> None:
+        """The access line of a request reset for its malformed head (RFC 9113 8.1.1):
+        400, the status an HTTP/1.1 client gets for one."""
+        self.server.telemetry.rejected(self.peer, 400, reason, 0, 0, "HTTP/2")
 
     def _reset_stream(self, sid: int, code: int) -> None:
         """RST_STREAM, unless the stream is closed already: the events of one read are
@@ -317,7 +327,8 @@ class H2ServerConnection(asyncio.Protocol):
                 # short of its Content-Length, so that connection goes too (lost()).
                 log.info("stream %d ended after %d of %d content-length bytes", sid,
                          ex.req_bytes, ex.head.content_length)
-                stream.lost()
+                stream.lost(f"PROTOCOL_ERROR: the body ended after {ex.req_bytes} of "
+                            f"{ex.head.content_length} content-length bytes")
                 self._reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
                 self.stream_done(stream)
                 self._charge_resets(1)
@@ -336,7 +347,13 @@ class H2ServerConnection(asyncio.Protocol):
         stream = self.streams.pop(ev.stream_id, None)
         if stream is None:
             return
-        stream.lost()
+        if ev.remote_reset:
+            stream.lost()
+        else:  # a stream error of the client's (RFC 9113 5.4.2): h2 has reset the stream
+            code = ev.error_code
+            name = ErrorCodes(code).name if code in ErrorCodes._value2member_map_ else str(code)
+            reason = getattr(ev, "reason", "")
+            stream.lost(f"{name}: {reason}" if reason else name)
         self._charge_resets(1)
 
     def _charge_resets(self, n: int) -> bool:
@@ -576,6 +593,7 @@ _HANDLERS = {
     h2.events.ConnectionTerminated: H2ServerConnection._on_terminated,
     h2.events.PingReceived: H2ServerConnection._on_control,
     h2.events.PingAckReceived: H2ServerConnection._on_ping_ack,
+    h2_fast.MalformedStream: H2ServerConnection._on_malformed,
     h2.events.PriorityUpdated: H2ServerConnection._on_idle_frame,
     h2.events.UnknownFrameReceived: H2ServerConnection._on_idle_frame,
     h2.events.SettingsAcknowledged: H2ServerConnection._on_idle_frame,
@@ -706,8 +724,9 @@ class H2Stream(StreamOutput, Downstream):
         extra = headers or []
         if ex.grpc:
             # gRPC callers get a trailers-only response, never an HTTP error page.
+            ex.grpc_status = replies.grpc_status_for(status, code)
             self._headers([(b":status", b"200"), (b"content-type", b"application/grpc"),
-                           (b"grpc-status", b"%d" % replies.grpc_status_for(status, code)),
+                           (b"grpc-status", b"%d" % ex.grpc_status),
                            (b"grpc-message", quote(message).encode()), *extra], True)
             self.ended = True
             return True
@@ -796,11 +815,14 @@ class H2Stream(StreamOutput, Downstream):
         self.done = True
         self.conn.stream_done(self)
 
-    def lost(self) -> None:
-        """The client reset the stream or the connection went away."""
+    def lost(self, stream_error: str | None = None) -> None:
+        """The client reset the stream or the connection went away; or, `stream_error`
+        says why, the proxy reset it for the client's protocol error."""
         self.done = True
         ex = self.exchange
         if ex is not None:
+            if stream_error is not None and not ex.finished:
+                ex.stream_error = stream_error
             ex.on_client_lost()
 
 

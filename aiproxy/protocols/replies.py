@@ -49,6 +49,13 @@ def grpc_status_for(status: int, code: str | None) -> int:
     return GRPC_CODE_STATUS.get(code) or GRPC_STATUS.get(status, 2)
 
 
+def grpc_status_value(value: bytes | None) -> int:
+    """The code a grpc-status field carries; -1 when absent or not a (small) number."""
+    if value is None or not 0 < len(value) < 10 or not value.isdigit():
+        return -1
+    return int(value)
+
+
 def status_line(status: int) -> bytes:
     line = STATUS_LINES.get(status)
     if line is None:

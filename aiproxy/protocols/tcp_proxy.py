@@ -112,7 +112,7 @@ class TcpProxyConnection(asyncio.Protocol):
         if self.task is not None:
             self.task.cancel()
             self.task = None
-        self._close("client_lost")
+        self._close("drained" if self.server.drain_expired else "client_lost")
 
     def drain(self, idle_grace: float = 0.0) -> None:
         """Graceful stop: a tunnel runs on until the drain timeout aborts it."""
@@ -273,7 +273,8 @@ class TcpProxyConnection(asyncio.Protocol):
     def log_record(self) -> dict[str, Any]:
         """The tunnel's access log line: bytes_in is client -> upstream; path "spliced"
         if the kernel carried it (after what was read before), else "copied"; ended:
-        eof (both sides done), client_lost, upstream_lost, idle_timeout, connect_failed."""
+        eof (both sides done), client_lost, upstream_lost, idle_timeout, connect_failed,
+        drained (cut by the drain deadline)."""
         return {
             "time": iso_now(),
             "client": self._peer(),

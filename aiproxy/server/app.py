@@ -63,6 +63,7 @@ class ProxyServer(ServerCore):
         self.runtime = Runtime(config, loop, model=model)
         self.connections: set[Any] = set()
         self.draining = False
+        self.drain_expired = False
         self.servers: list[asyncio.Server] = []
         self.metrics = Metrics()
         path = resolve_log_path(config.access_log.path, config.source)
@@ -250,6 +251,7 @@ class ProxyServer(ServerCore):
             await asyncio.sleep(0.05)
         if self.connections:
             log.warning("drain timeout: closing %d connections", len(self.connections))
+            self.drain_expired = True
             for conn in list(self.connections):
                 if conn.transport is not None:
                     conn.transport.abort()

@@ -6,6 +6,7 @@ from aiproxy.pipeline.exchange cimport Exchange
 
 
 cdef int STATUS_SLOTS
+cdef tuple GRPC_LABELS
 
 
 cdef class StatusCounts:
@@ -18,13 +19,13 @@ cdef class StatusCounts:
 
 
 cdef class Metrics:
-    cdef public dict requests, stages
+    cdef public dict requests, stages, grpc
     cdef public Histogram h_accept, h_route, h_classify, h_connect, h_ttfb, h_total
     cdef public long long bytes_in, bytes_out, reloads, reload_failures
     cdef public object last_reload_ok, last_reload_time
     cdef object last_route, last_cluster
     cdef StatusCounts last_counts
 
-    @cython.locals(by_cluster=dict, counts=StatusCounts)
+    @cython.locals(by_cluster=dict, counts=StatusCounts, code=cython.int)
     cpdef exchange_stamps(self, route, cluster, int status, long long bytes_in,
                           long long bytes_out, Exchange ex, double now)

@@ -33,10 +33,17 @@ STAGES = ("accept_to_headers", "route_decision", "semantic_classify", "upstream_
 STATUS_SLOTS = 600  # statuses 0-599 are counted in a C array; others (none expected) in a dict
 # aiproxy_requests_total's `outcome`, as the access log tells them apart: the response
 # went out whole (whatever its status), the upstream cut it off after its head
-# (`upstream_error`), or the client left first (`client_closed`; 499 if before the head).
+# (`upstream_error`), the client left first (`client_closed`; 499 if before the head),
+# the proxy reset the client's HTTP/2 stream for a protocol error (`stream_error`; 400
+# if before the head) or cut it at the drain deadline (`drained`; 503 if before).
 COMPLETE = "complete"
 UPSTREAM_ERROR = "upstream_error"
 CLIENT_CLOSED = "client_closed"
+STREAM_ERROR = "stream_error"
+DRAINED = "drained"
+# aiproxy_grpc_calls_total's `grpc_status`: the 17 codes of the gRPC spec, "none" for a
+# call that ended without one (cancelled, reset), "other" for a code past the spec's.
+GRPC_LABELS = tuple(str(code) for code in range(17))
 
 
 class StatusCounts:
@@ -69,6 +76,8 @@ class Metrics:
     def __init__(self) -> None:
         # route name -> cluster name -> StatusCounts: two lookups by interned str, no tuple.
         self.requests: dict[str, dict[str, StatusCounts]] = {}
+        # gRPC calls by (route, cluster, grpc_status label).
+        self.grpc: dict[tuple[str, str, str], int] = {}
         # The last (route, cluster) counted, by identity: most requests repeat it.
         self.last_route: str | None = None
         self.last_cluster: str | None = None
@@ -105,9 +114,16 @@ class Metrics:
             self.last_counts = counts
         if ex.upstream_error is None and not ex.client_lost:
             counts.add(status)
+        elif ex.upstream_error is not None:
+            counts.add_outcome(UPSTREAM_ERROR, status)
         else:
-            counts.add_outcome(UPSTREAM_ERROR if ex.upstream_error is not None
-                               else CLIENT_CLOSED, status)
+            counts.add_outcome(STREAM_ERROR if ex.stream_error is not None
+                               else DRAINED if ex.drained else CLIENT_CLOSED, status)
+        if ex.grpc:
+            code = ex.grpc_status
+            key = (route, cluster, GRPC_LABELS[code] if 0 <= code <= 16
+                   else "none" if code < 0 else "other")
+            self.grpc[key] = self.grpc.get(key, 0) + 1
         self.bytes_in += bytes_in
         self.bytes_out += bytes_out
         start = ex.t_start_pc
@@ -136,13 +152,22 @@ class ProxyCollector:
         m = server.metrics
         requests = CounterMetricFamily(
             "aiproxy_requests", "Requests answered, by route, cluster, status and outcome "
-            "(complete, upstream_error: cut off by the upstream, client_closed)",
+            "(complete, upstream_error: cut off by the upstream, client_closed, "
+            "stream_error: HTTP/2 stream reset for a protocol error, drained: cut by the "
+            "drain deadline)",
             labels=["route", "cluster", "status", "outcome"])
         for route, by_cluster in sorted(m.requests.items()):
             for cluster, counts in sorted(by_cluster.items()):
                 for outcome, status, count in counts.items():
                     requests.add_metric([route, cluster, str(status), outcome], count)
         yield requests
+        grpc_calls = CounterMetricFamily(
+            "aiproxy_grpc_calls", "gRPC calls by route, cluster and the grpc-status the "
+            "client got (none: the call ended without one)",
+            labels=["route", "cluster", "grpc_status"])
+        for (route, cluster, code), count in sorted(m.grpc.items()):
+            grpc_calls.add_metric([route, cluster, code], count)
+        yield grpc_calls
         for name, hist in m.stages.items():
             family = HistogramMetricFamily(
                 f"aiproxy_stage_{name}_seconds", f"Time spent in stage {name}")

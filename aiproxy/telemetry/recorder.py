@@ -15,6 +15,17 @@ if TYPE_CHECKING:
 
 # nginx's code for "the client closed the connection before the response".
 CLIENT_CLOSED = 499
+# Before the response, a stream reset for a malformed request is what HTTP/1.1 answers
+# 400; a request cut by the drain deadline, the server going away (503).
+STREAM_ERROR = 400
+DRAINED = 503
+
+
+def lost_status(ex: Exchange) -> int:
+    """The status of an exchange whose client side ended before a response head."""
+    if ex.stream_error is not None:
+        return STREAM_ERROR
+    return DRAINED if ex.drained else CLIENT_CLOSED
 
 
 def trace_id(traceparents: list[bytes]) -> str | None:
@@ -36,7 +47,7 @@ class Telemetry(Reporter):
         route = ex.route
         route_name = route.name if route is not None else ""
         cluster = ex.cluster.name if ex.cluster is not None else ""
-        status = ex.status if not (ex.client_lost and not ex.head_sent) else CLIENT_CLOSED
+        status = ex.status if not (ex.client_lost and not ex.head_sent) else lost_status(ex)
         self.metrics.exchange_stamps(route_name, cluster, status, ex.req_bytes, ex.resp_bytes,
                                      ex, monotonic())
         log = self.access_log
@@ -61,10 +72,17 @@ class Telemetry(Reporter):
             "timings_ms": {k: ms(v) for k, v in timings.items() if k != "total"},
             "trace_id": ex.trace_id or trace_id(head.get_all(b"traceparent")),
         }
+        if ex.grpc:  # the HTTP status is 200 for nearly every call: the gRPC one says more
+            record["grpc_status"] = ex.grpc_status if ex.grpc_status >= 0 else None
         if ex.no_intent is not None:  # semantic routing made no intent: why
             record["no_intent"] = ex.no_intent
-        if ex.client_lost:
-            record["client_closed"] = True
+        if ex.client_lost:  # how it ended: the client left, or the proxy cut it
+            if ex.stream_error is not None:
+                record["stream_error"] = ex.stream_error
+            elif ex.drained:
+                record["drained"] = True
+            else:
+                record["client_closed"] = True
         if ex.upstream_error is not None:  # the response was cut off: an error, not a 200
             record["upstream_error"] = ex.upstream_error
         if ex.llm is not None:
@@ -73,7 +91,7 @@ class Telemetry(Reporter):
 
 
     def rejected(self, peer: bytes, status: int, reason: str, bytes_in: int,
-                 bytes_out: int) -> None:
+                 bytes_out: int, protocol: str = "HTTP/1.1") -> None:
         """An access line for a message refused before it was a request (nginx logs its
         400s too): the fields of one, None where there was no request to read them from,
         and `rejected` saying why."""
@@ -82,7 +100,7 @@ class Telemetry(Reporter):
             return
         log.write({
             "time": iso_now(), "client": peer.decode(), "method": None, "path": None,
-            "protocol": "HTTP/1.1", "status": status, "bytes_in": bytes_in,
+            "protocol": protocol, "status": status, "bytes_in": bytes_in,
             "bytes_out": bytes_out, "route": None, "cluster": None, "endpoint": None,
             "intent": None, "duration_ms": None, "timings_ms": {}, "trace_id": None,
             "rejected": reason,
