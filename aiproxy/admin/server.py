@@ -3,6 +3,8 @@
 GET /healthz, /readyz, /metrics (Prometheus text), /config (secrets redacted),
 /config/routes, /clusters, /lineage/<trace_id>; POST /config/reload. With [admin] token set, every
 endpoint but /healthz and /readyz wants `Authorization: Bearer <token>`.
+A request that changes state (any method but GET and HEAD) from a browser page of another
+origin is refused (403): see _same_origin.
 
 What the endpoints show comes from an AdminBackend: LocalBackend for a proxy that
 serves in this process (`workers = 1`), the Supervisor when worker processes do.
@@ -14,6 +16,7 @@ import dataclasses
 import hmac
 import re
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from aiproxy.server.app import ProxyServer
 
 OPEN_PATHS = {"/healthz", "/readyz"}
+SAFE_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))
 
 
 def _plain(value: Any) -> Any:
@@ -146,11 +150,41 @@ class LocalBackend:
         return trace_spans(self.server.runtime, trace_id)
 
 
+def cross_origin(request: web.Request) -> bool:
+    """Whether a browser sent this request from a page of another origin. Browsers say
+    so in Sec-Fetch-Site, or failing that (before 2023) in Origin, which they send on
+    every cross-origin POST; a client that sends neither (curl, a script) is no browser.
+    The check of Go's net/http CrossOriginProtection."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None:
+        return site not in ("same-origin", "none")
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return False
+    try:
+        host = urlsplit(origin).netloc
+    except ValueError:
+        return True
+    return not host or host.lower() != request.host.lower()
+
+
+@web.middleware
+async def _same_origin(request: web.Request, handler: Any) -> web.StreamResponse:
+    # Without a token, a page the operator visits could make the browser POST to the
+    # admin port (a form or a text/plain body needs no CORS preflight). Reads need no
+    # check: the same-origin policy keeps their answers from the page.
+    if request.method not in SAFE_METHODS and cross_origin(request):
+        return web.json_response(
+            {"error": {"code": "cross_origin",
+                       "message": "cross-origin browser request refused"}}, status=403)
+    return await handler(request)
+
+
 class AdminServer:
     def __init__(self, backend: AdminBackend) -> None:
         self.backend = backend
         self.runner: web.AppRunner | None = None
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[_same_origin, self._auth])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
