@@ -20,6 +20,7 @@ from tests.conftest import simple_config
 from tests.support import (
     admin_block,
     free_port,
+    raw_exchange,
     scrape,
     start_process,
     stop_process,
@@ -129,6 +130,31 @@ def test_admin_refuses_cross_site_browser_posts(start_proxy, demo_upstream):
     for method in ("GET", "HEAD"):
         r = httpx.request(method, url)
         assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_malformed_admin_requests_get_400_and_one_log_line(start_proxy, demo_upstream):
+    """A request aiohttp's parser refuses is the client's error: 400, and one line in
+    the log (as the listeners' h2 does), not a traceback per request that anyone able to
+    reach the port can fill the log with."""
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream) + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    bad = [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"GET /\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n",
+        b"POST /config/reload HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ]
+    for request in bad:
+        answer = raw_exchange(admin, request)
+        assert answer.startswith(b"HTTP/1.0 400 ") or answer.startswith(b"HTTP/1.1 400 "), (
+            request, answer[:100])
+    assert httpx.get(f"http://127.0.0.1:{admin}/healthz").status_code == 200
+    log = proxy.log()
+    assert "Traceback" not in log, log
+    lines = [x for x in log.splitlines() if "aiproxy.admin: bad request from 127.0.0.1: 400 " in x]
+    assert len(lines) == len(bad), log
 
 
 def test_config_view_hides_url_passwords():

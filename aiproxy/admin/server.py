@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import re
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -29,6 +31,8 @@ from aiproxy.telemetry.metrics import registry_for
 
 if TYPE_CHECKING:
     from aiproxy.server.app import ProxyServer
+
+log = logging.getLogger("aiproxy.admin")
 
 OPEN_PATHS = {"/healthz", "/readyz"}
 SAFE_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))
@@ -180,6 +184,25 @@ async def _same_origin(request: web.Request, handler: Any) -> web.StreamResponse
     return await handler(request)
 
 
+class _HandlerLog(logging.LoggerAdapter):
+    """The logger aiohttp's request handler writes to. It logs each request its parser
+    refuses (answered 400) with logger.exception: a traceback per malformed request,
+    which anyone who reaches the port can fill the log with. Those are the client's
+    error and get one line, as the listeners log theirs; a handler's own exception (a
+    500, our bug) keeps its traceback."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True,
+                  **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            reason = " ".join(part.strip() for part in str(exc_info.message).splitlines()
+                              if part.strip().strip("^"))
+            reason = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in reason)
+            remote = args[0] if args else "?"
+            log.info("bad request from %s: %d %s", remote, exc_info.code, reason[:200])
+            return
+        self.logger.error(msg, *args, exc_info=exc_info, **kwargs)
+
+
 class AdminServer:
     def __init__(self, backend: AdminBackend) -> None:
         self.backend = backend
@@ -196,7 +219,8 @@ class AdminServer:
         self.app = app
 
     async def start(self, host: str, port: int) -> None:
-        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                    logger=_HandlerLog(logging.getLogger("aiohttp.server")))
         await self.runner.setup()
         # Bound here, not by TCPSite(host, port): see aiproxy/server/sockets.py.
         for sock in bound_sockets(host, port):
