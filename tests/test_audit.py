@@ -412,3 +412,40 @@ def test_verify_against_an_anchored_head_catches_a_truncated_log(start_proxy, de
     assert res.returncode == 1 and f"anchor {anchor} not found" in res.stdout, res.stdout
     res = _cli("verify", "--anchor", "nothex", str(log))
     assert res.returncode == 2 and "anchor" in res.stderr, (res.stdout, res.stderr)
+
+
+def test_logrotate_before_its_signal_and_across_a_restart(tmp_path):
+    """The writer by itself, with logrotate's names: PATH renamed before SIGUSR1 arrives,
+    met by a size rotation (renaming a PATH that is gone used to leave the writer on a
+    closed descriptor: every later record failed, or went to whatever reused it); and a
+    restart after logrotate created an empty PATH, which must go on from the chain's
+    head in the renamed file, not from an older rotated one. `audit verify` follows the
+    chain across PATH.N, PATH-YYYYmmdd and the stamped files alike."""
+    import asyncio
+
+    from aiproxy.config.governance import AuditConfig
+    from aiproxy.governance.audit import AuditWriter
+
+    path = tmp_path / "a.log"
+    cfg = AuditConfig(path=str(path), fsync="always", rotate_bytes=4096)
+
+    async def write(writer: AuditWriter, n: int) -> None:
+        for i in range(n):  # one at a time: each batch checks for a due rotation
+            await writer.submit({"n": i, "pad": "x" * 100}, durable=True)
+
+    w = AuditWriter(cfg)
+    asyncio.run(write(w, 60))  # ~9 KB: rotated to a stamped file on the way
+    path.rename(tmp_path / "a.log.1")  # logrotate; its SIGUSR1 not there yet
+    asyncio.run(write(w, 60))
+    assert w.failed is None, w.failed
+    w.close()
+    path.rename(tmp_path / "a.log-20261203")  # logrotate dateext and `create`: empty PATH
+    path.touch()
+    w = AuditWriter(cfg)
+    asyncio.run(write(w, 3))
+    w.close()
+    assert w.failed is None, w.failed
+    files = sorted(tmp_path.glob("a.log*"))
+    res = _cli("verify", *map(str, files))
+    assert res.returncode == 0 and "ok: 123 records" in res.stdout, res.stdout
+    assert [r["seq"] for r in _records(path)] == [121, 122, 123]

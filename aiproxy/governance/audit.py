@@ -18,6 +18,8 @@ Durability (`fsync`):
 
 Rotation: when the file passes rotate_bytes (or is rotate_interval_s old) it is renamed
 to PATH.YYYYmmddTHHMMSS.ffffffZ and a new PATH starts; the chain continues across.
+A PATH renamed by logrotate (PATH.1, PATH-YYYYmmdd) belongs to the chain as well
+(audit_tools.chain_of).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -51,8 +54,15 @@ def line_hash(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
 
 
+# What a file's name was rotated to: our stamp, or logrotate's (PATH.1; dateext PATH-YYYYmmdd
+# and its hourly, minute and second forms).
+ROTATED_SUFFIX = re.compile(r"(?:\.\d{8}T\d{6}\.\d{6}Z|\.\d+|-\d{8}(?:\d{2}){0,3})$")
+
+
 def rotated_files(path: str) -> list[str]:
-    return sorted(glob.glob(glob.escape(path) + ".*T*Z"))
+    """The files PATH was rotated to, by us or by logrotate (not compressed ones)."""
+    found = glob.glob(glob.escape(path) + ".[0-9]*") + glob.glob(glob.escape(path) + "-[0-9]*")
+    return sorted(f for f in found if ROTATED_SUFFIX.sub("", f) == path)
 
 
 def _last_line(path: str) -> tuple[bytes | None, int]:
@@ -104,7 +114,9 @@ class AuditWriter:
                         "process stopped; its request was never answered)", path)
             os.truncate(path, keep)
         if last is None:
-            for older in reversed(rotated_files(path)):
+            # Newest first: the file last written to holds the chain's head, whatever the
+            # scheme of its name (a restart after logrotate created an empty PATH).
+            for older in sorted(rotated_files(path), key=_mtime, reverse=True):
                 last, _ = _last_line(older)
                 if last is not None:
                     break
@@ -115,20 +127,31 @@ class AuditWriter:
             except (ValueError, KeyError, TypeError):
                 log.error("audit %s: last record unreadable; the chain continues from its "
                           "hash", path)
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self.fd = _open_log(path)
         self.size = os.fstat(self.fd).st_size
         self.opened_at = time.time()
 
+    def _switch(self, fd: int) -> None:
+        """Append to `fd` from now on; the old file was synced."""
+        old, self.fd = self.fd, fd
+        self.size = os.fstat(fd).st_size
+        self.opened_at = time.time()
+        try:
+            os.close(old)
+        except OSError as exc:
+            log.error("audit %s: closing the old file: %s", self.cfg.path, exc)
+        _fsync_dir(self.cfg.path)
+
     def _rotate(self) -> None:
         os.fsync(self.fd)
-        os.close(self.fd)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
-        os.rename(self.cfg.path, f"{self.cfg.path}.{stamp}")
-        self.fd = os.open(self.cfg.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                          0o640)
-        _fsync_dir(self.cfg.path)
-        self.size = 0
-        self.opened_at = time.time()
+        try:
+            os.rename(self.cfg.path, f"{self.cfg.path}.{stamp}")
+        except FileNotFoundError:
+            pass  # moved away already (logrotate, its SIGUSR1 still to come)
+        # The old descriptor stays ours until the new one is open: a failure here leaves
+        # the writer appending where it was, never to a closed (or reused) descriptor.
+        self._switch(_open_log(self.cfg.path))
 
     def _due_rotation(self) -> bool:
         cfg = self.cfg
@@ -172,7 +195,11 @@ class AuditWriter:
                         self.prev = line_hash(line[:-1])
                         if (out or self.size) and self.size + size + len(line) > cfg.rotate_bytes:
                             self._write(out, first)  # a group commit may span a rotation
-                            self._rotate()
+                            try:
+                                self._rotate()
+                            except OSError:
+                                self.seq, self.prev = before  # `line` is not written
+                                raise
                             out, size, first = [], 0, before
                         out.append(line)
                         size += len(line)
@@ -258,6 +285,17 @@ def _resolve(futures: list[asyncio.Future], exc: Exception | None) -> None:
                 fut.set_result(None)
             else:
                 fut.set_exception(exc)
+
+
+def _open_log(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _fsync_dir(path: str) -> None:
