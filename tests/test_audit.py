@@ -414,6 +414,48 @@ def test_verify_against_an_anchored_head_catches_a_truncated_log(start_proxy, de
     assert res.returncode == 2 and "anchor" in res.stderr, (res.stdout, res.stderr)
 
 
+def test_sigusr1_after_logrotate_moves_each_worker_to_a_new_file(start_proxy, demo_upstream,
+                                                                 tmp_path):
+    """logrotate renames the file and sends SIGUSR1 (postrotate), as for nginx's logs and
+    the access log: each worker goes on in a new PATH.wN, and `audit verify` follows each
+    chain from the renamed file into the new one. The writers used to keep appending to
+    the renamed files and never started new ones."""
+    text = _config(demo_upstream, tmp_path, 'fsync = "always"\n').replace(
+        "workers = 1", "workers = 2")
+    proxy = start_proxy(text)
+    live = [tmp_path / "audit.log.w0", tmp_path / "audit.log.w1"]
+    sent = 0
+
+    def until_each_has_records(files: list[Path]) -> None:
+        nonlocal sent
+        deadline = time.monotonic() + 20
+        while not all(f.exists() and _records(f) for f in files):
+            assert time.monotonic() < deadline, [f.exists() and len(_records(f)) for f in files]
+            with httpx.Client(timeout=10) as c:  # a new connection: either worker takes it
+                assert c.get(f"{proxy.url}/echo", headers={"x-api-key": KEY}).status_code == 200
+            sent += 1
+
+    until_each_has_records(live)
+    rotated = [f.with_name(f.name + ".1") for f in live]
+    for f, to in zip(live, rotated, strict=True):
+        f.rename(to)
+    before = [len(_records(f)) for f in rotated]  # fsync = "always": all are in
+    proxy.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while not all(f.exists() for f in live):
+        assert time.monotonic() < deadline, "the audit files were never reopened"
+        time.sleep(0.05)
+    until_each_has_records(live)
+    assert [len(_records(f)) for f in rotated] == before
+    assert sum(len(_records(f)) for f in live + rotated) == sent
+    for old, new in zip(rotated, live, strict=True):
+        assert _records(new)[0]["seq"] == _records(old)[-1]["seq"] + 1
+    res = _cli("verify", *map(str, rotated + live))
+    assert res.returncode == 0, res.stdout
+    assert sorted(line.split(": ")[0] for line in res.stdout.splitlines()) == list(map(str, live))
+    assert all("in 2 file(s)" in line for line in res.stdout.splitlines()), res.stdout
+
+
 def test_logrotate_before_its_signal_and_across_a_restart(tmp_path):
     """The writer by itself, with logrotate's names: PATH renamed before SIGUSR1 arrives,
     met by a size rotation (renaming a PATH that is gone used to leave the writer on a
@@ -449,3 +491,35 @@ def test_logrotate_before_its_signal_and_across_a_restart(tmp_path):
     res = _cli("verify", *map(str, files))
     assert res.returncode == 0 and "ok: 123 records" in res.stdout, res.stdout
     assert [r["seq"] for r in _records(path)] == [121, 122, 123]
+
+
+def test_a_failed_audit_reopen_keeps_the_old_file(tmp_path):
+    """SIGUSR1 when PATH cannot be opened (a directory took its place) keeps appending to
+    the old file, as the access log and nginx do; the next one that can open it moves on,
+    and the chain runs across both."""
+    import asyncio
+
+    from aiproxy.config.governance import AuditConfig
+    from aiproxy.governance.audit import AuditWriter
+
+    path = tmp_path / "a.log"
+    rotated = tmp_path / "a.log.1"
+    w = AuditWriter(AuditConfig(path=str(path), fsync="always"))
+
+    async def write(n: int) -> None:
+        for i in range(n):
+            await w.submit({"n": i}, durable=True)
+
+    asyncio.run(write(2))
+    path.rename(rotated)
+    path.mkdir()
+    w.reopen()
+    asyncio.run(write(2))
+    assert len(_records(rotated)) == 4 and w.failed is None
+    path.rmdir()
+    w.reopen()
+    asyncio.run(write(2))
+    w.close()
+    assert len(_records(rotated)) == 4 and len(_records(path)) == 2
+    res = _cli("verify", str(rotated), str(path))
+    assert res.returncode == 0 and "ok: 6 records in 2 file(s)" in res.stdout, res.stdout

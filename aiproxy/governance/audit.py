@@ -18,8 +18,9 @@ Durability (`fsync`):
 
 Rotation: when the file passes rotate_bytes (or is rotate_interval_s old) it is renamed
 to PATH.YYYYmmddTHHMMSS.ffffffZ and a new PATH starts; the chain continues across.
-A PATH renamed by logrotate (PATH.1, PATH-YYYYmmdd) belongs to the chain as well
-(audit_tools.chain_of).
+An external rotation (logrotate renames PATH to PATH.1 or PATH-YYYYmmdd, then sends
+SIGUSR1) works too: reopen() makes the thread sync the old file and append to a new PATH,
+and the chain continues across those names as well (audit_tools.chain_of).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class AuditWriter:
         self.cond = threading.Condition()
         self.queue: deque[tuple[dict, asyncio.Future | None]] = deque()
         self.stopping = False
+        self.reopening = False
         self.failed: Exception | None = None
         self.written = 0
         self.fd = -1
@@ -153,6 +155,21 @@ class AuditWriter:
         # the writer appending where it was, never to a closed (or reused) descriptor.
         self._switch(_open_log(self.cfg.path))
 
+    def _reopen(self) -> None:
+        """SIGUSR1: PATH from now on, as nginx does with its logs. A PATH that cannot be
+        opened keeps the old file in use; the next SIGUSR1 tries again."""
+        try:
+            fd = _open_log(self.cfg.path)
+        except OSError as exc:
+            log.warning("audit: cannot reopen %s, still writing to the old file: %s",
+                        self.cfg.path, exc)
+            return
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            log.error("audit: syncing the old file of %s failed: %s", self.cfg.path, exc)
+        self._switch(fd)
+
     def _due_rotation(self) -> bool:
         cfg = self.cfg
         return self.size > 0 and (self.size >= cfg.rotate_bytes or (
@@ -167,7 +184,7 @@ class AuditWriter:
             cfg = self.cfg  # a reload may change the settings (not the path)
             interval = cfg.fsync_interval_ms / 1000
             with self.cond:
-                while not self.queue and not self.stopping:
+                while not self.queue and not self.stopping and not self.reopening:
                     timeout = None
                     if dirty and cfg.fsync == "interval":
                         timeout = max(0.0, last_sync + interval - time.monotonic())
@@ -178,8 +195,11 @@ class AuditWriter:
                 batch = list(self.queue)
                 self.queue.clear()
                 stopping = self.stopping
+                reopen, self.reopening = self.reopening, False
             waiting = []
             try:
+                if reopen:
+                    self._reopen()
                 if batch:
                     if self._due_rotation():
                         self._rotate()
@@ -270,6 +290,12 @@ class AuditWriter:
             self.queue.append((record, fut))
             self.cond.notify()
         return fut
+
+    def reopen(self) -> None:
+        """Append to a new PATH (SIGUSR1, after logrotate renamed the file)."""
+        with self.cond:
+            self.reopening = True
+            self.cond.notify()
 
     def close(self) -> None:
         with self.cond:
@@ -430,6 +456,9 @@ class AuditState:
 
     def close(self) -> None:
         self.writer.close()
+
+    def reopen(self) -> None:
+        self.writer.reopen()
 
     def metric_families(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
