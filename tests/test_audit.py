@@ -523,3 +523,54 @@ def test_a_failed_audit_reopen_keeps_the_old_file(tmp_path):
     assert len(_records(rotated)) == 4 and len(_records(path)) == 2
     res = _cli("verify", str(rotated), str(path))
     assert res.returncode == 0 and "ok: 6 records in 2 file(s)" in res.stdout, res.stdout
+
+
+FAILED_ROTATION = r"""
+import asyncio, os, resource, sys
+from aiproxy.config.governance import AuditConfig
+from aiproxy.governance.audit import AuditWriter
+
+w = AuditWriter(AuditConfig(path=sys.argv[1], fsync="always", rotate_bytes=4096))
+
+async def main():
+    for i in range(20):
+        await w.submit({"n": i, "pad": "x" * 200}, durable=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 1, hard))
+    filler = []
+    while True:  # every descriptor taken: the rotation cannot open the new file
+        try:
+            filler.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            break
+    try:
+        await w.submit({"n": "lost", "pad": "x" * 4096}, durable=True)  # rotates first
+        print("the record was acknowledged")
+    except OSError as exc:
+        print("refused:", exc)
+    for fd in filler:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await w.submit({"n": "after"}, durable=True)
+
+asyncio.run(main())
+w.close()
+print("done", w.failed)
+"""
+
+
+def test_a_failed_rotation_refuses_its_records_and_the_chain_goes_on(tmp_path):
+    """A rotation that fails (here: no file descriptor left for the new file) fails the
+    records waiting on it, so their responses are refused (fsync = "always"). They used
+    to wait forever: their futures were never settled. The writer keeps the old file
+    (under PATH again), and the chain goes on from the last record written."""
+    path = tmp_path / "a.log"
+    res = subprocess.run([sys.executable, "-c", FAILED_ROTATION, str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "refused: [Errno 24] Too many open files" in res.stdout, res.stdout
+    assert res.stdout.rstrip().endswith("done None"), res.stdout
+    files = sorted(tmp_path.glob("a.log*"))
+    res = _cli("verify", *map(str, files))
+    assert res.returncode == 0 and "ok: 21 records" in res.stdout, res.stdout
+    assert _records(path)[-1]["n"] == "after"

@@ -26,6 +26,7 @@ and the chain continues across those names as well (audit_tools.chain_of).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import hashlib
 import json
@@ -146,14 +147,23 @@ class AuditWriter:
 
     def _rotate(self) -> None:
         os.fsync(self.fd)
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        path = self.cfg.path
+        rotated = f"{path}.{datetime.now(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}"
         try:
-            os.rename(self.cfg.path, f"{self.cfg.path}.{stamp}")
+            os.rename(path, rotated)
         except FileNotFoundError:
-            pass  # moved away already (logrotate, its SIGUSR1 still to come)
-        # The old descriptor stays ours until the new one is open: a failure here leaves
-        # the writer appending where it was, never to a closed (or reused) descriptor.
-        self._switch(_open_log(self.cfg.path))
+            rotated = ""  # moved away already (logrotate, its SIGUSR1 still to come)
+        # The old descriptor stays ours until the new one is open: a failure leaves the
+        # writer appending where it was (under its name again), never to a closed (or
+        # reused) descriptor; the next batch tries again.
+        try:
+            fd = _open_log(path)
+        except OSError:
+            if rotated:
+                with contextlib.suppress(OSError):
+                    os.rename(rotated, path)
+            raise
+        self._switch(fd)
 
     def _reopen(self) -> None:
         """SIGUSR1: PATH from now on, as nginx does with its logs. A PATH that cannot be
@@ -240,7 +250,9 @@ class AuditWriter:
             except OSError as exc:
                 log.error("audit write failed: %s", exc)
                 self.failed = exc
-                self._settle(waiting, exc)
+                # The whole batch, not only the records before the failure: a rotation
+                # can fail before any of them, and their responses wait on them.
+                self._settle([fut for _, fut in batch if fut is not None], exc)
                 waiting = []
                 if stopping:
                     return
