@@ -412,3 +412,165 @@ def test_verify_against_an_anchored_head_catches_a_truncated_log(start_proxy, de
     assert res.returncode == 1 and f"anchor {anchor} not found" in res.stdout, res.stdout
     res = _cli("verify", "--anchor", "nothex", str(log))
     assert res.returncode == 2 and "anchor" in res.stderr, (res.stdout, res.stderr)
+
+
+def test_sigusr1_after_logrotate_moves_each_worker_to_a_new_file(start_proxy, demo_upstream,
+                                                                 tmp_path):
+    """logrotate renames the file and sends SIGUSR1 (postrotate), as for nginx's logs and
+    the access log: each worker goes on in a new PATH.wN, and `audit verify` follows each
+    chain from the renamed file into the new one. The writers used to keep appending to
+    the renamed files and never started new ones."""
+    text = _config(demo_upstream, tmp_path, 'fsync = "always"\n').replace(
+        "workers = 1", "workers = 2")
+    proxy = start_proxy(text)
+    live = [tmp_path / "audit.log.w0", tmp_path / "audit.log.w1"]
+    sent = 0
+
+    def until_each_has_records(files: list[Path]) -> None:
+        nonlocal sent
+        deadline = time.monotonic() + 20
+        while not all(f.exists() and _records(f) for f in files):
+            assert time.monotonic() < deadline, [f.exists() and len(_records(f)) for f in files]
+            with httpx.Client(timeout=10) as c:  # a new connection: either worker takes it
+                assert c.get(f"{proxy.url}/echo", headers={"x-api-key": KEY}).status_code == 200
+            sent += 1
+
+    until_each_has_records(live)
+    rotated = [f.with_name(f.name + ".1") for f in live]
+    for f, to in zip(live, rotated, strict=True):
+        f.rename(to)
+    before = [len(_records(f)) for f in rotated]  # fsync = "always": all are in
+    proxy.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while not all(f.exists() for f in live):
+        assert time.monotonic() < deadline, "the audit files were never reopened"
+        time.sleep(0.05)
+    until_each_has_records(live)
+    assert [len(_records(f)) for f in rotated] == before
+    assert sum(len(_records(f)) for f in live + rotated) == sent
+    for old, new in zip(rotated, live, strict=True):
+        assert _records(new)[0]["seq"] == _records(old)[-1]["seq"] + 1
+    res = _cli("verify", *map(str, rotated + live))
+    assert res.returncode == 0, res.stdout
+    assert sorted(line.split(": ")[0] for line in res.stdout.splitlines()) == list(map(str, live))
+    assert all("in 2 file(s)" in line for line in res.stdout.splitlines()), res.stdout
+
+
+def test_logrotate_before_its_signal_and_across_a_restart(tmp_path):
+    """The writer by itself, with logrotate's names: PATH renamed before SIGUSR1 arrives,
+    met by a size rotation (renaming a PATH that is gone used to leave the writer on a
+    closed descriptor: every later record failed, or went to whatever reused it); and a
+    restart after logrotate created an empty PATH, which must go on from the chain's
+    head in the renamed file, not from an older rotated one. `audit verify` follows the
+    chain across PATH.N, PATH-YYYYmmdd and the stamped files alike."""
+    import asyncio
+
+    from aiproxy.config.governance import AuditConfig
+    from aiproxy.governance.audit import AuditWriter
+
+    path = tmp_path / "a.log"
+    cfg = AuditConfig(path=str(path), fsync="always", rotate_bytes=4096)
+
+    async def write(writer: AuditWriter, n: int) -> None:
+        for i in range(n):  # one at a time: each batch checks for a due rotation
+            await writer.submit({"n": i, "pad": "x" * 100}, durable=True)
+
+    w = AuditWriter(cfg)
+    asyncio.run(write(w, 60))  # ~9 KB: rotated to a stamped file on the way
+    path.rename(tmp_path / "a.log.1")  # logrotate; its SIGUSR1 not there yet
+    asyncio.run(write(w, 60))
+    assert w.failed is None, w.failed
+    w.close()
+    path.rename(tmp_path / "a.log-20261203")  # logrotate dateext and `create`: empty PATH
+    path.touch()
+    w = AuditWriter(cfg)
+    asyncio.run(write(w, 3))
+    w.close()
+    assert w.failed is None, w.failed
+    files = sorted(tmp_path.glob("a.log*"))
+    res = _cli("verify", *map(str, files))
+    assert res.returncode == 0 and "ok: 123 records" in res.stdout, res.stdout
+    assert [r["seq"] for r in _records(path)] == [121, 122, 123]
+
+
+def test_a_failed_audit_reopen_keeps_the_old_file(tmp_path):
+    """SIGUSR1 when PATH cannot be opened (a directory took its place) keeps appending to
+    the old file, as the access log and nginx do; the next one that can open it moves on,
+    and the chain runs across both."""
+    import asyncio
+
+    from aiproxy.config.governance import AuditConfig
+    from aiproxy.governance.audit import AuditWriter
+
+    path = tmp_path / "a.log"
+    rotated = tmp_path / "a.log.1"
+    w = AuditWriter(AuditConfig(path=str(path), fsync="always"))
+
+    async def write(n: int) -> None:
+        for i in range(n):
+            await w.submit({"n": i}, durable=True)
+
+    asyncio.run(write(2))
+    path.rename(rotated)
+    path.mkdir()
+    w.reopen()
+    asyncio.run(write(2))
+    assert len(_records(rotated)) == 4 and w.failed is None
+    path.rmdir()
+    w.reopen()
+    asyncio.run(write(2))
+    w.close()
+    assert len(_records(rotated)) == 4 and len(_records(path)) == 2
+    res = _cli("verify", str(rotated), str(path))
+    assert res.returncode == 0 and "ok: 6 records in 2 file(s)" in res.stdout, res.stdout
+
+
+FAILED_ROTATION = r"""
+import asyncio, os, resource, sys
+from aiproxy.config.governance import AuditConfig
+from aiproxy.governance.audit import AuditWriter
+
+w = AuditWriter(AuditConfig(path=sys.argv[1], fsync="always", rotate_bytes=4096))
+
+async def main():
+    for i in range(20):
+        await w.submit({"n": i, "pad": "x" * 200}, durable=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 1, hard))
+    filler = []
+    while True:  # every descriptor taken: the rotation cannot open the new file
+        try:
+            filler.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            break
+    try:
+        await w.submit({"n": "lost", "pad": "x" * 4096}, durable=True)  # rotates first
+        print("the record was acknowledged")
+    except OSError as exc:
+        print("refused:", exc)
+    for fd in filler:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await w.submit({"n": "after"}, durable=True)
+
+asyncio.run(main())
+w.close()
+print("done", w.failed)
+"""
+
+
+def test_a_failed_rotation_refuses_its_records_and_the_chain_goes_on(tmp_path):
+    """A rotation that fails (here: no file descriptor left for the new file) fails the
+    records waiting on it, so their responses are refused (fsync = "always"). They used
+    to wait forever: their futures were never settled. The writer keeps the old file
+    (under PATH again), and the chain goes on from the last record written."""
+    path = tmp_path / "a.log"
+    res = subprocess.run([sys.executable, "-c", FAILED_ROTATION, str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "refused: [Errno 24] Too many open files" in res.stdout, res.stdout
+    assert res.stdout.rstrip().endswith("done None"), res.stdout
+    files = sorted(tmp_path.glob("a.log*"))
+    res = _cli("verify", *map(str, files))
+    assert res.returncode == 0 and "ok: 21 records" in res.stdout, res.stdout
+    assert _records(path)[-1]["n"] == "after"

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from tests.conftest import simple_config
 from tests.support import (
     admin_block,
     free_port,
+    raw_exchange,
     scrape,
     start_process,
     stop_process,
@@ -83,6 +85,76 @@ def test_admin_token_and_redacted_config(start_proxy, demo_upstream):
     assert "s3cret" not in json.dumps(cfg)
     assert cfg["clusters"][0]["name"] == "up"
     assert proxy.proc.poll() is None
+
+
+def test_admin_refuses_cross_site_browser_posts(start_proxy, demo_upstream):
+    """Without [admin] token, a page the operator visits could make the browser POST to
+    the loopback admin port: a "simple" request (text/plain, a form) needs no CORS
+    preflight, so it would reload the config (CSRF). A browser says where a request
+    comes from (Sec-Fetch-Site, Origin): one from another origin, the proxy's own
+    listener included, is refused. curl and other clients, which send neither, are not."""
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream) + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    url = f"http://127.0.0.1:{admin}/config/reload"
+    own = f"http://127.0.0.1:{admin}"
+    cross = [
+        {"Origin": "https://evil.example", "Content-Type": "text/plain"},
+        {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"},
+        {"Sec-Fetch-Site": "same-site", "Origin": proxy.url,
+         "Content-Type": "application/x-www-form-urlencoded"},
+        {"Origin": "null"},  # a sandboxed frame, a redirect across origins
+        {"Sec-Fetch-Site": "cross-site", "Origin": own},  # Sec-Fetch-Site decides
+    ]
+    for headers in cross:
+        r = httpx.post(url, headers=headers, content=b"x=1")
+        assert r.status_code == 403, (headers, r.status_code, r.text)
+        assert r.json()["error"]["code"] == "cross_origin"
+    assert scrape(admin).get(("aiproxy_config_reloads_total", ()), 0) == 0
+    allowed = [
+        {},
+        {"Sec-Fetch-Site": "same-origin", "Origin": own},
+        {"Sec-Fetch-Site": "none"},
+        {"Origin": own},
+    ]
+    for headers in allowed:
+        r = httpx.post(url, headers=headers)
+        assert r.status_code == 200, (headers, r.status_code, r.text)
+    out = subprocess.run(["curl", "-sS", "-X", "POST", url], capture_output=True, text=True,
+                         timeout=30, check=True)
+    assert json.loads(out.stdout)["reloaded"] is True
+    assert scrape(admin)[("aiproxy_config_reloads_total", ())] == len(allowed) + 1
+    # reads are the browser's same-origin policy's to keep; a state change wants POST
+    cross_read = httpx.get(f"{own}/metrics", headers={"Sec-Fetch-Site": "cross-site"})
+    assert cross_read.status_code == 200
+    for method in ("GET", "HEAD"):
+        r = httpx.request(method, url)
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_malformed_admin_requests_get_400_and_one_log_line(start_proxy, demo_upstream):
+    """A request aiohttp's parser refuses is the client's error: 400, and one line in
+    the log (as the listeners' h2 does), not a traceback per request that anyone able to
+    reach the port can fill the log with."""
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream) + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    bad = [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"GET /\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n",
+        b"POST /config/reload HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ]
+    for request in bad:
+        answer = raw_exchange(admin, request)
+        assert answer.startswith(b"HTTP/1.0 400 ") or answer.startswith(b"HTTP/1.1 400 "), (
+            request, answer[:100])
+    assert httpx.get(f"http://127.0.0.1:{admin}/healthz").status_code == 200
+    log = proxy.log()
+    assert "Traceback" not in log, log
+    lines = [x for x in log.splitlines() if "aiproxy.admin: bad request from 127.0.0.1: 400 " in x]
+    assert len(lines) == len(bad), log
 
 
 def test_config_view_hides_url_passwords():

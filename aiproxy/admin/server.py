@@ -3,6 +3,8 @@
 GET /healthz, /readyz, /metrics (Prometheus text), /config (secrets redacted),
 /config/routes, /clusters, /lineage/<trace_id>; POST /config/reload. With [admin] token set, every
 endpoint but /healthz and /readyz wants `Authorization: Bearer <token>`.
+A request that changes state (any method but GET and HEAD) from a browser page of another
+origin is refused (403): see _same_origin.
 
 What the endpoints show comes from an AdminBackend: LocalBackend for a proxy that
 serves in this process (`workers = 1`), the Supervisor when worker processes do.
@@ -12,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import re
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -28,7 +33,10 @@ from aiproxy.telemetry.metrics import registry_for
 if TYPE_CHECKING:
     from aiproxy.server.app import ProxyServer
 
+log = logging.getLogger("aiproxy.admin")
+
 OPEN_PATHS = {"/healthz", "/readyz"}
+SAFE_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))
 
 
 def _plain(value: Any) -> Any:
@@ -146,11 +154,60 @@ class LocalBackend:
         return trace_spans(self.server.runtime, trace_id)
 
 
+def cross_origin(request: web.Request) -> bool:
+    """Whether a browser sent this request from a page of another origin. Browsers say
+    so in Sec-Fetch-Site, or failing that (before 2023) in Origin, which they send on
+    every cross-origin POST; a client that sends neither (curl, a script) is no browser.
+    The check of Go's net/http CrossOriginProtection."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None:
+        return site not in ("same-origin", "none")
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return False
+    try:
+        host = urlsplit(origin).netloc
+    except ValueError:
+        return True
+    return not host or host.lower() != request.host.lower()
+
+
+@web.middleware
+async def _same_origin(request: web.Request, handler: Any) -> web.StreamResponse:
+    # Without a token, a page the operator visits could make the browser POST to the
+    # admin port (a form or a text/plain body needs no CORS preflight). Reads need no
+    # check: the same-origin policy keeps their answers from the page.
+    if request.method not in SAFE_METHODS and cross_origin(request):
+        return web.json_response(
+            {"error": {"code": "cross_origin",
+                       "message": "cross-origin browser request refused"}}, status=403)
+    return await handler(request)
+
+
+class _HandlerLog(logging.LoggerAdapter):
+    """The logger aiohttp's request handler writes to. It logs each request its parser
+    refuses (answered 400) with logger.exception: a traceback per malformed request,
+    which anyone who reaches the port can fill the log with. Those are the client's
+    error and get one line, as the listeners log theirs; a handler's own exception (a
+    500, our bug) keeps its traceback."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True,
+                  **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            reason = " ".join(part.strip() for part in str(exc_info.message).splitlines()
+                              if part.strip().strip("^"))
+            reason = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in reason)
+            remote = args[0] if args else "?"
+            log.info("bad request from %s: %d %s", remote, exc_info.code, reason[:200])
+            return
+        self.logger.error(msg, *args, exc_info=exc_info, **kwargs)
+
+
 class AdminServer:
     def __init__(self, backend: AdminBackend) -> None:
         self.backend = backend
         self.runner: web.AppRunner | None = None
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[_same_origin, self._auth])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
@@ -162,7 +219,8 @@ class AdminServer:
         self.app = app
 
     async def start(self, host: str, port: int) -> None:
-        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                    logger=_HandlerLog(logging.getLogger("aiohttp.server")))
         await self.runner.setup()
         # Bound here, not by TCPSite(host, port): see aiproxy/server/sockets.py.
         for sock in bound_sockets(host, port):

@@ -18,16 +18,21 @@ Durability (`fsync`):
 
 Rotation: when the file passes rotate_bytes (or is rotate_interval_s old) it is renamed
 to PATH.YYYYmmddTHHMMSS.ffffffZ and a new PATH starts; the chain continues across.
+An external rotation (logrotate renames PATH to PATH.1 or PATH-YYYYmmdd, then sends
+SIGUSR1) works too: reopen() makes the thread sync the old file and append to a new PATH,
+and the chain continues across those names as well (audit_tools.chain_of).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -51,8 +56,15 @@ def line_hash(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
 
 
+# What a file's name was rotated to: our stamp, or logrotate's (PATH.1; dateext PATH-YYYYmmdd
+# and its hourly, minute and second forms).
+ROTATED_SUFFIX = re.compile(r"(?:\.\d{8}T\d{6}\.\d{6}Z|\.\d+|-\d{8}(?:\d{2}){0,3})$")
+
+
 def rotated_files(path: str) -> list[str]:
-    return sorted(glob.glob(glob.escape(path) + ".*T*Z"))
+    """The files PATH was rotated to, by us or by logrotate (not compressed ones)."""
+    found = glob.glob(glob.escape(path) + ".[0-9]*") + glob.glob(glob.escape(path) + "-[0-9]*")
+    return sorted(f for f in found if ROTATED_SUFFIX.sub("", f) == path)
 
 
 def _last_line(path: str) -> tuple[bytes | None, int]:
@@ -84,6 +96,7 @@ class AuditWriter:
         self.cond = threading.Condition()
         self.queue: deque[tuple[dict, asyncio.Future | None]] = deque()
         self.stopping = False
+        self.reopening = False
         self.failed: Exception | None = None
         self.written = 0
         self.fd = -1
@@ -104,7 +117,9 @@ class AuditWriter:
                         "process stopped; its request was never answered)", path)
             os.truncate(path, keep)
         if last is None:
-            for older in reversed(rotated_files(path)):
+            # Newest first: the file last written to holds the chain's head, whatever the
+            # scheme of its name (a restart after logrotate created an empty PATH).
+            for older in sorted(rotated_files(path), key=_mtime, reverse=True):
                 last, _ = _last_line(older)
                 if last is not None:
                     break
@@ -115,20 +130,55 @@ class AuditWriter:
             except (ValueError, KeyError, TypeError):
                 log.error("audit %s: last record unreadable; the chain continues from its "
                           "hash", path)
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self.fd = _open_log(path)
         self.size = os.fstat(self.fd).st_size
         self.opened_at = time.time()
 
+    def _switch(self, fd: int) -> None:
+        """Append to `fd` from now on; the old file was synced."""
+        old, self.fd = self.fd, fd
+        self.size = os.fstat(fd).st_size
+        self.opened_at = time.time()
+        try:
+            os.close(old)
+        except OSError as exc:
+            log.error("audit %s: closing the old file: %s", self.cfg.path, exc)
+        _fsync_dir(self.cfg.path)
+
     def _rotate(self) -> None:
         os.fsync(self.fd)
-        os.close(self.fd)
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
-        os.rename(self.cfg.path, f"{self.cfg.path}.{stamp}")
-        self.fd = os.open(self.cfg.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                          0o640)
-        _fsync_dir(self.cfg.path)
-        self.size = 0
-        self.opened_at = time.time()
+        path = self.cfg.path
+        rotated = f"{path}.{datetime.now(UTC).strftime('%Y%m%dT%H%M%S.%fZ')}"
+        try:
+            os.rename(path, rotated)
+        except FileNotFoundError:
+            rotated = ""  # moved away already (logrotate, its SIGUSR1 still to come)
+        # The old descriptor stays ours until the new one is open: a failure leaves the
+        # writer appending where it was (under its name again), never to a closed (or
+        # reused) descriptor; the next batch tries again.
+        try:
+            fd = _open_log(path)
+        except OSError:
+            if rotated:
+                with contextlib.suppress(OSError):
+                    os.rename(rotated, path)
+            raise
+        self._switch(fd)
+
+    def _reopen(self) -> None:
+        """SIGUSR1: PATH from now on, as nginx does with its logs. A PATH that cannot be
+        opened keeps the old file in use; the next SIGUSR1 tries again."""
+        try:
+            fd = _open_log(self.cfg.path)
+        except OSError as exc:
+            log.warning("audit: cannot reopen %s, still writing to the old file: %s",
+                        self.cfg.path, exc)
+            return
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            log.error("audit: syncing the old file of %s failed: %s", self.cfg.path, exc)
+        self._switch(fd)
 
     def _due_rotation(self) -> bool:
         cfg = self.cfg
@@ -144,7 +194,7 @@ class AuditWriter:
             cfg = self.cfg  # a reload may change the settings (not the path)
             interval = cfg.fsync_interval_ms / 1000
             with self.cond:
-                while not self.queue and not self.stopping:
+                while not self.queue and not self.stopping and not self.reopening:
                     timeout = None
                     if dirty and cfg.fsync == "interval":
                         timeout = max(0.0, last_sync + interval - time.monotonic())
@@ -155,8 +205,11 @@ class AuditWriter:
                 batch = list(self.queue)
                 self.queue.clear()
                 stopping = self.stopping
+                reopen, self.reopening = self.reopening, False
             waiting = []
             try:
+                if reopen:
+                    self._reopen()
                 if batch:
                     if self._due_rotation():
                         self._rotate()
@@ -172,7 +225,11 @@ class AuditWriter:
                         self.prev = line_hash(line[:-1])
                         if (out or self.size) and self.size + size + len(line) > cfg.rotate_bytes:
                             self._write(out, first)  # a group commit may span a rotation
-                            self._rotate()
+                            try:
+                                self._rotate()
+                            except OSError:
+                                self.seq, self.prev = before  # `line` is not written
+                                raise
                             out, size, first = [], 0, before
                         out.append(line)
                         size += len(line)
@@ -193,7 +250,9 @@ class AuditWriter:
             except OSError as exc:
                 log.error("audit write failed: %s", exc)
                 self.failed = exc
-                self._settle(waiting, exc)
+                # The whole batch, not only the records before the failure: a rotation
+                # can fail before any of them, and their responses wait on them.
+                self._settle([fut for _, fut in batch if fut is not None], exc)
                 waiting = []
                 if stopping:
                     return
@@ -244,6 +303,12 @@ class AuditWriter:
             self.cond.notify()
         return fut
 
+    def reopen(self) -> None:
+        """Append to a new PATH (SIGUSR1, after logrotate renamed the file)."""
+        with self.cond:
+            self.reopening = True
+            self.cond.notify()
+
     def close(self) -> None:
         with self.cond:
             self.stopping = True
@@ -258,6 +323,17 @@ def _resolve(futures: list[asyncio.Future], exc: Exception | None) -> None:
                 fut.set_result(None)
             else:
                 fut.set_exception(exc)
+
+
+def _open_log(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _fsync_dir(path: str) -> None:
@@ -392,6 +468,9 @@ class AuditState:
 
     def close(self) -> None:
         self.writer.close()
+
+    def reopen(self) -> None:
+        self.writer.reopen()
 
     def metric_families(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
-from aiproxy.governance.audit import GENESIS, line_hash
+from aiproxy.governance.audit import GENESIS, ROTATED_SUFFIX, line_hash
 
 # -- verify -------------------------------------------------------------------------------------
 
@@ -31,13 +31,13 @@ def _first_seq(path: str) -> int:
 
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
-_ROTATED = re.compile(r"\.\d{8}T\d{6}\.\d{6}Z$")  # audit.py's rotation stamp
 
 
 def chain_of(path: str) -> str:
     """The live file whose chain `path` is part of: itself, or what it was rotated from
-    (PATH.YYYYmmddTHHMMSS.ffffffZ). Each worker's PATH.wN is a chain of its own."""
-    return _ROTATED.sub("", path)
+    (PATH.YYYYmmddTHHMMSS.ffffffZ, or logrotate's PATH.N and PATH-YYYYmmdd). Each
+    worker's PATH.wN is a chain of its own."""
+    return ROTATED_SUFFIX.sub("", path)
 
 
 def verify(paths: list[str], out: TextIO = sys.stdout, partial: bool = False,

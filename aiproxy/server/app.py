@@ -234,6 +234,9 @@ class ProxyServer(ServerCore):
     def reopen_logs(self) -> None:
         if self.access_log is not None:
             self.access_log.reopen()
+        audit = self.runtime.filter_states.get("audit")
+        if audit is not None:
+            audit.reopen()
 
     async def stop(self, timeout: float) -> None:
         """Stop accepting, let in-flight requests finish (bounded), then close."""
