@@ -83,7 +83,8 @@ def test_a_request_refused_before_it_was_one_is_logged(start_proxy, demo_upstrea
     import socket
 
     log = tmp_path / "access.log"
-    proxy = start_proxy(simple_config(demo_upstream)
+    # One worker: two workers write their lines apart, in either order.
+    proxy = start_proxy("[server]\nworkers = 1\n" + simple_config(demo_upstream)
                         + f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n')
     smuggle = (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n"
                b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
