@@ -278,7 +278,7 @@ class RateLimitFilter(Filter):
             levels: list[float] = []
             if lim.redis:
                 try:
-                    worst, wait = await lim.store.take(keys, specs)
+                    worst, wait = await lim.store.take(keys, specs, levels)
                 except Exception as exc:
                     answer = lim.backend_failed(exc)
                     if answer is not None:
