@@ -180,6 +180,9 @@ burst_requests = 1
         second = c.post(url, json=_chat(3))
     assert first.status_code == 200
     assert second.status_code == 429 and second.headers["retry-after"] == "86400"
+    # the window and reset stay Structured Field integers (at most 15 digits)
+    assert _limits(second.headers) == ([("rps", {"q": 1, "w": 999_999_999_999_999})],
+                                       [("rps", {"r": 0, "t": 86400})])
 
 
 @pytest.fixture(scope="module")
@@ -380,3 +383,184 @@ max_wait_ms = 5000
     assert codes == [200, 200, 200]  # three requests: "per-client"'s three units
     assert fourth.status_code == 429
     assert fourth.headers["x-aiproxy-backpressure"] == "requests"
+
+
+# RateLimit-Policy / RateLimit (draft-ietf-httpapi-ratelimit-headers-10/11), read with
+# http_sf, an RFC 9651 parser: each a List of Items whose value is a String naming the
+# policy, one per request bucket.
+
+def _sf_list(value: str | None) -> list[tuple[str, dict]]:
+    import http_sf
+
+    assert value is not None
+    members = http_sf.parse(value.encode(), tltype="list")
+    for name, _ in members:
+        assert type(name) is str, name  # a String, not a Token (the draft's MUST)
+    return [(name, dict(params)) for name, params in members]
+
+
+def _limits(headers: httpx.Headers) -> tuple[list, list]:
+    return (_sf_list(headers.get("ratelimit-policy")), _sf_list(headers.get("ratelimit")))
+
+
+def test_a_429_says_the_policy_and_what_is_left(start_proxy, demo_upstream):
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + """
+[[ratelimits]]
+name = "per-tenant"
+requests_per_second = 0.01
+burst_requests = 2
+""")
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        ok = [c.post(url, json=_chat(2)) for _ in range(2)]
+        refused = c.post(url, json=_chat(2))
+    # Admitted responses say nothing unless response_headers asks for it.
+    assert all(r.status_code == 200 and "ratelimit" not in r.headers for r in ok)
+    assert refused.status_code == 429
+    policy, limit = _limits(refused.headers)
+    # burst 2 at 0.01/s: 2 requests per 200 s; nothing left, and the next fits in
+    # Retry-After seconds, which the reset does not pass (the draft's section 6).
+    assert policy == [("per-tenant", {"q": 2, "w": 200})]
+    after = int(refused.headers["retry-after"])
+    assert 90 <= after <= 100
+    assert limit == [("per-tenant", {"r": 0, "t": after})]
+
+
+def test_response_headers_count_down_as_requests_are_made(start_proxy, demo_upstream):
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + """
+[[ratelimits]]
+name = "rps"
+requests_per_second = 0.01
+burst_requests = 5
+response_headers = true
+""")
+    url = f"{proxy.url}/v1/chat/completions"
+    remaining, resets = [], []
+    with httpx.Client() as c:
+        for n in range(5):
+            r = c.post(url, json=_chat(2, stream=n % 2 == 1))  # event streams too
+            assert r.status_code == 200
+            assert n % 2 == 0 or r.text.rstrip().endswith("data: [DONE]")
+            policy, limit = _limits(r.headers)
+            assert policy == [("rps", {"q": 5, "w": 500})]
+            [(name, params)] = limit
+            assert name == "rps"
+            remaining.append(params["r"])
+            resets.append(params["t"])
+        last = c.post(url, json=_chat(2))
+    assert remaining == [4, 3, 2, 1, 0]  # one unit per request
+    # until the bucket is full again: 100 s per unit taken (less what refilled meanwhile)
+    assert all(100 * n - 5 <= t <= 100 * n for n, t in enumerate(resets, 1)), resets
+    assert last.status_code == 429
+    assert _limits(last.headers)[1] == [("rps", {"r": 0, "t": int(last.headers["retry-after"])})]
+
+
+def _curl_head(*args: str) -> tuple[int, dict[str, list[str]]]:
+    import subprocess
+
+    out = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-D", "-", "--max-time", "10",
+                          *args], capture_output=True, text=True, timeout=20, check=True)
+    lines = out.stdout.splitlines()
+    status = int(lines[0].split()[1])
+    fields: dict[str, list[str]] = {}
+    for line in lines[1:]:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            fields.setdefault(name.strip().lower(), []).append(value.strip())
+    return status, fields
+
+
+@pytest.mark.parametrize("version", ["--http1.1", "--http2-prior-knowledge"])
+def test_curl_sees_one_member_per_limiter(start_proxy, demo_upstream, version):
+    """Every limiter with a request bucket reports its own member; a limiter of tokens
+    only has none (the draft registers no quota unit for tokens). Over HTTP/1.1 and
+    HTTP/2 alike, on admitted responses and on 429s."""
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + """
+[[ratelimits]]
+name = "slow"
+requests_per_second = 0.01
+burst_requests = 3
+response_headers = true
+[[ratelimits]]
+name = "tpm"
+tokens_per_minute = 100000
+response_headers = true
+[[ratelimits]]
+name = "fast"
+requests_per_second = 0.5
+burst_requests = 10
+response_headers = true
+""", 'protocols = ["http1", "h2c"]')
+    args = [version, "-H", "content-type: application/json",
+            "--data-binary", json.dumps(_chat(2)), f"{proxy.url}/v1/chat/completions"]
+    seen = []
+    for _ in range(4):
+        status, fields = _curl_head(*args)
+        policy = _sf_list(", ".join(fields["ratelimit-policy"]))
+        limit = _sf_list(", ".join(fields["ratelimit"]))
+        seen.append((status, policy, limit))
+    for status, policy, _ in seen[:3]:
+        assert status == 200
+        assert policy == [("slow", {"q": 3, "w": 300}), ("fast", {"q": 10, "w": 20})]
+    assert [[(n, p["r"]) for n, p in limit] for _, _, limit in seen[:3]] == [
+        [("slow", 2), ("fast", 9)], [("slow", 1), ("fast", 8)], [("slow", 0), ("fast", 7)]]
+    status, policy, limit = seen[3]
+    # "slow" refuses first: "fast" is not asked, so only "slow" is reported
+    assert status == 429
+    assert policy == [("slow", {"q": 3, "w": 300})]
+    assert [(n, p["r"]) for n, p in limit] == [("slow", 0)]
+
+
+def test_grpc_callers_get_the_fields_as_metadata(start_proxy, grpc_modules):  # noqa: F811
+    import grpc
+
+    from tests.grpc_support import GRPC_OPTIONS, InferenceServer, grpc_config
+
+    pb2, pb2_grpc = grpc_modules
+    server = InferenceServer(pb2, pb2_grpc)
+    try:
+        proxy = start_proxy(ONE_PROCESS + grpc_config(("g", server.port)) + """
+[[ratelimits]]
+name = "rps"
+requests_per_second = 0.01
+burst_requests = 2
+response_headers = true
+""", 'protocols = ["h2c"]')
+        with grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=GRPC_OPTIONS) as ch:
+            stub = pb2_grpc.PredictorStub(ch)
+            admitted = []
+            for _ in range(2):
+                _, call = stub.Predict.with_call(pb2.PredictRequest(model="m", prompt="hi"),
+                                                 timeout=10)
+                admitted.append(dict(call.initial_metadata()))
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Predict(pb2.PredictRequest(model="m", prompt="hi"), timeout=10)
+    finally:
+        server.stop()
+    limits = [_sf_list(md["ratelimit"]) for md in admitted]
+    assert [[(n, p["r"]) for n, p in limit] for limit in limits] == [[("rps", 1)], [("rps", 0)]]
+    assert limits[0][0][1]["t"] == 100 and 190 <= limits[1][0][1]["t"] <= 200
+    assert all(_sf_list(md["ratelimit-policy"]) == [("rps", {"q": 2, "w": 200})]
+               for md in admitted)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailers = dict(err.value.trailing_metadata())
+    assert _sf_list(trailers["ratelimit-policy"]) == [("rps", {"q": 2, "w": 200})]
+    assert _sf_list(trailers["ratelimit"])[0][1]["r"] == 0
+
+
+def test_response_headers_option_and_policy_names(tmp_path):
+    cfg = load_config_text(BASE + """
+[[ratelimits]]
+name = "a"
+requests_per_second = 1
+response_headers = true
+""", "rl.toml")
+    assert cfg.ratelimits[0].response_headers is True
+    text = "\n".join(_problems(BASE + """
+[[ratelimits]]
+name = "café"
+requests_per_second = 1
+response_headers = "yes"
+"""))
+    assert "ratelimits[0].name: must be printable ASCII" in text
+    assert "ratelimits[0].response_headers" in text

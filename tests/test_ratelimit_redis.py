@@ -269,3 +269,34 @@ redis_url = "redis://127.0.0.1:{redis_port}/0"
     assert level <= 100 - used + 10, level
     refill_ms = (100 - level) / (60 / 60) * 1000  # ~600 s at 1 token/s
     assert ttl >= refill_ms, (ttl, refill_ms)
+
+
+def _sf_list(value: str) -> list[tuple[str, dict]]:
+    import http_sf
+
+    return [(name, dict(params)) for name, params in http_sf.parse(value.encode(),
+                                                                   tltype="list")]
+
+
+def test_ratelimit_fields_count_one_shared_budget(start_proxy, demo_upstream, redis_port):
+    """The RateLimit fields of a Redis bucket: what the take script left, so two proxies
+    sharing it count down together, one unit per request whichever answers."""
+    a = start_proxy(simple_config(demo_upstream) + _limit(redis_port, "response_headers = true"))
+    b = start_proxy(simple_config(demo_upstream) + _limit(redis_port))
+    remaining = []
+    with httpx.Client(timeout=10) as c:
+        for i in range(10):
+            r = c.post(f"{(a, b)[i % 2].url}/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200
+            if i % 2 == 0:  # a shows them on admitted responses, b (the default) does not
+                assert _sf_list(r.headers["ratelimit-policy"]) == [
+                    ("shared", {"q": 10, "w": 1000})]
+                [(name, params)] = _sf_list(r.headers["ratelimit"])
+                remaining.append(params["r"])
+            else:
+                assert "ratelimit" not in r.headers
+        refused = c.post(f"{b.url}/v1/chat/completions", json=CHAT)
+    assert remaining == [9, 7, 5, 3, 1]
+    assert refused.status_code == 429
+    after = int(refused.headers["retry-after"])
+    assert _sf_list(refused.headers["ratelimit"]) == [("shared", {"r": 0, "t": after})]

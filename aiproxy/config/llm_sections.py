@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from aiproxy.ratelimit.fields import PRINTABLE
+
 from .schema import RATELIMIT_KEYS, CacheConfig, LlmConfig, RateLimitConfig
 
 if TYPE_CHECKING:
@@ -81,6 +83,10 @@ def ratelimits(ck: _Checker, data: dict[str, Any]) -> tuple[RateLimitConfig, ...
         before = len(ck.problems)
         ck.check_keys(item, path, _FIELDS[RateLimitConfig])
         name = ck.name(item, path)
+        if name is not None and not PRINTABLE.fullmatch(name):
+            # It is a String in the RateLimit fields (RFC 9651 3.3.3): ASCII only.
+            ck.error(path + ("name",), f"must be printable ASCII, got {name!r}")
+            name = None
         if name is not None:
             names.append((path + ("name",), name))
         values: dict[str, Any] = ck.scalars(RateLimitConfig, item, path)

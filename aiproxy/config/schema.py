@@ -343,6 +343,8 @@ class RateLimitConfig:
     redis_timeout_ms: int = _bounded(250, 1, 60_000)
     on_backend_error: str = "open"  # or "closed"
     max_keys: int = _bounded(100_000, 1)  # in-process buckets kept (least recently used go)
+    # RateLimit-Policy/RateLimit on admitted responses too (429s always have them)
+    response_headers: bool = False
 
 
 @dataclass(frozen=True, slots=True)

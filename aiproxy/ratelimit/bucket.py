@@ -84,9 +84,11 @@ class MemoryStore:
             buckets.move_to_end(key)
         return b
 
-    def take(self, keys: list[str], specs: list[Spec], now: float) -> tuple[int, float]:
+    def take(self, keys: list[str], specs: list[Spec], now: float,
+             levels: list[float] | None = None) -> tuple[int, float]:
         """Take every spec's need from its bucket, or none: (-1, 0) when admitted, else
-        (index of the bucket that waits longest, seconds to wait)."""
+        (index of the bucket that waits longest, seconds to wait). `levels` gets each
+        bucket's level after (less the need when admitted)."""
         worst, wait = -1, 0.0
         buckets = []
         for i, (key, spec) in enumerate(zip(keys, specs, strict=True)):
@@ -95,11 +97,12 @@ class MemoryStore:
             w = shortfall(b.refill(now, spec[0], spec[1], spec[3]), spec)
             if w > wait:
                 worst, wait = i, w
-        if worst >= 0:
-            return worst, wait
-        for b, spec in zip(buckets, specs, strict=True):
-            b.level -= spec[2]
-        return -1, 0.0
+        if worst < 0:
+            for b, spec in zip(buckets, specs, strict=True):
+                b.level -= spec[2]
+        if levels is not None:
+            levels.extend(b.level for b in buckets)
+        return worst, wait
 
     def charge(self, key: str, spec: Spec, amount: float, now: float) -> None:
         """Take `amount` more (negative: give back) from a bucket."""

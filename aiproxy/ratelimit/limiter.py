@@ -6,9 +6,11 @@ goes upstream. A stream that runs past its reservation is charged as it streams;
 the exchange ends the reservation is settled to the real usage (nothing for a cache
 hit, a request that got no response or an upstream error response without usage), however it ends: answered, client gone mid-stream,
 upstream error or timeout. A Redis take still in flight when the client goes (or timed
-out) is voided (aiproxy/ratelimit/redis_store.py). Refusals are 429 with Retry-After and
-`x-aiproxy-backpressure: <reason>`; between 50% and 80% reported GPU memory load a
-request may wait (bounded) for its turn instead.
+out) is voided (aiproxy/ratelimit/redis_store.py). Refusals are 429 with Retry-After,
+`x-aiproxy-backpressure: <reason>` and the RateLimit fields of the request buckets it
+was checked against (aiproxy/ratelimit/fields.py), which admitted responses get too
+with response_headers; between 50% and 80% reported GPU memory load a request may wait
+(bounded) for its turn instead.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from aiproxy.llm.accounting import llm_config, tenant_of
-from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply
+from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply, ResponseHead
 from aiproxy.ratelimit.bucket import MemoryStore, Spec
+from aiproxy.ratelimit.fields import ratelimit_fields
 from aiproxy.ratelimit.watermark import HIGH, LOW, cluster_load, factor_for
 from aiproxy.routing.stats import LOAD_HEADERS
 
@@ -136,22 +139,34 @@ class Grant:
 MAX_RETRY_AFTER = 86_400
 
 
-def refusal(limiter: Limiter, reason: str, wait: float, message: str) -> LocalReply:
+# A limiter's request bucket as a request's take left it: (spec, level)
+Snap = tuple[Spec, float]
+
+
+def refusal(limiter: Limiter, reason: str, wait: float, message: str,
+            snaps: dict[Limiter, Snap] | None = None) -> LocalReply:
     limiter.refused[reason] = limiter.refused.get(reason, 0) + 1
     wait = wait if wait < MAX_RETRY_AFTER else MAX_RETRY_AFTER  # inf and nan too
-    after = str(max(1, math.ceil(wait))).encode()
-    return LocalReply(429, "rate_limited", message,
-                      [(b"retry-after", after), (b"x-aiproxy-backpressure", reason.encode())])
+    after = max(1, math.ceil(wait))
+    headers = [(b"retry-after", str(after).encode()),
+               (b"x-aiproxy-backpressure", reason.encode())]
+    if snaps:
+        headers += ratelimit_fields(((lim.name, spec, level)
+                                     for lim, (spec, level) in snaps.items()), after)
+    return LocalReply(429, "rate_limited", message, headers)
 
 
 class RateLimitFilter(Filter):
-    __slots__ = ("factory", "grants", "counted", "ended")
+    __slots__ = ("factory", "grants", "counted", "ended", "snaps")
 
     def __init__(self, factory: RateLimitFactory) -> None:
         self.factory = factory
         self.grants: list[Grant] = []
         self.counted: list[Limiter] = []  # limiters whose request bucket has this request
         self.ended = False  # done() has run: a grant arriving now is given back at once
+        # Request buckets as this request's takes left them, for the RateLimit fields (a
+        # retry from the queue does not take from them again: the first take's stays).
+        self.snaps: dict[Limiter, Snap] | None = None
 
     def request(self, ex: Exchange) -> Any:
         factory = self.factory
@@ -171,12 +186,21 @@ class RateLimitFilter(Filter):
         for lim in self.factory.limiters:
             f = factor if lim.cfg.watermark else 1.0
             keys, specs, kinds = lim.buckets(ex, header, apart, f, lim in self.counted)
-            worst, wait = lim.store.take(keys, specs, now)
+            levels: list[float] = []
+            worst, wait = lim.store.take(keys, specs, now, levels)
+            self._snap(lim, specs, kinds, levels)
             if worst >= 0:
                 self._give_back(now)
                 return lim, _reason(kinds[worst], f), wait
             self._granted(lim, keys, specs, kinds)
         return None
+
+    def _snap(self, lim: Limiter, specs: list[Spec], kinds: list[str],
+              levels: list[float]) -> None:
+        if levels and kinds[0] == "requests":  # a request bucket comes first
+            if self.snaps is None:
+                self.snaps = {}
+            self.snaps[lim] = (specs[0], levels[0])
 
     def _granted(self, lim: Limiter, keys: list[str], specs: list[Spec],
                  kinds: list[str]) -> None:
@@ -208,9 +232,11 @@ class RateLimitFilter(Filter):
         in_band = load is not None and LOW <= load <= HIGH and cfg.watermark
         if in_band and cfg.max_wait_ms and wait * 1000 <= cfg.max_wait_ms:
             if lim.waiting >= cfg.max_queue:
-                return refusal(lim, "queue_full", wait, "rate limit wait queue is full")
+                return refusal(lim, "queue_full", wait, "rate limit wait queue is full",
+                               self.snaps)
             return self._queue(ex, lim, time.monotonic() + cfg.max_wait_ms / 1000, wait)
-        return refusal(lim, reason, wait, f"rate limit {lim.name!r} exceeded ({reason})")
+        return refusal(lim, reason, wait, f"rate limit {lim.name!r} exceeded ({reason})",
+                       self.snaps)
 
     async def _queue(self, ex: Exchange, lim: Limiter, deadline: float,
                      wait: float) -> LocalReply | None:
@@ -227,7 +253,8 @@ class RateLimitFilter(Filter):
                 left = deadline - time.monotonic()
                 if left <= 0 or wait > left or load is None or not LOW <= load <= HIGH:
                     return refusal(lim2, reason, wait,
-                                   f"rate limit {lim2.name!r} exceeded ({reason})")
+                                   f"rate limit {lim2.name!r} exceeded ({reason})",
+                                   self.snaps)
         finally:
             lim.waiting -= 1
 
@@ -248,9 +275,10 @@ class RateLimitFilter(Filter):
             if not keys:
                 continue
             now = ex.loop.time()
+            levels: list[float] = []
             if lim.redis:
                 try:
-                    worst, wait = await lim.store.take(keys, specs)
+                    worst, wait = await lim.store.take(keys, specs, levels)
                 except Exception as exc:
                     answer = lim.backend_failed(exc)
                     if answer is not None:
@@ -258,7 +286,8 @@ class RateLimitFilter(Filter):
                         return answer
                     continue  # failing open: this limiter admits
             else:
-                worst, wait = lim.store.take(keys, specs, now)
+                worst, wait = lim.store.take(keys, specs, now, levels)
+            self._snap(lim, specs, kinds, levels)
             if worst >= 0:
                 self._give_back(ex.loop.time())
                 return lim, _reason(kinds[worst], f), wait
@@ -292,6 +321,12 @@ class RateLimitFilter(Filter):
                     except ValueError:
                         pass
                     break
+        if self.snaps and self.factory.show:
+            extra = ratelimit_fields((lim.name, spec, level)
+                                     for lim, (spec, level) in self.snaps.items()
+                                     if lim.cfg.response_headers)
+            if extra:
+                resp = ResponseHead.derived(resp, extra=tuple(extra))
         return resp
 
     def response_body(self, ex: Exchange, data: bytes) -> bytes:
@@ -334,6 +369,7 @@ class RateLimitFactory(FilterFactory):
         self.apart = apart  # tenant_of's
         self.redis = any(lim.redis for lim in limiters)
         self.watermark = any(lim.cfg.watermark for lim in limiters)
+        self.show = any(lim.cfg.response_headers for lim in limiters)
 
     def start(self, ex: Exchange) -> Filter:
         return RateLimitFilter(self)

@@ -51,15 +51,17 @@ end
 """
 
 # KEYS: one per bucket, then the reservation key. ARGV: per bucket rate, cap, need,
-# factor; then the reservation key's TTL (ms). Returns {0, "0"} when every need was
-# taken (and marks the reservation "1"), else {index (1-based) of the bucket that waits
-# longest, seconds as a string} and nothing is taken; nothing either if the reservation
-# was voided before this ran.
+# factor; then the reservation key's TTL (ms). Returns {0, "0", levels...} when every
+# need was taken (and marks the reservation "1"), else {index (1-based) of the bucket
+# that waits longest, seconds as a string, levels...} and nothing is taken; nothing
+# either (and no levels) if the reservation was voided before this ran. The levels, as
+# strings, are each bucket's after the script, as MemoryStore.take gives them.
 TAKE = BUCKET + """
 local res = KEYS[#KEYS]
 if redis.call('EXISTS', res) == 1 then return {-1, '0'} end
 local levels = {}
 local worst, wait = 0, 0
+local out = {0, '0'}
 local n = #KEYS - 1
 for i = 1, n do
   local b = (i - 1) * 4
@@ -78,9 +80,11 @@ for i = 1, n do
   local level = levels[i]
   if worst == 0 then level = level - tonumber(ARGV[b + 3]) end
   store(KEYS[i], level, tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 4]))
+  out[i + 2] = tostring(level)
 end
 if worst == 0 then redis.call('SET', res, '1', 'PX', ARGV[n * 4 + 1]) end
-return {worst, tostring(wait)}
+out[1], out[2] = worst, tostring(wait)
+return out
 """
 
 # KEYS and ARGV as for TAKE: give back what the take took if it ran; in any case mark
@@ -125,21 +129,24 @@ class RedisStore:
         self._charge = self.client.register_script(CHARGE)
         self.pending: set[asyncio.Task] = set()
 
-    async def take(self, keys: list[str], specs: list[Spec]) -> tuple[int, float]:
+    async def take(self, keys: list[str], specs: list[Spec],
+                   levels: list[float] | None = None) -> tuple[int, float]:
+        """As MemoryStore.take, on Redis server time."""
         args: list[float] = []
         for spec in specs:
             args += spec
         keys = [*keys, f"rl:res:{uuid.uuid4().hex}"]
         args.append(RESERVATION_TTL_MS)
         try:
-            worst, wait = await asyncio.wait_for(self._take(keys=keys, args=args),
-                                                 self.timeout)
+            answer = await asyncio.wait_for(self._take(keys=keys, args=args), self.timeout)
         except BaseException:
             # Cancelled (the client is gone) or failed: the take may have run, or may
             # still run. Undo it either way.
             self._spawn(self._void_now(keys, args))
             raise
-        return int(worst) - 1, float(wait)
+        if levels is not None:
+            levels.extend(float(x) for x in answer[2:])
+        return int(answer[0]) - 1, float(answer[1])
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
