@@ -31,7 +31,7 @@ from tests.grpc_support import (
     grpc_modules,  # noqa: F401 - fixture
 )
 from tests.h2_support import FrameClient, H2Upstream, Pki, ProxyProc, make_pki, wait_for
-from tests.support import free_port, start_process, stop_process, wait_port
+from tests.support import free_port, raw_exchange, start_process, stop_process, wait_port
 
 MiB = 1024 * 1024
 pytestmark = pytest.mark.timeout(60)
@@ -364,6 +364,26 @@ def test_grpc_timeout_is_the_upstream_deadline(proxy: ProxyProc, servers: dict) 
     assert resp.status == 200 and resp.trailers is None and resp.body == b""
     assert resp.header(b"content-type") == b"application/grpc"
     assert resp.header(b"grpc-status") == b"4"  # DEADLINE_EXCEEDED
+    assert wait_for(lambda: any(ev[1] == "reset" for ev in hang.events if ev[0] >= start), 3), \
+        hang.events
+
+
+def test_grpc_timeout_over_http1(proxy: ProxyProc, servers: dict) -> None:
+    """A gRPC request over HTTP/1.1 (a gRPC-Web or bridge client sends grpc-timeout too)
+    to an upstream that never answers: the proxy ends it at about the deadline, not at
+    its connection timer's next round (min_timeout, 60 s here), and resets the upstream
+    stream."""
+    hang: H2Upstream = servers["hang"]
+    msg = b"\x00\x00\x00\x00\x01x"
+    start = time.monotonic()
+    raw = raw_exchange(proxy.ports["mixed"], b"POST /test.Hang/Silent HTTP/1.1\r\n"
+                       b"Host: test\r\ncontent-type: application/grpc\r\nte: trailers\r\n"
+                       b"grpc-timeout: 700m\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg),
+                       until=b"deadline_exceeded", timeout=15)
+    elapsed = time.monotonic() - start
+    assert raw.startswith(b"HTTP/1.1 504 "), raw
+    assert b"deadline_exceeded" in raw
+    assert 0.6 < elapsed < 1.5, elapsed
     assert wait_for(lambda: any(ev[1] == "reset" for ev in hang.events if ev[0] >= start), 3), \
         hang.events
 
