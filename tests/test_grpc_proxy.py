@@ -31,7 +31,7 @@ from tests.grpc_support import (
     grpc_modules,  # noqa: F401 - fixture
 )
 from tests.h2_support import FrameClient, H2Upstream, Pki, ProxyProc, make_pki, wait_for
-from tests.support import free_port, start_process, stop_process, wait_port
+from tests.support import free_port, raw_exchange, start_process, stop_process, wait_port
 
 MiB = 1024 * 1024
 pytestmark = pytest.mark.timeout(60)
@@ -368,6 +368,26 @@ def test_grpc_timeout_is_the_upstream_deadline(proxy: ProxyProc, servers: dict) 
         hang.events
 
 
+def test_grpc_timeout_over_http1(proxy: ProxyProc, servers: dict) -> None:
+    """A gRPC request over HTTP/1.1 (a gRPC-Web or bridge client sends grpc-timeout too)
+    to an upstream that never answers: the proxy ends it at about the deadline, not at
+    its connection timer's next round (min_timeout, 60 s here), and resets the upstream
+    stream."""
+    hang: H2Upstream = servers["hang"]
+    msg = b"\x00\x00\x00\x00\x01x"
+    start = time.monotonic()
+    raw = raw_exchange(proxy.ports["mixed"], b"POST /test.Hang/Silent HTTP/1.1\r\n"
+                       b"Host: test\r\ncontent-type: application/grpc\r\nte: trailers\r\n"
+                       b"grpc-timeout: 700m\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg),
+                       until=b"deadline_exceeded", timeout=15)
+    elapsed = time.monotonic() - start
+    assert raw.startswith(b"HTTP/1.1 504 "), raw
+    assert b"deadline_exceeded" in raw
+    assert 0.6 < elapsed < 1.5, elapsed
+    assert wait_for(lambda: any(ev[1] == "reset" for ev in hang.events if ev[0] >= start), 3), \
+        hang.events
+
+
 @pytest.mark.parametrize("code,status", [(8, b"1"), (11, b"8"), (7, b"14"), (2, b"13")],
                          ids=["cancel", "enhance_your_calm", "refused_stream", "internal_error"])
 def test_upstream_reset_after_headers_maps_to_its_status(proxy: ProxyProc, code: int,
@@ -508,6 +528,53 @@ def test_proxy_errors_are_trailers_only(proxy: ProxyProc, path: str, status: byt
     assert fields[b"grpc-status"] == status
     assert fields[b"grpc-message"]
     assert not any(isinstance(f, RstStreamFrame) for f in frames)
+
+
+# -- an upstream going away gracefully ------------------------------------------------------------
+
+
+def test_upload_across_upstream_goaway_loses_nothing(tmp_path: Path,
+                                                     grpc_modules: tuple[ModuleType, ModuleType],  # noqa: F811
+                                                     ) -> None:
+    """The upstream stops gracefully (GOAWAY naming this stream as one it still
+    processes, RFC 9113 6.8) while a client-streaming call is sending fast: every message
+    the client sent reaches it. h2 empties its send buffer on a GOAWAY, so request DATA
+    the proxy had queued but not yet written was dropped: the call ended OK with
+    messages missing. Several rounds: the loss needs a GOAWAY read in the same loop turn
+    as client DATA."""
+    pb2, pb2_grpc = grpc_modules
+    port = free_port()
+    config = LISTENERS + f"""
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{port}"]
+protocol = "h2"
+
+[[routes]]
+name = "all"
+cluster = "up"
+"""
+    proxy = ProxyProc(tmp_path, config, ("h2c", "mixed"))
+    n = 400
+    try:
+        for _ in range(5):
+            server = InferenceServer(pb2, pb2_grpc, "up", port)
+            ch = grpc.insecure_channel(f"127.0.0.1:{proxy.ports['h2c']}", options=GRPC_OPTIONS)
+
+            def messages(srv: InferenceServer = server) -> Iterator[Any]:
+                for i in range(n):
+                    if i == n // 2:
+                        srv.server.stop(grace=10)  # GOAWAY; calls in flight may finish
+                    yield pb2.PredictRequest(payload=b"x" * 4096)
+
+            try:
+                reply = grpc_modules[1].PredictorStub(ch).Upload(messages(), timeout=20)
+            finally:
+                ch.close()
+                server.stop()
+            assert (reply.count, int.from_bytes(reply.payload, "big")) == (n, n * 4096)
+    finally:
+        proxy.stop()
 
 
 # -- a dying upstream ---------------------------------------------------------------------------

@@ -445,6 +445,30 @@ def test_large_and_binary_metadata_both_ways(channel: grpc.Channel) -> None:
     assert dict(call.trailing_metadata())["x-big-trailer"] == "t" * n
 
 
+def test_oversized_response_metadata_fails_only_its_call(proxy: ProxyProc, pki: Pki,
+                                                        lab: Lab) -> None:
+    """Response metadata over max_header_bytes (the proxy's SETTINGS_MAX_HEADER_LIST_SIZE
+    to the upstream, 32 KiB by default) fails that call alone, as a malformed response
+    (RFC 9113 8.1.1 and 10.5.1: a stream error): another client's call streaming over
+    the same upstream connection meanwhile carries on to its end."""
+    victim_ch = open_channel(proxy, pki, "h2c")
+    big_ch = open_channel(proxy, pki, "h2c")
+    try:
+        victim = us(victim_ch, "Count")(b"", metadata=[("x-n", "10"), ("x-size", "10"),
+                                                       ("x-delay-ms", "100")], timeout=20)
+        got = [next(victim)]
+        with pytest.raises(grpc.RpcError) as info:
+            uu(big_ch, "Echo")(b"m", metadata=[("x-meta-bytes", "20000")], timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert "header" in info.value.details(), info.value.details()
+        got += list(victim)
+        assert len(got) == 10 and victim.code() == grpc.StatusCode.OK
+        assert uu(big_ch, "Echo")(b"again", timeout=10) == b"again"
+    finally:
+        victim_ch.close()
+        big_ch.close()
+
+
 def test_status_details_pass_through_intact(channel: grpc.Channel) -> None:
     details = b"\x08\x09\x12\x0cwith details\x1a\x03\x00\x01\xff" + bytes(range(256))
     with pytest.raises(grpc.RpcError) as info:

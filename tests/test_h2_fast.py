@@ -12,6 +12,7 @@ import hpack
 import pytest
 from h2.exceptions import ProtocolError
 from h2.utilities import HeaderValidationFlags
+from hyperframe.frame import DataFrame, Frame
 
 from aiproxy.protocols import h2_fast
 
@@ -217,3 +218,51 @@ def test_plain_frames_are_built_as_hyperframe_parses_them() -> None:
         assert fast.flags._valid_flags == slow.flags._valid_flags
         built += 1
     assert built > 4_000
+
+
+# -- GOAWAY and frames not yet written ----------------------------------------------------
+
+
+def test_goaway_keeps_frames_queued_for_streams_in_flight() -> None:
+    """RFC 9113 6.8: after a peer's GOAWAY the streams it named as processed carry on.
+    Frames already queued for them (DATA, END_STREAM) but not yet taken by
+    data_to_send() stay queued: h2 itself empties its send buffer on a GOAWAY, which
+    silently lost request DATA to a gracefully stopping upstream (client side) and
+    response DATA to a client going away (server side)."""
+    import h2.config
+    import h2.connection
+
+    from aiproxy.protocols.h2_server import _ServerH2
+    from aiproxy.protocols.h2_upstream import _ClientH2
+
+    request = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/s/M"),
+               (b":authority", b"a.test")]
+    for ours_is_client in (True, False):
+        ours = (_ClientH2 if ours_is_client else _ServerH2)(h2.config.H2Configuration(
+            client_side=ours_is_client, header_encoding=None))
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=not ours_is_client, header_encoding=None))
+        client, server = (ours, peer) if ours_is_client else (peer, ours)
+        client.initiate_connection()
+        server.initiate_connection()
+        server.receive_data(client.data_to_send())
+        client.receive_data(server.data_to_send())
+        server.receive_data(client.data_to_send())
+        client.send_headers(1, request)
+        server.receive_data(client.data_to_send())
+        if not ours_is_client:
+            server.send_headers(1, [(b":status", b"200")])
+        ours.send_data(1, b"queued before the GOAWAY", end_stream=True)
+        peer.close_connection(last_stream_id=1)
+        ours.receive_data(peer.data_to_send())
+        out = ours.data_to_send()
+        # Read as frames: h2 (the peer here) takes no frame once it has sent GOAWAY.
+        frames = []
+        while out:
+            frame, length = Frame.parse_frame_header(memoryview(out[:9]))
+            frame.parse_body(memoryview(out[9:9 + length]))
+            frames.append(frame)
+            out = out[9 + length:]
+        data = [f for f in frames if isinstance(f, DataFrame)]
+        assert [(f.stream_id, f.data, "END_STREAM" in f.flags) for f in data] == \
+            [(1, b"queued before the GOAWAY", True)], (ours_is_client, frames)

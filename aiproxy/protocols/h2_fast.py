@@ -685,8 +685,9 @@ class FastReceive:
         headers = h2.connection._decode_headers(self.decoder, frame.data)
         oversized = self.decoder.oversized
         if oversized and known:
-            # trailers: the request cannot be answered 431
-            return self._malformed(sid, True, "trailer section over max_header_bytes")
+            # a request's trailers (it cannot be answered 431), a response's head or trailers
+            what = "response field section" if self.config.client_side else "trailer section"
+            return self._malformed(sid, True, f"{what} over max_header_bytes")
         events = self.state_machine.process_input(ConnectionInputs.RECV_HEADERS)
         stream = self._get_or_create_stream(sid, AllowedStreamIDs(not self.config.client_side))
         try:

@@ -100,7 +100,11 @@ class _ServerH2(h2_fast.FastReceive, h2.connection.H2Connection):
 
     def _receive_goaway_frame(self, frame: Any) -> tuple[list, list]:
         state = self.state_machine.state
+        # h2 empties its send buffer here: frames queued for streams the peer still
+        # processes (DATA, their ends) and not yet written would be lost.
+        pending = self._data_to_send
         frames, events = super()._receive_goaway_frame(frame)
+        self._data_to_send = pending
         if state is not h2.connection.ConnectionState.CLOSED:
             self.state_machine.state = state
         return frames, events

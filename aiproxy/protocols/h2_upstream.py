@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("aiproxy.h2.upstream")
 
 STREAM_WINDOW = 1024 * 1024
+# A response field section over max_header_bytes but within this many times it is
+# decoded to its end (the HPACK table stays in step) and fails its stream alone, as
+# h2_server does for requests; a larger one ends the connection.
+HEADER_LIST_HARD_FACTOR = 4
 CONNECTION_WINDOW = 8 * 1024 * 1024
 SWEEP_EVERY = 64
 # Events of frames that carry no response (PING ACKs: the proxy sends no PING).
@@ -51,7 +55,11 @@ class _ClientH2(h2_fast.FastReceive, h2.connection.H2Connection):
 
     def _receive_goaway_frame(self, frame: Any) -> tuple[list, list]:
         state = self.state_machine.state
+        # h2 empties its send buffer here: frames queued for streams the peer still
+        # processes (DATA, their ends) and not yet written would be lost.
+        pending = self._data_to_send
         frames, events = super()._receive_goaway_frame(frame)
+        self._data_to_send = pending
         if state is not h2.connection.ConnectionState.CLOSED:
             self.state_machine.state = state
         return frames, events
@@ -89,6 +97,7 @@ class H2UpstreamConnection(asyncio.Protocol):
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: self.pool.max_head,
         })
         conn.decoder.max_header_list_size = self.pool.max_head
+        conn.decoder.hard_limit = HEADER_LIST_HARD_FACTOR * self.pool.max_head
         conn.initiate_connection()
         conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self.h2 = conn
@@ -222,7 +231,7 @@ class H2UpstreamConnection(asyncio.Protocol):
                     stream.on_end()
             elif kind is h2.events.StreamReset:
                 if stream is not None:
-                    stream.on_reset(event.error_code)
+                    stream.on_reset(event.error_code, getattr(event, "reason", None))
             elif kind is h2.events.WindowUpdated:
                 budgets.idle_frames += 1
                 if sid == 0:
@@ -416,14 +425,19 @@ class H2UpstreamStream(StreamOutput, Upstream):
         if ex is not None:
             ex.on_upstream_end(self.trailers)
 
-    def on_reset(self, code: int) -> None:
+    def on_reset(self, code: int, reason: str | None = None) -> None:
+        """The stream was reset: by the upstream, or (with `reason`) by the proxy for a
+        malformed response (h2_fast: RFC 9113 8.1.1, a stream error)."""
         ex = self.exchange
         self.exchange = None
         self.done = True
         self.conn.stream_done(self)
         if ex is None:
             return
-        if code == ErrorCodes.REFUSED_STREAM:
+        if reason:
+            ex.on_upstream_failed(502, "upstream_bad_response",
+                                  f"malformed response from upstream: {reason}")
+        elif code == ErrorCodes.REFUSED_STREAM:
             ex.on_upstream_failed(503, "upstream_refused_stream", "upstream refused the stream")
         else:
             name = (ErrorCodes(code).name if code in ErrorCodes._value2member_map_

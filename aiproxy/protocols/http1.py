@@ -321,6 +321,10 @@ class H1ConnectionCore(Downstream):
         self.exchange = ex = Exchange.__new__(Exchange)
         ex.setup(self, head, self.head_started)
         ex.start()
+        if not ex.finished and ex.deadline_at - monotonic() < self.server.runtime.min_timeout:
+            # A grpc-timeout shorter than the timer period: wake up for it, or the
+            # deadline would be seen up to min_timeout late.
+            self._arm(max(ex.deadline_at - monotonic(), 0.001))
         return True
 
     def _upgrade_h2c(self, head: Any) -> bool:
