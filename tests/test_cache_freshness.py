@@ -427,3 +427,22 @@ def test_ignore_upstream_cache_control(start_proxy, upstream, fields, stored):
         rs = _twice(c, url, {"h": fields})
     assert _marks(rs) == (["miss", "hit"] if stored else ["miss", "miss"])
     assert (_id(rs[0]) == _id(rs[1])) == stored
+
+
+@pytest.mark.parametrize(("fields", "want"), [
+    # RFC 9111 5.2: a quoted argument's commas do not separate directives, so the
+    # field name list of a qualified private cannot smuggle in a `public`.
+    (b'Cache-Control: max-age=5, private="set-cookie, public"\r\n',
+     {b"max-age": b"5", b"private": b"set-cookie, public"}),
+    (b'Cache-Control: no-cache="a\\"b", S-MAXAGE=7\r\nCache-Control: foo, max-age=9\r\n',
+     {b"no-cache": b'a"b', b"s-maxage": b"7", b"foo": b"", b"max-age": b"9"}),
+    (b"Cache-Control: ,,no-store,\r\n", {b"no-store": b""}),
+    (b"Pragma: no-cache\r\n", {b"no-cache": b""}),
+])
+def test_cache_control_directives_are_read_as_rfc_9111_lists(fields, want):
+    from aiproxy._fast.h1 import parse_request
+
+    from aiproxy.cache.prompt import _directives
+
+    head = parse_request(b"GET / HTTP/1.1\r\nHost: a\r\n" + fields + b"\r\n")
+    assert _directives(head) == want

@@ -30,6 +30,7 @@ if at least the threshold (same route, scope, model and stream mode); counted ap
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Iterator
 from email.utils import formatdate
@@ -125,15 +126,24 @@ def unit(vector: Any) -> np.ndarray | None:
     return v / norm if norm > 0 else None
 
 
+# RFC 9111 5.2: cache-directive = token [ "=" ( token / quoted-string ) ]. A quoted
+# argument (`private="set-cookie, x-user"`) may hold commas; what is not a directive is
+# skipped up to the next comma.
+_DIRECTIVE = re.compile(rb'[\s,]*([^\s,=]+)\s*(?:=\s*("(?:[^"\\]|\\.)*"|[^\s,]*))?[^,]*')
+_QUOTED_PAIR = re.compile(rb"\\(.)")
+
+
 def _directives(head: Any) -> dict[bytes, bytes]:
     """The Cache-Control directives of a head (name -> argument, b"" for none), over
     every field line of it (RFC 9110 5.3: repeated lines are one comma-separated list).
     A request with none and `Pragma: no-cache` means no-cache (RFC 9111 5.4)."""
-    out = {}
+    out: dict[bytes, bytes] = {}
     for value in head.get_all(b"cache-control"):
-        for d in value.split(b","):
-            name, _, arg = d.strip().partition(b"=")
-            out.setdefault(name.strip().lower(), arg.strip().strip(b'"'))
+        for m in _DIRECTIVE.finditer(value):
+            name, arg = m.group(1).lower(), m.group(2) or b""
+            if arg[:1] == b'"':  # a quoted-string: its commas are not separators
+                arg = _QUOTED_PAIR.sub(rb"\1", arg[1:-1])
+            out.setdefault(name, arg)
     if not out and b"no-cache" in (head.get(b"pragma") or b"").lower():
         out[b"no-cache"] = b""
     return out
