@@ -230,6 +230,23 @@ def test_stalled_handshake_is_cut_at_header_timeout(proxy: ProxyProc) -> None:
     assert "Traceback" not in proxy.log()
 
 
+@pytest.mark.parametrize("listener", ["tls", "h2only"])
+def test_plain_http_to_a_tls_port_gets_400(proxy: ProxyProc, listener: str) -> None:
+    """http:// typed for https://: the client gets a 400 in clear text that says so (nginx:
+    "The plain HTTP request was sent to HTTPS port"), not an empty reply. A request with
+    a body still being sent reads the whole 400 (the rest of the body is discarded, not
+    reset)."""
+    url = f"http://127.0.0.1:{proxy.ports[listener]}/v1/chat/completions"
+    for r in (httpx.get(url, timeout=10), httpx.post(url, content=b"x" * 1_000_000, timeout=10)):
+        assert r.status_code == 400
+        assert r.headers["connection"] == "close"
+        error = r.json()["error"]
+        assert error["code"] == "bad_request" and "HTTPS port" in error["message"], error
+    with tls_conn(proxy.ports[listener], ("h2", "http/1.1")) as sock:  # TLS as before
+        assert sock.selected_alpn_protocol() == "h2"
+    assert "Traceback" not in proxy.log()
+
+
 @pytest.mark.parametrize(("alpn", "version"), [
     (("h2", "http/1.1"), "h2"),
     (("http/1.1",), "http/1.1"),
