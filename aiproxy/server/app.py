@@ -29,7 +29,7 @@ from aiproxy.semantic.classifier import ModelError
 from aiproxy.server import STOP_SIGNALS, sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
 from aiproxy.server.sockets import bound_sockets
-from aiproxy.server.tls import ListenerTls, Stamp, restart_shape
+from aiproxy.server.tls import AlertingSSLObject, ListenerTls, Stamp, restart_shape
 from aiproxy.telemetry.access_log import AccessLog
 from aiproxy.telemetry.access_log import resolve as resolve_log_path
 from aiproxy.telemetry.metrics import Metrics
@@ -354,6 +354,9 @@ class TlsOrPlain(asyncio.Protocol):
                 ssl_handshake_timeout=max(self.deadline - loop.time(), 0.001))
             transport.set_protocol(tls)
             tls.connection_made(transport)
+            sslobj = AlertingSSLObject.take()
+            if sslobj is not None:
+                sslobj.send = transport.write
             view = memoryview(data)
             while view:
                 buf = tls.get_buffer(len(view))
