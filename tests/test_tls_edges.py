@@ -121,6 +121,12 @@ protocols = ["h2"]
 tls = {{ cert = "{pki.cert}", key = "{pki.key}" }}
 
 [[listeners]]
+name = "mtls"
+address = "127.0.0.1:{{mtls}}"
+protocols = ["h2", "http1"]
+tls = {{ cert = "{pki.cert}", key = "{pki.key}", ca = "{pki.ca}" }}
+
+[[listeners]]
 name = "plain"
 address = "127.0.0.1:{{plain}}"
 protocols = ["http1"]
@@ -182,7 +188,7 @@ def upstreams(pki: Pki) -> Iterator[dict[str, TlsUpstream]]:
 def proxy(pki: Pki, upstreams: dict[str, TlsUpstream],
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
     text = CONFIG.format(pki=pki, **{k: u.port for k, u in upstreams.items()})
-    p = ProxyProc(tmp_path_factory.mktemp("tls-edges"), text, ("tls", "h2only", "plain"))
+    p = ProxyProc(tmp_path_factory.mktemp("tls-edges"), text, ("tls", "h2only", "mtls", "plain"))
     yield p
     p.stop()
 
@@ -230,6 +236,23 @@ def test_stalled_handshake_is_cut_at_header_timeout(proxy: ProxyProc) -> None:
     assert "Traceback" not in proxy.log()
 
 
+@pytest.mark.parametrize("listener", ["tls", "h2only"])
+def test_plain_http_to_a_tls_port_gets_400(proxy: ProxyProc, listener: str) -> None:
+    """http:// typed for https://: the client gets a 400 in clear text that says so (nginx:
+    "The plain HTTP request was sent to HTTPS port"), not an empty reply. A request with
+    a body still being sent reads the whole 400 (the rest of the body is discarded, not
+    reset)."""
+    url = f"http://127.0.0.1:{proxy.ports[listener]}/v1/chat/completions"
+    for r in (httpx.get(url, timeout=10), httpx.post(url, content=b"x" * 1_000_000, timeout=10)):
+        assert r.status_code == 400
+        assert r.headers["connection"] == "close"
+        error = r.json()["error"]
+        assert error["code"] == "bad_request" and "HTTPS port" in error["message"], error
+    with tls_conn(proxy.ports[listener], ("h2", "http/1.1")) as sock:  # TLS as before
+        assert sock.selected_alpn_protocol() == "h2"
+    assert "Traceback" not in proxy.log()
+
+
 @pytest.mark.parametrize(("alpn", "version"), [
     (("h2", "http/1.1"), "h2"),
     (("http/1.1",), "http/1.1"),
@@ -252,13 +275,51 @@ def test_h2_only_listener_closes_a_client_without_h2(proxy: ProxyProc) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:ssl.TLSVersion.TLSv1_1 is deprecated:DeprecationWarning")
-def test_tls_1_1_is_refused(proxy: ProxyProc) -> None:
+@pytest.mark.parametrize(("version", "ciphers", "alert"), [
+    (ssl.TLSVersion.TLSv1_1, "DEFAULT:@SECLEVEL=0", "TLSV1_ALERT_PROTOCOL_VERSION"),
+    (ssl.TLSVersion.TLSv1_2, "ECDHE-ECDSA-AES128-SHA:AES128-GCM-SHA256",
+     "SSLV3_ALERT_HANDSHAKE_FAILURE"),  # CBC, RSA key exchange: not offered
+])
+def test_refused_handshake_gets_its_alert(proxy: ProxyProc, version: ssl.TLSVersion,
+                                          ciphers: str, alert: str) -> None:
+    """RFC 8446 6.2: a failed handshake is answered with the fatal alert that says why,
+    not a bare close that the client can only report as an unexpected EOF."""
     ctx = client_tls(None, ("http/1.1",))
-    ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_1
-    ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
+    ctx.minimum_version = ctx.maximum_version = version
+    ctx.set_ciphers(ciphers)
     with socket.create_connection(("127.0.0.1", proxy.ports["tls"]), timeout=10) as raw:
-        with pytest.raises((ssl.SSLError, ConnectionResetError)):
+        with pytest.raises(ssl.SSLError, match=alert):
             ctx.wrap_socket(raw, server_hostname="localhost")
+
+
+@pytest.mark.parametrize(("cert", "tls12_alert", "tls13_alert"), [
+    (None, "TLS alert, handshake failure", "TLSV13_ALERT_CERTIFICATE_REQUIRED"),
+    ("other", "TLS alert, unknown CA", "TLSV1_ALERT_UNKNOWN_CA"),
+    ("expired", "TLS alert, certificate expired", "SSLV3_ALERT_CERTIFICATE_EXPIRED"),
+])
+def test_refused_client_certificate_gets_its_alert(proxy: ProxyProc, pki: Pki, cert: str | None,
+                                                   tls12_alert: str, tls13_alert: str) -> None:
+    """A listener that requires client certificates refuses a missing, expired or
+    unknown-CA one with the TLS alert naming the reason, not a bare close."""
+    d = pki.ca.parent
+    pair = None if cert is None else (d / f"{cert}.pem", d / f"{cert}.key")
+    url = f"https://127.0.0.1:{proxy.ports['mtls']}/notify"
+    # TLS 1.2: the proxy refuses before its Finished; curl reads the alert (-v shows it).
+    args = [] if pair is None else ["--cert", str(pair[0]), "--key", str(pair[1])]
+    out = subprocess.run(["curl", "-sSv", "--tls-max", "1.2", "--cacert", str(pki.ca), *args, url],
+                         capture_output=True, text=True, timeout=20)
+    assert out.returncode != 0 and tls12_alert in out.stderr, out.stderr
+    # TLS 1.3: the client's handshake is done before the proxy checks its certificate;
+    # the alert is what the client reads next.
+    ctx = client_tls(pki, ("http/1.1",), cert=pair)
+    with socket.create_connection(("127.0.0.1", proxy.ports["mtls"]), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as sock:
+            with pytest.raises(ssl.SSLError, match=tls13_alert):
+                sock.recv(100)
+    out = subprocess.run(["curl", "-sS", "--cacert", str(pki.ca), "--cert", str(pki.client_cert),
+                          "--key", str(pki.client_key), "-o", "/dev/null", "-w", "%{http_code}",
+                          url], capture_output=True, text=True, timeout=20)
+    assert out.stdout == "200", out.stderr
 
 
 # -- upstreams --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from aiproxy.semantic.classifier import ModelError
 from aiproxy.server import STOP_SIGNALS, sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
 from aiproxy.server.sockets import bound_sockets
-from aiproxy.server.tls import ListenerTls, Stamp, restart_shape
+from aiproxy.server.tls import AlertingSSLObject, ListenerTls, Stamp, restart_shape
 from aiproxy.telemetry.access_log import AccessLog
 from aiproxy.telemetry.access_log import resolve as resolve_log_path
 from aiproxy.telemetry.metrics import Metrics
@@ -93,7 +93,7 @@ class ProxyServer(ServerCore):
         self._watch_policy()
         for listener in self.config.listeners:
             try:
-                factory, ctx = self._factory(listener)
+                factory = self._factory(listener)
                 socks = bound_sockets(listener.host, listener.port, reuse_port=reuse_port)
             except ssl.SSLError as exc:
                 raise ListenerError(f"listener '{listener.name}': cannot load its TLS "
@@ -102,16 +102,9 @@ class ProxyServer(ServerCore):
                 why = exc.strerror or str(exc)
                 raise ListenerError(f"listener '{listener.name}': cannot bind "
                                     f"{listener.address}: {why}") from exc
-            # A TLS handshake is part of receiving a request head: it is held to
-            # header_timeout_ms (as nginx holds it to client_header_timeout), not to
-            # uvloop's fixed 60 s, so a client stalled in it does not keep its socket.
-            # Taken when the listener starts, as listener changes are (a reload re-reads
-            # the certificate and key files, not this).
-            handshake = ({} if ctx is None else
-                         {"ssl_handshake_timeout": self.config.http.header_timeout_ms / 1000})
             for sock in socks:
-                server = await self.loop.create_server(factory, sock=sock, ssl=ctx,
-                                                       backlog=listener.backlog, **handshake)
+                server = await self.loop.create_server(factory, sock=sock,
+                                                       backlog=listener.backlog)
                 self.servers.append(server)
                 log.info("listener %s on %s", listener.name, _sockname(sock))
         admin = self.config.admin
@@ -275,18 +268,24 @@ class ProxyServer(ServerCore):
             return await self.loop.run_in_executor(None, fn, *args)
         return fn(*args)
 
-    def _factory(self, listener: ListenerConfig) -> tuple[Any, ssl.SSLContext | None]:
+    def _factory(self, listener: ListenerConfig) -> Callable[[], asyncio.BaseProtocol]:
         protocols = listener.protocols
         if protocols == ("tcp",):
-            return (lambda: TcpProxyConnection(self, listener)), None
+            return lambda: TcpProxyConnection(self, listener)
         if listener.tls is not None:
             live = self.tls[listener.name] = ListenerTls(listener)
             ctx = live.ctx
-            return (lambda: AlpnDispatch(self, protocols)), ctx
+            # A TLS handshake is part of receiving a request head: it is held to
+            # header_timeout_ms (as nginx holds it to client_header_timeout), not to
+            # uvloop's fixed 60 s, so a client stalled in it does not keep its socket.
+            # Taken when the listener starts, as listener changes are (a reload re-reads
+            # the certificate and key files, not this).
+            timeout = self.config.http.header_timeout_ms / 1000
+            return lambda: TlsOrPlain(self, protocols, ctx, timeout)
         if protocols == ("h2c",):
-            return (lambda: H2ServerConnection(self)), None
+            return lambda: H2ServerConnection(self)
         h2c = "h2c" in protocols
-        return (lambda: H1Connection(self, h2c)), None
+        return lambda: H1Connection(self, h2c)
 
 
 class AlpnDispatch(asyncio.Protocol):
@@ -310,6 +309,71 @@ class AlpnDispatch(asyncio.Protocol):
             return
         transport.set_protocol(proto)
         proto.connection_made(transport)
+
+
+# uvloop's TLS layer (the one its create_server(ssl=...) puts on each connection), or
+# asyncio's on asyncio's loop: the same constructor.
+def _ssl_protocol_class(loop: asyncio.AbstractEventLoop) -> Any:
+    if isinstance(loop, uvloop.Loop):
+        return uvloop.loop.SSLProtocol
+    return asyncio.sslproto.SSLProtocol
+
+
+class TlsOrPlain(asyncio.Protocol):
+    """A TLS listener's connection until its first bytes: a TLS record starts the TLS
+    handshake (then AlpnDispatch); anything else is plain HTTP sent to the TLS port
+    (http:// typed for https://), answered with a clear-text 400 that says so, as nginx
+    answers "The plain HTTP request was sent to HTTPS port", where TLS would only close.
+    The TLS layer is the one create_server(ssl=...) would have made, started here with
+    the bytes already read; the handshake's deadline runs from the accept."""
+
+    def __init__(self, server: ProxyServer, protocols: tuple[str, ...],
+                 ctx: ssl.SSLContext, timeout: float) -> None:
+        self.server = server
+        self.protocols = protocols
+        self.ctx = ctx
+        self.timeout = timeout
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.deadline = self.server.loop.time() + self.timeout
+        self.timer = self.server.loop.call_at(self.deadline, transport.abort)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None and self.timer is not None
+        self.timer.cancel()
+        transport = self.transport
+        # 0x16: a TLS handshake record; the high bit: an SSLv2-style hello (TLS refuses it)
+        if data[0] == 0x16 or data[0] & 0x80:
+            loop = self.server.loop
+            tls = _ssl_protocol_class(loop)(
+                loop, AlpnDispatch(self.server, self.protocols), self.ctx, None,
+                server_side=True,
+                ssl_handshake_timeout=max(self.deadline - loop.time(), 0.001))
+            transport.set_protocol(tls)
+            tls.connection_made(transport)
+            sslobj = AlertingSSLObject.take()
+            if sslobj is not None:
+                sslobj.send = transport.write
+            view = memoryview(data)
+            while view:
+                buf = tls.get_buffer(len(view))
+                n = min(len(buf), len(view))
+                buf[:n] = view[:n]
+                view = view[n:]
+                tls.buffer_updated(n)
+            return
+        h1 = H1Connection(self.server)
+        transport.set_protocol(h1)
+        h1.connection_made(transport)
+        h1.reject(400, "plain HTTP request sent to an HTTPS port: this listener speaks "
+                       "TLS (https://)", len(data))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 def _sockname(sock: socket.socket) -> str:

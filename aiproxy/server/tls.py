@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import ssl
+from typing import Any
 
 from aiproxy.config import ConfigError, ListenerConfig
 from aiproxy.config.errors import Problem
@@ -31,6 +32,46 @@ from aiproxy.config.schema import TlsConfig
 log = logging.getLogger("aiproxy.server")
 
 Stamp = tuple[tuple[str, tuple | None], ...]
+
+
+class AlertingSSLObject(ssl.SSLObject):
+    """A listener connection's TLS state that sends the fatal alert of a failed
+    handshake (RFC 8446 6.2: protocol_version, handshake_failure, certificate_required,
+    unknown_ca, certificate_expired...). uvloop's TLS layer, like asyncio's before
+    CPython gh-98078, closes the socket without writing out what OpenSSL left in the
+    outgoing buffer, so the client saw only an EOF and could not tell why.
+
+    `send` is the connection's transport.write, set by the protocol that starts TLS
+    (app.TlsOrPlain) right after the TLS layer made this object: `made` hands it over
+    (one loop thread; the TLS layer makes it synchronously in connection_made)."""
+
+    made: AlertingSSLObject | None = None
+    send: Any = None
+    outgoing: ssl.MemoryBIO
+
+    @classmethod
+    def _create(cls, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO,
+                **kwargs: Any) -> AlertingSSLObject:
+        obj = super()._create(incoming, outgoing, **kwargs)  # type: ignore[misc]
+        obj.outgoing = outgoing
+        AlertingSSLObject.made = obj
+        return obj
+
+    @classmethod
+    def take(cls) -> AlertingSSLObject | None:
+        obj, cls.made = cls.made, None
+        return obj
+
+    def do_handshake(self) -> None:
+        try:
+            self._sslobj.do_handshake()  # type: ignore[attr-defined]
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise
+        except ssl.SSLError:
+            alert = self.outgoing.read()
+            if alert and self.send is not None:
+                self.send(alert)  # the TLS layer closes the transport next
+            raise
 
 
 def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
@@ -51,6 +92,7 @@ def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
     if "http1" in listener.protocols:
         alpn.append("http/1.1")
     ctx.set_alpn_protocols(alpn)
+    ctx.sslobject_class = AlertingSSLObject
     return ctx
 
 
