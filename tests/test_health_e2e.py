@@ -90,6 +90,23 @@ health_check = { path = "/healthz", interval_ms = 50, timeout_ms = 200, healthy_
         assert {"in_flight", "ttfb_ewma_ms", "times_ejected", "score"} <= set(ep_a)
 
 
+def test_upstream_that_times_out_is_ejected(start_proxy, tunable):  # noqa: F811
+    # An endpoint that takes requests and never answers within request_timeout_ms is as
+    # failed as one that answers 5xx (nginx's max_fails counts `timeout`, Envoy's
+    # outlier detection a locally made 504): it must not take its share forever.
+    hung, good = tunable("hung", delay_ms=5000), tunable("good")
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", hung.port, good.port, extra="""
+request_timeout_ms = 300
+outlier_detection = { consecutive_failures = 2, base_ejection_ms = 60000 }
+""") + ROUTE)
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        seen = [client.get("/x") for _ in range(12)]
+    timed_out = [r for r in seen if r.status_code == 504]
+    assert len(timed_out) == 2, [r.status_code for r in seen]
+    assert all(r.json()["error"]["code"] == "upstream_timeout" for r in timed_out)
+    assert [r.headers["x-upstream"] for r in seen[-6:]] == ["good"] * 6
+
+
 def test_circuit_breaker_gives_503_at_once(start_proxy, tunable):  # noqa: F811
     up = tunable("slow", delay_ms=400)
     proxy = start_proxy(SINGLE_PROCESS + cluster("c", up.port, extra="max_requests = 2") + ROUTE)
