@@ -1167,6 +1167,7 @@ class Exchange(ExchangeBase):
         if not budget.spend(1, monotonic()):
             log.warning("upstream sent informational responses too fast on route %s",
                         self.route.name)
+            self.cluster.record(self.pool, True)  # as a garbled head would be
             self._drop_upstream()
             self.fail(502, "upstream_bad_response",
                       "upstream sent too many informational (1xx) responses")
