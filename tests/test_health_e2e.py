@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.support import free_port, wait_port
+from tests.support import StreamServerThread, free_port, wait_port
 from tests.test_routing_e2e import cluster, fan_out, tunable  # noqa: F401 (fixture)
 
 # Circuit breakers, outlier ejection and llm_score state are per worker process:
@@ -88,6 +88,56 @@ health_check = { path = "/healthz", interval_ms = 50, timeout_ms = 200, healthy_
         ep_a = next(e for e in info["endpoints"] if e["address"].endswith(f":{a.port}"))
         assert ep_a["healthy"] and ep_a["health_check"] == "HTTP 200"
         assert {"in_flight", "ttfb_ewma_ms", "times_ejected", "score"} <= set(ep_a)
+
+
+def test_upstream_that_times_out_is_ejected(start_proxy, tunable):  # noqa: F811
+    # An endpoint that takes requests and never answers within request_timeout_ms is as
+    # failed as one that answers 5xx (nginx's max_fails counts `timeout`, Envoy's
+    # outlier detection a locally made 504): it must not take its share forever.
+    hung, good = tunable("hung", delay_ms=5000), tunable("good")
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", hung.port, good.port, extra="""
+request_timeout_ms = 300
+outlier_detection = { consecutive_failures = 2, base_ejection_ms = 60000 }
+""") + ROUTE)
+    with httpx.Client(base_url=proxy.url, timeout=10) as client:
+        seen = [client.get("/x") for _ in range(12)]
+    timed_out = [r for r in seen if r.status_code == 504]
+    assert len(timed_out) == 2, [r.status_code for r in seen]
+    assert all(r.json()["error"]["code"] == "upstream_timeout" for r in timed_out)
+    assert [r.headers["x-upstream"] for r in seen[-6:]] == ["good"] * 6
+
+
+async def flood_informational(reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+    """Answers every request with 103 Early Hints, on and on: never a final response."""
+    try:
+        await reader.readuntil(b"\r\n\r\n")
+        while True:
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n" * 64)
+            await writer.drain()
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+def test_upstream_flooding_informational_responses_is_ejected(start_proxy, tunable):  # noqa: F811
+    # The 502 the proxy makes for a 1xx flood is the endpoint's failure as much as a
+    # garbled or oversized response head is.
+    flooder = StreamServerThread(flood_informational)
+    try:
+        good = tunable("good")
+        proxy = start_proxy(SINGLE_PROCESS + cluster("c", flooder.port, good.port, extra="""
+outlier_detection = { consecutive_failures = 2, base_ejection_ms = 60000 }
+""") + ROUTE)
+        with httpx.Client(base_url=proxy.url, timeout=10) as client:
+            seen = [client.get("/x") for _ in range(12)]
+    finally:
+        flooder.close()
+    flooded = [r for r in seen if r.status_code == 502]
+    assert len(flooded) == 2, [r.status_code for r in seen]
+    assert all(r.json()["error"]["code"] == "upstream_bad_response" for r in flooded)
+    assert [r.headers["x-upstream"] for r in seen[-6:]] == ["good"] * 6
 
 
 def test_circuit_breaker_gives_503_at_once(start_proxy, tunable):  # noqa: F811

@@ -1123,6 +1123,11 @@ class Exchange(ExchangeBase):
         if not self.head_sent:
             left = self.req_done_at + self.req_timeout - now
             if left <= 0:
+                if self.upstream is not None or self.connect_task is not None:
+                    # The endpoint holds the request (or its connect) unanswered: a
+                    # failure for outlier detection, as nginx's max_fails counts a
+                    # timeout and Envoy a locally made 504.
+                    self.cluster.record(self.pool, True)
                 self.fail(504, "upstream_timeout", "upstream sent no response head within "
                           f"{round(self.req_timeout * 1000)} ms")
                 return None
@@ -1162,6 +1167,7 @@ class Exchange(ExchangeBase):
         if not budget.spend(1, monotonic()):
             log.warning("upstream sent informational responses too fast on route %s",
                         self.route.name)
+            self.cluster.record(self.pool, True)  # as a garbled head would be
             self._drop_upstream()
             self.fail(502, "upstream_bad_response",
                       "upstream sent too many informational (1xx) responses")

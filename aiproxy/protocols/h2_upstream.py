@@ -161,6 +161,10 @@ class H2UpstreamConnection(asyncio.Protocol):
         except h2.exceptions.ProtocolError as exc:
             log.warning("HTTP/2 protocol error from upstream %s: %s",
                         self.pool.endpoint.address, exc)
+            # Out of the pool before the streams fail: a replay must not be opened on
+            # this connection, whose h2 state is closed.
+            self.goaway = True
+            self.pool.discard(self)
             try:
                 self.h2.close_connection(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR))
             except h2.exceptions.ProtocolError:
