@@ -162,7 +162,7 @@ def tunnel_run(mode: str, mib: int) -> dict:
         busy = _cpu_busy() - busy0
         report = json.loads(proc.stdout.readline())
         # Content is checked by tests/kernel/test_splice.py (sha256); here, the byte counts.
-        assert digests["client"][0] == size and digests["server"][0] == size
+        assert digests["client"][0] == size and digests["server"][0] == size, (digests, report)
         client.close()
         server.close()
         mb = 2 * size / 1e6
@@ -204,8 +204,15 @@ def test_xdp_guard_per_packet(benchmark, guard, name):
     benchmark.extra_info["kernel_ns_per_packet"] = result.duration_ns
 
 
+# The spliced relay has rarely delivered a stream with one or two 65,483-byte loopback
+# skbs twice (tests/kernel/conftest.py SPLICE_DAMAGE; README `splice_tunnels`): 2 of 120
+# runs here once, on a busy machine.
+SPLICE_DAMAGE = pytest.mark.xfail(strict=False, raises=AssertionError,
+                                  reason="the kernel splice path rarely damages a stream")
+
+
 @needs_kernel
-@pytest.mark.parametrize("mode", ["splice", "copy"])
+@pytest.mark.parametrize("mode", [pytest.param("splice", marks=SPLICE_DAMAGE), "copy"])
 def test_tunnel_64mib(benchmark, mode):
     benchmark.group = "tunnel: 64 MiB each way through a relay process"
     out = benchmark.pedantic(tunnel_run, args=(mode, 64), rounds=1, iterations=1)

@@ -11,6 +11,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from aiproxy._fast.h1 import parse_request
 
 from aiproxy.cache.key import prompt_key, request_hash
 from aiproxy.cache.prompt import CacheState
@@ -43,14 +44,19 @@ class Clock:
 
 
 def exchange() -> SimpleNamespace:
-    head = SimpleNamespace(get=lambda name: None, content_length=len(BODY))
+    head = parse_request(b"POST /v1/chat/completions HTTP/1.1\r\nHost: api\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(BODY))
     stats = SimpleNamespace(add_tokens=lambda n, now: None, reported_at=0.0)
     return SimpleNamespace(
-        method=b"POST", path=b"/v1/chat/completions", head=head, identity=None, llm=None,
+        method=b"POST", path=b"/v1/chat/completions", up_target=b"/v1/chat/completions",
+        up_headers=None, head=head, identity=None, llm=None,
         down=SimpleNamespace(peer=b"127.0.0.1"), loop=Clock(), req_done=True,
-        request_body=lambda: BODY, route=SimpleNamespace(name="chat"), t_start_pc=0.0,
+        request_body=lambda: BODY, route=SimpleNamespace(name="chat", req_remove=()),
+        t_start_pc=0.0,
         t_first=0.5, t_sent=0.1, pool=SimpleNamespace(stats=stats), intent_decision=None,
-        cluster=SimpleNamespace(track_tokens=False, pools=()), intent=None)
+        cluster=SimpleNamespace(name="chat", track_tokens=False, pools=()), intent=None,
+        gov={})
 
 
 LLM = LlmState(LlmConfig())
@@ -82,7 +88,7 @@ def test_ratelimit_admit_and_settle(benchmark) -> None:
     state = RateLimitState()
     cfg = RateLimitConfig(name="b", requests_per_second=1e9, burst_requests=10**9,
                           tokens_per_minute=10**12)
-    state.update(SimpleNamespace(ratelimits=(cfg,), llm=None, cache=None))
+    state.update(SimpleNamespace(ratelimits=(cfg,), llm=None, cache=None, auth=None))
     factory = RateLimitFactory(tuple(state.limiters.values()), None)
     ex = exchange()
     LLM.factory.start(ex).request(ex)
@@ -109,7 +115,7 @@ def test_cache_lookup(benchmark, hit: bool) -> None:
         f.response_body(ex, COMPLETION)
         f.response_end(ex)
     else:  # a different prompt is stored: the lookup misses
-        state.store.put(prompt_key(request_hash("chat", {"x": 1}), None), None, 10, 1e9)
+        state.store.put(prompt_key(request_hash("chat", {"x": 1}), "", None), None, 10, 1e9)
 
     def run() -> None:
         ex.llm.cached = False
@@ -122,4 +128,4 @@ def test_cache_lookup(benchmark, hit: bool) -> None:
 def state_filter(state: CacheState, ex: SimpleNamespace):
     from aiproxy.cache.prompt import CacheFactory
 
-    return CacheFactory(state).start(ex)
+    return CacheFactory(state, repr(("chat",))).start(ex)
