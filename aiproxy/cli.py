@@ -108,6 +108,10 @@ def _check(path: str) -> int:
     cfg = _load(path)
     if cfg is None:
         return 2
+    from aiproxy.config.insecure import insecure_settings
+
+    for warning in insecure_settings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     if cfg.semantic is not None:
         from aiproxy.config.model_check import load_checked_model
 

@@ -444,3 +444,24 @@ def test_router_eval_rejects_bad_counts(tmp_path: Path, option: str, value: str,
     assert r.returncode == 2, r
     assert f"aiproxy router eval: error: argument {option}: {problem}" in r.stderr, r
     assert r.stdout == ""
+
+
+def test_upstream_tls_without_verification_is_a_warning(tmp_path: Path, start_proxy) -> None:
+    """`tls = { verify = false }` turns off the check that the upstream is who it says:
+    accepted (a lab or a pinned network may need it), but said aloud by `check` and at
+    start, with its file, line and key, never silently."""
+    text = valid_config().replace('endpoints = ["127.0.0.1:9000", "127.0.0.1:9001"]',
+                                  'endpoints = ["127.0.0.1:9000", "127.0.0.1:9001"]\n'
+                                  'tls = { verify = false }')
+    path = write(tmp_path, text)
+    res = aiproxy_cli("check", "-c", str(path))
+    warning = (f"{path}:{line_of(text, 'verify = false')}: clusters[0].tls.verify: cluster "
+               "'backend' does not check its endpoints' TLS certificates or host names: "
+               "anyone on the path can answer for them")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == f"warning: {warning}\n"
+    proxy = start_proxy("[server]\nworkers = 1\n[[clusters]]" + text.split("[[clusters]]", 1)[1])
+    log = stop_process(proxy.proc)
+    assert "does not check its endpoints' TLS certificates" in log, log
+    res = aiproxy_cli("check", "-c", str(write(tmp_path, valid_config())))
+    assert res.returncode == 0 and res.stderr == "", res.stderr

@@ -17,6 +17,7 @@ import uvloop
 
 from aiproxy.admin.server import AdminServer, LocalBackend
 from aiproxy.config import Config, ConfigError, ListenerConfig, load_config, load_config_text
+from aiproxy.config.insecure import insecure_settings
 from aiproxy.config.model_check import load_checked_model
 from aiproxy.config.schema import KernelConfig
 from aiproxy.kernel.lifecycle import KernelStartError, ProxyKernel
@@ -129,6 +130,8 @@ class ProxyServer(ServerCore):
                 else:
                     config = load_config_text(text, self.config.source)
                 config = self.localize(config)
+                for warning in insecure_settings(config):
+                    log.warning("reload: %s", warning)
                 model = await self._maybe_in_thread(config.semantic is not None,
                                                     load_intent_model, config, self.runtime)
                 # Maps in place, no detach; the old state is kept on error.
@@ -389,7 +392,7 @@ async def start_server(config: Config, setup: Callable[[ProxyServer], None] | No
     after logging why it could not start: 2 for the model or the kernel, 1 for a TLS
     certificate or a listener that cannot bind."""
     model, problems, warnings = load_checked_model(config)
-    for warning in warnings:
+    for warning in warnings + insecure_settings(config):
         log.warning("%s", warning)
     if problems:
         for problem in problems:
