@@ -132,6 +132,31 @@ def test_admin_refuses_cross_site_browser_posts(start_proxy, demo_upstream):
         assert r.status_code == 405 and r.headers["allow"] == "POST"
 
 
+def test_admin_on_loopback_answers_loopback_host_names_only(start_proxy, demo_upstream):
+    """DNS rebinding: a page on a name its owner points at 127.0.0.1 is same-origin with
+    the loopback admin port, so the browser would let it read /config and POST a reload
+    (no Origin check helps: it is the same origin). Its requests name it in Host; on
+    loopback the admin API answers loopback names only."""
+    admin = free_port()
+    start_proxy(simple_config(demo_upstream) + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    base = f"http://127.0.0.1:{admin}"
+    for host in ("rebind.attacker.example", f"rebind.attacker.example:{admin}",
+                 "10.1.2.3", f"[2001:db8::1]:{admin}"):
+        for method, path in (("GET", "/config"), ("GET", "/metrics"),
+                             ("POST", "/config/reload")):
+            r = httpx.request(method, base + path, headers={"Host": host})
+            assert r.status_code == 403, (host, path, r.status_code)
+            assert r.json()["error"]["code"] == "unknown_host"
+    for host in (f"127.0.0.1:{admin}", "localhost", f"LOCALHOST:{admin}", "[::1]",
+                 "metrics.localhost"):
+        assert httpx.get(base + "/metrics", headers={"Host": host}).status_code == 200, host
+    out = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}",
+                          f"http://localhost:{admin}/config"], capture_output=True,
+                         text=True, timeout=30)
+    assert out.stdout == "200", out
+
+
 def test_malformed_admin_requests_get_400_and_one_log_line(start_proxy, demo_upstream):
     """A request aiohttp's parser refuses is the client's error: 400, and one line in
     the log (as the listeners' h2 does), not a traceback per request that anyone able to

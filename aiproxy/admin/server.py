@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import logging
 import re
 from typing import TYPE_CHECKING, Any, Protocol
@@ -184,6 +185,42 @@ async def _same_origin(request: web.Request, handler: Any) -> web.StreamResponse
     return await handler(request)
 
 
+def loopback_name(host: str) -> bool:
+    """A Host value (port or not) that names this machine's loopback: 127.0.0.0/8, ::1,
+    localhost or a name under .localhost (RFC 6761 6.3: those resolve to loopback)."""
+    if host.startswith("["):
+        name = host[1:host.find("]")] if "]" in host else ""
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _known_host(loopback: bool) -> Any:
+    @web.middleware
+    async def known_host(request: web.Request, handler: Any) -> web.StreamResponse:
+        # DNS rebinding: a page on attacker.example whose name is made to resolve to
+        # 127.0.0.1 is same-origin with an admin port on loopback, so the browser lets
+        # it read /config and POST /config/reload. Its requests carry its own name in
+        # Host; on loopback, only loopback names are answered (a request without Host,
+        # HTTP/1.0, is no browser's).
+        host = request.headers.get("Host")
+        if loopback and host is not None and not loopback_name(host):
+            return web.json_response(
+                {"error": {"code": "unknown_host",
+                           "message": "the admin API on loopback answers loopback host "
+                                      "names only (127.0.0.1, [::1], localhost)"}},
+                status=403)
+        return await handler(request)
+
+    return known_host
+
+
 class _HandlerLog(logging.LoggerAdapter):
     """The logger aiohttp's request handler writes to. It logs each request its parser
     refuses (answered 400) with logger.exception: a traceback per malformed request,
@@ -207,7 +244,9 @@ class AdminServer:
     def __init__(self, backend: AdminBackend) -> None:
         self.backend = backend
         self.runner: web.AppRunner | None = None
-        app = web.Application(middlewares=[_same_origin, self._auth])
+        admin = backend.config.admin
+        loopback = admin is not None and loopback_name(admin.host)
+        app = web.Application(middlewares=[_known_host(loopback), _same_origin, self._auth])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
