@@ -10,8 +10,6 @@ import sys
 
 from aiproxy import __version__
 
-COMMANDS = ("run", "check", "demo-upstream", "bpf", "auth", "policy", "audit")
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -73,8 +71,10 @@ def _main(argv: list[str] | None) -> int:
         from aiproxy.semantic.cli import main as router_main
 
         return router_main(argv[1:])
-    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version"):
-        argv.insert(0, "run")  # `aiproxy -c FILE` is `aiproxy run -c FILE`
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        # `aiproxy -c FILE` is `aiproxy run -c FILE`; a word that is no command (a typo)
+        # is left for argparse to name, not taken for an argument of `run`.
+        argv.insert(0, "run")
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help()

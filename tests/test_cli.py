@@ -103,6 +103,19 @@ def test_subcommand_help(command: str, options: tuple[str, ...]) -> None:
         assert option in res.stdout, res.stdout
 
 
+@pytest.mark.parametrize("argv", [("chek", "-c", str(EXAMPLE_CONFIG)), ("stauts",)])
+def test_unknown_command_is_named(argv: tuple[str, ...]) -> None:
+    """A mistyped command was taken for `run`'s argument: `aiproxy stauts` said
+    `-c/--config` is required and `aiproxy chek -c F` "unrecognized arguments". Only an
+    option (`aiproxy -c F`) means `run`; a word that is no command is named as such."""
+    res = aiproxy_cli(*argv)
+    assert res.returncode == 2, res
+    assert res.stdout == ""
+    assert (f"aiproxy: error: argument COMMAND: invalid choice: '{argv[0]}' (choose from "
+            in res.stderr), res.stderr
+    assert "'check'" in res.stderr and "'router'" in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("command", ["run", "check"])
 def test_config_option_is_required(command: str) -> None:
     res = aiproxy_cli(command)
