@@ -10,9 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 import aiproxy
+from tests.conftest import simple_config
 from tests.support import REPO_ROOT, free_port, start_process, stop_process
 
 pytestmark = pytest.mark.timeout(60)
@@ -478,3 +480,23 @@ def test_upstream_tls_without_verification_is_a_warning(tmp_path: Path, start_pr
     assert "does not check its endpoints' TLS certificates" in log, log
     res = aiproxy_cli("check", "-c", str(write(tmp_path, valid_config())))
     assert res.returncode == 0 and res.stderr == "", res.stderr
+
+
+@pytest.mark.parametrize("key", ["caf\u00e9-key-0123456789".encode(), b"\xffraw-key-0123456789"])
+def test_hash_key_of_a_non_ascii_key_matches_what_the_proxy_sees(
+        tmp_path: Path, start_proxy, demo_upstream, key: bytes) -> None:
+    """`auth hash-key` read stdin as UTF-8: a byte that is not UTF-8 was a traceback, and a
+    UTF-8 key got a hash the proxy never matched (it reads a header's bytes as Latin-1,
+    one character a byte). The key's bytes are hashed as the proxy hashes them."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    res = subprocess.run([sys.executable, "-m", "aiproxy", "auth", "hash-key"],
+                         input=key + b"\n", capture_output=True, timeout=20, env=env)
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res
+    stored = res.stdout.decode().strip()
+    proxy = start_proxy("[server]\nworkers = 1\n" + simple_config(demo_upstream)
+                        + f'[auth]\n[[auth.api_keys]]\nid = "k"\nsubject = "s"\n'
+                        f'hash = "{stored}"\n')
+    with httpx.Client() as client:
+        assert client.get(f"{proxy.url}/echo", headers={"x-api-key": key}).status_code == 200
+        assert client.get(f"{proxy.url}/echo",
+                          headers={"x-api-key": key + b"x"}).status_code == 401

@@ -24,7 +24,9 @@ def run_auth(args: argparse.Namespace) -> int:
         key = new_key()
         print(f"key: {key}", file=sys.stderr)
     else:
-        key = sys.stdin.readline().strip()
+        # The proxy reads a presented key's header bytes as Latin-1 (one character a
+        # byte) before hashing: so is the key here, whatever its bytes.
+        key = sys.stdin.buffer.readline().decode("latin-1").strip()
         if not key:
             print("no key on stdin", file=sys.stderr)
             return 2
