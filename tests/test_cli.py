@@ -500,3 +500,55 @@ def test_hash_key_of_a_non_ascii_key_matches_what_the_proxy_sees(
         assert client.get(f"{proxy.url}/echo", headers={"x-api-key": key}).status_code == 200
         assert client.get(f"{proxy.url}/echo",
                           headers={"x-api-key": key + b"x"}).status_code == 401
+
+
+POLICY = """\
+default = "deny"
+[roles]
+analyst = ["route:chat", "model:gpt-4o*", "intent:*"]
+
+[[rules]]
+id = "no-lab-net"
+effect = "deny"
+source_cidrs = ["10.66.0.0/16"]
+
+[[rules]]
+id = "analysts"
+effect = "allow"
+rbac = true
+methods = ["POST"]
+"""
+
+
+@pytest.mark.parametrize("request_json,problem", [
+    ('{"method": 5}', "method: expected a string, not 5"),
+    ('{"roles": "analyst"}', 'roles: expected a list of strings, not "analyst"'),
+    ('{"roles": [1]}', "roles: expected a list of strings, not [1]"),
+    ('{"claims": [1]}', "claims: expected a JSON object, not [1]"),
+    ('{"source": "nope"}', 'source: expected an IP address, not "nope"'),
+    ('{"body_bytes": "9"}', 'body_bytes: expected a whole number of bytes, not "9"'),
+    ('{"body_bytes": -1}', "body_bytes: expected a whole number of bytes, not -1"),
+    ('{"time": 5}', "time: expected an ISO 8601 time such as 2026-01-05T10:00:00Z, not 5"),
+    ('{"time": "yesterday"}',
+     'time: expected an ISO 8601 time such as 2026-01-05T10:00:00Z, not "yesterday"'),
+    ('{"now": 1}', "unknown field 'now' (known: subject, roles, claims, method, path, route, "
+                   "model, intent, domain, source, body_bytes, time)"),
+    ('[]', "expected a JSON object"),
+])
+def test_policy_explain_rejects_bad_request_fields(tmp_path: Path, request_json: str,
+                                                   problem: str) -> None:
+    """A field of the wrong type was a traceback ("method": 5), a Python message
+    ("'int' object has no attribute 'replace'") or quietly another request: "roles":
+    "analyst" was the roles a, n, l, ..., a bad "source" or "body_bytes" matched no rule.
+    Each is one line naming the field, exit 2, and no decision is printed."""
+    write(tmp_path, POLICY, "policy.toml")
+    path = write(tmp_path, valid_config() + '\n[policy]\nfiles = ["policy.toml"]\n')
+    res = aiproxy_cli("policy", "explain", "-c", str(path), "--request", request_json)
+    assert res.returncode == 2, res
+    assert res.stdout == ""
+    assert res.stderr == f"--request: {problem}\n", res.stderr
+    res = aiproxy_cli("policy", "explain", "-c", str(path), "--request",
+                      '{"roles": ["analyst"], "method": "POST", "route": "chat", '
+                      '"model": "gpt-4o", "source": "10.0.0.1", "body_bytes": 10, '
+                      '"claims": {}, "time": "2026-01-05T10:00:00Z"}')
+    assert res.returncode == 0 and res.stdout.startswith("decision: allow (rule analysts)"), res

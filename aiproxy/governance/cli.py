@@ -50,11 +50,8 @@ def add_policy(sub: argparse._SubParsersAction) -> None:
 
 
 def run_policy(args: argparse.Namespace) -> int:
-    import json
-    from datetime import datetime
-
     from aiproxy.config import ConfigError, load_config
-    from aiproxy.governance.policy import Request, decide
+    from aiproxy.governance.policy import decide
 
     try:
         cfg = load_config(args.config)
@@ -65,16 +62,8 @@ def run_policy(args: argparse.Namespace) -> int:
         print(f"{args.config}: no [policy] section", file=sys.stderr)
         return 2
     try:
-        doc = json.loads(args.request)
-        if not isinstance(doc, dict):
-            raise ValueError("expected a JSON object")
-        when = doc.pop("time", None)
-        now = (datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
-               if when else __import__("time").time())
-        if "roles" in doc:
-            doc["roles"] = tuple(doc["roles"])
-        req = Request(**doc, now=now)
-    except (ValueError, TypeError, AttributeError) as exc:
+        req = _request(args.request)
+    except ValueError as exc:
         print(f"--request: {exc}", file=sys.stderr)
         return 2
     from aiproxy.governance.policy import load_policy_files
@@ -90,6 +79,60 @@ def run_policy(args: argparse.Namespace) -> int:
     if decision.rule == "default":
         print(f"  no rule matched: default {policy.default}")
     return 0 if decision.allowed else 1
+
+
+REQUEST_TEXT = ("subject", "method", "path", "route", "model", "intent", "domain")
+REQUEST_FIELDS = ("subject", "roles", "claims", "method", "path", "route", "model", "intent",
+                  "domain", "source", "body_bytes", "time")
+
+
+def _request(text: str):
+    """The `policy explain --request` JSON as a policy Request; ValueError naming the
+    field that is not of its type (a wrong type would be another request, or a crash)."""
+    import ipaddress
+    import json
+    import time
+    from datetime import UTC, datetime
+
+    from aiproxy.governance.policy import Request
+
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        raise ValueError("expected a JSON object")
+
+    def bad(name: str, what: str) -> ValueError:
+        return ValueError(f"{name}: expected {what}, not {json.dumps(doc[name])}")
+
+    for name in doc:
+        if name not in REQUEST_FIELDS:
+            raise ValueError(f"unknown field '{name}' (known: {', '.join(REQUEST_FIELDS)})")
+    for name in REQUEST_TEXT:
+        if name in doc and not isinstance(doc[name], str) and (
+                doc[name] is not None or name in ("method", "path")):
+            raise bad(name, "a string")
+    roles = doc.get("roles", [])
+    if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
+        raise bad("roles", "a list of strings")
+    if not isinstance(doc.get("claims", {}), dict):
+        raise bad("claims", "a JSON object")
+    if doc.get("source") is not None:
+        try:
+            ipaddress.ip_address(doc["source"])
+        except ValueError:
+            raise bad("source", "an IP address") from None
+    size = doc.get("body_bytes", 0)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise bad("body_bytes", "a whole number of bytes")
+    now = time.time()
+    if doc.get("time") is not None:
+        try:
+            when = datetime.fromisoformat(doc["time"].replace("Z", "+00:00"))
+        except (AttributeError, ValueError):
+            raise bad("time", "an ISO 8601 time such as 2026-01-05T10:00:00Z") from None
+        now = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()  # rules: UTC
+    fields = {k: v for k, v in doc.items() if k != "time"}
+    fields["roles"] = tuple(roles)
+    return Request(**fields, now=now)
 
 
 def add_audit(sub: argparse._SubParsersAction) -> None:
