@@ -552,3 +552,20 @@ def test_policy_explain_rejects_bad_request_fields(tmp_path: Path, request_json:
                       '"model": "gpt-4o", "source": "10.0.0.1", "body_bytes": 10, '
                       '"claims": {}, "time": "2026-01-05T10:00:00Z"}')
     assert res.returncode == 0 and res.stdout.startswith("decision: allow (rule analysts)"), res
+
+
+@pytest.mark.parametrize("args,problem", [
+    (("--where", "path~[v1"), "--where 'path~[v1': bad regular expression: unterminated "
+                              "character set at position 0"),
+    (("--since", "yesterday"), "--since 'yesterday': expected a duration (15m, 1h, 2d) or "
+                               "an ISO time"),
+])
+def test_audit_query_bad_arguments(tmp_path: Path, args: tuple[str, ...], problem: str) -> None:
+    """A --where regular expression that does not compile was a re.error traceback, and
+    a bad --since said only "Invalid isoformat string": one line naming the option,
+    exit 2."""
+    log = write(tmp_path, '{"time": "2026-11-30T00:00:00Z", "path": "/v1/x"}\n', "audit.log")
+    res = aiproxy_cli("audit", "query", str(log), *args)
+    assert res.returncode == 2, res
+    assert res.stdout == ""
+    assert res.stderr == f"aiproxy audit: {problem}\n", res.stderr

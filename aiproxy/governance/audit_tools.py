@@ -192,7 +192,10 @@ class Condition:
             raise ValueError(f"cannot read --where '{text}' (FIELD OP VALUE, OP one of "
                              f"{' '.join(_OPS)})")
         self.field, self.op, self.raw = m.groups()
-        self.regex = re.compile(self.raw) if self.op == "~" else None
+        try:
+            self.regex = re.compile(self.raw) if self.op == "~" else None
+        except re.error as exc:
+            raise ValueError(f"--where '{text}': bad regular expression: {exc}") from None
 
     def holds(self, rec: dict[str, Any], as_string: bool) -> bool:
         v = rec.get(self.field)
@@ -222,6 +225,11 @@ class Condition:
 def query(paths: list[str], where: list[str], group_by: list[str], since: str | None,
           fields: list[str] | None, fmt: str, out: TextIO = sys.stdout) -> int:
     conditions = [Condition(w) for w in where]
+    try:
+        cutoff = parse_since(since) if since else None
+    except ValueError:
+        raise ValueError(f"--since '{since}': expected a duration (15m, 1h, 2d) or an ISO "
+                         "time") from None
     # Pass 1: the types each field was seen with (schema-on-read).
     kinds: dict[str, set[str]] = {}
     for rec in read_records(paths):
@@ -229,7 +237,6 @@ def query(paths: list[str], where: list[str], group_by: list[str], since: str | 
             if v is not None:
                 kinds.setdefault(k, set()).add(_kind(v))
     mixed = {k for k, s in kinds.items() if len(s) > 1}
-    cutoff = parse_since(since) if since else None
     rows: list[dict[str, Any]] = []
     groups: dict[tuple, int] = {}
     for rec in read_records(paths):
