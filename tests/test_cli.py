@@ -95,10 +95,11 @@ def test_no_command_prints_help_and_fails() -> None:
     "command,options",
     [("run", ("-c FILE", "--config FILE", "--log-level")),
      ("check", ("-c FILE", "--config FILE")),
-     ("demo-upstream", ("--listen", "--name", "--token-delay-ms"))],
+     ("demo-upstream", ("--listen", "--name", "--token-delay-ms")),
+     ("audit query", ("--where", "--group-by", "--since", "--fields", "JSON Lines"))],
 )
 def test_subcommand_help(command: str, options: tuple[str, ...]) -> None:
-    res = aiproxy_cli(command, "--help")
+    res = aiproxy_cli(*command.split(), "--help")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"usage: aiproxy {command}"), res.stdout
     for option in options:

@@ -163,7 +163,9 @@ def add_audit(sub: argparse._SubParsersAction) -> None:
                    help="count records per value (repeatable or comma-separated)")
     q.add_argument("--since", metavar="DURATION|TIME", help="e.g. 15m, 1h, 2d or an ISO time")
     q.add_argument("--fields", metavar="F1,F2", help="columns to print (without --group-by)")
-    q.add_argument("--format", choices=["table", "json"], default="table")
+    q.add_argument("--format", choices=["table", "json"], default="table",
+                   help="table (aligned columns), or json: one JSON object a row or group, "
+                   "one a line (JSON Lines)")
 
 
 def run_audit(args: argparse.Namespace) -> int:
