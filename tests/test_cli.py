@@ -570,3 +570,33 @@ def test_audit_query_bad_arguments(tmp_path: Path, args: tuple[str, ...], proble
     assert res.returncode == 2, res
     assert res.stdout == ""
     assert res.stderr == f"aiproxy audit: {problem}\n", res.stderr
+
+
+@pytest.mark.parametrize("option,value,problem", [
+    ("--epochs", "0", "must be at least 1, not 0"),
+    ("--epochs", "-1", "must be at least 1, not -1"),
+    ("--batch", "0", "must be at least 1, not 0"),
+    ("--dim", "0", "must be at least 1, not 0"),
+    ("--ensemble", "0", "must be at least 1, not 0"),
+    ("--jobs", "0", "must be at least 1, not 0"),
+    ("--hidden", "-1", "must be at least 0, not -1"),
+    ("--dropout", "1", "must be at least 0 and below 1, not 1.0"),
+    ("--dropout", "2", "must be at least 0 and below 1, not 2.0"),
+    ("--hidden-dropout", "-0.5", "must be at least 0 and below 1, not -0.5"),
+    ("--feature-dropout", "1", "must be at least 0 and below 1, not 1.0"),
+    ("--vocab-dropout", "nan", "must be at least 0 and below 1, not nan"),
+    ("--label-smoothing", "1", "must be at least 0 and below 1, not 1.0"),
+])
+def test_router_train_rejects_bad_settings(tmp_path: Path, option: str, value: str,
+                                           problem: str) -> None:
+    """--epochs 0, --batch 0 and --dim 0 were tracebacks (UnboundLocalError,
+    ZeroDivisionError) after the data was read; --ensemble 0 was trained as 1 and
+    --dropout 2 zeroed every input (a model of nothing, exit 0). Argument errors now,
+    exit 2, before any data is read or a model written."""
+    data = write(tmp_path, '{"text": "what is my balance", "intent": "balance"}\n', "d.jsonl")
+    out = tmp_path / "m.onnx"
+    r = aiproxy_cli("router", "train", "--data", str(data), "-o", str(out), "-q",
+                    option, value)
+    assert r.returncode == 2, r
+    assert f"aiproxy router train: error: argument {option}: {problem}" in r.stderr, r
+    assert r.stdout == "" and not out.exists()

@@ -23,6 +23,18 @@ def _count(least: int):
     return parse
 
 
+def _share(text: str) -> float:
+    """An argparse type: a probability in [0, 1) (dropout, label smoothing): 1 or more
+    would zero, or divide by zero, every input."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 <= value < 1:  # also nan
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     from aiproxy.semantic.train import TrainConfig
 
@@ -47,27 +59,27 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--oos-label", default=d.oos_label)
     t.add_argument("--seed", type=int, default=d.seed)
     t.add_argument("--buckets", type=int, default=d.buckets)
-    t.add_argument("--dim", type=int, default=d.dim)
-    t.add_argument("--hidden", type=int, default=d.hidden, help="hidden units (0: none)")
-    t.add_argument("--epochs", type=int, default=d.epochs)
-    t.add_argument("--batch", type=int, default=d.batch)
+    t.add_argument("--dim", type=_count(1), default=d.dim)
+    t.add_argument("--hidden", type=_count(0), default=d.hidden, help="hidden units (0: none)")
+    t.add_argument("--epochs", type=_count(1), default=d.epochs)
+    t.add_argument("--batch", type=_count(1), default=d.batch)
     t.add_argument("--lr", type=float, default=d.lr)
     t.add_argument("--lr-embed", type=float, default=d.lr_embed)
     t.add_argument("--lr-decay", type=float, default=d.lr_decay)
-    t.add_argument("--dropout", type=float, default=d.dropout)
-    t.add_argument("--hidden-dropout", type=float, default=d.hidden_dropout)
-    t.add_argument("--feature-dropout", type=float, default=d.feature_dropout)
+    t.add_argument("--dropout", type=_share, default=d.dropout)
+    t.add_argument("--hidden-dropout", type=_share, default=d.hidden_dropout)
+    t.add_argument("--feature-dropout", type=_share, default=d.feature_dropout)
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    t.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
+    t.add_argument("--label-smoothing", type=_share, default=d.label_smoothing)
     t.add_argument("--output-bias", action=argparse.BooleanOptionalAction,
                    default=d.output_bias,
                    help="give the output layer a bias (off: one graph node less)")
-    t.add_argument("--average-from", type=int, default=d.average_from, metavar="EPOCH",
+    t.add_argument("--average-from", type=_count(0), default=d.average_from, metavar="EPOCH",
                    help="ship the mean of the weights after each epoch from EPOCH on (0: last)")
-    t.add_argument("--ensemble", type=int, default=d.ensemble, metavar="K",
+    t.add_argument("--ensemble", type=_count(1), default=d.ensemble, metavar="K",
                    help="train K members from different seeds; the model averages their "
                    "logits in one graph (K times the table width)")
-    t.add_argument("--jobs", type=int, default=1, metavar="N",
+    t.add_argument("--jobs", type=_count(1), default=1, metavar="N",
                    help="train ensemble members in N processes (same weights, less wall time)")
     t.add_argument("--fold", action=argparse.BooleanOptionalAction, default=d.fold,
                    help="without a hidden layer, ship the table times the output layer "
@@ -79,15 +91,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--word-vectors", default=d.word_vectors, metavar="NAME",
                    help="frozen pretrained word vectors as a second input (glove-6b-50d, "
                    "from the train extra); the model keeps a vocabulary and no vectors")
-    t.add_argument("--vocab-top", type=int, default=d.vocab_top, metavar="N",
+    t.add_argument("--vocab-top", type=_count(0), default=d.vocab_top, metavar="N",
                    help="with --word-vectors: the vocabulary also has the N most frequent "
                    "words, besides those of the training rows")
     t.add_argument("--vocab-scale", type=float, default=d.vocab_scale,
                    help="with --word-vectors: multiply the vectors by this")
-    t.add_argument("--vocab-dropout", type=float, default=d.vocab_dropout,
+    t.add_argument("--vocab-dropout", type=_share, default=d.vocab_dropout,
                    help="with --word-vectors: leave a training text's word vectors out "
                    "with this probability (the n-grams learn to stand alone)")
-    t.add_argument("--word-vector-members", type=int, default=d.word_vector_members,
+    t.add_argument("--word-vector-members", type=_count(0), default=d.word_vector_members,
                    metavar="K", help="with --word-vectors: train the --ensemble members "
                    "without them and K more with them, and add only the word rows of the "
                    "latter (times --word-vector-weight) to the former's table")
