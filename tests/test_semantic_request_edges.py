@@ -160,3 +160,56 @@ def test_access_log_says_why_there_is_no_intent(start_proxy, bank_and_general, t
         rec = records[r.request.url.path]
         assert rec.get("no_intent") == why, rec
         assert (rec["intent"] is None) == (why is not None), rec
+
+
+def _pb_string(field: int, text: bytes) -> bytes:
+    """One length-delimited protobuf field."""
+    n, length = len(text), b""
+    while True:
+        length += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+        n >>= 7
+        if not n:
+            return bytes([field << 3 | 2]) + length + text
+
+
+def _grpc_frame(message: bytes, compress: bool) -> bytes:
+    import gzip
+
+    payload = gzip.compress(message) if compress else message
+    return bytes([int(compress)]) + len(payload).to_bytes(4, "big") + payload
+
+
+def test_compressed_grpc_body_is_read_no_further_than_inspect_bytes(start_proxy,
+                                                                    bank_and_general):
+    """Compressed gRPC messages are read decoded, but no further than the same messages
+    uncompressed would be: inspect_bytes in all. Text past that is not read, and a small
+    body of well-compressed messages (4 KiB that decode to 1 MiB each) costs what
+    inspect_bytes of plain messages cost, not seconds of the event loop."""
+    proxy = start_proxy(intent_routes_config(*bank_and_general,
+                                             'model = "builtin:clinc150"\n'
+                                             'inspect_bytes = 4096\n'))
+    filler = _pb_string(1, b" " * 6000)  # text without a word, past inspect_bytes
+    one = filler + _pb_string(2, BANK.encode())
+    bodies = {
+        "one message": (_grpc_frame(one, False), _grpc_frame(one, True)),
+        "two messages": (_grpc_frame(filler, False) + _grpc_frame(_pb_string(2, BANK.encode()),
+                                                                False),
+                         _grpc_frame(filler, True) + _grpc_frame(_pb_string(2, BANK.encode()),
+                                                                 True)),
+    }
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        # the route the bank text alone gets
+        alone = client.post("/echo", content=_grpc_frame(_pb_string(2, BANK.encode()), True),
+                            headers={"content-type": "application/grpc"})
+        assert alone.headers["x-upstream"] == "bank"
+        for name, (plain, packed) in bodies.items():
+            assert len(packed) < 4096 < len(plain), name
+            seen = {}
+            for label, body in (("plain", plain), ("compressed", packed)):
+                r = client.post("/echo", content=body,
+                                headers={"content-type": "application/grpc"})
+                assert r.status_code == 200, (name, label, r.text)
+                seen[label] = (r.headers["x-upstream"],
+                               r.json()["headers"].get("x-aiproxy-intent"))
+            assert seen["plain"] == ("general", None), (name, seen)
+            assert seen["compressed"] == seen["plain"], (name, seen)

@@ -149,3 +149,20 @@ def test_unknown_runtime_is_a_config_error(tmp_path):
     assert check.returncode == 2
     assert "c.toml:5: semantic.runtime: expected \"auto\" or \"onnxruntime\", got " \
         "'tensorflow'" in check.stderr
+
+
+def test_empty_intent_header_names_no_intent(start_proxy, bank_and_general):
+    """An empty intent header names no intent (as an empty field is no value in nginx's
+    $http_ variables): the model reads the request as without the header, rather than
+    routing it on the intent "" and sending `x-aiproxy-intent: ` at confidence 1."""
+    proxy = start_proxy(semantic_config(*bank_and_general))
+    with httpx.Client(base_url=proxy.url) as client:
+        for value in (b"",):  # (the parser strips whitespace: "   " arrives empty)
+            r = client.post("/echo", content=chat("how much money is in my checking account"),
+                            headers={"content-type": "application/json",
+                                     "x-model-intent": value})
+            assert r.status_code == 200
+            assert r.headers["x-upstream"] == "bank", value
+            seen = r.json()["headers"]
+            assert seen["x-aiproxy-intent"] == "balance", value
+            assert float(seen["x-aiproxy-intent-confidence"]) < 1, value

@@ -268,7 +268,7 @@ class Exchange(ExchangeBase):
         sem = self.rt.semantic
         if sem is not None and self.rt.table.uses_intent:
             explicit = head.get(sem.header)
-            if explicit is not None:
+            if explicit:  # an empty field names no intent: the model reads the request
                 # UTF-8, as the config's intent names are: it matches a route written
                 # in the same characters and goes upstream as the same bytes.
                 try:

@@ -115,7 +115,8 @@ class SemanticRouter:
         q = target.find(b"?")
         text = extract_text(head.get(b"content-type") or b"", body,
                             target[q + 1:] if q >= 0 else b"", self.json_fields,
-                            head.content_length if head.content_length >= 0 else None)
+                            head.content_length if head.content_length >= 0 else None,
+                            self.inspect_bytes)
         if not text:
             return "", "no_text"
         # no word in it: routed as a request without text is, without an intent

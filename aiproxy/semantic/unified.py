@@ -89,9 +89,11 @@ def extract(content_type: bytes, body: bytes, query: bytes = b"",
 
 
 def extract_text(content_type: bytes, body: bytes, query: bytes = b"",
-                 json_fields: tuple[str, ...] = (), body_size: int | None = None) -> str:
+                 json_fields: tuple[str, ...] = (), body_size: int | None = None,
+                 decoded_budget: int | None = None) -> str:
     """The text `extract` would find, without the rest of the UnifiedRequest (no id):
-    what the router classifies."""
+    what the router classifies. `decoded_budget`: the bytes of gRPC messages read in
+    all, compressed ones counted decoded (the router's inspect_bytes)."""
     if body and not query and type(body) is bytes:
         # The common case (a JSON API call) without the metadata nobody reads here.
         ctype = _media_type(content_type)
@@ -102,11 +104,12 @@ def extract_text(content_type: bytes, body: bytes, query: bytes = b"",
                 text = _json_text(body, json_fields)
             if text is not None:
                 return text
-    return _collect(content_type, body, query, json_fields, body_size)[1]
+    return _collect(content_type, body, query, json_fields, body_size, decoded_budget)[1]
 
 
 def _collect(content_type: bytes, body: bytes, query: bytes, json_fields: tuple[str, ...],
-             body_size: int | None) -> tuple[Modality, str, dict[str, Any]]:
+             body_size: int | None, decoded_budget: int | None = None
+             ) -> tuple[Modality, str, dict[str, Any]]:
     body = bytes(body) if not isinstance(body, bytes) else body
     ctype = _media_type(content_type)
     size = len(body) if body_size is None else int(body_size)
@@ -116,7 +119,8 @@ def _collect(content_type: bytes, body: bytes, query: bytes, json_fields: tuple[
     parts: list[str] = []
     modality = TEXT
     try:
-        modality = _extract_body(ctype, body, json_fields, parts, meta, size, content_type)
+        modality = _extract_body(ctype, body, json_fields, parts, meta, size, content_type,
+                                 decoded_budget)
     except Exception as exc:  # pragma: no cover - last-resort guard: never fail a request
         meta["extract_error"] = type(exc).__name__
         modality = BINARY if body else TEXT
@@ -280,11 +284,13 @@ def _multipart(content_type: bytes, json_fields, parts: list[str], meta: dict[st
 
 
 def _extract_body(ctype: str, body: bytes, json_fields, parts: list[str],
-                  meta: dict[str, Any], size: int, content_type: bytes = b"") -> Modality:
+                  meta: dict[str, Any], size: int, content_type: bytes = b"",
+                  decoded_budget: int | None = None) -> Modality:
     if not body:
         return TEXT
     if ctype.startswith("application/grpc"):
-        return _grpc(body, parts, meta)
+        grpc_strings(body, parts, meta, decoded_budget=decoded_budget)
+        return TEXT if parts else BINARY
     if is_json_type(ctype) or (not ctype and body[:1] in b"{["):
         _json_body(body, json_fields, parts, meta)
         return TEXT
@@ -469,10 +475,10 @@ def _lenient_json(body: bytes, json_fields, parts: list[str]) -> None:
 MAX_GRPC_DECODED = 1 << 20  # what one compressed gRPC message may expand to here
 
 
-def _grpc_inflate(payload: bytes) -> bytes | None:
+def _grpc_inflate(payload: bytes, most: int = MAX_GRPC_DECODED) -> bytes | None:
     """A compressed gRPC message decoded, when its coding is gzip or deflate (zlib), the
     two every gRPC implementation offers (told apart by their headers, as the
-    grpc-encoding field says the same); at most MAX_GRPC_DECODED bytes of it, and what
+    grpc-encoding field says the same); at most `most` bytes of it, and what
     arrived of one cut short by the inspect limit. None: another coding (snappy, zstd)
     or not compressed data."""
     if payload[:2] == b"\x1f\x8b":
@@ -482,22 +488,21 @@ def _grpc_inflate(payload: bytes) -> bytes | None:
     else:
         return None
     try:
-        return zlib.decompressobj(wbits).decompress(payload, MAX_GRPC_DECODED)
+        return zlib.decompressobj(wbits).decompress(payload, most)
     except zlib.error:
         return None
 
 
-def _grpc(body: bytes, parts: list[str], meta: dict[str, Any]) -> Modality:
-    grpc_strings(body, parts, meta)
-    return TEXT if parts else BINARY
-
-
 def grpc_strings(body: bytes, parts: list[str], meta: dict[str, Any] | None = None,
-                 limit: int | None = MAX_TEXT_PARTS) -> None:
+                 limit: int | None = MAX_TEXT_PARTS, decoded_budget: int | None = None) -> None:
     """The text fields of length-prefixed gRPC messages (1 byte compressed flag + 4
     bytes big-endian length), at most `limit` per message (None: all). A compressed
     message (gzip or deflate) is read decoded: a client that compresses gets the route
-    the same message gets uncompressed."""
+    the same message gets uncompressed. `decoded_budget`: the message bytes read in all,
+    framing apart and compressed ones counted decoded, as the same messages uncompressed
+    would be cut at it (None: each compressed message to MAX_GRPC_DECODED). A few KiB
+    of compressed frames decode to a MiB each, and reading that would cost the event
+    loop seconds."""
     if meta is None:
         meta = {}
     i, n, frames = 0, len(body), 0
@@ -506,10 +511,17 @@ def grpc_strings(body: bytes, parts: list[str], meta: dict[str, Any] | None = No
         length = int.from_bytes(body[i + 1:i + 5], "big")
         payload = body[i + 5:i + 5 + length]
         frames += 1
+        if decoded_budget is not None and decoded_budget <= 0:
+            break
         if flag & 1:
             meta["grpc_compressed"] = True
-            payload = _grpc_inflate(payload)
+            payload = _grpc_inflate(payload, MAX_GRPC_DECODED if decoded_budget is None
+                                    else min(decoded_budget, MAX_GRPC_DECODED))
+        elif decoded_budget is not None:
+            payload = payload[:decoded_budget]
         if payload:
+            if decoded_budget is not None:
+                decoded_budget -= len(payload)
             protobuf_strings(payload, parts, limit=limit)
         i += 5 + length
     meta["grpc_frames"] = frames
