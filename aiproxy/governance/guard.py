@@ -177,30 +177,39 @@ def pairs_text(data: bytes) -> str:
 
 
 def body_text(content_type: bytes, body: bytes, json_fields: tuple[str, ...],
-              size: int | None) -> tuple[str, bool]:
-    """Every piece of the body an upstream may read as text, one per line, and whether
-    parts were left unread (a multipart body of more than MAX_FORM_PARTS parts)."""
+              size: int | None, inspect_bytes: int | None = None) -> tuple[str, str | None]:
+    """Every piece of the body an upstream may read as text, one per line, and why parts
+    were left unread (None: all read): a multipart body of more than MAX_FORM_PARTS
+    parts, or compressed gRPC messages that decode past inspect_bytes in all."""
     text = json_text(body)
     if text is not None:
-        return text, False
+        return text, None
     media = media_type(content_type)
     if media == "multipart/form-data":
-        return multipart_text(content_type, body)
+        text, cut = multipart_text(content_type, body)
+        return text, (f"a multipart body the guard reads may have at most {MAX_FORM_PARTS} "
+                      "parts" if cut else None)
     start = _LEADING_WS.match(body).end()
     if body[start:start + 1] in (b"{", b"[") or is_json_type(media):
-        return loose_json_text(body), False
+        return loose_json_text(body), None
     if media == "application/x-www-form-urlencoded":
-        return pairs_text(body), False
+        return pairs_text(body), None
     grpc = media.startswith("application/grpc")
     octets = media == "application/octet-stream"
     if grpc or octets or media in PROTOBUF_TYPES:
         found: list[str] = []
         if grpc:
-            grpc_strings(body, found, limit=None)
+            # Decoded, compressed messages count as the same uncompressed ones would: a
+            # few KiB of them can decode to a MiB each (seconds of the event loop).
+            meta: dict[str, Any] = {}
+            grpc_strings(body, found, meta, limit=None, decoded_budget=inspect_bytes)
+            if meta.get("grpc_cut"):
+                return "", (f"the prompt guard reads at most {inspect_bytes} bytes of "
+                            "gRPC messages, decoded ([guard] inspect_bytes)")
         else:  # octet-stream: what parses as protobuf is read as the router reads it
             protobuf_strings(body, found, limit=None)
         if found or not octets:
-            return "\n".join(found), False
+            return "\n".join(found), None
     text = extract(content_type, body, b"", json_fields, body_size=size).text
     if not text and body:
         # A type this reader does not know (XML, YAML, ...) that is text all the same.
@@ -208,7 +217,7 @@ def body_text(content_type: bytes, body: bytes, json_fields: tuple[str, ...],
             text = body.decode("utf-8")
         except UnicodeDecodeError:
             pass
-    return text, False
+    return text, None
 
 
 def reader_text(text: str) -> str:
@@ -278,12 +287,13 @@ class GuardFilter(Filter):
                               f"{self.inspect_bytes} bytes of a request body "
                               "([guard] inspect_bytes)")
         size = head.content_length if head.content_length >= 0 else None
-        text, cut = body_text(head.get(b"content-type") or b"", body, self.json_fields, size)
-        if cut:
-            # Parts it did not read could hold a prompt: refused, as a body in a
+        text, unread = body_text(head.get(b"content-type") or b"", body, self.json_fields,
+                                 size, self.inspect_bytes)
+        if unread is not None:
+            # What it did not read could hold a prompt: refused, as a body in a
             # Content-Encoding is, not passed unread.
-            return LocalReply(413, "too_many_parts", "a multipart body the guard "
-                              f"reads may have at most {MAX_FORM_PARTS} parts")
+            return LocalReply(413, "guard_body_too_large" if ex.grpc else "too_many_parts",
+                              unread)
         q = ex.up_target.find(b"?")
         if q >= 0:
             text = "\n".join(filter(None, (text, pairs_text(ex.up_target[q + 1:]))))

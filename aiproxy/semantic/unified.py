@@ -502,7 +502,7 @@ def grpc_strings(body: bytes, parts: list[str], meta: dict[str, Any] | None = No
     framing apart and compressed ones counted decoded, as the same messages uncompressed
     would be cut at it (None: each compressed message to MAX_GRPC_DECODED). A few KiB
     of compressed frames decode to a MiB each, and reading that would cost the event
-    loop seconds."""
+    loop seconds. meta["grpc_cut"]: the budget (or MAX_GRPC_DECODED) left bytes unread."""
     if meta is None:
         meta = {}
     i, n, frames = 0, len(body), 0
@@ -512,13 +512,18 @@ def grpc_strings(body: bytes, parts: list[str], meta: dict[str, Any] | None = No
         payload = body[i + 5:i + 5 + length]
         frames += 1
         if decoded_budget is not None and decoded_budget <= 0:
+            meta["grpc_cut"] = True  # messages left unread
             break
         if flag & 1:
             meta["grpc_compressed"] = True
-            payload = _grpc_inflate(payload, MAX_GRPC_DECODED if decoded_budget is None
-                                    else min(decoded_budget, MAX_GRPC_DECODED))
-        elif decoded_budget is not None:
+            most = (MAX_GRPC_DECODED if decoded_budget is None
+                    else min(decoded_budget, MAX_GRPC_DECODED))
+            payload = _grpc_inflate(payload, most)
+            if payload is not None and len(payload) >= most:
+                meta["grpc_cut"] = True  # (or it ends just there: either way, read no more)
+        elif decoded_budget is not None and len(payload) > decoded_budget:
             payload = payload[:decoded_budget]
+            meta["grpc_cut"] = True
         if payload:
             if decoded_budget is not None:
                 decoded_budget -= len(payload)
