@@ -248,6 +248,28 @@ def test_a_span_keeps_the_first_1024_characters_of_a_long_path(start_proxy, demo
     assert span["path"] == path[:1024]
 
 
+def test_a_request_without_host_is_a_span_too(start_proxy, demo_upstream):
+    """HTTP/1.0 needs no Host: its span has none (server.address is left out), and the
+    request is recorded like any other."""
+    import socket
+
+    from tests.conftest import simple_config
+
+    admin = free_port()
+    proxy = start_proxy("[server]\nworkers = 1\n" + simple_config(demo_upstream)
+                        + f'[admin]\naddress = "127.0.0.1:{admin}"\n\n[tracing]\n')
+    wait_port("127.0.0.1", admin)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+        s.sendall(b"GET /echo HTTP/1.0\r\ntraceparent: 00-%s-%s-01\r\n\r\n"
+                  % (TRACE.encode(), CLIENT_SPAN.encode()))
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 "), reply[:100]
+    (span,) = httpx.get(f"http://127.0.0.1:{admin}/lineage/{TRACE}").json()["spans"]
+    assert span["host"] is None and span["protocol"] == "1.0" and span["path"] == "/echo"
+
+
 @pytest.mark.parametrize(("host", "attrs"), [
     ("api.example.com", [("server.address", "api.example.com")]),
     ("api.example.com:8443", [("server.address", "api.example.com"), ("server.port", 8443)]),

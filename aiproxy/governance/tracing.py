@@ -203,8 +203,8 @@ class TraceFilter(Filter):
             "scheme": ex.down.scheme.decode("latin-1"),
             "protocol": "2" if ex.head.version == 20 else f"1.{ex.head.version % 10}",
             "client": ex.down.peer.decode("latin-1"),
-            "host": (ex.head.host if not ex.host_line else ex.host_line[6:-2] or b""
-                     )[:MAX_HOST].decode("latin-1") or None,
+            "host": ((ex.host_line[6:-2] if ex.host_line else ex.head.host) or b""
+                     )[:MAX_HOST].decode("latin-1") or None,  # HTTP/1.0 may send none
             "status": ex.status,
             "start": self.start,
             "duration_ms": round((time.time() - self.start) * 1000, 3),
