@@ -37,8 +37,9 @@ def test_ms_matches_round_to_microseconds() -> None:
         assert ms(seconds) == round(seconds * 1000, 3)
 
 
-def _lines(path: Path, at_least: int) -> list[dict]:
-    deadline = time.monotonic() + 10
+def _lines(path: Path, at_least: int, timeout: float = 10) -> list[dict]:
+    """The access log's lines, once there are at least `at_least` (or `timeout` passed)."""
+    deadline = time.monotonic() + timeout
     while True:
         lines = ([json.loads(x) for x in path.read_text().splitlines()]
                  if path.is_file() else [])

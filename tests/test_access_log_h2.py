@@ -6,7 +6,6 @@ cut by the drain deadline told apart from clients that left."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import socket
 import time
@@ -28,18 +27,9 @@ from tests.grpc_support import (
 )
 from tests.h2_support import FrameClient, H2Upstream
 from tests.support import admin_block, free_port, scrape, wait_ready
+from tests.test_access_log import _lines
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _lines(path: Path, at_least: int, timeout: float = 10) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = ([json.loads(x) for x in path.read_text().splitlines()]
-                 if path.is_file() else [])
-        if len(lines) >= at_least or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
 
 
 async def _reset_handler(proto: Any, sid: int, path: str, head: dict, body: bytes) -> None:
