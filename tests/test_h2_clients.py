@@ -599,6 +599,29 @@ def test_h1_client_h2_upstream_upload(proxy: ProxyProc, tmp_path: Path, chunked:
     assert doc["body_bytes"] == len(data) and doc["body_sha256"] == sha(data)
 
 
+@pytest.mark.parametrize("fields", [
+    b"Content-Length: 5, 5\r\n", b"Content-Length: 5,5 ,5\r\n",
+    b"Content-Length: 5\r\ncontent-length: 5\r\n", b"Content-Length: 005\r\n"],
+    ids=["list", "list-spaced", "repeated", "leading-zeros"])
+def test_h1_client_h2_upstream_content_length_canonical(proxy: ProxyProc,
+                                                        h2up: H2Upstream,
+                                                        fields: bytes) -> None:
+    """Content-Length forms the proxy takes as 5 (RFC 9110 8.6: a list of one value, or
+    repeated fields) reach an HTTP/2 upstream as one content-length: 5, as they reach an
+    HTTP/1.1 one: the raw list is malformed there (RFC 9113 8.1.1), and a server may
+    fail the whole connection over it."""
+    target = "/echo?cl=" + fields.hex()
+    req = (f"POST {target} HTTP/1.1\r\nHost: {H2UP_HOST}\r\nConnection: close\r\n".encode()
+           + fields + b"\r\nhello")
+    raw = raw_exchange(proxy.ports["h1"], req)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), raw[:300]
+    assert json.loads(body)["body_bytes"] == 5
+    [sent] = [ev[3] for ev in h2up.events
+              if ev[1] == "request" and (b":path", target.encode()) in ev[3]]
+    assert [v for n, v in sent if n == b"content-length"] == [b"5"]
+
+
 def test_h1_client_h2_upstream_trailers(proxy: ProxyProc) -> None:
     """Upstream trailers reach an HTTP/1.1 client that said TE: trailers (chunked trailer
     section), and only then."""

@@ -756,10 +756,12 @@ class Exchange(ExchangeBase):
             authority = pool.endpoint.address.encode()
         fields = [(b":method", self.method), (b":scheme", pool.scheme),
                   (b":path", self.up_target), (b":authority", authority)]
-        drop = F_HOP | F_HOST | F_OWN
-        if self.body_len >= 0:
-            drop |= F_CONTENT_LENGTH
-            fields.append((b"content-length", b"%d" % self.body_len))
+        # One content-length with one value (RFC 9113 8.1.1, RFC 9110 8.6), as for an
+        # HTTP/1.1 upstream: the client's may be a list ("5, 5") or repeated.
+        drop = F_HOP | F_HOST | F_OWN | F_CONTENT_LENGTH
+        length = self.body_len if self.body_len >= 0 else head.content_length
+        if length >= 0:
+            fields.append((b"content-length", b"%d" % length))
         rt = self.rt
         if rt.x_forwarded:
             drop |= F_XFF | F_XFP
