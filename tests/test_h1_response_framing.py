@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -128,9 +129,20 @@ LATE = {
                          + OK2, b"0\r\n\r\n", 200),
 }
 
+# Responses cut after their head and first body bytes reached the client: what the
+# upstream sends first, then (once the test has read that and calls `go`) what it sends
+# next, or None: it closes the connection. The client must be able to tell the response
+# is incomplete (RFC 9112 8).
+CUT = {
+    "cut-bad-chunk": (CHUNKED + b"5\r\nhello\r\n", b"zz\r\nworld\r\n0\r\n\r\n"),
+    "cut-close-chunked": (CHUNKED + b"5\r\nhello\r\n", None),
+    "cut-close-length": (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhello", None),
+}
+
 CASES = {**REJECTED, **{k: v for k, (v, _) in ACCEPTED.items()},
          **{k: v for k, (v, _, _) in LATE.items()},
-         **{k: v for k, (v, _) in EXCESS.items()}}
+         **{k: v for k, (v, _) in EXCESS.items()},
+         **{k: v for k, (v, _) in CUT.items()}}
 CASES.update({
     "head-with-body": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello" + SMUGGLED,
     "head-length-list": b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\n",
@@ -149,6 +161,7 @@ class Scripted(StreamServerThread):
 
     def __init__(self) -> None:
         self.conns = 0
+        self.go = threading.Event()  # see CUT
         super().__init__(self._conn)
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -167,9 +180,17 @@ class Scripted(StreamServerThread):
                 target = head.split(b" ", 2)[1].decode()
                 name = target[3:] if target.startswith("/c/") else target.partition("c=")[2]
                 if name:
+                    self.go.clear()
                     writer.write(CASES[name])
                     if name in LATE:
                         late = LATE[name][1]
+                    if name in CUT:
+                        await writer.drain()
+                        loop = asyncio.get_running_loop()
+                        assert await loop.run_in_executor(None, self.go.wait, 10)
+                        if CUT[name][1] is None:
+                            return
+                        writer.write(CUT[name][1])
                 else:
                     text = f"conn={conn} req={served}".encode()
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
@@ -419,3 +440,63 @@ keywords = ["flagme"]
         assert (b"x-aiproxy-guard-flags: flagme" in head) == (prompt == "flagme"), head
         for name in (b"x-secret", b"x-other", b"keep-alive", b"proxy-connection", b"upgrade"):
             assert b"\r\n" + name + b":" not in head, (name, head)
+
+
+def read_until_closed(sock: socket.socket) -> tuple[bytes, bool]:
+    """What sock receives until the peer closes, and whether it closed with a reset."""
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data, True
+        if not chunk:
+            return data, False
+        data += chunk
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+@pytest.mark.parametrize("case", sorted(CUT))
+def test_response_cut_after_its_head_is_seen_as_incomplete(
+        proxy: Proxy, upstream: Scripted, case: str, version: str) -> None:
+    """After the response head went out, an upstream failure can only cut the client's
+    connection, and the client must be able to tell (RFC 9112 8): a Content-Length it
+    did not get, a missing last chunk, or, for a body that ends with the connection (an
+    HTTP/1.0 client's), a reset: a clean close would say the body is whole."""
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(f"GET /c/{case} HTTP/{version}\r\nHost: t\r\n\r\n".encode())
+        got = b""
+        while not got.endswith(b"hello\r\n" if b"chunked" in got else b"hello"):
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        upstream.go.set()
+        rest, reset = read_until_closed(sock)
+    head, _, body = (got + rest).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    fields = head.lower()
+    if b"\r\ncontent-length: 10" in fields:
+        assert len(body) < 10
+    elif b"\r\ntransfer-encoding: chunked" in fields:
+        assert not body.endswith(b"0\r\n\r\n"), body
+    else:
+        assert version == "1.0" and body == b"hello"
+        assert reset, "a cut body that ends with the connection looks whole"
+
+
+@pytest.mark.parametrize("case", ["cut-bad-chunk", "cut-close-chunked"])
+def test_curl_http10_sees_a_cut_body_as_an_error(proxy: Proxy, upstream: Scripted,
+                                                 case: str) -> None:
+    curl = subprocess.Popen(["curl", "-sS", "-0", "-N", "--max-time", "10",
+                             f"http://127.0.0.1:{proxy.port}/c/{case}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert curl.stdout.read(5) == b"hello"
+        upstream.go.set()
+        out, err = curl.communicate(timeout=15)
+    finally:
+        if curl.poll() is None:
+            curl.kill()
+            curl.wait()
+    assert out == b""
+    assert curl.returncode == 56, err  # CURLE_RECV_ERROR: "Connection reset by peer"

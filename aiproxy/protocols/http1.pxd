@@ -31,7 +31,7 @@ cdef class H1ConnectionCore(Downstream):
     cdef public long long served
     cdef public int pause_mask
     cdef public bint writing_paused, closed, lingering, tunnel, in_process, client_eof
-    cdef public bint chunked_out, h2c, switched
+    cdef public bint chunked_out, until_close_out, h2c, switched
     cdef public double head_started, idle_since, drain_idle  # drain_idle: see drain()
 
     cpdef _process(self)

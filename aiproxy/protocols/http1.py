@@ -21,6 +21,8 @@ import asyncio
 import base64
 import binascii
 import logging
+import socket
+import struct
 from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
@@ -46,6 +48,7 @@ CRLF = b"\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 P_PIPELINE = 4
 LINGER_SECONDS = 2.0
+RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a RST
 SMALL_BODY = 2048  # bodies up to this size are copied behind the head (one write)
 STATUS_200 = b"HTTP/1.1 200 OK\r\n"
 # Content-Length lines of the sizes seen (bounded): bytes %-formatting costs more per
@@ -97,7 +100,7 @@ class H1ConnectionCore(Downstream):
     __slots__ = ("transport", "buf", "exchange", "served",
                  "pause_mask", "writing_paused", "closed", "lingering", "tunnel",
                  "timer", "head_started", "idle_since", "in_process", "client_eof",
-                 "head_out", "chunked_out", "h2c", "switched", "slab", "held", "held_status",
+                 "head_out", "chunked_out", "until_close_out", "h2c", "switched", "slab", "held", "held_status",
                  "held_extra", "held_drop", "tx")
 
     def __init__(self, server: ProxyServer, h2c: bool = False) -> None:
@@ -129,6 +132,7 @@ class H1ConnectionCore(Downstream):
         self.held_extra: tuple | None = None
         self.held_drop = 0
         self.chunked_out = False
+        self.until_close_out = False  # the response body ends with the connection
         self.slab: bytearray | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------
@@ -477,6 +481,7 @@ class H1ConnectionCore(Downstream):
             framing = b"Transfer-Encoding: chunked\r\n"
         else:
             keep = False  # HTTP/1.0 client: the end of the body is the close
+            self.until_close_out = True
         if rt.server_timing:
             timing = b"Server-Timing: " + server_timing(e) + CRLF
         if not keep:
@@ -512,6 +517,7 @@ class H1ConnectionCore(Downstream):
         self.held = None
         self.head_out = b""
         self.chunked_out = False
+        self.until_close_out = False
         return True
 
     def _take_head(self, tail: Any = None) -> bytes:
@@ -562,6 +568,7 @@ class H1ConnectionCore(Downstream):
         self.head_out = b""
         self.held = None
         self.chunked_out = False
+        self.until_close_out = False
         self.transport.write(replies.error_response(
             status, message, code, close=not keep, head_only=ex.method == b"HEAD",
             keep_alive_10=keep and head.version < 11, headers=headers))
@@ -574,6 +581,20 @@ class H1ConnectionCore(Downstream):
             # Over TLS, without close_notify: a body that ends at the close (an HTTP/1.0
             # client's) would read as complete with it (RFC 9112 9.8). nginx, too, sends
             # none after an error.
+            self.closed = True
+            self._cancel_timer()
+            self.transport.abort()
+            return
+        if self.until_close_out and not self.closed:
+            # A body that ends with the connection is whole at a FIN (RFC 9112 8): only
+            # an error of the connection tells the client otherwise. A reset is that
+            # error over plain TCP, as a missing close_notify is over TLS.
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET_ON_CLOSE)
+                except OSError:
+                    pass  # the socket is going already: it cannot say more
             self.closed = True
             self._cancel_timer()
             self.transport.abort()
