@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from h2.errors import ErrorCodes
 from hyperframe.frame import (
@@ -726,6 +727,66 @@ def test_oversized_header_lists_are_budgeted(proxy: ProxyProc, port: int) -> Non
             lambda f, sid: f.stream_id == sid and "END_STREAM" in f.flags)
         assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
     assert proxy.log().count(RESET_BUDGET_SPENT) == spent + 1, "not the reset budget"
+
+
+def _proxy_with(demo_upstream: int, tmp_path: Path, http: str) -> ProxyProc:
+    """A proxy of this module's config with more [http] settings."""
+    text = (CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, demo_upstream)).replace(
+        "[http]\n", f"[http]\n{http}\n")
+    return ProxyProc(tmp_path, text)
+
+
+def test_max_keepalive_requests_ends_an_h2_connection(demo_upstream: int,
+                                                      tmp_path: Path) -> None:
+    """[http] max_keepalive_requests holds for HTTP/2 too, as nginx's keepalive_requests:
+    otherwise one connection opens streams for ever, each a request the upstream starts,
+    however they end (reset by the client or provoked, CVE-2023-44487 and CVE-2025-8671,
+    at a rate the reset budget refills). The stream that reaches the limit is served and
+    named last by GOAWAY(NO_ERROR) (RFC 9113 6.8); one behind it is refused
+    (REFUSED_STREAM: not processed, safe to retry); then the connection closes."""
+    proxy = _proxy_with(demo_upstream, tmp_path, "max_keepalive_requests = 3")
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            for sid in (1, 3):
+                c.send(c.request(sid, "/echo"))
+                resp = c.response(sid)
+                assert resp.status == 200 and resp.goaway is None, resp
+            c.send(c.request(5, "/delay/200"), c.request(7, "/echo"))
+            frames = c.frames_until(lambda f: isinstance(f, RstStreamFrame)
+                                    and f.stream_id == 7)
+            goaway = [f for f in frames if isinstance(f, GoAwayFrame)]
+            assert goaway, frames
+            assert goaway[0].error_code == ErrorCodes.NO_ERROR
+            assert goaway[0].last_stream_id == 5
+            assert frames[-1].stream_id == 7 and isinstance(frames[-1], RstStreamFrame), frames
+            assert frames[-1].error_code == ErrorCodes.REFUSED_STREAM
+            c.stash += [f for f in frames if f.stream_id == 5]
+            resp = c.response(5)
+            assert resp.status == 200 and resp.body == b"ok" and resp.reset is None, resp
+            assert c.closed_after(5)
+    finally:
+        proxy.stop()
+
+
+def test_max_keepalive_requests_h2_client_moves_on(demo_upstream: int,
+                                                   tmp_path: Path) -> None:
+    """A real client (httpx) takes the GOAWAY in its stride: every request is served, on
+    a new connection after each third."""
+    proxy = _proxy_with(demo_upstream, tmp_path, "max_keepalive_requests = 3")
+    try:
+        ports = []
+        with httpx.Client(http1=False, http2=True, timeout=10) as client:
+            for i in range(7):
+                url = f"http://127.0.0.1:{proxy.ports['port']}/echo/{i}"
+                with client.stream("GET", url) as r:  # open: the connection is still up
+                    ports.append(r.extensions["network_stream"].get_extra_info(
+                        "client_addr")[1])
+                    r.read()
+                assert r.status_code == 200 and r.http_version == "HTTP/2", r
+        assert [ports.index(p) for p in ports] == [0, 0, 0, 3, 3, 3, 6], ports
+    finally:
+        proxy.stop()
 
 
 # -- floods from a client that does not read -----------------------------------------------------

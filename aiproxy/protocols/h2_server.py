@@ -131,6 +131,8 @@ class H2ServerConnection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
+        self.requests = 0            # streams opened, for [http] max_keepalive_requests ...
+        self.last_request = 0        # ... and the id of the last
         self.budgets = FrameBudgets(SMALL_DATA_CLIENT)  # settled at the end of data_received
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
         # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
@@ -212,6 +214,8 @@ class H2ServerConnection(asyncio.Protocol):
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
             return
         self._flush()
+        if not self.streams and self._spent():
+            self._end_spent()  # its last request was malformed
 
     def eof_received(self) -> bool:
         return False
@@ -249,9 +253,15 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_request(self, ev: h2.events.RequestReceived) -> None:
         self.budgets.idle.credit(IDLE_PER_REQUEST)
-        if self.goaway_sent:
+        if self.goaway_sent or self._spent():
+            if not self.goaway_sent:
+                # Past max_keepalive_requests while streams are in flight: GOAWAY now,
+                # as nginx's keepalive_requests, naming the last stream served.
+                self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
             self._reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
+        self.requests += 1
+        self.last_request = ev.stream_id
         try:
             head = h2_request_head(ev.headers, bool(ev.stream_ended))
         except MalformedHead as exc:
@@ -475,7 +485,7 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.close()
 
-    def _goaway(self, code: int, close: bool) -> None:
+    def _goaway(self, code: int, close: bool, last: int | None = None) -> None:
         if close:
             try:
                 self.h2.close_connection(error_code=code)
@@ -490,16 +500,32 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.goaway_sent = True
         if not self.closed:
-            self.transport.write(GoAwayFrame(
-                0, last_stream_id=self.h2.highest_inbound_stream_id,
-                error_code=code).serialize())
+            if last is None:
+                last = self.h2.highest_inbound_stream_id
+            self.transport.write(GoAwayFrame(0, last_stream_id=last,
+                                             error_code=code).serialize())
 
     def stream_done(self, stream: H2Stream) -> None:
         self.streams.pop(stream.sid, None)
         if not self.streams:
             self.idle_since = self.loop.time()
-            if self.goaway_sent or (self.server.draining and not self.drain_ping):
+            if self._spent():
+                self._end_spent()
+            elif self.goaway_sent or (self.server.draining and not self.drain_ping):
                 self.close()
+
+    def _spent(self) -> bool:
+        """Whether the connection has had its [http] max_keepalive_requests."""
+        limit = self.server.runtime.max_keepalive_requests
+        return limit > 0 and self.requests >= limit
+
+    def _end_spent(self) -> None:
+        """The connection's last request is over: GOAWAY naming it, and close. Sent once
+        no stream is in flight, the GOAWAY is the last frame: a client that takes no
+        frame after one (python h2, hence httpx) has its responses whole."""
+        if not self.goaway_sent:
+            self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
+        self.close()
 
     def drain(self, idle_grace: float = 0.0) -> None:
         """Graceful stop, in two steps (RFC 9113 6.8): GOAWAY with the largest stream id
