@@ -789,6 +789,35 @@ def test_max_keepalive_requests_h2_client_moves_on(demo_upstream: int,
         proxy.stop()
 
 
+def test_keepalive_off_h2_connection_serves_one_request(demo_upstream: int,
+                                                        tmp_path: Path) -> None:
+    """[http] keepalive_timeout_ms = 0 turns keep-alive off: an HTTP/1.1 connection closes
+    after its response, and waits header_timeout_ms at most for its request. An HTTP/2
+    one was kept open for ever instead, idle or not (nothing timed it out). Now, as
+    nginx's keepalive_timeout 0, it serves one request and ends with GOAWAY(NO_ERROR);
+    one that sends no request is closed after header_timeout_ms, as for HTTP/1.1."""
+    proxy = _proxy_with(demo_upstream, tmp_path,
+                        "keepalive_timeout_ms = 0\nheader_timeout_ms = 1000")
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/echo"))
+            resp = c.response(1)
+            assert resp.status == 200 and resp.reset is None, resp
+            goaway = c.goaway(5)
+            assert goaway is not None and goaway.error_code == ErrorCodes.NO_ERROR, goaway
+            assert goaway.last_stream_id == 1
+            assert c.closed_after(5)
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            goaway = c.goaway(10)
+            assert goaway is not None and goaway.error_code == ErrorCodes.NO_ERROR, goaway
+            assert goaway.last_stream_id == 0
+            assert c.closed_after(5)
+    finally:
+        proxy.stop()
+
+
 # -- floods from a client that does not read -----------------------------------------------------
 
 

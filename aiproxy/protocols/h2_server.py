@@ -174,6 +174,7 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.timer = self.loop.call_later(self.server.runtime.min_timeout, self._on_timer)
         if self.upgrade is not None:
+            self.requests = self.last_request = 1
             self._start_stream(1, self.upgrade[0], True)
             self.upgrade = None
             self._flush()
@@ -515,8 +516,10 @@ class H2ServerConnection(asyncio.Protocol):
                 self.close()
 
     def _spent(self) -> bool:
-        """Whether the connection has had its [http] max_keepalive_requests."""
-        limit = self.server.runtime.max_keepalive_requests
+        """Whether the connection has had its [http] max_keepalive_requests (one, with
+        keep-alive off: keepalive_timeout_ms = 0, as nginx's keepalive_timeout 0)."""
+        rt = self.server.runtime
+        limit = rt.max_keepalive_requests if rt.keepalive_timeout_ms else 1
         return limit > 0 and self.requests >= limit
 
     def _end_spent(self) -> None:
@@ -602,8 +605,11 @@ class H2ServerConnection(asyncio.Protocol):
                 if remaining is not None and remaining < left:
                     left = remaining
         self._flush()
-        if not self.streams and http.keepalive_timeout_ms:
-            idle = self.idle_since + http.keepalive_timeout_ms / 1000 - now
+        if not self.streams:
+            # Keep-alive off, a connection is idle only before its request: that wait is
+            # header_timeout_ms, as for HTTP/1.1.
+            idle_ms = http.keepalive_timeout_ms or http.header_timeout_ms
+            idle = self.idle_since + idle_ms / 1000 - now
             if idle <= 0:
                 self._goaway(ErrorCodes.NO_ERROR, close=True)
                 return
