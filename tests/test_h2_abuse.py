@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import select
+import shutil
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -736,15 +738,14 @@ def _proxy_with(demo_upstream: int, tmp_path: Path, http: str) -> ProxyProc:
     return ProxyProc(tmp_path, text)
 
 
-def test_max_keepalive_requests_ends_an_h2_connection(demo_upstream: int,
-                                                      tmp_path: Path) -> None:
-    """[http] max_keepalive_requests holds for HTTP/2 too, as nginx's keepalive_requests:
-    otherwise one connection opens streams for ever, each a request the upstream starts,
-    however they end (reset by the client or provoked, CVE-2023-44487 and CVE-2025-8671,
-    at a rate the reset budget refills). The stream that reaches the limit is served and
+def test_h2_max_requests_ends_an_h2_connection(demo_upstream: int,
+                                               tmp_path: Path) -> None:
+    """[http] h2_max_requests bounds the streams of one HTTP/2 connection, as nginx's
+    keepalive_requests does (otherwise it opens streams for ever, each a request the
+    upstream starts, however they end). The stream that reaches the limit is served and
     named last by GOAWAY(NO_ERROR) (RFC 9113 6.8); one behind it is refused
     (REFUSED_STREAM: not processed, safe to retry); then the connection closes."""
-    proxy = _proxy_with(demo_upstream, tmp_path, "max_keepalive_requests = 3")
+    proxy = _proxy_with(demo_upstream, tmp_path, "h2_max_requests = 3")
     try:
         with FrameClient(proxy.ports["port"]) as c:
             c.handshake()
@@ -769,11 +770,10 @@ def test_max_keepalive_requests_ends_an_h2_connection(demo_upstream: int,
         proxy.stop()
 
 
-def test_max_keepalive_requests_h2_client_moves_on(demo_upstream: int,
-                                                   tmp_path: Path) -> None:
+def test_h2_max_requests_client_moves_on(demo_upstream: int, tmp_path: Path) -> None:
     """A real client (httpx) takes the GOAWAY in its stride: every request is served, on
     a new connection after each third."""
-    proxy = _proxy_with(demo_upstream, tmp_path, "max_keepalive_requests = 3")
+    proxy = _proxy_with(demo_upstream, tmp_path, "h2_max_requests = 3")
     try:
         ports = []
         with httpx.Client(http1=False, http2=True, timeout=10) as client:
@@ -785,6 +785,24 @@ def test_max_keepalive_requests_h2_client_moves_on(demo_upstream: int,
                     r.read()
                 assert r.status_code == 200 and r.http_version == "HTTP/2", r
         assert [ports.index(p) for p in ports] == [0, 0, 0, 3, 3, 3, 6], ports
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="needs h2load (nghttp2-client)")
+def test_h2_connections_have_no_request_limit_by_default(demo_upstream: int,
+                                                          tmp_path: Path) -> None:
+    """max_keepalive_requests is HTTP/1.1's: an HTTP/2 connection has no limit unless
+    h2_max_requests sets one (as Envoy and Go). h2load, which does not reconnect after a
+    GOAWAY, gets every request answered on its one connection."""
+    proxy = _proxy_with(demo_upstream, tmp_path, "max_keepalive_requests = 3")
+    try:
+        res = subprocess.run(["h2load", "-n", "40", "-c", "1", "-m", "4",
+                              f"http://127.0.0.1:{proxy.ports['port']}/echo"],
+                             capture_output=True, text=True, timeout=60)
+        assert "requests: 40 total, 40 started, 40 done, 40 succeeded, 0 failed" in \
+            res.stdout, res.stdout + res.stderr
+        assert "status codes: 40 2xx" in res.stdout, res.stdout
     finally:
         proxy.stop()
 

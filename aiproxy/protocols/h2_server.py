@@ -131,7 +131,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
-        self.requests = 0            # streams opened, for [http] max_keepalive_requests ...
+        self.requests = 0            # streams opened, for [http] h2_max_requests ...
         self.last_request = 0        # ... and the id of the last
         self.budgets = FrameBudgets(SMALL_DATA_CLIENT)  # settled at the end of data_received
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
@@ -256,8 +256,8 @@ class H2ServerConnection(asyncio.Protocol):
         self.budgets.idle.credit(IDLE_PER_REQUEST)
         if self.goaway_sent or self._spent():
             if not self.goaway_sent:
-                # Past max_keepalive_requests while streams are in flight: GOAWAY now,
-                # as nginx's keepalive_requests, naming the last stream served.
+                # Past h2_max_requests while streams are in flight: GOAWAY now, as
+                # nginx's keepalive_requests, naming the last stream served.
                 self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
             self._reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
@@ -516,10 +516,10 @@ class H2ServerConnection(asyncio.Protocol):
                 self.close()
 
     def _spent(self) -> bool:
-        """Whether the connection has had its [http] max_keepalive_requests (one, with
+        """Whether the connection has had its [http] h2_max_requests (one, with
         keep-alive off: keepalive_timeout_ms = 0, as nginx's keepalive_timeout 0)."""
         rt = self.server.runtime
-        limit = rt.max_keepalive_requests if rt.keepalive_timeout_ms else 1
+        limit = rt.http.h2_max_requests if rt.keepalive_timeout_ms else 1
         return limit > 0 and self.requests >= limit
 
     def _end_spent(self) -> None:
