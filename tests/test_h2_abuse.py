@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import select
+import shutil
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from h2.errors import ErrorCodes
 from hyperframe.frame import (
@@ -726,6 +729,111 @@ def test_oversized_header_lists_are_budgeted(proxy: ProxyProc, port: int) -> Non
             lambda f, sid: f.stream_id == sid and "END_STREAM" in f.flags)
         assert frame is not None and frame.error_code == ErrorCodes.ENHANCE_YOUR_CALM, frame
     assert proxy.log().count(RESET_BUDGET_SPENT) == spent + 1, "not the reset budget"
+
+
+def _proxy_with(demo_upstream: int, tmp_path: Path, http: str) -> ProxyProc:
+    """A proxy of this module's config with more [http] settings."""
+    text = (CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, demo_upstream)).replace(
+        "[http]\n", f"[http]\n{http}\n")
+    return ProxyProc(tmp_path, text)
+
+
+def test_h2_max_requests_ends_an_h2_connection(demo_upstream: int,
+                                               tmp_path: Path) -> None:
+    """[http] h2_max_requests bounds the streams of one HTTP/2 connection, as nginx's
+    keepalive_requests does (otherwise it opens streams for ever, each a request the
+    upstream starts, however they end). The stream that reaches the limit is served and
+    named last by GOAWAY(NO_ERROR) (RFC 9113 6.8); one behind it is refused
+    (REFUSED_STREAM: not processed, safe to retry); then the connection closes."""
+    proxy = _proxy_with(demo_upstream, tmp_path, "h2_max_requests = 3")
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            for sid in (1, 3):
+                c.send(c.request(sid, "/echo"))
+                resp = c.response(sid)
+                assert resp.status == 200 and resp.goaway is None, resp
+            c.send(c.request(5, "/delay/200"), c.request(7, "/echo"))
+            frames = c.frames_until(lambda f: isinstance(f, RstStreamFrame)
+                                    and f.stream_id == 7)
+            goaway = [f for f in frames if isinstance(f, GoAwayFrame)]
+            assert goaway, frames
+            assert goaway[0].error_code == ErrorCodes.NO_ERROR
+            assert goaway[0].last_stream_id == 5
+            assert frames[-1].stream_id == 7 and isinstance(frames[-1], RstStreamFrame), frames
+            assert frames[-1].error_code == ErrorCodes.REFUSED_STREAM
+            c.stash += [f for f in frames if f.stream_id == 5]
+            resp = c.response(5)
+            assert resp.status == 200 and resp.body == b"ok" and resp.reset is None, resp
+            assert c.closed_after(5)
+    finally:
+        proxy.stop()
+
+
+def test_h2_max_requests_client_moves_on(demo_upstream: int, tmp_path: Path) -> None:
+    """A real client (httpx) takes the GOAWAY in its stride: every request is served, on
+    a new connection after each third."""
+    proxy = _proxy_with(demo_upstream, tmp_path, "h2_max_requests = 3")
+    try:
+        ports = []
+        with httpx.Client(http1=False, http2=True, timeout=10) as client:
+            for i in range(7):
+                url = f"http://127.0.0.1:{proxy.ports['port']}/echo/{i}"
+                with client.stream("GET", url) as r:  # open: the connection is still up
+                    ports.append(r.extensions["network_stream"].get_extra_info(
+                        "client_addr")[1])
+                    r.read()
+                assert r.status_code == 200 and r.http_version == "HTTP/2", r
+        assert [ports.index(p) for p in ports] == [0, 0, 0, 3, 3, 3, 6], ports
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="needs h2load (nghttp2-client)")
+def test_h2_connections_have_no_request_limit_by_default(demo_upstream: int,
+                                                          tmp_path: Path) -> None:
+    """max_keepalive_requests is HTTP/1.1's: an HTTP/2 connection has no limit unless
+    h2_max_requests sets one (as Envoy and Go). h2load, which does not reconnect after a
+    GOAWAY, gets every request answered on its one connection."""
+    proxy = _proxy_with(demo_upstream, tmp_path, "max_keepalive_requests = 3")
+    try:
+        res = subprocess.run(["h2load", "-n", "40", "-c", "1", "-m", "4",
+                              f"http://127.0.0.1:{proxy.ports['port']}/echo"],
+                             capture_output=True, text=True, timeout=60)
+        assert "requests: 40 total, 40 started, 40 done, 40 succeeded, 0 failed" in \
+            res.stdout, res.stdout + res.stderr
+        assert "status codes: 40 2xx" in res.stdout, res.stdout
+    finally:
+        proxy.stop()
+
+
+def test_keepalive_off_h2_connection_serves_one_request(demo_upstream: int,
+                                                        tmp_path: Path) -> None:
+    """[http] keepalive_timeout_ms = 0 turns keep-alive off: an HTTP/1.1 connection closes
+    after its response, and waits header_timeout_ms at most for its request. An HTTP/2
+    one was kept open for ever instead, idle or not (nothing timed it out). Now, as
+    nginx's keepalive_timeout 0, it serves one request and ends with GOAWAY(NO_ERROR);
+    one that sends no request is closed after header_timeout_ms, as for HTTP/1.1."""
+    proxy = _proxy_with(demo_upstream, tmp_path,
+                        "keepalive_timeout_ms = 0\nheader_timeout_ms = 1000")
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/echo"))
+            resp = c.response(1)
+            assert resp.status == 200 and resp.reset is None, resp
+            goaway = c.goaway(5)
+            assert goaway is not None and goaway.error_code == ErrorCodes.NO_ERROR, goaway
+            assert goaway.last_stream_id == 1
+            assert c.closed_after(5)
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            goaway = c.goaway(10)
+            assert goaway is not None and goaway.error_code == ErrorCodes.NO_ERROR, goaway
+            assert goaway.last_stream_id == 0
+            assert c.closed_after(5)
+    finally:
+        proxy.stop()
 
 
 # -- floods from a client that does not read -----------------------------------------------------

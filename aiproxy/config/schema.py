@@ -51,6 +51,7 @@ class HttpConfig:
     x_forwarded: bool = True
     via: bool = True
     h2_max_concurrent_streams: int = _bounded(100, 1, 10_000)
+    h2_max_requests: int = _bounded(0, 0)  # streams a client connection opens; 0 no limit
     server_timing: bool = False
     ignore_client_abort: bool = False
     merge_slashes: bool = True

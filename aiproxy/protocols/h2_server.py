@@ -131,6 +131,8 @@ class H2ServerConnection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
+        self.requests = 0            # streams opened, for [http] h2_max_requests ...
+        self.last_request = 0        # ... and the id of the last
         self.budgets = FrameBudgets(SMALL_DATA_CLIENT)  # settled at the end of data_received
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
         # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
@@ -172,6 +174,7 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.timer = self.loop.call_later(self.server.runtime.min_timeout, self._on_timer)
         if self.upgrade is not None:
+            self.requests = self.last_request = 1
             self._start_stream(1, self.upgrade[0], True)
             self.upgrade = None
             self._flush()
@@ -212,6 +215,8 @@ class H2ServerConnection(asyncio.Protocol):
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
             return
         self._flush()
+        if not self.streams and self._spent():
+            self._end_spent()  # its last request was malformed
 
     def eof_received(self) -> bool:
         return False
@@ -249,9 +254,15 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_request(self, ev: h2.events.RequestReceived) -> None:
         self.budgets.idle.credit(IDLE_PER_REQUEST)
-        if self.goaway_sent:
+        if self.goaway_sent or self._spent():
+            if not self.goaway_sent:
+                # Past h2_max_requests while streams are in flight: GOAWAY now, as
+                # nginx's keepalive_requests, naming the last stream served.
+                self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
             self._reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
+        self.requests += 1
+        self.last_request = ev.stream_id
         try:
             head = h2_request_head(ev.headers, bool(ev.stream_ended))
         except MalformedHead as exc:
@@ -475,7 +486,7 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.close()
 
-    def _goaway(self, code: int, close: bool) -> None:
+    def _goaway(self, code: int, close: bool, last: int | None = None) -> None:
         if close:
             try:
                 self.h2.close_connection(error_code=code)
@@ -490,16 +501,34 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.goaway_sent = True
         if not self.closed:
-            self.transport.write(GoAwayFrame(
-                0, last_stream_id=self.h2.highest_inbound_stream_id,
-                error_code=code).serialize())
+            if last is None:
+                last = self.h2.highest_inbound_stream_id
+            self.transport.write(GoAwayFrame(0, last_stream_id=last,
+                                             error_code=code).serialize())
 
     def stream_done(self, stream: H2Stream) -> None:
         self.streams.pop(stream.sid, None)
         if not self.streams:
             self.idle_since = self.loop.time()
-            if self.goaway_sent or (self.server.draining and not self.drain_ping):
+            if self._spent():
+                self._end_spent()
+            elif self.goaway_sent or (self.server.draining and not self.drain_ping):
                 self.close()
+
+    def _spent(self) -> bool:
+        """Whether the connection has had its [http] h2_max_requests (one, with
+        keep-alive off: keepalive_timeout_ms = 0, as nginx's keepalive_timeout 0)."""
+        rt = self.server.runtime
+        limit = rt.http.h2_max_requests if rt.keepalive_timeout_ms else 1
+        return limit > 0 and self.requests >= limit
+
+    def _end_spent(self) -> None:
+        """The connection's last request is over: GOAWAY naming it, and close. Sent once
+        no stream is in flight, the GOAWAY is the last frame: a client that takes no
+        frame after one (python h2, hence httpx) has its responses whole."""
+        if not self.goaway_sent:
+            self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
+        self.close()
 
     def drain(self, idle_grace: float = 0.0) -> None:
         """Graceful stop, in two steps (RFC 9113 6.8): GOAWAY with the largest stream id
@@ -576,8 +605,11 @@ class H2ServerConnection(asyncio.Protocol):
                 if remaining is not None and remaining < left:
                     left = remaining
         self._flush()
-        if not self.streams and http.keepalive_timeout_ms:
-            idle = self.idle_since + http.keepalive_timeout_ms / 1000 - now
+        if not self.streams:
+            # Keep-alive off, a connection is idle only before its request: that wait is
+            # header_timeout_ms, as for HTTP/1.1.
+            idle_ms = http.keepalive_timeout_ms or http.header_timeout_ms
+            idle = self.idle_since + idle_ms / 1000 - now
             if idle <= 0:
                 self._goaway(ErrorCodes.NO_ERROR, close=True)
                 return
