@@ -101,11 +101,13 @@ def forwarded_upgrade(value: bytes | None) -> bytes | None:
     """The Upgrade field for an HTTP/1.1 upstream: the client's, without h2c. The proxy
     terminates HTTP/2 itself; passing h2c on and tunnelling the upstream's 101 would
     hand the client a raw HTTP/2 connection to the upstream, past routing and policy
-    ("h2c smuggling"). None when nothing is left."""
+    ("h2c smuggling"). A version on the token (`h2c/1`) does not make it another
+    protocol: the 101 is checked by protocol name. None when nothing is left."""
     if value is None or b"h2c" not in value.lower():
         return value
     tokens = [t.strip() for t in value.split(b",")]
-    return b", ".join(t for t in tokens if t and t.lower() != b"h2c") or None
+    return b", ".join(t for t in tokens
+                      if t and t.split(b"/", 1)[0].strip().lower() != b"h2c") or None
 
 
 def upgrade_protocols(value: bytes) -> set[bytes]:
