@@ -6,6 +6,7 @@ closed cleanly (Envoy's access log flags the same endings: SI, UC, DC)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import struct
 from collections.abc import Callable
@@ -121,3 +122,37 @@ def test_tunnel_line_says_how_it_ended(start_proxy: StartProxy, demo_upstream: i
         assert c.read_response().status == 200
     assert "ended" not in _lines(log, 5)[-1]
 
+
+
+def test_tunnel_cut_by_the_drain_deadline_says_drained(start_proxy: StartProxy,
+                                                       demo_upstream: int,
+                                                       tmp_path: Path) -> None:
+    """A tunnel still open at the drain deadline is cut, and logged as such. Without an
+    [admin] port nothing awaited between the cut and closing the access log, so the
+    line of every connection cut there (tunnel or request) was lost."""
+    log = tmp_path / "access.log"
+    proxy = start_proxy(f"""
+[server]
+workers = 1
+drain_timeout_ms = 500
+
+[access_log]
+path = "{log}"
+flush_interval_ms = 20
+
+[[clusters]]
+name = "demo"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+
+[[routes]]
+name = "demo"
+match = {{ path_prefix = "/" }}
+cluster = "demo"
+""")
+    with ws_connect(f"ws://127.0.0.1:{proxy.port}/ws", open_timeout=10, close_timeout=1) as ws:
+        ws.send("hi")
+        assert ws.recv(timeout=10) == "hi"
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert proxy.proc.wait(10) == 0
+    [line] = _lines(log, 1)
+    assert (line["status"], line.get("drained"), line.get("ended")) == (101, True, "drained"), line
