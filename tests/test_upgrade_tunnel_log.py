@@ -29,7 +29,8 @@ StartProxy = Callable[..., Proxy]
 
 async def reset_after_first_bytes(reader: asyncio.StreamReader,
                                   writer: asyncio.StreamWriter, conn_id: int) -> None:
-    """Switches to websocket, then resets the connection (RST) once a tunnel byte came."""
+    """Switches to websocket at once (before any request body), then resets the
+    connection (RST) once a byte came."""
     if await read_request(reader) is None:
         return
     writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
@@ -115,12 +116,19 @@ def test_tunnel_line_says_how_it_ended(start_proxy: StartProxy, demo_upstream: i
         assert c.read_head().status == 101
         c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     last_line()
-    assert ended == ["eof", "idle_timeout", "upstream_lost", "client_lost"]
+    # request_body: a 101 before the request body, whose rest is not valid chunked coding.
+    with RawConn(proxy.port) as c:
+        c.send(b"POST /raw " + UPGRADE[:-2] + b"Transfer-Encoding: chunked\r\n\r\n")
+        assert c.read_head().status == 101
+        c.send(b"zz\r\n")
+        assert c.read_to_eof() == b""
+    assert last_line()["route"] == "raw"
+    assert ended == ["eof", "idle_timeout", "upstream_lost", "client_lost", "request_body"]
     # A request that was no tunnel says nothing of the kind.
     with RawConn(proxy.port) as c:
         c.send(b"GET /echo/plain HTTP/1.1\r\nHost: x\r\n\r\n")
         assert c.read_response().status == 200
-    assert "ended" not in _lines(log, 5)[-1]
+    assert "ended" not in _lines(log, 6)[-1]
 
 
 

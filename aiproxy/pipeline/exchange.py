@@ -912,6 +912,8 @@ class Exchange(ExchangeBase):
 
     def _request_body_error(self, status: int, message: str) -> None:
         self.reading_body = False
+        if self.tunnel:  # a 101 came before the whole body, and the rest went wrong
+            self._tunnel_end("request_body")
         if self.head_sent:
             self._abort()
         else:
@@ -1481,8 +1483,9 @@ class Exchange(ExchangeBase):
 
     def _tunnel_end(self, why: str) -> None:
         """The access log's `ended`, as a tcp listener's tunnel line has it: eof (both
-        sides done), client_lost, upstream_lost, idle_timeout, drained. The first cause
-        counts: closing the tunnel loses the other side afterwards."""
+        sides done), client_lost, upstream_lost, idle_timeout, drained; and
+        request_body (see _request_body_error). The first cause counts: closing the
+        tunnel loses the other side afterwards."""
         if self.tunnel_ended is None:
             self.tunnel_ended = why
 
