@@ -179,3 +179,35 @@ def test_h2c_with_a_version_is_not_offered_upstream(start_proxy: StartProxy,
     assert wait_for(lambda: upstream.finished == 1, 5), "the upstream connection was kept"
     assert after == [], after
     assert "h2c" not in heads[0].get("upgrade", "").lower(), heads
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 426 Upgrade Required\r\nSec-WebSocket-Version: 13\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+], ids=["426", "200"])
+def test_upgrade_refused_upstream_keeps_the_connection_http(
+        start_proxy: StartProxy, serve: Callable[..., ThreadedServer], answer: bytes) -> None:
+    """WebSocket smuggling (the Varnish case): an upstream that answers an Upgrade with
+    anything but 101 has not switched, so what the client sends next is HTTP/1.1 to the
+    proxy, routed like any request: here to no route (404), never to the upstream."""
+    targets: list[str] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      conn_id: int) -> None:
+        while (request := await read_request(reader)) is not None:
+            targets.append(request[1])
+            writer.write(answer)
+            await writer.drain()
+
+    upstream = serve(handler)
+    proxy = start_proxy(simple_config(upstream.port).replace('path_prefix = "/"',
+                                                              'path_prefix = "/ws"'))
+    status = int(answer[9:12])
+    with RawConn(proxy.port) as c:
+        c.send(ws_request())
+        assert c.read_response().status == status
+        c.send(b"GET /internal HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw_error(c.read_response(), 404)
+        c.send(ws_request())  # the connection serves on
+        assert c.read_response().status == status
+    assert targets == ["/ws", "/ws"]
