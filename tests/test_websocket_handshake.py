@@ -141,3 +141,73 @@ def test_upgrade_in_several_field_lines_is_offered_whole(
         c.send(b"RAW")
         assert c.read_exact(8) == b"echo:RAW"
     assert heads[0]["upgrade"] == "websocket, foo/2"
+
+
+@pytest.mark.parametrize("offer", [b"h2c/1", b"H2C/2.0", b"websocket, h2c/1"])
+def test_h2c_with_a_version_is_not_offered_upstream(start_proxy: StartProxy,
+                                                     serve: Callable[..., ThreadedServer],
+                                                     offer: bytes) -> None:
+    """h2c smuggling (Bishop Fox, 2020) with a protocol version on the token: the 101
+    check compares protocol names, versions aside, so an `h2c/1` passed on would let an
+    upstream's `101 ... Upgrade: h2c` through as a raw HTTP/2 tunnel past routing and
+    policy. The proxy terminates HTTP/2 itself: no h2c offer of any version goes on."""
+    heads: list[dict[str, str]] = []
+    after: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      conn_id: int) -> None:
+        request = await read_request(reader)
+        if request is None:
+            return
+        heads.append(request[2])
+        await read_body(reader, request[2])
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\n"
+                     b"Upgrade: h2c\r\n\r\n")
+        await writer.drain()
+        while data := await reader.read(65536):
+            after.append(data)
+
+    upstream = serve(handler)
+    proxy = start_proxy(simple_config(upstream.port))
+    with RawConn(proxy.port) as c:
+        c.send(b"POST /x HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+               b"Upgrade: " + offer + b"\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+               b"Content-Length: 2\r\n\r\nhi")
+        raw_error(c.read_response(), 502, "upstream_bad_response")
+        c.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # never tunnel bytes: the proxy's 505
+        assert c.read_response().status == 505
+    assert wait_for(lambda: upstream.finished == 1, 5), "the upstream connection was kept"
+    assert after == [], after
+    assert "h2c" not in heads[0].get("upgrade", "").lower(), heads
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 426 Upgrade Required\r\nSec-WebSocket-Version: 13\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+], ids=["426", "200"])
+def test_upgrade_refused_upstream_keeps_the_connection_http(
+        start_proxy: StartProxy, serve: Callable[..., ThreadedServer], answer: bytes) -> None:
+    """WebSocket smuggling (the Varnish case): an upstream that answers an Upgrade with
+    anything but 101 has not switched, so what the client sends next is HTTP/1.1 to the
+    proxy, routed like any request: here to no route (404), never to the upstream."""
+    targets: list[str] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      conn_id: int) -> None:
+        while (request := await read_request(reader)) is not None:
+            targets.append(request[1])
+            writer.write(answer)
+            await writer.drain()
+
+    upstream = serve(handler)
+    proxy = start_proxy(simple_config(upstream.port).replace('path_prefix = "/"',
+                                                              'path_prefix = "/ws"'))
+    status = int(answer[9:12])
+    with RawConn(proxy.port) as c:
+        c.send(ws_request())
+        assert c.read_response().status == status
+        c.send(b"GET /internal HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw_error(c.read_response(), 404)
+        c.send(ws_request())  # the connection serves on
+        assert c.read_response().status == status
+    assert targets == ["/ws", "/ws"]

@@ -50,7 +50,7 @@ cdef class Exchange(ExchangeBase):
     cdef public tuple filters  # tested for truth per request: a size check in C
     cdef public object up_headers, gate_task, trace_id, identity, llm
     cdef public object done_filters, splice, intent_decision, _gov, info_budget
-    cdef public object upstream_error, no_intent, stream_error
+    cdef public object upstream_error, no_intent, stream_error, tunnel_ended
 
     # The per-request path: C calls between them (no attribute lookup per call).
     cpdef setup(self, down, RequestHead head, double now)

@@ -101,11 +101,13 @@ def forwarded_upgrade(value: bytes | None) -> bytes | None:
     """The Upgrade field for an HTTP/1.1 upstream: the client's, without h2c. The proxy
     terminates HTTP/2 itself; passing h2c on and tunnelling the upstream's 101 would
     hand the client a raw HTTP/2 connection to the upstream, past routing and policy
-    ("h2c smuggling"). None when nothing is left."""
+    ("h2c smuggling"). A version on the token (`h2c/1`) does not make it another
+    protocol: the 101 is checked by protocol name. None when nothing is left."""
     if value is None or b"h2c" not in value.lower():
         return value
     tokens = [t.strip() for t in value.split(b",")]
-    return b", ".join(t for t in tokens if t and t.lower() != b"h2c") or None
+    return b", ".join(t for t in tokens
+                      if t and t.split(b"/", 1)[0].strip().lower() != b"h2c") or None
 
 
 def upgrade_protocols(value: bytes) -> set[bytes]:
@@ -145,7 +147,7 @@ class Exchange(ExchangeBase):
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
         "info_budget", "upstream_error", "no_intent", "grpc_status",
-        "stream_error", "drained",
+        "stream_error", "drained", "tunnel_ended",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -166,7 +168,8 @@ class Exchange(ExchangeBase):
         after the response head went out: the client got a cut-off response), no_intent
         (why a request semantic routing looked at got no intent: see _classify),
         stream_error (why the proxy reset the client's HTTP/2 stream, RFC 9113 8.1.1);
-        drained (the client was cut by the drain deadline: see on_client_lost)."""
+        drained (the client was cut by the drain deadline: see on_client_lost);
+        tunnel_ended (how an Upgrade tunnel ended: see _tunnel_end)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -911,6 +914,8 @@ class Exchange(ExchangeBase):
 
     def _request_body_error(self, status: int, message: str) -> None:
         self.reading_body = False
+        if self.tunnel:  # a 101 came before the whole body, and the rest went wrong
+            self._tunnel_end("request_body")
         if self.head_sent:
             self._abort()
         else:
@@ -1091,6 +1096,7 @@ class Exchange(ExchangeBase):
             left = self.activity + limit / 1000 - now
             if left <= 0:
                 log.info("closing a tunnel idle for %d ms on route %s", limit, self.route.name)
+                self._tunnel_end("idle_timeout")
                 self._close_tunnel()
                 return None
             return left
@@ -1398,6 +1404,8 @@ class Exchange(ExchangeBase):
             return
         self.client_lost = True
         self.drained = self.down.server.drain_expired  # the proxy cut it, not the client
+        if self.tunnel:
+            self._tunnel_end("drained" if self.drained else "client_lost")
         self.finished = True
         self._unsplice()
         self._drop_upstream()
@@ -1460,6 +1468,7 @@ class Exchange(ExchangeBase):
     def _upstream_tunnel_eof(self) -> None:
         self.tunnel_up_eof = True
         if not self.down.tunnel_eof():
+            self._tunnel_end("eof")
             self._close_tunnel()  # both directions are done
 
     def tunnel_client_eof(self) -> None:
@@ -1471,7 +1480,16 @@ class Exchange(ExchangeBase):
     def _client_tunnel_eof(self) -> None:
         up = self.upstream
         if self.tunnel_up_eof or up is None or not up.tunnel_eof():
+            self._tunnel_end("eof")
             self._close_tunnel()  # both directions are done
+
+    def _tunnel_end(self, why: str) -> None:
+        """The access log's `ended`, as a tcp listener's tunnel line has it: eof (both
+        sides done), client_lost, upstream_lost, idle_timeout, drained; and
+        request_body (see _request_body_error). The first cause counts: closing the
+        tunnel loses the other side afterwards."""
+        if self.tunnel_ended is None:
+            self.tunnel_ended = why
 
     def _close_tunnel(self) -> None:
         if self.splice is not None:
@@ -1492,6 +1510,7 @@ class Exchange(ExchangeBase):
         self.down.close()
 
     def on_upstream_tunnel_closed(self) -> None:
+        self._tunnel_end("upstream_lost")
         self._unsplice()
         self.upstream = None
         self.finished = True

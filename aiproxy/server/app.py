@@ -254,6 +254,9 @@ class ProxyServer(ServerCore):
             for conn in list(self.connections):
                 if conn.transport is not None:
                     conn.transport.abort()
+            # abort() runs connection_lost at the next loop turn: the cut requests and
+            # tunnels write their access log lines there, before the log closes below.
+            await asyncio.sleep(0)
         if self.admin is not None:
             await self.admin.stop()
         self.runtime.close()

@@ -85,6 +85,8 @@ class Telemetry(Reporter):
                 record["client_closed"] = True
         if ex.upstream_error is not None:  # the response was cut off: an error, not a 200
             record["upstream_error"] = ex.upstream_error
+        if ex.tunnel:  # an Upgrade tunnel: how it ended
+            record["ended"] = ex.tunnel_ended
         if ex.llm is not None:
             record["llm"] = ex.llm.log_fields()
         log.write(record)
