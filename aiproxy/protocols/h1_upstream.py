@@ -106,7 +106,8 @@ class H1UpstreamCore(Upstream):
             return
         out = []
         for piece in pieces:
-            out += (b"%x\r\n" % len(piece), piece, b"\r\n")
+            if piece:  # an empty one would be the last chunk: the body cut short
+                out += (b"%x\r\n" % len(piece), piece, b"\r\n")
         self.tx.writelines(out)
 
     def end_body(self) -> None:
