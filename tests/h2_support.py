@@ -719,6 +719,8 @@ def make_pki(d: Path) -> Pki:
 def client_tls(pki: Pki | None = None, alpn: tuple[str, ...] = ("h2",),
                cert: tuple[Path, Path] | None = None) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    # Python 3.11.0-3.11.2 set it by default (gh-95494): a bare TCP close read as close_notify.
+    ctx.options &= ~getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
     if pki is not None:
         ctx.load_verify_locations(pki.ca)
     else:

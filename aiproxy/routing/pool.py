@@ -11,6 +11,7 @@ from aiproxy.config import ClusterConfig, Endpoint, UpstreamTlsConfig
 from aiproxy.protocols.h1_upstream import H1UpstreamConnection
 from aiproxy.protocols.h2_upstream import H2UpstreamConnection, H2UpstreamStream
 from aiproxy.routing.stats import EndpointStats
+from aiproxy.server.tls import IGNORE_UNEXPECTED_EOF
 
 if TYPE_CHECKING:
     from aiproxy.config import HttpConfig
@@ -39,6 +40,7 @@ def upstream_tls_context(tls: UpstreamTlsConfig, alpn: str) -> ssl.SSLContext:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options &= ~IGNORE_UNEXPECTED_EOF  # a bare close must not end a body (RFC 9112 9.8)
     ctx.set_alpn_protocols([alpn])
     return ctx
 

@@ -74,6 +74,11 @@ class AlertingSSLObject(ssl.SSLObject):
             raise
 
 
+# Python 3.11.0-3.11.2 (Debian 12's) set this by default with OpenSSL 3 (gh-95494): a TCP
+# close then reads as close_notify, so a truncated body would pass for a whole one.
+IGNORE_UNEXPECTED_EOF = getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
+
+
 def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
     """TLS 1.2+ with ALPN from the listener's protocols (RFC 9113 9.2 cipher rules)."""
     tls = listener.tls
@@ -81,6 +86,7 @@ def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
+    ctx.options &= ~IGNORE_UNEXPECTED_EOF
     ctx.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
     ctx.load_cert_chain(tls.cert, tls.key)
     if tls.ca:
