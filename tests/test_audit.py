@@ -17,7 +17,7 @@ import pytest
 
 from aiproxy.governance.auth import hash_key
 from tests.conftest import simple_config
-from tests.support import raw_exchange
+from tests.support import free_port, process_log, raw_exchange
 
 KEY = "ak_audit_0123456789abcdef"
 POLICY = """
@@ -270,6 +270,30 @@ def test_local_replies_and_streams_recorded(start_proxy, demo_upstream, tmp_path
     recs = _wait_records(tmp_path / "audit.log", 2)
     assert [r["status"] for r in recs] == [200, 401]
     assert recs[0]["bytes_out"] == len(r.content) or recs[0]["bytes_out"] > 0
+
+
+def test_lone_surrogate_model_is_recorded(start_proxy, demo_upstream, tmp_path):
+    """A JSON body's "model" may be a lone surrogate escape ("\\ud800": JSON's grammar
+    takes it, UTF-8 cannot encode it). [llm] passed it as is to the audit record, the
+    access log line and the /metrics labels: the audit writer thread died (no record
+    after it), the access log raised out of the exchange's end (the client's keep-alive
+    connection was left hanging) and /metrics answered 500 from then on (found by
+    fuzzing). It is recorded as U+FFFD, as the prompt text already is."""
+    admin = free_port()
+    proxy = start_proxy(_config(demo_upstream, tmp_path, "")
+                        + f'[llm]\n[admin]\naddress = "127.0.0.1:{admin}"\n')
+    body = b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
+    h = {"x-api-key": KEY, "content-type": "application/json"}
+    with httpx.Client(timeout=10) as c:
+        first = c.post(f"{proxy.url}/v1/chat/completions", headers=h, content=body)
+        second = c.post(f"{proxy.url}/v1/chat/completions", headers=h,
+                        content=body.replace(b"\\ud800", b"m"))
+        metrics = c.get(f"http://127.0.0.1:{admin}/metrics")
+    assert first.status_code == 200 and second.status_code == 200
+    assert metrics.status_code == 200, metrics.text
+    recs = _wait_records(tmp_path / "audit.log", 2)
+    assert [r["model"] for r in recs] == ["\ufffd", "m"], recs
+    assert "Traceback" not in process_log(proxy.proc)
 
 
 def test_time_rotation_and_restart_continue_the_chain(tmp_path):

@@ -368,6 +368,26 @@ def test_grpc_timeout_is_the_upstream_deadline(proxy: ProxyProc, servers: dict) 
         hang.events
 
 
+def test_expired_grpc_timeout_then_another_stream(proxy: ProxyProc, servers: dict) -> None:
+    """A grpc-timeout already spent on arrival ("0n") has the connection's timer armed for
+    now, which uvloop makes a plain Handle (no when()). The next stream on the connection
+    compared its own deadline with that timer's and raised: the connection was dropped
+    with neither stream answered (found by fuzzing). Both must be answered."""
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        c.send(c.request(1, "/test.Hang/Silent", "POST", [
+            ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", "0n")],
+            end_stream=False))
+        c.send(*grpc_request(c, 3, f"/{SERVICE}/Predict", b"\x12\x02hi",
+                             [("grpc-timeout", "5S")]))
+        first = c.response(1, timeout=10)
+        second = c.response(3, timeout=10)
+    assert first.status == 200 and first.header(b"grpc-status") == b"4", first
+    assert second.status == 200 and second.trailers is not None, second
+    assert (b"grpc-status", b"0") in second.trailers, second
+    assert "Traceback" not in proxy.log()
+
+
 def test_grpc_timeout_over_http1(proxy: ProxyProc, servers: dict) -> None:
     """A gRPC request over HTTP/1.1 (a gRPC-Web or bridge client sends grpc-timeout too)
     to an upstream that never answers: the proxy ends it at about the deadline, not at

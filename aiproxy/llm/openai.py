@@ -109,7 +109,8 @@ def read_request(kind: str, body: bytes, complete: bool, length: int) -> Request
     info.body = data
     model = data.get("model")
     if isinstance(model, str):
-        info.model = model[:200]
+        # A \ud800 escape is JSON but no UTF-8: the model goes to logs and metric labels.
+        info.model = wirejson.valid_text(model[:200])
     info.stream = data.get("stream") is True
     opts = data.get("stream_options")
     info.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True

@@ -128,7 +128,10 @@ class H2ServerConnection(asyncio.Protocol):
         self.flush_wanted = False
         self.goaway_sent = False
         self.drain_ping = False      # drain() announced the stop; the last GOAWAY is to come
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: asyncio.Handle | None = None
+        # When self.timer is due: a time already past makes uvloop's call_at a plain
+        # Handle, which has no when().
+        self.timer_at = INFINITY
         self.idle_since = 0.0
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
         self.requests = 0            # streams opened, for [http] h2_max_requests ...
@@ -172,7 +175,7 @@ class H2ServerConnection(asyncio.Protocol):
             conn.initiate_connection()
         conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()
-        self.timer = self.loop.call_later(self.server.runtime.min_timeout, self._on_timer)
+        self._arm_at(self.loop.time() + self.server.runtime.min_timeout)
         if self.upgrade is not None:
             self.requests = self.last_request = 1
             self._start_stream(1, self.upgrade[0], True)
@@ -570,13 +573,14 @@ class H2ServerConnection(asyncio.Protocol):
         self.transport.abort()
 
     def _timer_due(self) -> float:
-        return self.timer.when() if self.timer is not None else INFINITY
+        return self.timer_at if self.timer is not None else INFINITY
 
     def _arm_at(self, when: float) -> None:
         if self.closed:
             return
         if self.timer is not None:
             self.timer.cancel()
+        self.timer_at = when
         self.timer = self.loop.call_at(when, self._on_timer)
 
     def _on_timer(self) -> None:
@@ -615,7 +619,7 @@ class H2ServerConnection(asyncio.Protocol):
                 return
             left = min(left, idle)
         if not self.closed:
-            self.timer = self.loop.call_later(max(left, 0.001), self._on_timer)
+            self._arm_at(self.loop.time() + max(left, 0.001))
 
 
 _HANDLERS = {
