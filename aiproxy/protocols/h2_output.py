@@ -7,6 +7,14 @@ WINDOW_UPDATE (or SETTINGS) calls try_send(). Past OUT_HIGH waiting bytes the pr
 (the other side of the exchange) is paused, and resumed below half of it, so a peer that
 stops reading holds back its sender instead of growing a buffer here. The end of the
 stream (END_STREAM, or trailers) waits behind the data.
+
+The bytes waiting across all of a connection's streams are bounded too (`out_waiting`,
+`out_high` and `out_low` of the connection): without that, a client that keeps the
+windows of h2_max_concurrent_streams streams shut pins that many times OUT_HIGH
+(CVE-2019-9517, internal data buffering). Past the connection's mark, a stream that adds
+to the total has its producer paused as well; it resumes once its own queue is empty, or
+is back under half of OUT_HIGH while the connection's total is under `out_low`. A stream
+whose client reads thus never waits for the others.
 """
 
 from __future__ import annotations
@@ -19,15 +27,23 @@ from h2.exceptions import ProtocolError
 from aiproxy.protocols import h2_fast
 
 OUT_HIGH = 256 * 1024  # waiting bytes per stream before the producer is paused
+# Waiting bytes per client connection before the streams adding to them are paused:
+# 1 MiB, Envoy's per_connection_buffer_limit_bytes default; four streams' worth of
+# OUT_HIGH, so a few stalled streams do not slow the others. Past it a stream holds at
+# most what its producer handed over in one piece (an HTTP/1.1 upstream read: 64 KiB
+# slabs; an HTTP/2 upstream may still send what is left of the stream window it has).
+CONN_OUT_HIGH = 4 * OUT_HIGH
+CONN_OUT_LOW = CONN_OUT_HIGH // 2
 OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused",
                 "out_sent", "stall_seen", "stall_since")
 
 
 class StreamOutput:
-    """Base of a stream that sends DATA. Subclasses have `conn` (with .h2, .closed and
-    want_flush()), `sid` and `done`, and say when the connection cannot take more now
-    (_blocked), what an h2 refusal means (_output_failed), what follows the end
-    (_output_ended) and how to pause/resume their producer."""
+    """Base of a stream that sends DATA. Subclasses have `conn` (with .h2, .closed,
+    want_flush() and the out_waiting/out_high/out_low of the bound above), `sid` and
+    `done`, and say when the connection cannot take more now (_blocked), what an h2
+    refusal means (_output_failed), what follows the end (_output_ended) and how to
+    pause/resume their producer."""
 
     # Slots of its own would clash with the compiled base of a subclass (ends.pxd):
     # subclasses list OUTPUT_SLOTS in theirs.
@@ -83,9 +99,11 @@ class StreamOutput:
         if self.out:
             self.out.append(data)
             self.out_size += len(data)
+            self.conn.out_waiting += len(data)
         elif data:
             self._send(data)
-        if self.out_size > OUT_HIGH and not self.producer_paused:
+        if self.out_size and not self.producer_paused and (
+                self.out_size > OUT_HIGH or self.conn.out_waiting > self.conn.out_high):
             self.producer_paused = True
             self._pause_producer()
 
@@ -98,6 +116,7 @@ class StreamOutput:
         self._end(trailers)
 
     def clear_output(self) -> None:
+        self.conn.out_waiting -= self.out_size
         self.out.clear()
         self.out_size = 0
         self.end_pending = False
@@ -138,15 +157,18 @@ class StreamOutput:
             rest = data[off:] if off else data
             self.out.append(rest)
             self.out_size += len(rest)
+            conn.out_waiting += len(rest)
 
     def try_send(self) -> None:
         """Send what waited for window; end the stream if its end was waiting too."""
         if self.done:
             return
         out = self.out
+        conn = self.conn
         while out:
             data = out.popleft()
             self.out_size -= len(data)
+            conn.out_waiting -= len(data)
             before = len(out)
             self._send(data)
             if self.done:
@@ -158,10 +180,11 @@ class StreamOutput:
         if not out and self.end_pending:
             self.end_pending = False
             self._end(self.trailers_pending)
-        if self.producer_paused and self.out_size <= OUT_HIGH // 2:
+        if self.producer_paused and (not self.out_size or (
+                self.out_size <= OUT_HIGH // 2 and conn.out_waiting <= conn.out_low)):
             self.producer_paused = False
             self._resume_producer()
-        self.conn.want_flush()
+        conn.want_flush()
 
     def _end(self, trailers: list[tuple[bytes, bytes]] | None) -> None:
         conn = self.conn

@@ -41,7 +41,7 @@ from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, MalformedHead, h2_request_head
 from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_CLIENT, FrameBudgets
-from aiproxy.protocols.h2_output import OUT_HIGH, OUTPUT_SLOTS, StreamOutput
+from aiproxy.protocols.h2_output import CONN_OUT_HIGH, CONN_OUT_LOW, OUTPUT_SLOTS, StreamOutput
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.telemetry.recorder import server_timing
 
@@ -123,6 +123,9 @@ class H2ServerConnection(asyncio.Protocol):
         self.peer = b""
         self.forwarded = b""
         self.writing_paused = False
+        self.out_waiting = 0         # response bytes its streams hold for the client's windows
+        self.out_high = CONN_OUT_HIGH
+        self.out_low = CONN_OUT_LOW
         self.closed = False
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
@@ -666,7 +669,9 @@ class H2Stream(StreamOutput, Downstream):
     # what the Exchange reads
     @property
     def writing_paused(self) -> bool:
-        return self.conn.writing_paused or self.out_size > OUT_HIGH
+        # producer_paused, not a look at out_size: the upstream stays paused until
+        # try_send resumes it (its hysteresis, and the connection's bound).
+        return self.conn.writing_paused or self.producer_paused
 
     def output_paused(self) -> bool:
         return self.writing_paused
@@ -853,12 +858,14 @@ class H2Stream(StreamOutput, Downstream):
             # when all the declared body is in and only END_STREAM is still to come).
             self.conn.end_early(self.sid)
         self.done = True
+        self.clear_output()  # unsent when it failed: out of the connection's total
         self.conn.stream_done(self)
 
     def lost(self, stream_error: str | None = None) -> None:
         """The client reset the stream or the connection went away; or, `stream_error`
         says why, the proxy reset it for the client's protocol error."""
         self.done = True
+        self.clear_output()
         ex = self.exchange
         if ex is not None:
             if stream_error is not None and not ex.finished:

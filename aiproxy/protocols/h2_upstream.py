@@ -37,6 +37,7 @@ STREAM_WINDOW = 1024 * 1024
 HEADER_LIST_HARD_FACTOR = 4
 CONNECTION_WINDOW = 8 * 1024 * 1024
 SWEEP_EVERY = 64
+NO_BOUND = 1 << 62  # out_high of an upstream connection: no bound but OUT_HIGH per stream
 # Events of frames that carry no response (PING ACKs: the proxy sends no PING).
 _IDLE_EVENTS = frozenset((h2.events.PriorityUpdated, h2.events.UnknownFrameReceived,
                           h2.events.PingAckReceived, h2.events.SettingsAcknowledged))
@@ -74,6 +75,11 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.goaway = False
         self.writing_paused = False
+        # Request bytes waiting for the upstream's windows. No bound per connection here
+        # (only OUT_HIGH per stream): the upstream is trusted, and its connection carries
+        # the uploads of many clients, which one bound would hold back together.
+        self.out_waiting = 0
+        self.out_high = self.out_low = NO_BOUND
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
         self.max_streams = 100       # the peer's SETTINGS_MAX_CONCURRENT_STREAMS, once known
@@ -132,6 +138,7 @@ class H2UpstreamConnection(asyncio.Protocol):
 
     def stream_done(self, stream: H2UpstreamStream) -> None:
         self.streams.pop(stream.sid, None)
+        stream.clear_output()  # never sent once done: out of out_waiting
         self.done_count += 1
         if self.done_count >= SWEEP_EVERY:
             # h2 forgets its closed streams only while counting the open ones (a scan of
