@@ -103,3 +103,10 @@ def test_a_request_refused_before_it_was_one_is_logged(start_proxy, demo_upstrea
         assert line["method"] is None and line["path"] is None and line["route"] is None
         assert line["rejected"] and line["client"] == "127.0.0.1"
         assert line["bytes_out"] > 0 and line["bytes_in"] > 0
+
+
+def test_encode_line_keeps_a_lone_surrogate_as_its_escape() -> None:
+    """orjson refuses a lone surrogate and the fallback's str.encode() raised: the line
+    was lost and the exception escaped into the exchange's end."""
+    line = encode_line({"model": "a\ud800b", "status": 200})
+    assert json.loads(line) == {"model": "a\ud800b", "status": 200}

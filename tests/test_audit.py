@@ -598,3 +598,28 @@ def test_a_failed_rotation_refuses_its_records_and_the_chain_goes_on(tmp_path):
     res = _cli("verify", *map(str, files))
     assert res.returncode == 0 and "ok: 21 records" in res.stdout, res.stdout
     assert _records(path)[-1]["n"] == "after"
+
+
+def test_writer_keeps_a_record_utf8_cannot_encode(tmp_path):
+    """A lone surrogate in any field ("\\ud800" in a client's JSON) went to
+    str.encode() and raised out of the writer thread: that record and every later one
+    were lost. It is written as the JSON escape it came as; the chain verifies."""
+    import asyncio
+
+    from aiproxy.config.governance import AuditConfig
+    from aiproxy.governance.audit import AuditWriter
+
+    path = tmp_path / "a.log"
+    w = AuditWriter(AuditConfig(path=str(path), fsync="always"))
+
+    async def write() -> None:
+        for record in ({"prompt": "x\ud800y"}, {"prompt": "after"}):
+            await asyncio.wait_for(w.submit(record, durable=True), 10)
+
+    try:
+        asyncio.run(write())
+    finally:
+        w.close()
+    assert [r["prompt"] for r in _records(path)] == ["x\ud800y", "after"]
+    res = _cli("verify", str(path))
+    assert res.returncode == 0 and "ok: 2 records" in res.stdout, res.stdout

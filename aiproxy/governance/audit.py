@@ -221,7 +221,8 @@ class AuditWriter:
                         self.seq += 1
                         line = json.dumps({"seq": self.seq, "prev": self.prev, **record},
                                           separators=(",", ":"), ensure_ascii=False,
-                                          default=str).encode() + b"\n"
+                                          default=str).encode(
+                                              "utf-8", "backslashreplace") + b"\n"
                         self.prev = line_hash(line[:-1])
                         if (out or self.size) and self.size + size + len(line) > cfg.rotate_bytes:
                             self._write(out, first)  # a group commit may span a rotation

@@ -33,7 +33,8 @@ def encode_line(record: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(record, default=repr)
     except TypeError:
-        return _json_encode(record).encode()
+        # A lone surrogate (a client's "\\ud800") goes out as that JSON escape again.
+        return _json_encode(record).encode("utf-8", "backslashreplace")
 
 
 class AccessLog:
