@@ -696,8 +696,20 @@ class FastReceive:
         except h2.exceptions.StreamClosedError:
             raise
         except h2.exceptions.ProtocolError as exc:
-            if isinstance(exc, h2.exceptions.FlowControlError) or stream.closed:
+            if isinstance(exc, h2.exceptions.FlowControlError):
                 raise
+            if stream.closed:
+                if not (known and self.config.client_side):
+                    raise
+                # A response (or its trailers) with END_STREAM, the request already sent
+                # whole: h2 closed the stream before it checked the fields. Still a stream
+                # error alone (8.1.1): the caller hears of it, and no RST_STREAM goes out
+                # on a stream closed both ways (5.1).
+                event = h2.events.StreamReset(stream_id=sid,
+                                              error_code=ErrorCodes.PROTOCOL_ERROR,
+                                              remote_reset=False)
+                event.reason = str(exc)
+                return [], [event]
             return self._malformed(sid, known, str(exc))
         if "PRIORITY" in frame.flags:
             if frame.depends_on == sid:  # RFC 9113 5.3.1: a stream error
