@@ -4,12 +4,14 @@ by real clients (httpx, aiohttp)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 import httpx
 import pytest
-from hyperframe.frame import GoAwayFrame
+from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
 from tests.conftest import Proxy
 from tests.h2_raw_upstream import RawConn, RawUpstream
@@ -99,5 +101,83 @@ def test_malformed_response_fails_its_own_stream_only(
         assert done.wait(10) and len(up.conns) == 1
         assert seen["goaway"] is None, seen
         assert not up.errors, up.errors
+    finally:
+        up.stop()
+
+
+# -- RFC 9113 8.1: a response complete before the request ----------------------------------------
+
+
+def stream_end(conn: RawConn, sid: int, timeout: float = 5.0) -> str | None:
+    """How the proxy ended its side of stream sid: "end" (END_STREAM), "reset" or None
+    (neither within timeout). A new stream meanwhile is over the limit of one (RFC 9113
+    5.1.2) and refused, as a real server would."""
+    def over(f: object) -> bool:
+        new = getattr(f, "stream_id", 0)
+        if hasattr(f, "decoded") and new != sid:
+            conn.send(conn.rst(new, 0x7))  # REFUSED_STREAM
+        return new == sid and (
+            isinstance(f, RstStreamFrame) or "END_STREAM" in getattr(f, "flags", ()))
+    f = conn.until(over, timeout)
+    if f is None:
+        return None
+    return "reset" if isinstance(f, RstStreamFrame) else "end"
+
+
+def early_responder(ends: list[str | None]) -> Callable[[RawConn], None]:
+    """Answers each request whole as soon as its HEADERS arrive (RFC 9113 8.1 allows it)
+    and records how the proxy then ends its side of the stream. Its windows are small
+    (1000 bytes), so a request body is never all sent when the response ends, and it
+    allows one stream at a time (5.1.2: a half-closed stream still counts)."""
+    def script(c: RawConn) -> None:
+        c.handshake(settings={0x3: 1, 0x4: 1000})
+        while True:
+            try:
+                sid, _, _ = c.request(timeout=15)
+            except TimeoutError:
+                return
+            c.send(c.headers(sid, OK + [(b"content-length", b"5")]), c.data(sid, b"early", True))
+            ends.append(stream_end(c, sid))
+    return script
+
+
+def test_request_body_left_unsent_after_a_complete_response_resets_the_stream(
+    start_proxy: Callable[..., Proxy]
+) -> None:
+    """A response complete while the request body is still being sent (a client still
+    uploading, or body bytes the proxy holds waiting for the upstream's window): the
+    proxy forwards no more of it, so it must end the stream upstream with RST_STREAM.
+    Left half-closed, the stream counts against the upstream's
+    SETTINGS_MAX_CONCURRENT_STREAMS for as long as the connection lives (RFC 9113
+    5.1.2), until the upstream refuses every new one."""
+    ends: list[str | None] = []
+    up = RawUpstream(early_responder(ends))
+    try:
+        proxy = start_proxy(config(up.port))
+
+        async def uploads() -> list[tuple[int, bytes]]:
+            out = []
+            async with aiohttp.ClientSession() as session:
+                for _ in range(2):
+                    answered = asyncio.Event()
+
+                    async def body(answered: asyncio.Event = answered) -> AsyncIterator[bytes]:
+                        yield b"a" * 4000
+                        await answered.wait()  # still uploading when the response comes
+
+                    async with session.post(proxy.url + "/up", data=body(),
+                                            headers={"content-length": "100000"}) as r:
+                        out.append((r.status, await r.read()))
+                        answered.set()
+            return out
+
+        assert asyncio.run(uploads()) == [(200, b"early")] * 2
+        # The whole body read by the proxy (keep-alive), but not all sent upstream.
+        with httpx.Client(timeout=10) as client:
+            for _ in range(2):
+                r = client.post(proxy.url + "/up", content=b"b" * 20000)
+                assert (r.status_code, r.content) == (200, b"early")
+        assert ends == ["reset"] * 4, ends
+        assert len(up.conns) == 1 and not up.errors, up.errors
     finally:
         up.stop()

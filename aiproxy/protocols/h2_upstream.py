@@ -432,7 +432,19 @@ class H2UpstreamStream(StreamOutput, Upstream):
         ex = self.exchange
         self.exchange = None
         self.done = True
-        self.conn.stream_done(self)
+        conn = self.conn
+        stream = conn.h2.streams.get(self.sid)
+        if stream is not None and not stream.closed:
+            # The response is complete before the request (RFC 9113 8.1): what is left
+            # of its body will not be sent (stream_done drops it, and the exchange lets
+            # go of the upstream). RST_STREAM ends our half, which would otherwise
+            # count against the peer's stream limit for good (5.1.2).
+            try:
+                conn.h2.reset_stream(self.sid, ErrorCodes.CANCEL)
+            except h2.exceptions.ProtocolError:
+                pass
+            conn.want_flush()
+        conn.stream_done(self)
         if ex is not None:
             ex.on_upstream_end(self.trailers)
 
