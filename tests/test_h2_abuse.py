@@ -345,6 +345,27 @@ def test_malformed_trailers_are_a_stream_error(port: int, case: str) -> None:
         assert c.response(5).status == 200
 
 
+@pytest.mark.parametrize("case", sorted(MALFORMED_TRAILERS))
+def test_malformed_trailers_after_the_response_are_a_stream_error(port: int,
+                                                                  case: str) -> None:
+    """The same once the response has ended (the upstream answered without reading the
+    body: the stream is half-closed on the proxy's side, RFC 9113 8.1): the trailers end
+    the stream, malformed, and that is still a stream error (8.1.1), not a GOAWAY taking
+    the connection's other streams with it. The stream is closed both ways by then, so no
+    RST_STREAM can follow (5.1)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/delay/500"))
+        c.send(c.request(3, "/status/200", "POST", end_stream=False),
+               raw_frame(DATA, 0, 3, b"abc"))
+        assert c.response(3).status == 200
+        c.send(c.headers(3, MALFORMED_TRAILERS[case]))
+        other = c.response(1)
+        assert (other.goaway, other.reset, other.status) == (None, None, 200), other
+        c.send(c.request(5, "/echo"))
+        assert c.response(5).status == 200
+
+
 @pytest.mark.parametrize("case", sorted(BAD_PSEUDO))
 def test_request_that_is_not_http11_rejected(port: int, case: str) -> None:
     fields = {":method": "GET", ":scheme": "http", ":path": "/echo", ":authority": "test"}

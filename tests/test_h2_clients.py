@@ -1115,3 +1115,142 @@ cluster = "demo"
     for line in proxy.log().splitlines():
         if line.startswith("{") and '"status":413' in line:
             assert json.loads(line)["bytes_in"] <= 100000 + 2 * 256 * 1024, line
+
+
+# -- Via (RFC 9110 7.6.3) -----------------------------------------------------------------------
+
+VIA_CONFIG = """
+[[listeners]]
+name = "mixed"
+address = "127.0.0.1:{port}"
+protocols = ["http1", "h2c"]
+
+[http]
+via = {via}
+
+[[clusters]]
+name = "h1"
+endpoints = ["127.0.0.1:{h1}"]
+
+[[clusters]]
+name = "h10"
+endpoints = ["127.0.0.1:{h10}"]
+
+[[clusters]]
+name = "h2"
+endpoints = ["127.0.0.1:{h2}"]
+protocol = "h2"
+
+[[routes]]
+name = "h10"
+match = { path_prefix = "/h10/" }
+cluster = "h10"
+
+[[routes]]
+name = "h2"
+match = { path_prefix = "/h2/" }
+cluster = "h2"
+
+[[routes]]
+name = "h1"
+cluster = "h1"
+"""
+
+CURL_VERSION = {"1.0": "--http1.0", "1.1": "--http1.1", "2": "--http2-prior-knowledge"}
+
+
+async def via_echo(proto: Any, sid: int, path: str, head: dict[bytes, bytes],
+                   body: bytes) -> None:
+    """The request's Via field lines, as JSON; the response carries a Via of its own."""
+    vias = [v.decode() for k, v in proto.heads[sid] if k == b"via"]
+    doc = json.dumps({"headers": {"via": ", ".join(vias)}}).encode()
+    proto.conn.send_headers(sid, [(b":status", b"200"), (b"via", b"1.1 origin"),
+                                  (b"content-length", str(len(doc)).encode())])
+    await proto.send_data(sid, doc, end=True)
+
+
+class Http10Upstream(socketserver.ThreadingTCPServer):
+    """Answers every request with an HTTP/1.0 response echoing the request's Via."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    data = self.request.recv(65536)
+                    if not data:
+                        return
+                    head += data
+                vias = [line.split(b":", 1)[1].strip().decode()
+                        for line in head.split(b"\r\n")[1:] if line.lower().startswith(b"via:")]
+                doc = json.dumps({"headers": {"via": ", ".join(vias)}}).encode()
+                self.request.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                     % (len(doc), doc))
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def via_upstreams(demo_upstream: int) -> Iterator[dict[str, int]]:
+    h2 = H2Upstream(via_echo, name="via-h2")
+    h10 = Http10Upstream()
+    yield {"h1": demo_upstream, "h2": h2.port, "h10": h10.port}
+    h2.stop()
+    h10.shutdown()
+    h10.server_close()
+
+
+def via_proxy(tmp_path: Path, upstreams: dict[str, int], via: bool) -> ProxyProc:
+    text = VIA_CONFIG.replace("{via}", "true" if via else "false")
+    for name, port in upstreams.items():
+        text = text.replace("{" + name + "}", str(port))
+    return ProxyProc(tmp_path, text)
+
+
+def curl_via(proxy: ProxyProc, version: str, path: str) -> tuple[str | None, str]:
+    """(the response's Via, the Via the upstream received) for a request from curl speaking
+    `version` that already carries a Via of its own."""
+    out = curl("-D", "-", "-o", "-", CURL_VERSION[version], "-H", "Via: 1.1 front",
+               f"http://127.0.0.1:{proxy.ports['port']}{path}")
+    assert out.returncode == 0, out.stderr
+    head, _, body = out.stdout.partition(b"\r\n\r\n")
+    vias = [line.split(b":", 1)[1].strip().decode()
+            for line in head.split(b"\r\n")[1:] if line.lower().startswith(b"via:")]
+    return (", ".join(vias) if vias else None), json.loads(body)["headers"].get("via")
+
+
+@pytest.mark.parametrize("client", ["1.0", "1.1", "2"])
+@pytest.mark.parametrize("upstream,path,response_via", [
+    ("h1", "/echo", "1.1 aiproxy"),
+    ("h10", "/h10/echo", "1.0 aiproxy"),
+    ("h2", "/h2/echo", "1.1 origin, 2 aiproxy"),
+])
+def test_via_names_the_protocol_received_on_each_hop(
+        via_upstreams: dict[str, int], tmp_path: Path, client: str, upstream: str,
+        path: str, response_via: str) -> None:
+    """RFC 9110 7.6.3: the received-protocol a proxy adds is the version of the message it
+    received: the client's request's going upstream, the upstream's response's going to
+    the client; appended to the Via the message already had."""
+    proxy = via_proxy(tmp_path, via_upstreams, via=True)
+    try:
+        got_resp, got_req = curl_via(proxy, client, path)
+    finally:
+        proxy.stop()
+    assert got_req == f"1.1 front, {client} aiproxy"
+    assert got_resp == response_via
+
+
+def test_via_off_adds_none(via_upstreams: dict[str, int], tmp_path: Path) -> None:
+    proxy = via_proxy(tmp_path, via_upstreams, via=False)
+    try:
+        for client in CURL_VERSION:
+            for path, response_via in (("/echo", None), ("/h10/echo", None),
+                                       ("/h2/echo", "1.1 origin")):
+                assert curl_via(proxy, client, path) == (response_via, "1.1 front")
+    finally:
+        proxy.stop()

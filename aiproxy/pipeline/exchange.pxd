@@ -40,7 +40,7 @@ cdef class Exchange(ExchangeBase):
     cdef public object path, up_target
     cdef public bytes host_line
     cdef public bint head_sent, finished, keep_alive, tunnel, tunnel_up_eof, grpc
-    cdef public int status, inspecting, attempts, grpc_status
+    cdef public int status, inspecting, attempts, grpc_status, resp_version
     cdef public double activity, body_activity, req_done_at, t_start, deadline_at
     cdef public double t_parsed, t_routed, t_connect, t_connected, t_sent, t_first
     cdef public double t_start_pc, t_classify, intent_conf, req_timeout
@@ -79,7 +79,8 @@ cdef class Exchange(ExchangeBase):
     cpdef _unpend(self)
     cpdef _attach(self, Upstream up, reused)
     cpdef check_deadline(self, now, body_timeout)
-    @cython.locals(up=Upstream, status=cython.int, route=Route, r=ResponseHead)
+    @cython.locals(up=Upstream, status=cython.int, version=cython.int, route=Route,
+                   r=ResponseHead)
     cpdef on_upstream_head(self, resp, int mode)
     cpdef on_upstream_body(self, data)
     @cython.locals(up=Upstream)

@@ -515,6 +515,7 @@ class Exchange(ExchangeBase):
                                     result.headers)
         self.reading_body = False
         self.status = result.head.status
+        self.resp_version = 11  # a stored response: its Via as before (not per upstream)
         self.head_sent = True
         self.t_first = monotonic()
         resp = self._filter_head(result.head)
@@ -745,7 +746,7 @@ class Exchange(ExchangeBase):
             added = set_lines if added is None else added + set_lines
             names = frozenset([n for n, _ in up_headers])
             remove = remove | names if remove else names
-        extra = (host, fwd, rt.via_line, decision, framing, upgrade_lines, added)
+        extra = (host, fwd, rt.via_lines.get(head.version), decision, framing, upgrade_lines, added)
         if remove:
             start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
             return serialize_without(head, start_line, joined(extra), drop, remove)
@@ -785,8 +786,9 @@ class Exchange(ExchangeBase):
         if rt.x_forwarded:
             fields.append((b"x-forwarded-for", self._xff()))
             fields.append((b"x-forwarded-proto", self.down.scheme))
-        if rt.via_line:
-            fields.append((b"via", b"2 aiproxy"))
+        via = rt.via_fields.get(head.version)
+        if via is not None:
+            fields.append(via)
         if self.intent is not None:
             fields += rt.semantic.decision_fields(self.intent, self.intent_domain,
                                                   self.intent_conf)
@@ -1187,8 +1189,10 @@ class Exchange(ExchangeBase):
         if type(resp) is ResponseHead:  # from an HTTP/1.1 upstream: read in C
             r = resp
             status = r.status
+            version = r.version
         else:
             status = resp.status
+            version = 20  # an HTTP/2 upstream's
         t_first = event_now()
         cluster = self.cluster
         pool = self.pool
@@ -1229,6 +1233,7 @@ class Exchange(ExchangeBase):
             self._retry(route.retries)
             return
         self.status = status
+        self.resp_version = version  # for the Via the client gets
         self.head_sent = True
         self.activity = self.t_first = t_first  # one clock read: microseconds apart
         if self.grpc:  # a trailers-only response carries it in its head

@@ -699,12 +699,13 @@ class FastReceive:
             if isinstance(exc, h2.exceptions.FlowControlError):
                 raise
             if stream.closed:
-                if not (known and self.config.client_side):
+                if not known:
                     raise
-                # A response (or its trailers) with END_STREAM, the request already sent
-                # whole: h2 closed the stream before it checked the fields. Still a stream
-                # error alone (8.1.1): the caller hears of it, and no RST_STREAM goes out
-                # on a stream closed both ways (5.1).
+                # Fields with END_STREAM on a stream this side had ended (a response, or
+                # its trailers, to a request sent whole; a request's trailers after its
+                # response): h2 closed the stream before it checked the fields. Still a
+                # stream error alone (8.1.1): the caller hears of it, and no RST_STREAM
+                # goes out on a stream closed both ways (5.1).
                 event = h2.events.StreamReset(stream_id=sid,
                                               error_code=ErrorCodes.PROTOCOL_ERROR,
                                               remote_reset=False)

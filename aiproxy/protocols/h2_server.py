@@ -736,8 +736,9 @@ class H2Stream(StreamOutput, Downstream):
                 fields = [f for f in fields if f[0] not in remove]
             fields += route.resp_add
         rt = self.server.runtime
-        if rt.via_line:
-            fields.append((b"via", b"1.1 aiproxy"))
+        via = rt.via_fields.get(ex.resp_version)
+        if via is not None:
+            fields.append(via)
         if rt.http.server_timing:
             fields.append((b"server-timing", server_timing(ex)))
         if mode == BODY_NONE:

@@ -492,15 +492,16 @@ class H1ConnectionCore(Downstream):
             status_line = STATUS_200
         else:
             status_line = b"HTTP/1.1 %d %s\r\n" % (status, reason)
+        via = rt.via_lines.get(e.resp_version)
         route = e.route
         if route is not None and route.resp_edit:
-            extra = (rt.via_line, framing, timing, conn, route.resp_add_lines)
+            extra = (via, framing, timing, conn, route.resp_add_lines)
             if route.resp_remove:
                 self.head_out = serialize_without(resp, status_line, joined(extra), drop,
                                                   route.resp_remove)
                 return keep
         else:
-            extra = (rt.via_line, framing, timing, conn)
+            extra = (via, framing, timing, conn)
         if r is not None:
             # Composed with the first body bytes behind it: one buffer (_take_head).
             self.held = r

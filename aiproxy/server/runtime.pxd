@@ -3,7 +3,7 @@ from aiproxy.routing.table cimport RouteTable
 
 
 cdef class Runtime:
-    cdef public object config, http, clusters, via_line, max_body, min_timeout, semantic
+    cdef public object config, http, clusters, via_lines, via_fields, max_body, min_timeout, semantic
     cdef public object filter_states, decision_cache, unrouted_filters
     cdef public RouteTable table
     cdef public Py_ssize_t max_header_bytes, max_request_line_bytes, max_headers

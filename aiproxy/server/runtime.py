@@ -11,7 +11,7 @@ from aiproxy.routing.table import Route, RouteTable
 
 
 class Runtime:
-    __slots__ = ("config", "http", "clusters", "table", "via_line", "max_body", "min_timeout",
+    __slots__ = ("config", "http", "clusters", "table", "via_lines", "via_fields", "max_body", "min_timeout",
                  "semantic", "filter_states", "decision_cache", "unrouted_filters",
                  "max_header_bytes", "max_request_line_bytes", "max_headers",
                  "keepalive_timeout_ms", "max_keepalive_requests", "x_forwarded",
@@ -48,7 +48,11 @@ class Runtime:
         # intent model runs.
         self.decision_cache = (self.filter_states.get("cache")
                                if self.semantic is not None else None)
-        self.via_line = b"Via: 1.1 aiproxy\r\n" if config.http.via else b""
+        # RFC 9110 7.6.3: Via names the protocol of the message received on that hop (the
+        # client's request, the upstream's response), by Head.version; empty when off.
+        received = {10: b"1.0", 11: b"1.1", 20: b"2"} if config.http.via else {}
+        self.via_lines = {v: b"Via: %s aiproxy\r\n" % p for v, p in received.items()}
+        self.via_fields = {v: (b"via", p + b" aiproxy") for v, p in received.items()}
         self.max_body = config.http.max_body_bytes
         http = config.http
         # [http] settings read on every request, as C fields (runtime.pxd).
