@@ -3,7 +3,8 @@ from aiproxy.routing.table cimport RouteTable
 
 
 cdef class Runtime:
-    cdef public object config, http, clusters, via_lines, via_fields, max_body, min_timeout, semantic
+    cdef public object config, http, clusters, max_body, min_timeout, semantic
+    cdef public dict via_lines, via_fields  # by Head.version: .get() is a C dict lookup
     cdef public object filter_states, decision_cache, unrouted_filters
     cdef public RouteTable table
     cdef public Py_ssize_t max_header_bytes, max_request_line_bytes, max_headers
