@@ -15,6 +15,7 @@ from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
 from tests.conftest import Proxy
 from tests.h2_raw_upstream import RawConn, RawUpstream
+from tests.h2_support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -177,6 +178,9 @@ def test_request_body_left_unsent_after_a_complete_response_resets_the_stream(
             for _ in range(2):
                 r = client.post(proxy.url + "/up", content=b"b" * 20000)
                 assert (r.status_code, r.content) == (200, b"early")
+        # The upstream's thread records each RST_STREAM as it reads it: the last one may
+        # still be in flight when the client has its response.
+        wait_for(lambda: len(ends) >= 4, 10)
         assert ends == ["reset"] * 4, ends
         assert len(up.conns) == 1 and not up.errors, up.errors
     finally:
