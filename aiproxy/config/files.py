@@ -53,6 +53,20 @@ def tls_problems(cert: str | None, key: str | None,
     return problems
 
 
+def cert_dns_names(cert: str) -> tuple[str, ...]:
+    """The DNS names of the first certificate in a PEM file (subjectAltName; RFC 6125:
+    the subject's CN is not looked at), lowercased; () if it has none or does not load."""
+    from cryptography import x509
+
+    try:
+        with open(cert, "rb") as fh:
+            leaf = x509.load_pem_x509_certificates(fh.read())[0]
+        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except (OSError, ValueError, IndexError, x509.ExtensionNotFound):
+        return ()
+    return tuple(dict.fromkeys(n.lower() for n in san.value.get_values_for_type(x509.DNSName)))
+
+
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLError):
         return str(exc.reason or exc)

@@ -18,7 +18,7 @@ from aiproxy.pipeline.paths import ESCAPED_SLASHES
 from . import llm_sections
 from .address import HOSTNAME, parse_address
 from .errors import ConfigError, Problem
-from .files import tls_problems, writable_file_problem
+from .files import cert_dns_names, tls_problems, writable_file_problem
 from .governance import GOVERNANCE_KEYS, governance_sections
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
@@ -42,6 +42,7 @@ from .schema import (
     RouteMatch,
     SemanticConfig,
     ServerConfig,
+    SniCertConfig,
     SplitTarget,
     TlsConfig,
     TracingConfig,
@@ -67,7 +68,10 @@ MAX_TRAFFIC_CLASSES = 15  # class ids 1..15 (bpf/include/classify.h: CLASSIFY_MA
 _IFNAME = re.compile(r"[^\s/:]{1,15}")
 _LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls", "cluster",
                   "idle_timeout_ms")
-_TLS_KEYS = ("cert", "key", "ca")
+_TLS_KEYS = ("cert", "key", "ca", "certificates")
+_SNI_CERT_KEYS = ("server_names", "cert", "key")
+# RFC 1123 host name labels; SNI carries A-labels ("xn--..."), no trailing dot (RFC 6066 3).
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 _ENDPOINT_KEYS = ("address", "weight", "capacity")
 _ROUTE_KEYS = ("name", "cluster", "match", "split", "sticky_header", "timeout_ms", "retries",
                "request_headers_add", "request_headers_remove", "response_headers_add",
@@ -505,8 +509,19 @@ class _Checker:
             return None
         path += ("tls",)
         self.check_keys(table, path, _TLS_KEYS)
+        before = len(self.problems)
+        files = self.pem_files(table, path, ("cert", "key", "ca"), load)
+        certificates = self.sni_certificates(table, path, load)
+        if len(self.problems) > before or "cert" not in files or "key" not in files:
+            return None
+        return TlsConfig(**files, certificates=certificates)
+
+    def pem_files(self, table: dict[str, Any], path: KeyPath, keys: tuple[str, ...],
+                  load: bool) -> dict[str, str]:
+        """The files named under `keys` (all but "ca" required), as absolute paths, each
+        checked to load (a certificate, its key, a CA bundle) when `load`."""
         files = {}
-        for key in _TLS_KEYS:
+        for key in keys:
             if key not in table:
                 if key != "ca":
                     self.error(path + (key,), "missing required key")
@@ -514,16 +529,74 @@ class _Checker:
             value = self.get(table, path, key, "string")
             if value is None:
                 continue
-            full = os.path.join(os.path.dirname(os.path.abspath(self.filename)), value)
+            full = os.path.join(self.base_dir(), value)
             if not os.path.isfile(full):
                 self.error(path + (key,), f"no such file '{value}'")
+                continue
             files[key] = full
-        if len(files) < 2 or "cert" not in files or "key" not in files:
-            return None
-        if load and all(os.path.isfile(f) for f in files.values()):
+        if load and "cert" in files and "key" in files:
             for key, message in tls_problems(files["cert"], files["key"], files.get("ca")):
                 self.error(path + (key,), message)
-        return TlsConfig(**files)
+        return files
+
+    def sni_certificates(self, table: dict[str, Any], path: KeyPath,
+                         load: bool) -> tuple[SniCertConfig, ...]:
+        """`certificates = [{ cert, key, server_names }]`: a certificate per TLS server name;
+        server_names defaults to the certificate's DNS names."""
+        if "certificates" not in table:
+            return ()
+        items = self.get(table, path, "certificates", "array")
+        if items is None:
+            return ()
+        path += ("certificates",)
+        out = []
+        named: dict[str, int] = {}
+        for index, item in enumerate(items):
+            ipath = path + (index,)
+            if not isinstance(item, dict):
+                self.error(ipath, f"expected table, got {_kind(item)}")
+                continue
+            self.check_keys(item, ipath, _SNI_CERT_KEYS)
+            files = self.pem_files(item, ipath, ("cert", "key"), load)
+            if "server_names" in item:
+                names = self.server_names(item, ipath)
+            elif "cert" in files:
+                names = cert_dns_names(files["cert"])
+                if not names:
+                    self.error(ipath + ("cert",), "the certificate names no DNS host "
+                               "(subjectAltName): add server_names")
+            else:
+                names = ()
+            for name in names:
+                if name in named:
+                    self.error(ipath + ("server_names",), f"'{name}' is also served by "
+                               f"certificates[{named[name]}]")
+                named.setdefault(name, index)
+            if "cert" in files and "key" in files and names:
+                out.append(SniCertConfig(names, files["cert"], files["key"]))
+        return tuple(out)
+
+    def server_names(self, item: dict[str, Any], path: KeyPath) -> tuple[str, ...]:
+        values = self.get(item, path, "server_names", "array")
+        path += ("server_names",)
+        if not values:
+            if values is not None:
+                self.error(path, "must name at least one host")
+            return ()
+        out = []
+        for index, value in enumerate(values):
+            if not isinstance(value, str):
+                self.error(path + (index,), f"expected string, got {_kind(value)}")
+                continue
+            name = value.lower()
+            labels = (name[2:] if name.startswith("*.") else name).split(".")
+            if (not name.isascii() or len(name) > 253
+                    or not all(_DNS_LABEL.fullmatch(label) for label in labels)):
+                self.error(path + (index,), f"'{value}' is not a host name or *.host name "
+                           "(an internationalized name is written as its xn-- A-label)")
+                continue
+            out.append(name)
+        return tuple(dict.fromkeys(out))
 
     def choice(
         self, data: dict[str, Any], path: KeyPath, key: str, allowed: tuple[str, ...]

@@ -59,12 +59,32 @@ class HttpConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SniCertConfig:
+    """A certificate served to clients whose TLS server name (SNI) is one of
+    `server_names` (exact, or `*.example.com`: one label)."""
+
+    server_names: tuple[str, ...]
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class TlsConfig:
-    """Server certificate and key (PEM files); `ca` turns on client-certificate checks."""
+    """Server certificate and key (PEM files): served when no `certificates` entry names
+    the client's SNI; `ca` turns on client-certificate checks."""
 
     cert: str
     key: str
     ca: str | None = None
+    certificates: tuple[SniCertConfig, ...] = ()
+
+    def files(self) -> tuple[str, ...]:
+        out = [self.cert, self.key]
+        if self.ca:
+            out.append(self.ca)
+        for entry in self.certificates:
+            out += (entry.cert, entry.key)
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,7 @@ class AlertingSSLObject(ssl.SSLObject):
 IGNORE_UNEXPECTED_EOF = getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
 
 
-def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
+def server_context(listener: ListenerConfig, cert: str, key: str) -> ssl.SSLContext:
     """TLS 1.2+ with ALPN from the listener's protocols (RFC 9113 9.2 cipher rules)."""
     tls = listener.tls
     assert tls is not None
@@ -88,7 +88,7 @@ def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
     ctx.options &= ~IGNORE_UNEXPECTED_EOF
     ctx.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
-    ctx.load_cert_chain(tls.cert, tls.key)
+    ctx.load_cert_chain(cert, key)
     if tls.ca:
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(tls.ca)
@@ -102,6 +102,54 @@ def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
     return ctx
 
 
+class SniSelector:
+    """The listener context's sni_callback: hands a handshake whose client names a host
+    (RFC 6066 server_name) to the context of the `certificates` entry that lists it,
+    exactly or by a `*.` wildcard of one label. The listener's own certificate serves
+    every other handshake, those without SNI among them. OpenSSL calls this before it
+    picks the certificate and the ALPN protocol, and both come from the context set here;
+    each entry's context carries the listener's client CAs and ALPN list too."""
+
+    __slots__ = ("by_name",)
+
+    def __init__(self, by_name: dict[str, ssl.SSLContext]) -> None:
+        self.by_name = by_name
+
+    def __call__(self, conn: Any, server_name: str | None, ctx: ssl.SSLContext) -> None:
+        if server_name is None:
+            return
+        by_name = self.by_name
+        name = server_name.lower()  # an A-label: Python hands IDNs over as "xn--..."
+        chosen = by_name.get(name)
+        if chosen is None:
+            dot = name.find(".")
+            if dot > 0:
+                chosen = by_name.get("*" + name[dot:])
+        if chosen is not None:
+            conn.context = chosen
+
+
+def sni_contexts(listener: ListenerConfig) -> dict[str, ssl.SSLContext]:
+    tls = listener.tls
+    assert tls is not None
+    by_name = {}
+    for entry in tls.certificates:
+        ctx = server_context(listener, entry.cert, entry.key)
+        for name in entry.server_names:
+            by_name[name] = ctx
+    return by_name
+
+
+def tls_context(listener: ListenerConfig) -> ssl.SSLContext:
+    """The listener's context: its own certificate, and the `certificates` entries' by SNI."""
+    tls = listener.tls
+    assert tls is not None
+    ctx = server_context(listener, tls.cert, tls.key)
+    if tls.certificates:
+        ctx.sni_callback = SniSelector(sni_contexts(listener))
+    return ctx
+
+
 def restart_shape(listeners: tuple[ListenerConfig, ...] | list[ListenerConfig]) -> list:
     """What of the listeners only a restart changes: everything but the TLS file paths
     (whether there is TLS, and client CAs, is kept)."""
@@ -110,18 +158,17 @@ def restart_shape(listeners: tuple[ListenerConfig, ...] | list[ListenerConfig]) 
 
 
 def file_stamp(tls: TlsConfig) -> Stamp:
-    """Path and identity (device, inode, size, mtime, ctime) of each file; None for one
-    that cannot be stat()ed."""
-    out = []
-    for path in (tls.cert, tls.key, tls.ca):
-        if path is None:
-            continue
+    """Path and identity (device, inode, size, mtime, ctime) of each file, None for one
+    that cannot be stat()ed; and the server names of the `certificates` entries."""
+    out: list[tuple[str, tuple | None]] = []
+    for path in tls.files():
         try:
             st = os.stat(path)
         except OSError:
             out.append((path, None))
             continue
         out.append((path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+    out.append(("server_names", tuple(e.server_names for e in tls.certificates)))
     return tuple(out)
 
 
@@ -147,26 +194,33 @@ class ListenerTls:
         is not touched."""
         tls = new.tls
         assert tls is not None
-        problems = tls_problems(tls.cert, tls.key, tls.ca)
+        sets = [("", {"cert": tls.cert, "key": tls.key, "ca": tls.ca})]
+        sets += [(f"certificates.{i}.", {"cert": e.cert, "key": e.key})
+                 for i, e in enumerate(tls.certificates)]
+        problems = [(prefix, files, key, message) for prefix, files in sets
+                    for key, message in tls_problems(files["cert"], files["key"],
+                                                     files.get("ca"))]
         if not problems:
-            try:  # what reload() will do, on a context of its own
+            try:  # what reload() will do, on contexts of its own
                 tls_context(new)
             except (OSError, ssl.SSLError) as exc:
-                problems = [("cert", f"does not load: {exc}")]
+                problems = [("", sets[0][1], "cert", f"does not load: {exc}")]
         if problems:
-            files = {"cert": tls.cert, "key": tls.key, "ca": tls.ca}
             raise ConfigError([
-                Problem(source, 0, f"listeners.{new.name}.tls.{key}",
+                Problem(source, 0, f"listeners.{new.name}.tls.{prefix}{key}",
                         f"'{files[key]}': {message} (the running certificate keeps serving)")
-                for key, message in problems])
+                for prefix, files, key, message in problems])
 
     def reload(self, new: ListenerConfig, stamp: Stamp) -> None:
-        """Load the new files into the live context (check() passed just before)."""
+        """Load the new files into the live context (check() passed just before); the
+        `certificates` entries get new contexts, which the next handshakes pick."""
         tls = new.tls
         assert tls is not None
-        self.ctx.load_cert_chain(tls.cert, tls.key)
+        ctx = self.ctx
+        ctx.load_cert_chain(tls.cert, tls.key)
         if tls.ca:
-            self.ctx.load_verify_locations(tls.ca)
+            ctx.load_verify_locations(tls.ca)
+        ctx.sni_callback = SniSelector(sni_contexts(new)) if tls.certificates else None
         self.listener = new
         self.stamp = stamp
         log.info("listener %s: TLS certificate reloaded from %s", new.name, tls.cert)
