@@ -509,10 +509,9 @@ class _Checker:
             return None
         path += ("tls",)
         self.check_keys(table, path, _TLS_KEYS)
-        before = len(self.problems)
         files = self.pem_files(table, path, ("cert", "key", "ca"), load)
         certificates = self.sni_certificates(table, path, load)
-        if len(self.problems) > before or "cert" not in files or "key" not in files:
+        if "cert" not in files or "key" not in files:
             return None
         return TlsConfig(**files, certificates=certificates)
 
@@ -532,9 +531,9 @@ class _Checker:
             full = os.path.join(self.base_dir(), value)
             if not os.path.isfile(full):
                 self.error(path + (key,), f"no such file '{value}'")
-                continue
             files[key] = full
-        if load and "cert" in files and "key" in files:
+        if load and "cert" in files and "key" in files and all(
+                os.path.isfile(f) for f in files.values()):
             for key, message in tls_problems(files["cert"], files["key"], files.get("ca")):
                 self.error(path + (key,), message)
         return files
@@ -560,7 +559,7 @@ class _Checker:
             files = self.pem_files(item, ipath, ("cert", "key"), load)
             if "server_names" in item:
                 names = self.server_names(item, ipath)
-            elif "cert" in files:
+            elif "cert" in files and os.path.isfile(files["cert"]):
                 names = cert_dns_names(files["cert"])
                 if not names:
                     self.error(ipath + ("cert",), "the certificate names no DNS host "
