@@ -564,3 +564,115 @@ response_headers = "yes"
 """))
     assert "ratelimits[0].name: must be printable ASCII" in text
     assert "ratelimits[0].response_headers" in text
+
+
+def _go_seconds(text: str) -> int:
+    """A Go duration of whole seconds ("45s", "1m40s", "2h0m0s") in seconds."""
+    import re
+
+    m = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(\d+)s", text)
+    assert m, text
+    h, mi, s = (int(g or 0) for g in m.groups())
+    return h * 3600 + mi * 60 + s
+
+
+def test_openai_headers_through_the_openai_client(start_proxy, demo_upstream):
+    """openai_headers: x-ratelimit-{limit,remaining,reset}-{requests,tokens} as OpenAI's
+    API sends them, read by the openai client from admitted responses and from the
+    RateLimitError of a 429. Of two limiters the tighter token bucket is reported."""
+    import openai
+
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + """
+[[ratelimits]]
+name = "rpm"
+requests_per_second = 0.01
+burst_requests = 3
+tokens_per_minute = 600000
+openai_headers = true
+
+[[ratelimits]]
+name = "tpm"
+tokens_per_minute = 60
+burst_tokens = 1000
+openai_headers = true
+""")
+    client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0)
+    seen = []
+    for _ in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model="demo-model", max_tokens=50,
+            messages=[{"role": "user", "content": "lorem ipsum dolor"}])
+        assert raw.parse().choices[0].message.content
+        h = raw.headers
+        seen.append((int(h["x-ratelimit-remaining-requests"]),
+                     _go_seconds(h["x-ratelimit-reset-requests"]),
+                     int(h["x-ratelimit-remaining-tokens"]),
+                     _go_seconds(h["x-ratelimit-reset-tokens"])))
+        assert h["x-ratelimit-limit-requests"] == "3"
+        assert h["x-ratelimit-limit-tokens"] == "1000"  # the tighter bucket's burst
+    assert [s[0] for s in seen] == [2, 1, 0]
+    # 100 s a request unit to refill; a token a second, and 50 + the prompt reserved
+    assert all(100 * n - 5 <= s[1] <= 100 * n for n, s in enumerate(seen, 1)), seen
+    tokens = [s[2] for s in seen]
+    assert tokens[0] <= 1000 - 50 and tokens[0] > tokens[1] > tokens[2] > 0, seen
+    assert all(1000 - t - 5 <= s[3] <= 1000 - t for t, s in zip(tokens, seen, strict=True)), seen
+
+    with pytest.raises(openai.RateLimitError) as err:
+        client.chat.completions.create(model="demo-model", max_tokens=50,
+                                       messages=[{"role": "user", "content": "again"}])
+    h = err.value.response.headers
+    assert h["x-ratelimit-remaining-requests"] == "0"
+    after = int(h["retry-after"])
+    assert 0 < _go_seconds(h["x-ratelimit-reset-requests"]) <= after
+
+
+def test_openai_headers_replace_the_upstreams_own(start_proxy):
+    """An upstream (an OpenAI key shared by every tenant) that sends its own
+    x-ratelimit-*-tokens: the client sees this proxy's token figures instead; fields
+    of a kind no limiter here reports (requests) pass through."""
+    import http.server
+    import threading
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            body = json.dumps({"id": "x", "object": "chat.completion", "model": "m",
+                               "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant",
+                                                        "content": "hi"}}],
+                               "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+                                         "total_tokens": 4}}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.send_header("X-RateLimit-Remaining-Tokens", "149000")
+            self.send_header("x-ratelimit-limit-tokens", "150000")
+            self.send_header("x-ratelimit-remaining-requests", "4999")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proxy = start_proxy(ONE_PROCESS + simple_config(server.server_address[1]) + """
+[[ratelimits]]
+name = "tpm"
+tokens_per_minute = 6000
+burst_tokens = 500
+openai_headers = true
+""")
+        r = httpx.post(f"{proxy.url}/v1/chat/completions", json=_chat(2, max_tokens=20))
+        assert r.status_code == 200, r.text
+        assert r.headers.get_list("x-ratelimit-limit-tokens") == ["500"]
+        [left] = r.headers.get_list("x-ratelimit-remaining-tokens")
+        assert 0 < int(left) <= 480
+        assert r.headers.get_list("x-ratelimit-remaining-requests") == ["4999"]
+        assert "x-ratelimit-limit-requests" not in r.headers
+    finally:
+        server.shutdown()
+        server.server_close()

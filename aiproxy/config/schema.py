@@ -366,6 +366,8 @@ class RateLimitConfig:
     max_keys: int = _bounded(100_000, 1)  # in-process buckets kept (least recently used go)
     # RateLimit-Policy/RateLimit on admitted responses too (429s always have them)
     response_headers: bool = False
+    # x-ratelimit-{limit,remaining,reset}-{requests,tokens}, as OpenAI's API sends them
+    openai_headers: bool = False
 
 
 @dataclass(frozen=True, slots=True)

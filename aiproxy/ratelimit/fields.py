@@ -9,6 +9,11 @@ until it is full again: a client that spends no more than r in that time is not 
 by this bucket, and has the whole burst again after it. Token buckets are not reported:
 quota units (qu) must come from the draft's registry (requests, content-bytes,
 concurrent-requests), which has none for tokens, and q without qu means requests.
+
+The x-ratelimit-* fields OpenAI's API sends (and clients written for it read) report
+both kinds: per kind, the bucket with the fewest units left among a request's limiters;
+limit is its burst, remaining what its level holds, reset the time until it is full
+again as a Go duration ("1s", "6m0s", "1h0m0s").
 """
 
 from __future__ import annotations
@@ -63,3 +68,45 @@ def ratelimit_fields(snaps: Iterable[tuple[str, Spec, float]],
     if not limits:
         return []
     return [(b"ratelimit-policy", b", ".join(policies)), (b"ratelimit", b", ".join(limits))]
+
+
+OPENAI_NAMES = {
+    kind: (b"x-ratelimit-limit-" + kind.encode(), b"x-ratelimit-remaining-" + kind.encode(),
+           b"x-ratelimit-reset-" + kind.encode())
+    for kind in ("requests", "tokens")
+}
+
+
+def go_duration(seconds: int) -> bytes:
+    """Whole seconds as Go's time.Duration prints them ("0s", "45s", "6m0s", "1h2m3s")."""
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    if h:
+        return b"%dh%dm%ds" % (h, m, s)
+    if m:
+        return b"%dm%ds" % (m, s)
+    return b"%ds" % s
+
+
+def openai_fields(snaps: Iterable[tuple[str, Spec, float]],
+                  until: int | None = None) -> list[tuple[bytes, bytes]]:
+    """x-ratelimit-{limit,remaining,reset}-{kind} for (kind, spec, level) snapshots,
+    "requests" or "tokens", the tightest bucket of each kind."""
+    tightest: dict[str, tuple[int, int, int]] = {}
+    for kind, spec, level in snaps:
+        rate, cap, _, factor = spec
+        left = _whole(level - cap * (1 - factor))
+        reset = _seconds((cap - level) / (rate * factor))
+        if until is not None and reset > until:
+            reset = until
+        seen = tightest.get(kind)
+        if seen is None or (left, -reset) < (seen[1], -seen[2]):
+            tightest[kind] = (_whole(cap * factor), left, reset)
+    out = []
+    for kind in ("requests", "tokens"):
+        if kind in tightest:
+            limit, left, reset = tightest[kind]
+            names = OPENAI_NAMES[kind]
+            out += [(names[0], b"%d" % limit), (names[1], b"%d" % left),
+                    (names[2], go_duration(reset))]
+    return out

@@ -26,8 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from aiproxy.llm.accounting import llm_config, tenant_of
 from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply, ResponseHead
+from aiproxy.protocols.fields import F_HOP
 from aiproxy.ratelimit.bucket import MemoryStore, Spec
-from aiproxy.ratelimit.fields import ratelimit_fields
+from aiproxy.ratelimit.fields import openai_fields, ratelimit_fields
 from aiproxy.ratelimit.watermark import HIGH, LOW, cluster_load, factor_for
 from aiproxy.routing.stats import LOAD_HEADERS
 
@@ -144,7 +145,8 @@ Snap = tuple[Spec, float]
 
 
 def refusal(limiter: Limiter, reason: str, wait: float, message: str,
-            snaps: dict[Limiter, Snap] | None = None) -> LocalReply:
+            snaps: dict[Limiter, Snap] | None = None,
+            tok_snaps: dict[Limiter, Snap] | None = None) -> LocalReply:
     limiter.refused[reason] = limiter.refused.get(reason, 0) + 1
     wait = wait if wait < MAX_RETRY_AFTER else MAX_RETRY_AFTER  # inf and nan too
     after = max(1, math.ceil(wait))
@@ -153,11 +155,21 @@ def refusal(limiter: Limiter, reason: str, wait: float, message: str,
     if snaps:
         headers += ratelimit_fields(((lim.name, spec, level)
                                      for lim, (spec, level) in snaps.items()), after)
+    headers += openai_fields(_kind_snaps(snaps, tok_snaps), after)
     return LocalReply(429, "rate_limited", message, headers)
 
 
+def _kind_snaps(snaps: dict[Limiter, Snap] | None, tok_snaps: dict[Limiter, Snap] | None
+                ) -> Iterator[tuple[str, Spec, float]]:
+    """The buckets of the limiters with openai_headers, as (kind, spec, level)."""
+    for kind, taken in (("requests", snaps), ("tokens", tok_snaps)):
+        for lim, (spec, level) in (taken or {}).items():
+            if lim.cfg.openai_headers:
+                yield kind, spec, level
+
+
 class RateLimitFilter(Filter):
-    __slots__ = ("factory", "grants", "counted", "ended", "snaps")
+    __slots__ = ("factory", "grants", "counted", "ended", "snaps", "tok_snaps")
 
     def __init__(self, factory: RateLimitFactory) -> None:
         self.factory = factory
@@ -167,6 +179,8 @@ class RateLimitFilter(Filter):
         # Request buckets as this request's takes left them, for the RateLimit fields (a
         # retry from the queue does not take from them again: the first take's stays).
         self.snaps: dict[Limiter, Snap] | None = None
+        # Token buckets likewise, kept for limiters with openai_headers only.
+        self.tok_snaps: dict[Limiter, Snap] | None = None
 
     def request(self, ex: Exchange) -> Any:
         factory = self.factory
@@ -201,6 +215,11 @@ class RateLimitFilter(Filter):
             if self.snaps is None:
                 self.snaps = {}
             self.snaps[lim] = (specs[0], levels[0])
+        if (lim.cfg.openai_headers and levels and len(levels) == len(kinds)
+                and kinds[-1] == "tokens"):
+            if self.tok_snaps is None:
+                self.tok_snaps = {}
+            self.tok_snaps[lim] = (specs[-1], levels[-1])
 
     def _granted(self, lim: Limiter, keys: list[str], specs: list[Spec],
                  kinds: list[str]) -> None:
@@ -233,10 +252,10 @@ class RateLimitFilter(Filter):
         if in_band and cfg.max_wait_ms and wait * 1000 <= cfg.max_wait_ms:
             if lim.waiting >= cfg.max_queue:
                 return refusal(lim, "queue_full", wait, "rate limit wait queue is full",
-                               self.snaps)
+                               self.snaps, self.tok_snaps)
             return self._queue(ex, lim, time.monotonic() + cfg.max_wait_ms / 1000, wait)
         return refusal(lim, reason, wait, f"rate limit {lim.name!r} exceeded ({reason})",
-                       self.snaps)
+                       self.snaps, self.tok_snaps)
 
     async def _queue(self, ex: Exchange, lim: Limiter, deadline: float,
                      wait: float) -> LocalReply | None:
@@ -254,7 +273,7 @@ class RateLimitFilter(Filter):
                 if left <= 0 or wait > left or load is None or not LOW <= load <= HIGH:
                     return refusal(lim2, reason, wait,
                                    f"rate limit {lim2.name!r} exceeded ({reason})",
-                                   self.snaps)
+                                   self.snaps, self.tok_snaps)
         finally:
             lim.waiting -= 1
 
@@ -321,12 +340,21 @@ class RateLimitFilter(Filter):
                     except ValueError:
                         pass
                     break
+        extra = []
         if self.snaps and self.factory.show:
             extra = ratelimit_fields((lim.name, spec, level)
                                      for lim, (spec, level) in self.snaps.items()
                                      if lim.cfg.response_headers)
-            if extra:
-                resp = ResponseHead.derived(resp, extra=tuple(extra))
+        if self.factory.openai:
+            ours = openai_fields(_kind_snaps(self.snaps, self.tok_snaps))
+            if ours:
+                # The upstream's own figures (an OpenAI key's, shared by every tenant)
+                # give way to this tenant's for the kinds reported here.
+                names = {name for name, _ in ours}
+                kept = [f for f in resp.fields(F_HOP) if f[0].lower() not in names]
+                return ResponseHead(resp.status, [*kept, *extra, *ours])
+        if extra:
+            resp = ResponseHead.derived(resp, extra=tuple(extra))
         return resp
 
     def response_body(self, ex: Exchange, data: bytes) -> bytes:
@@ -370,6 +398,7 @@ class RateLimitFactory(FilterFactory):
         self.redis = any(lim.redis for lim in limiters)
         self.watermark = any(lim.cfg.watermark for lim in limiters)
         self.show = any(lim.cfg.response_headers for lim in limiters)
+        self.openai = any(lim.cfg.openai_headers for lim in limiters)
 
     def start(self, ex: Exchange) -> Filter:
         return RateLimitFilter(self)
