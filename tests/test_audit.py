@@ -623,3 +623,35 @@ def test_writer_keeps_a_record_utf8_cannot_encode(tmp_path):
     assert [r["prompt"] for r in _records(path)] == ["x\ud800y", "after"]
     res = _cli("verify", str(path))
     assert res.returncode == 0 and "ok: 2 records" in res.stdout, res.stdout
+
+
+def test_writer_keeps_a_record_json_cannot_encode(tmp_path):
+    """A record json.dumps refuses (a key that is not a string, a cycle) raised a
+    TypeError/ValueError out of the writer thread, which only caught OSError: that
+    record's durable response and every later one waited forever. It is written as an
+    `unencodable` record in its place in the chain, and the writer goes on."""
+    import asyncio
+
+    from aiproxy.config.governance import AuditConfig
+    from aiproxy.governance.audit import AuditWriter
+
+    path = tmp_path / "a.log"
+    w = AuditWriter(AuditConfig(path=str(path), fsync="always"))
+    cycle: dict = {}
+    cycle["self"] = cycle
+
+    async def write() -> None:
+        for record in ({"n": "before"}, {"n": "tuple key", (1, 2): "x"},
+                       {"n": "cycle", "c": cycle}, {"n": "after"}):
+            await asyncio.wait_for(w.submit(record, durable=True), 10)
+
+    try:
+        asyncio.run(write())
+    finally:
+        w.close()
+    records = _records(path)
+    assert [r.get("n") for r in records] == ["before", None, None, "after"]
+    assert records[1]["unencodable"].startswith("TypeError") and "(1, 2)" in records[1]["keys"]
+    assert records[2]["unencodable"].startswith("ValueError: Circular reference")
+    res = _cli("verify", str(path))
+    assert res.returncode == 0 and "ok: 4 records" in res.stdout, res.stdout

@@ -219,10 +219,7 @@ class AuditWriter:
                     for record, fut in batch:
                         before = (self.seq, self.prev)
                         self.seq += 1
-                        line = json.dumps({"seq": self.seq, "prev": self.prev, **record},
-                                          separators=(",", ":"), ensure_ascii=False,
-                                          default=str).encode(
-                                              "utf-8", "backslashreplace") + b"\n"
+                        line = encode_record(self.seq, self.prev, record)
                         self.prev = line_hash(line[:-1])
                         if (out or self.size) and self.size + size + len(line) > cfg.rotate_bytes:
                             self._write(out, first)  # a group commit may span a rotation
@@ -248,8 +245,11 @@ class AuditWriter:
                     last_sync = now
                 if not batch and self._due_rotation():
                     self._rotate()
-            except OSError as exc:
-                log.error("audit write failed: %s", exc)
+            except Exception as exc:
+                if isinstance(exc, OSError):
+                    log.error("audit write failed: %s", exc)
+                else:  # a bug: the thread must live on, or every durable response waits
+                    log.exception("audit write failed")
                 self.failed = exc
                 # The whole batch, not only the records before the failure: a rotation
                 # can fail before any of them, and their responses wait on them.
@@ -315,6 +315,23 @@ class AuditWriter:
             self.stopping = True
             self.cond.notify()
         self.thread.join(timeout=10)
+
+
+def encode_record(seq: int, prev: str, record: dict) -> bytes:
+    """One audit line (LF included). A record JSON cannot hold (a key that is not a
+    string, a cycle) still takes its place in the chain, as what is known of it: a gap
+    in seq would read as tampering in `audit verify`."""
+    try:
+        text = json.dumps({"seq": seq, "prev": prev, **record}, separators=(",", ":"),
+                          ensure_ascii=False, default=str)
+    except (TypeError, ValueError, RecursionError) as exc:
+        log.error("audit record %d could not be encoded (%s): written as unencodable",
+                  seq, exc)
+        text = json.dumps({"seq": seq, "prev": prev,
+                           "unencodable": f"{type(exc).__name__}: {exc}",
+                           "keys": sorted(repr(k) for k in record)},
+                          separators=(",", ":"), ensure_ascii=False)
+    return text.encode("utf-8", "backslashreplace") + b"\n"
 
 
 def _resolve(futures: list[asyncio.Future], exc: Exception | None) -> None:
