@@ -67,7 +67,7 @@ PAYLOAD_SIGNATURES = ("h2_preface", "post_v1")
 MAX_TRAFFIC_CLASSES = 15  # class ids 1..15 (bpf/include/classify.h: CLASSIFY_MAX_CLASSES - 1)
 _IFNAME = re.compile(r"[^\s/:]{1,15}")
 _LISTENER_KEYS = ("name", "address", "protocols", "backlog", "tls", "cluster",
-                  "idle_timeout_ms")
+                  "idle_timeout_ms", "proxy_protocol")
 _TLS_KEYS = ("cert", "key", "ca", "certificates")
 _SNI_CERT_KEYS = ("server_names", "cert", "key")
 # RFC 1123 host name labels; SNI carries A-labels ("xn--..."), no trailing dot (RFC 6066 3).

@@ -108,6 +108,7 @@ class ListenerConfig:
     tls: TlsConfig | None = None
     cluster: str | None = None  # protocols = ["tcp"]: raw bytes to this cluster
     idle_timeout_ms: int = _bounded(600_000, 0)  # tcp: close a tunnel idle this long; 0 off
+    proxy_protocol: bool = False  # each connection opens with a PROXY protocol v1/v2 header
 
 
 @dataclass(frozen=True, slots=True)

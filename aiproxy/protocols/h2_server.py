@@ -150,8 +150,9 @@ class H2ServerConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport, data: bytes = b"") -> None:
         self.transport = transport  # type: ignore[assignment]
-        peer = transport.get_extra_info("peername")
-        self.peer = peer[0].encode() if peer else b""
+        if not self.peer:  # else a PROXY protocol header named the client
+            peer = transport.get_extra_info("peername")
+            self.peer = peer[0].encode() if peer else b""
         self.forwarded = forwarded_lines(self.peer, self.scheme)
         self.server.connections.add(self)
         http = self.server.runtime.http

@@ -141,8 +141,9 @@ class H1ConnectionCore(Downstream):
         self.transport = self.views_to = transport  # type: ignore[assignment]
         # Response bytes go to the socket at once when nothing is queued (sendnow.pyx).
         self.tx = Sender(transport)
-        peer = transport.get_extra_info("peername")
-        self.peer = peer[0].encode() if peer else b""
+        if not self.peer:  # else a PROXY protocol header named the client
+            peer = transport.get_extra_info("peername")
+            self.peer = peer[0].encode() if peer else b""
         if transport.get_extra_info("sslcontext") is not None:
             self.scheme = b"https"
         self.forwarded = forwarded_lines(self.peer, self.scheme)
@@ -367,6 +368,7 @@ class H1ConnectionCore(Downstream):
         if self.pause_mask:
             self.pause_mask = 0
             self.transport.resume_reading()
+        proto.peer = self.peer
         self.transport.set_protocol(proto)
         proto.connection_made(self.transport, data)
 

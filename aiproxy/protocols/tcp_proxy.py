@@ -46,7 +46,7 @@ class TcpProxyConnection(asyncio.Protocol):
     __slots__ = ("server", "listener", "cluster_name", "loop", "transport", "upstream",
                  "splice", "eofs", "closed", "task", "early", "early_eofs", "started",
                  "copied_up", "copied_down", "moved", "endpoint", "ended", "idle_timer",
-                 "idle_seen", "idle_since", "spliced")
+                 "idle_seen", "idle_since", "spliced", "peer")
 
     def __init__(self, server: Any, listener: ListenerConfig) -> None:
         self.server = server
@@ -71,6 +71,7 @@ class TcpProxyConnection(asyncio.Protocol):
         self.idle_seen: tuple[int, ...] = ()
         self.idle_since = 0.0
         self.spliced = False  # the kernel carried the tunnel (after what was read first)
+        self.peer = b""  # from a PROXY protocol header, or b"": the socket's peer
 
     # -- client transport callbacks ---------------------------------------------------
 
@@ -267,6 +268,8 @@ class TcpProxyConnection(asyncio.Protocol):
             access_log.write(self.log_record())
 
     def _peer(self) -> str:
+        if self.peer:
+            return self.peer.decode()
         peer = self.transport.get_extra_info("peername") if self.transport else None
         return peer[0] if peer else ""
 

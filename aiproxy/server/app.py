@@ -24,6 +24,7 @@ from aiproxy.kernel.lifecycle import KernelStartError, ProxyKernel
 from aiproxy.pipeline.ends import ServerCore
 from aiproxy.protocols.h2_server import H2ServerConnection
 from aiproxy.protocols.http1 import H1Connection
+from aiproxy.protocols.proxy_protocol import ProxyHeaderReader
 from aiproxy.protocols.tcp_proxy import TcpProxyConnection
 from aiproxy.routing.cluster import finish_checks
 from aiproxy.semantic.classifier import ModelError
@@ -275,6 +276,13 @@ class ProxyServer(ServerCore):
         return fn(*args)
 
     def _factory(self, listener: ListenerConfig) -> Callable[[], asyncio.BaseProtocol]:
+        inner = self._protocol(listener)
+        if not listener.proxy_protocol:
+            return inner
+        timeout = self.config.http.header_timeout_ms / 1000
+        return lambda: ProxyHeaderReader(self.loop, inner, timeout)
+
+    def _protocol(self, listener: ListenerConfig) -> Callable[[], Any]:
         protocols = listener.protocols
         if protocols == ("tcp",):
             return lambda: TcpProxyConnection(self, listener)
@@ -298,9 +306,10 @@ class AlpnDispatch(asyncio.Protocol):
     """Runs once the TLS handshake is done and hands the connection to HTTP/2 or
     HTTP/1.1 by what ALPN chose (no ALPN means HTTP/1.1)."""
 
-    def __init__(self, server: ProxyServer, protocols: tuple[str, ...]) -> None:
+    def __init__(self, server: ProxyServer, protocols: tuple[str, ...], peer: bytes) -> None:
         self.server = server
         self.protocols = protocols
+        self.peer = peer  # from a PROXY protocol header, or b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         sslobj = transport.get_extra_info("ssl_object")
@@ -313,6 +322,8 @@ class AlpnDispatch(asyncio.Protocol):
         else:
             transport.close()
             return
+        if self.peer:
+            proto.peer = self.peer
         transport.set_protocol(proto)
         proto.connection_made(transport)
 
@@ -341,6 +352,7 @@ class TlsOrPlain(asyncio.Protocol):
         self.timeout = timeout
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.peer = b""  # from a PROXY protocol header (ProxyHeaderReader sets it)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -355,7 +367,7 @@ class TlsOrPlain(asyncio.Protocol):
         if data[0] == 0x16 or data[0] & 0x80:
             loop = self.server.loop
             tls = _ssl_protocol_class(loop)(
-                loop, AlpnDispatch(self.server, self.protocols), self.ctx, None,
+                loop, AlpnDispatch(self.server, self.protocols, self.peer), self.ctx, None,
                 server_side=True,
                 ssl_handshake_timeout=max(self.deadline - loop.time(), 0.001))
             transport.set_protocol(tls)
@@ -372,6 +384,8 @@ class TlsOrPlain(asyncio.Protocol):
                 tls.buffer_updated(n)
             return
         h1 = H1Connection(self.server)
+        if self.peer:
+            h1.peer = self.peer
         transport.set_protocol(h1)
         h1.connection_made(transport)
         h1.reject(400, "plain HTTP request sent to an HTTPS port: this listener speaks "
