@@ -219,13 +219,14 @@ class Case:
     ref: bytes | None = None
 
 
-def expected_target(target: bytes) -> tuple[bytes, bytes | None]:
-    """The origin-form target an upstream should get, and the Host absolute-form sets."""
+def expected_target(method: bytes, target: bytes) -> tuple[bytes, bytes | None]:
+    """The origin-form target an upstream should get, and the Host absolute-form sets
+    (an OPTIONS with an empty path and no query goes as `*`: RFC 9112 3.2.4)."""
     m = re.match(rb"(?i)https?://([^/?#]*)(.*)", target)
     if not m:
         path, q, query = target.partition(b"?")
         return re.sub(rb"//+", b"/", path) + q + query, None  # merge_slashes (default)
-    path = m.group(2) or b"/"
+    path = m.group(2) or (b"*" if method == b"OPTIONS" else b"/")
     if path[:1] == b"?":
         path = b"/" + path
     return path, m.group(1)
@@ -259,7 +260,7 @@ def check(case: Case, out: Outcome, ups: list[Req], conns: list[UpConn]) -> list
         problems.append(f"aiproxy forwarded {n_up} requests, h11 frames {len(ref)} "
                         f"(h11 error: {ref_err})")
     for i, (got, want) in enumerate(zip(ups, ref, strict=False)):
-        tgt, host = expected_target(want.target)
+        tgt, host = expected_target(want.method, want.target)
         if got.method != want.method or got.body != want.body:
             problems.append(f"request {i}: upstream got {got.method!r} body {got.body[:60]!r}, "
                             f"h11 saw {want.method!r} body {want.body[:60]!r}")

@@ -666,8 +666,12 @@ class Exchange(ExchangeBase):
         # (which also rules out userinfo, RFC 9112 3.2.1).
         if not valid_authority(authority) or b"#" in rest:
             return False
-        path = rest[end:] or b"/"
-        if path[:1] == b"?":
+        path = rest[end:]
+        if not path:
+            # RFC 9112 3.2.4: an OPTIONS for the server itself (no path, no query) goes to
+            # the origin in asterisk-form, and is routed as `OPTIONS *` is.
+            path = b"*" if self.method == b"OPTIONS" else b"/"
+        elif path[:1] == b"?":
             path = b"/" + path
         self.up_target = path
         q = path.find(b"?")
