@@ -13,7 +13,6 @@ import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -143,5 +142,93 @@ def test_options_asterisk_to_h2_upstream(e: Edge) -> None:
     assert json.loads(body)["path"] == "*"
 
 
-def _unused() -> tuple[type, Path]:
-    return H2LibClient, Path
+# -- RFC 9110 7.6.2: Max-Forwards on OPTIONS and TRACE -----------------------------------
+
+ALLOWED = {b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"TRACE", b"PATCH"}
+
+
+def test_options_max_forwards_zero_answered_by_the_proxy(e: Edge) -> None:
+    """The proxy is the final recipient: 200 with Allow, no body, nothing upstream, and
+    the connection goes on."""
+    with connect(e.port) as sock:
+        sock.sendall(b"OPTIONS * HTTP/1.1\r\n" + H + b"Max-Forwards: 0\r\n\r\n"
+                     b"OPTIONS /p HTTP/1.1\r\n" + H + b"Max-Forwards: 00\r\n\r\n"
+                     b"GET /after HTTP/1.1\r\n" + H + b"\r\n")
+        responses = read_responses(sock, 3)
+    for resp in responses[:2]:
+        assert (resp.status, resp.body) == (200, b""), resp
+        assert resp.headers[b"content-length"] == b"0"
+        assert {m.strip() for m in resp.headers[b"allow"].split(b",")} == ALLOWED
+        assert b"via" not in resp.headers  # its own answer, not a forwarded one
+        assert b"connection" not in resp.headers
+    assert (responses[2].status, responses[2].body) == (200, b"ok")
+    assert [r.target for r in e.rec.requests()] == [b"/after"]
+
+
+def test_trace_max_forwards_zero_echoes_the_head_without_credentials(e: Edge) -> None:
+    head = (b"TRACE /t?q=1 HTTP/1.1\r\n" + H + b"Max-Forwards: 0\r\n"
+            b"Authorization: Bearer secret-1\r\nX-Keep: one\r\n"
+            b"Proxy-Authorization: Basic secret-2\r\nCookie: session=secret-3\r\n"
+            b"X-Api-Key: secret-4\r\nX-Other: two\r\n\r\n")
+    status, headers, body = exchange(e.port, head)
+    assert status == 200
+    assert headers[b"content-type"] == b"message/http"
+    assert body == (b"TRACE /t?q=1 HTTP/1.1\r\n" + H + b"Max-Forwards: 0\r\n"
+                    b"X-Keep: one\r\nX-Other: two\r\n\r\n")
+    assert e.rec.requests() == []
+
+
+@pytest.mark.parametrize("method", [b"OPTIONS", b"TRACE"])
+@pytest.mark.parametrize("value,sent", [
+    (b"5", b"4"), (b"1", b"0"), (b"007", b"6"),
+    (b"99999999999999999999999999", b"2147483647")])
+def test_max_forwards_decremented_upstream(e: Edge, method: bytes, value: bytes,
+                                           sent: bytes) -> None:
+    status, _, _ = exchange(e.port, method + b" /mf HTTP/1.1\r\n" + H
+                            + b"Max-Forwards: " + value + b"\r\n\r\n")
+    assert status == 200
+    [req] = e.rec.requests()
+    assert (req.method, req.target) == (method, b"/mf")
+    assert req.header(b"max-forwards") == [sent]
+
+
+@pytest.mark.parametrize("method", [b"GET", b"POST", b"DELETE"])
+def test_max_forwards_of_other_methods_untouched(e: Edge, method: bytes) -> None:
+    status, _, _ = exchange(e.port, method + b" /mf HTTP/1.1\r\n" + H
+                            + b"Content-Length: 0\r\nMax-Forwards: 0\r\n\r\n")
+    assert status == 200
+    [req] = e.rec.requests()
+    assert req.header(b"max-forwards") == [b"0"]
+
+
+@pytest.mark.parametrize("fields", [
+    b"Max-Forwards: x\r\n", b"Max-Forwards: -1\r\n", b"Max-Forwards: 1.5\r\n",
+    b"Max-Forwards: \r\n", b"Max-Forwards: 1, 1\r\n", b"Max-Forwards: 0x1\r\n",
+    b"Max-Forwards: 1\r\nMax-Forwards: 1\r\n"],
+    ids=["letters", "negative", "decimal-point", "empty", "list", "hex", "twice"])
+@pytest.mark.parametrize("method", [b"OPTIONS", b"TRACE"])
+def test_invalid_max_forwards_is_refused(e: Edge, method: bytes, fields: bytes) -> None:
+    """Not 1*DIGIT: the proxy can neither tell whether it is the last hop nor forward
+    an updated value (RFC 9110 7.6.2), so the request is refused, not passed on."""
+    status, headers, body = exchange(e.port, method + b" /mf HTTP/1.1\r\n" + H + fields
+                                     + b"\r\n")
+    assert status == 400
+    assert b"Max-Forwards" in body
+    assert e.rec.requests() == []
+
+
+def test_max_forwards_over_http2(e: Edge) -> None:
+    with H2LibClient(e.h2c) as c:
+        options = c.response(c.request("/o", [("max-forwards", "0")], method="OPTIONS"))
+        trace = c.response(c.request("/t", [("max-forwards", "0"), ("cookie", "a=secret"),
+                                            ("x-keep", "1")], method="TRACE"))
+        forwarded = c.response(c.request("/f", [("max-forwards", "3")], method="OPTIONS"))
+    assert options.status == 200 and options.body == b""
+    assert {m.strip() for m in options.header(b"allow").split(b",")} == ALLOWED
+    assert trace.status == 200
+    assert trace.header(b"content-type") == b"message/http"
+    assert trace.body == b"TRACE /t HTTP/2.0\r\nHost: test\r\nmax-forwards: 0\r\nx-keep: 1\r\n\r\n"
+    assert forwarded.status == 200
+    [req] = e.rec.requests()
+    assert (req.method, req.target) == (b"OPTIONS", b"/f")
+    assert req.header(b"max-forwards") == [b"2"]

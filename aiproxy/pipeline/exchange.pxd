@@ -19,6 +19,7 @@ cdef long long PENDING_LIMIT, REPLAY_LIMIT
 cdef Py_ssize_t TOKEN_TAIL
 cdef bytes CRLF
 cdef tuple NO_INTENT
+cdef frozenset RARE_METHODS
 cdef double INFINITY
 
 # Not final: Cython refuses a final class overriding its base's cpdef methods.
@@ -54,7 +55,7 @@ cdef class Exchange(ExchangeBase):
 
     # The per-request path: C calls between them (no attribute lookup per call).
     cpdef setup(self, down, RequestHead head, double now)
-    @cython.locals(head=RequestHead)
+    @cython.locals(head=RequestHead, rare=cython.bint)
     cpdef start(self)
     cpdef _send_continue(self)
     @cython.locals(head=RequestHead, route=Route)

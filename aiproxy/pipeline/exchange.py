@@ -44,6 +44,7 @@ from aiproxy.pipeline.filters import (
     ResponseRefused,
     StoredResponse,
 )
+from aiproxy.pipeline.filters import ResponseHead as OwnResponseHead
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.protocols.replies import error_body, grpc_status_for, grpc_status_value
 from aiproxy.ratelimit.bucket import Budget
@@ -91,6 +92,14 @@ INFORMATIONAL_BURST = 32.0
 INFORMATIONAL_REFILL = 1.0
 NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
+# Methods start() looks at before anything else; a plain request pays one set lookup.
+RARE_METHODS = frozenset((b"CONNECT", b"OPTIONS", b"TRACE"))
+# What an OPTIONS the proxy answers itself (Max-Forwards: 0) lists: the methods it
+# forwards (any other token goes on too, but cannot be listed; never CONNECT).
+ALLOW = b"GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH"
+MAX_FORWARDS_LIMIT = 2**31 - 1  # the largest Max-Forwards sent on (RFC 9110 7.6.2)
+# Fields a TRACE answered here leaves out of its echo (RFC 9110 9.3.8): credentials.
+TRACE_HIDDEN = frozenset((b"authorization", b"proxy-authorization", b"cookie", b"x-api-key"))
 # OpenAI-style usage in a JSON body or the final SSE event (llm_score token accounting).
 USAGE_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d{1,9})')
 TOKEN_TAIL = 4096  # bytes of the response end searched for usage
@@ -228,7 +237,8 @@ class Exchange(ExchangeBase):
             timeout = grpc_timeout(head.get(b"grpc-timeout"))
             if timeout is not None:
                 self.deadline_at = self.t_start + timeout
-        if method == b"CONNECT":
+        rare = method in RARE_METHODS
+        if rare and method == b"CONNECT":
             self._framing()
             return self.local_reply(501, "CONNECT is not supported by this listener")
         if head.version == 20:
@@ -268,6 +278,8 @@ class Exchange(ExchangeBase):
             return self.local_reply(417, "unsupported expectation")
         if not self._framing():
             return
+        if rare and self._max_forwards():
+            return
         sem = self.rt.semantic
         if sem is not None and self.rt.table.uses_intent:
             explicit = head.get(sem.header)
@@ -298,6 +310,58 @@ class Exchange(ExchangeBase):
                     self.no_intent = "not_held"
                 return self._classify(b"")
         self._route()
+
+    def _max_forwards(self) -> bool:
+        """RFC 9110 7.6.2 for OPTIONS and TRACE: at 0 the proxy is the final recipient
+        and answers; above, the request goes on with one less. True when answered."""
+        values = self.head.get_all(b"max-forwards")
+        if not values:
+            return False
+        value = values[0]
+        if len(values) > 1 or not value.isdigit():
+            # Neither "is this the last hop" nor the value to forward can be told.
+            self.local_reply(400, "invalid Max-Forwards (one field of digits expected)")
+            return True
+        value = value.lstrip(b"0")
+        if value:
+            left = int(value) - 1 if len(value) <= 10 else MAX_FORWARDS_LIMIT
+            self.set_upstream_header(b"max-forwards", b"%d" % min(left, MAX_FORWARDS_LIMIT))
+            return False
+        if self.method == b"OPTIONS":
+            self._answer_here([(b"allow", ALLOW)], b"")
+        else:
+            self._answer_here([(b"content-type", b"message/http")], self._trace_echo())
+        return True
+
+    def _trace_echo(self) -> bytes:
+        """The request head as received (RFC 9110 9.3.8), less the fields that may hold
+        credentials; an HTTP/2 request as the HTTP/1.1-style head it amounts to."""
+        head = self.head
+        hidden = TRACE_HIDDEN
+        auth = self.rt.config.auth
+        if auth is not None:
+            hidden = hidden | {auth.api_key_header}
+        if head.version == 20:
+            out = [head.method, b" ", head.target, b" HTTP/2.0\r\n"]
+            if head.host is not None:
+                out += (b"Host: ", head.host, CRLF)
+        else:
+            raw = head.raw
+            out = [raw[:raw.find(CRLF) + 2]]
+        for name, value in head.headers():
+            if name.lower() not in hidden:
+                out += (name, b": ", value, CRLF)
+        out.append(CRLF)
+        return b"".join(out)
+
+    def _answer_here(self, fields: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A 200 of the proxy's own (not a forwarded response: no Via), before routing:
+        the unrouted filters (tracing, audit) see it as they see a local reply."""
+        if self.rt.unrouted_filters:
+            self._start_unrouted()
+        fields.append((b"content-length", b"%d" % len(body)))
+        self._answer(StoredResponse(OwnResponseHead(200, fields), [body] if body else []),
+                     len(self.filters), 0)
 
     def _intent_may_route(self) -> bool:
         """Whether some intent could pick another route than no intent would."""
@@ -505,9 +569,10 @@ class Exchange(ExchangeBase):
             return self._answer(result, i)
         self._gate(i + 1)
 
-    def _answer(self, result: LocalReply | StoredResponse, i: int) -> None:
+    def _answer(self, result: LocalReply | StoredResponse, i: int, via: int = 11) -> None:
         """Filter i answered: earlier filters still see the response on its way out;
-        later ones never started. Filter i's done() still runs."""
+        later ones never started. Filter i's done() still runs. `via`: the version the
+        Via field names (a Head.version; 0: none)."""
         self.done_filters = self.filters[:i + 1]
         self.filters = self.filters[:i]
         if isinstance(result, LocalReply):
@@ -515,7 +580,7 @@ class Exchange(ExchangeBase):
                                     result.headers)
         self.reading_body = False
         self.status = result.head.status
-        self.resp_version = 11  # a stored response: its Via as before (not per upstream)
+        self.resp_version = via  # a stored response: its Via as before (not per upstream)
         self.head_sent = True
         self.t_first = monotonic()
         resp = self._filter_head(result.head)
