@@ -47,6 +47,7 @@ cdef class Exchange(ExchangeBase):
     cdef public double t_start_pc, t_classify, intent_conf, req_timeout
     cdef public bint reported, client_lost, counted, pending_conn, is_retry, replayed
     cdef public bint continued, drained
+    cdef public bint close_after  # HTTP/1.1: the connection ends with this response
     cdef public object intent, intent_domain, retry_handle, tok_tail, hold
     cdef public tuple filters  # tested for truth per request: a size check in C
     cdef public object up_headers, gate_task, trace_id, identity, llm

@@ -156,7 +156,7 @@ class Exchange(ExchangeBase):
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
         "info_budget", "upstream_error", "no_intent", "grpc_status",
-        "stream_error", "drained", "tunnel_ended",
+        "stream_error", "drained", "tunnel_ended", "close_after",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -178,7 +178,9 @@ class Exchange(ExchangeBase):
         (why a request semantic routing looked at got no intent: see _classify),
         stream_error (why the proxy reset the client's HTTP/2 stream, RFC 9113 8.1.1);
         drained (the client was cut by the drain deadline: see on_client_lost);
-        tunnel_ended (how an Upgrade tunnel ended: see _tunnel_end)."""
+        tunnel_ended (how an Upgrade tunnel ended: see _tunnel_end); close_after (an
+        HTTP/1.1 connection must end after this response: what follows on it is not
+        requests)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -240,6 +242,9 @@ class Exchange(ExchangeBase):
         rare = method in RARE_METHODS
         if rare and method == b"CONNECT":
             self._framing()
+            # What follows a CONNECT on the connection may be tunnel bytes sent ahead of
+            # the answer (RFC 9110 9.3.6), never requests: the connection ends here.
+            self.close_after = True
             return self.local_reply(501, "CONNECT is not supported by this listener")
         if head.version == 20:
             # The limits the HTTP/1.1 parser applies to a request line and field count
