@@ -19,7 +19,13 @@ import pytest
 from tests.conftest import CRASH_MARKERS
 from tests.h2_support import H2LibClient, H2Upstream
 from tests.support import free_port, process_log, start_process, stop_process, wait_port
-from tests.test_wire_rejects import Recorder, connect, read_responses
+from tests.test_wire_rejects import (
+    Recorder,
+    assert_rejected,
+    connect,
+    read_responses,
+    send_and_close,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -232,3 +238,29 @@ def test_max_forwards_over_http2(e: Edge) -> None:
     [req] = e.rec.requests()
     assert (req.method, req.target) == (b"OPTIONS", b"/f")
     assert req.header(b"max-forwards") == [b"2"]
+
+
+# -- RFC 9113 3.4, 11.6: PRI is the HTTP/2 preface, not a request method -------------------
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"PRI / HTTP/1.1\r\n" + H + b"\r\n",
+    b"PRI * HTTP/1.1\r\n" + H + b"\r\n",
+    b"PRI * HTTP/1.0\r\n\r\nSM\r\n\r\n",
+    b"PRI /x HTTP/1.1\r\n" + H + b"\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00",
+], ids=["origin-form", "asterisk", "http10-preface-shape", "frames-behind"])
+def test_pri_method_refused_and_closed(e: Edge, request_bytes: bytes) -> None:
+    out = send_and_close(e.port, request_bytes)
+    resp = assert_rejected(out, 400)  # Connection: close, JSON error, then a clean FIN
+    assert "PRI" in resp.json_error()["message"]
+    assert e.rec.requests() == [] and e.rec.raw() == b""
+
+
+def test_pri_method_refused_over_http2(e: Edge) -> None:
+    with H2LibClient(e.h2c) as c:
+        resp = c.response(c.request("/x", method="PRI"))
+        after = c.response(c.request("/after"))
+    assert resp.status == 400
+    assert b"PRI" in resp.body
+    assert after.status == 200  # a stream error: the connection goes on
+    assert [r.target for r in e.rec.requests()] == [b"/after"]

@@ -93,7 +93,7 @@ INFORMATIONAL_REFILL = 1.0
 NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 # Methods start() looks at before anything else; a plain request pays one set lookup.
-RARE_METHODS = frozenset((b"CONNECT", b"OPTIONS", b"TRACE"))
+RARE_METHODS = frozenset((b"CONNECT", b"OPTIONS", b"TRACE", b"PRI"))
 # What an OPTIONS the proxy answers itself (Max-Forwards: 0) lists: the methods it
 # forwards (any other token goes on too, but cannot be listed; never CONNECT).
 ALLOW = b"GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH"
@@ -246,6 +246,13 @@ class Exchange(ExchangeBase):
             # the answer (RFC 9110 9.3.6), never requests: the connection ends here.
             self.close_after = True
             return self.local_reply(501, "CONNECT is not supported by this listener")
+        if rare and method == b"PRI":
+            # RFC 9113 3.4, 11.6: the start of an HTTP/2 connection preface, never a
+            # request; over HTTP/1.1 what follows it is HTTP/2 frames.
+            self._framing()
+            self.close_after = True
+            return self.local_reply(
+                400, "the PRI method is reserved for the HTTP/2 connection preface")
         if head.version == 20:
             # The limits the HTTP/1.1 parser applies to a request line and field count
             # (the header list's size is SETTINGS_MAX_HEADER_LIST_SIZE's).
