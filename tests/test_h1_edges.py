@@ -264,3 +264,41 @@ def test_pri_method_refused_over_http2(e: Edge) -> None:
     assert b"PRI" in resp.body
     assert after.status == 200  # a stream error: the connection goes on
     assert [r.target for r in e.rec.requests()] == [b"/after"]
+
+
+# -- TRACE on a route that adds request fields ----------------------------------------------
+
+
+def test_trace_not_forwarded_where_the_route_adds_request_fields(start_proxy) -> None:
+    """A route's request_headers_add may hold the upstream's credential (an API key the
+    proxy injects): an upstream that implements TRACE would echo it to the client. Such
+    a route answers TRACE 405 itself; other methods, and TRACE on other routes, go on."""
+    rec = Recorder()
+    try:
+        proxy = start_proxy(f"""
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{rec.port}"]
+
+[[routes]]
+name = "keyed"
+match = {{ path_prefix = "/keyed" }}
+cluster = "up"
+request_headers_add = {{ authorization = "Bearer upstream-secret" }}
+
+[[routes]]
+name = "plain"
+cluster = "up"
+""")
+        status, headers, body = exchange(proxy.port, b"TRACE /keyed/x HTTP/1.1\r\n" + H + b"\r\n")
+        assert status == 405, body
+        assert b"TRACE" not in headers[b"allow"] and b"GET" in headers[b"allow"]
+        assert b"upstream-secret" not in body
+        assert rec.requests() == []
+        assert exchange(proxy.port, b"GET /keyed/x HTTP/1.1\r\n" + H + b"\r\n")[0] == 200
+        assert exchange(proxy.port, b"TRACE /other HTTP/1.1\r\n" + H + b"\r\n")[0] == 200
+        assert [(r.method, r.target) for r in rec.requests()] == [(b"GET", b"/keyed/x"),
+                                                                  (b"TRACE", b"/other")]
+        assert rec.requests()[0].header(b"authorization") == [b"Bearer upstream-secret"]
+    finally:
+        rec.close()

@@ -97,6 +97,7 @@ RARE_METHODS = frozenset((b"CONNECT", b"OPTIONS", b"TRACE", b"PRI"))
 # What an OPTIONS the proxy answers itself (Max-Forwards: 0) lists: the methods it
 # forwards (any other token goes on too, but cannot be listed; never CONNECT).
 ALLOW = b"GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH"
+ALLOW_NO_TRACE = b"GET, HEAD, POST, PUT, DELETE, OPTIONS, PATCH"
 MAX_FORWARDS_LIMIT = 2**31 - 1  # the largest Max-Forwards sent on (RFC 9110 7.6.2)
 # Fields a TRACE answered here leaves out of its echo (RFC 9110 9.3.8): credentials.
 TRACE_HIDDEN = frozenset((b"authorization", b"proxy-authorization", b"cookie", b"x-api-key"))
@@ -674,6 +675,12 @@ class Exchange(ExchangeBase):
                 return self.local_reply(
                     501, f"cannot carry Upgrade: {offered.decode('latin-1')} to cluster "
                     f"{cluster.name!r}, whose upstreams speak HTTP/2", "upgrade_not_supported")
+        if route.has_policy and self.method == b"TRACE" and route.cfg.request_headers_add:
+            # The fields a route adds may be the upstream's credentials (an API key the
+            # proxy injects), and an upstream that implements TRACE echoes them back.
+            return self.local_reply(
+                405, "TRACE is not forwarded on a route that adds request fields",
+                "method_not_allowed", [(b"allow", ALLOW_NO_TRACE)])
         if cluster.max_requests:
             why = cluster.overflow()
             if why is not None:
