@@ -373,8 +373,8 @@ class Exchange(ExchangeBase):
         if self.rt.unrouted_filters:
             self._start_unrouted()
         fields.append((b"content-length", b"%d" % len(body)))
-        self._answer(StoredResponse(OwnResponseHead(200, fields), [body] if body else []),
-                     len(self.filters), 0)
+        self._answer(StoredResponse(OwnResponseHead(200, fields), [body] if body else [],
+                                    version=0), len(self.filters))
 
     def _intent_may_route(self) -> bool:
         """Whether some intent could pick another route than no intent would."""
@@ -582,10 +582,9 @@ class Exchange(ExchangeBase):
             return self._answer(result, i)
         self._gate(i + 1)
 
-    def _answer(self, result: LocalReply | StoredResponse, i: int, via: int = 11) -> None:
+    def _answer(self, result: LocalReply | StoredResponse, i: int) -> None:
         """Filter i answered: earlier filters still see the response on its way out;
-        later ones never started. Filter i's done() still runs. `via`: the version the
-        Via field names (a Head.version; 0: none)."""
+        later ones never started. Filter i's done() still runs."""
         self.done_filters = self.filters[:i + 1]
         self.filters = self.filters[:i]
         if isinstance(result, LocalReply):
@@ -593,7 +592,7 @@ class Exchange(ExchangeBase):
                                     result.headers)
         self.reading_body = False
         self.status = result.head.status
-        self.resp_version = via  # a stored response: its Via as before (not per upstream)
+        self.resp_version = result.version  # what its Via names
         self.head_sent = True
         self.t_first = monotonic()
         resp = self._filter_head(result.head)
