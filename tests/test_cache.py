@@ -404,3 +404,25 @@ def test_semantic_indexes_are_bounded():
             state.index(("r", None, "kept"), vector, f"k-kept{i}")  # used: stays
     assert state.indexed == sum(len(x.keys) for x in state.indexes.values()) <= INDEXED_LIMIT
     assert ("r", None, "kept") in state.indexes and ("r", None, "ctx0") not in state.indexes
+
+
+def test_hit_via_names_the_protocol_the_response_came_with(start_proxy):
+    """Via names the protocol of the message received on that hop (RFC 9110 7.6.3): for
+    a response, the upstream's. A hit is the response stored from an HTTP/2 upstream,
+    so it says `2` as the miss did, whatever protocol the client speaks."""
+    from tests.h2_support import H2Upstream
+
+    up = H2Upstream(name="h2-cache")
+    try:
+        proxy = start_proxy("[server]\nworkers = 1\n"
+                            + simple_config(up.port, cluster_extra='protocol = "h2"')
+                            + "\n[llm]\n\n[cache]\n")
+        url = f"{proxy.url}/v1/chat/completions"
+        with httpx.Client() as c:
+            first = c.post(url, json=CHAT)
+            second = c.post(url, json=CHAT)
+        assert first.headers["x-aiproxy-cache"] == "miss"
+        assert second.headers["x-aiproxy-cache"] == "hit"
+        assert first.headers["via"] == second.headers["via"] == "2 aiproxy"
+    finally:
+        up.stop()

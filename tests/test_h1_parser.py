@@ -1208,6 +1208,9 @@ VALID_CHUNKED = [
     pytest.param(b"1F\r\n" + b"x" * 31 + b"\r\n0\r\n\r\n", b"x" * 31, b"", id="mixed-hex"),
     pytest.param(b"0000000000000005\r\nhello\r\n0000000000000000\r\n\r\n", b"hello", b"",
                  id="16-hex-digits"),
+    # chunk-size = 1*HEXDIG (RFC 9112 7.1): leading zeros are not significant digits.
+    pytest.param(b"0" * 20 + b"5\r\nhello\r\n" + b"0" * 30 + b"\r\n\r\n", b"hello", b"",
+                 id="leading-zeros-past-16"),
     pytest.param(b"4\r\n\r\n\r\n\r\n0\r\n\r\n", b"\r\n\r\n", b"", id="crlf-in-data"),
     pytest.param(b"3\r\n0\r\n\r\n0\r\n\r\n", b"0\r\n", b"", id="last-chunk-lookalike-in-data"),
     pytest.param(b"5\r\n\x00\xff\r\n\x7f\r\n0\r\n\r\n", b"\x00\xff\r\n\x7f", b"",
@@ -1308,6 +1311,15 @@ def test_chunked_large_chunk_streamed():
     assert d.done and d.tail == 7
 
 
+def test_chunked_size_of_16_significant_digits_behind_zeros():
+    """The largest size (16 hex digits) behind 4,000 zeros: a size line within the
+    bound, so the chunk's data follows."""
+    d = ChunkedDecoder()
+    assert d.feed(b"0" * 4000 + b"F" * 16 + b";a\r\n") == []
+    assert d.feed(b"xyz") == [b"xyz"]
+    assert not d.done
+
+
 def test_chunked_empty_feed():
     d = ChunkedDecoder()
     assert d.feed(b"") == []
@@ -1354,7 +1366,10 @@ INVALID_CHUNKED = [
     pytest.param(b"-5\r\nhello\r\n", 400, id="minus"),
     pytest.param(b"0x5\r\nhello\r\n", 400, id="0x-prefix"),
     pytest.param(b"1" + b"0" * 16 + b"\r\n", 400, id="17-hex-digits"),
-    pytest.param(b"0" * 17 + b"5\r\nhello\r\n", 400, id="17-zeros"),
+    pytest.param(b"0" * 17 + b"1" + b"0" * 16 + b"\r\n", 400, id="zeros-then-17-hex-digits"),
+    # The size line is bounded like an extension: zeros or blanks do not go on forever.
+    pytest.param(b"0" * 5000 + b"5\r\nhello\r\n", 400, id="size-line-of-zeros-too-long"),
+    pytest.param(b"5" + b" " * 5000 + b";a\r\nhello\r\n", 400, id="size-line-of-blanks-too-long"),
     pytest.param(b"5\nhello\r\n0\r\n\r\n", 400, id="bare-lf-after-size"),
     pytest.param(b"5;a=b\nhello\r\n0\r\n\r\n", 400, id="bare-lf-after-extension"),
     pytest.param(b"5\rhello\r\n", 400, id="bare-cr-after-size"),

@@ -66,6 +66,8 @@ REJECTED = {
     "chunk-bare-lf-end": CHUNKED + b"5\r\nhello\r\n0\r\n\n",
     "chunk-data-longer": CHUNKED + b"3\r\nhello\r\n0\r\n\r\n",
     "chunk-bad-ext": CHUNKED + b"5;\x01\r\nhello\r\n0\r\n\r\n",
+    "chunk-17-hex-digits-behind-zeros": CHUNKED + b"0000" + b"1" + b"0" * 16 + b"\r\nhello\r\n",
+    "chunk-size-line-of-zeros": CHUNKED + b"0" * 5000 + b"5\r\nhello\r\n0\r\n\r\n",
     "trailer-folded": CHUNKED + b"5\r\nhello\r\n0\r\nX-A: 1\r\n folded\r\n\r\n",
     "obs-fold": b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 2\r\n\r\nok",
     "nul-in-value": b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 2\r\n\r\nok",
@@ -96,6 +98,9 @@ ACCEPTED = {
     "http-1.2": (b"HTTP/1.2 200 OK\r\nContent-Length: 2\r\n\r\nok", b"ok"),
     "no-reason": (b"HTTP/1.1 200\r\nContent-Length: 2\r\n\r\nok", b"ok"),
     "chunk-extensions": (CHUNKED + b"5;a=b;c=\"d e\"\r\nhello\r\n0;z\r\n\r\n", b"hello"),
+    # chunk-size = 1*HEXDIG (RFC 9112 7.1): leading zeros past 16 digits are still valid.
+    "chunk-leading-zeros": (CHUNKED + b"0" * 20 + b"5\r\nhello\r\n" + b"0" * 21 + b"\r\n\r\n",
+                            b"hello"),
     "trailer-framing-fields": (CHUNKED + b"5\r\nhello\r\n0\r\nContent-Length: 50\r\n"
                                b"Transfer-Encoding: chunked\r\nHost: evil\r\n\r\n", b"hello"),
     "te-mixed-case": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: ChUnKeD\r\n\r\n5\r\nhello\r\n0\r\n\r\n",

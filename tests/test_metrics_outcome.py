@@ -106,3 +106,31 @@ def test_cut_off_responses_are_not_counted_as_plain_200s(start_proxy,
     assert samples.get(_key("200", "client_closed")) == 1, samples
     requests = {k: v for k, v in samples.items() if k[0] == "aiproxy_requests_total"}
     assert sum(requests.values()) == 7, requests
+
+
+def test_upgrade_tunnels_are_counted_as_upgraded(start_proxy, demo_upstream: int) -> None:
+    """A 101 is no whole response but the start of a tunnel: `upgraded`, however the
+    tunnel ended (the access log's `ended` says how), never `complete` or
+    `client_closed`."""
+    from websockets.sync.client import connect as ws_connect
+
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream) + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    with ws_connect(f"ws://127.0.0.1:{proxy.port}/ws", open_timeout=10, close_timeout=5) as ws:
+        ws.send("hi")
+        assert ws.recv(timeout=10) == "hi"
+    # A client that resets its tunnel.
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+        s.sendall(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 101 ")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(admin)
+        requests = {k: v for k, v in samples.items() if k[0] == "aiproxy_requests_total"}
+        if sum(requests.values()) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert requests == {_key("101", "upgraded"): 2}, requests

@@ -749,7 +749,10 @@ def _chunked(body: bytes) -> bytes:
 BODY_REJECTS = {
     "chunk-size-zz": (400, b"zz\r\n" + SMUGGLED + b"\r\n0\r\n\r\n"),
     "chunk-size-negative": (400, b"-1\r\n" + SMUGGLED + b"\r\n0\r\n\r\n"),
-    "chunk-size-17-hex-digits": (400, b"0" * 16 + b"5\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    "chunk-size-17-hex-digits": (400, b"1" + b"0" * 16 + b"\r\n" + SMUGGLED + b"\r\n0\r\n\r\n"),
+    "chunk-size-zeros-then-17-hex-digits": (
+        400, b"0" * 8 + b"1" + b"0" * 16 + b"\r\n" + SMUGGLED + b"\r\n0\r\n\r\n"),
+    "chunk-size-line-of-zeros": (400, b"0" * 5000 + b"5\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
     "chunk-size-0x-prefix": (400, b"0x5\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
     "chunk-size-space-then-junk": (400, b"5 x\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
     "chunk-size-empty": (400, b"\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
@@ -798,9 +801,10 @@ def test_chunked_body_rejected_after_head_forwarded(proxy: Proxy, rec: Recorder,
     [b"5 ;e\r\nhello\r\n0\r\n\r\n", b"5 ;ext=1\r\nhello\r\n0\r\n\r\n",
      b"5;a=b;c=\"d e\"\r\nhello\r\n0\r\n\r\n", b"5\t;x\r\nhello\r\n0\r\nX-Trailer: t\r\n\r\n",
      b"00000000000005\r\nhello\r\n0\r\n\r\n", b"5 ; a = b ; c\r\nhello\r\n0\r\n\r\n",
-     b'5;q="a\\"b\\\\c"\r\nhello\r\n0\r\n\r\n'],
+     b'5;q="a\\"b\\\\c"\r\nhello\r\n0\r\n\r\n',
+     b"000000000000000000005\r\nhello\r\n" + b"0" * 21 + b"\r\n\r\n"],
     ids=["ws-then-semicolon", "ws-then-extension", "extensions", "tab-ext-and-trailer",
-         "leading-zeros", "bws-around-ext", "quoted-pairs"],
+         "leading-zeros", "bws-around-ext", "quoted-pairs", "leading-zeros-past-16"],
 )
 def test_chunked_body_accepted(proxy: Proxy, rec: Recorder, body: bytes) -> None:
     with connect(proxy.port) as sock:

@@ -1272,8 +1272,12 @@ cdef class ChunkedDecoder:
             elif self.state == C_SIZE:
                 hv = HEXVAL[c]
                 if hv >= 0:
+                    # chunk-size = 1*HEXDIG: leading zeros are valid, so only significant
+                    # digits count against the size; the line itself has a bound.
                     self.digits += 1
-                    if self.digits > MAX_CHUNK_HEX:
+                    if self.digits > MAX_CHUNK_EXT:
+                        raise ParseError(400, "chunk size line too long")
+                    if self.remaining >> (4 * MAX_CHUNK_HEX - 4):
                         raise ParseError(400, "chunk size too large")
                     self.remaining = (self.remaining << 4) | <unsigned long long>hv
                 elif self.digits == 0:
@@ -1288,6 +1292,9 @@ cdef class ChunkedDecoder:
                 else:
                     raise ParseError(400, "invalid chunk size")
             elif self.state == C_SIZE_WS:
+                self.ext_len += 1  # blanks before the ';' count with the extension
+                if self.ext_len > MAX_CHUNK_EXT:
+                    raise ParseError(400, "chunk size line too long")
                 if c == 59:
                     self.state = C_EXT
                     self.ext_state = X_NAME_START

@@ -71,22 +71,26 @@ ENTRY_OVERHEAD = 256  # bytes charged per entry besides its body and fields
 
 
 class Stored:
-    """A cached response: status, fields (lower-case, no framing), body pieces."""
+    """A cached response: status, fields (lower-case, no framing), body pieces, and the
+    version (a Head.version) it was received with, which its Via names. A shared (Redis)
+    entry does not carry that: it says 1.1."""
 
-    __slots__ = ("status", "items", "chunks", "created")
+    __slots__ = ("status", "items", "chunks", "created", "version")
 
     def __init__(self, status: int, items: list[tuple[bytes, bytes]], chunks: list[bytes],
-                 created: float) -> None:
+                 created: float, version: int = 11) -> None:
         self.status = status
         self.items = items
         self.chunks = chunks
         self.created = created
+        self.version = version
 
     def response(self, now: float, streamed: bool) -> StoredResponse:
         items = self.items + [HIT, (b"age", b"%d" % max(0, int(now - self.created)))]
         if not streamed:
             items.append((b"content-length", b"%d" % sum(map(len, self.chunks))))
-        return StoredResponse(ResponseHead(self.status, items), list(self.chunks))
+        return StoredResponse(ResponseHead(self.status, items), list(self.chunks),
+                              version=self.version)
 
 
 class SemanticIndex:
@@ -357,7 +361,8 @@ class CacheState:
 
 class CacheFilter(Filter):
     __slots__ = ("state", "route_part", "hash", "key", "mark", "items", "chunks", "size",
-                 "status", "index_key", "max_age", "lifetime", "age", "only_if_cached")
+                 "status", "index_key", "max_age", "lifetime", "age", "only_if_cached",
+                 "version")
 
     def __init__(self, state: CacheState, route_part: str) -> None:
         self.state = state
@@ -369,6 +374,7 @@ class CacheFilter(Filter):
         self.chunks: list[bytes] | None = None
         self.size = 0
         self.status = 0
+        self.version = 11  # of the response being stored
         self.index_key: tuple | None = None
         self.max_age: float | None = None
         self.lifetime = 0.0  # seconds the response being stored is fresh for
@@ -492,6 +498,7 @@ class CacheFilter(Filter):
                 self.chunks = []
                 self.size = sum(len(n) + len(v) for n, v in self.items) + ENTRY_OVERHEAD
                 self.status = resp.status
+                self.version = ex.resp_version
         return ResponseHead.derived(resp, extra=(self.mark,))
 
     def response_body(self, ex: Exchange, data: bytes) -> bytes:
@@ -522,8 +529,8 @@ class CacheFilter(Filter):
             state.shared.put(self.key, encode(self.status, created, self.items, chunks),
                              left_ms)
         else:
-            state.store.put(self.key, Stored(self.status, self.items, chunks, now - self.age),
-                            self.size, now + left)
+            state.store.put(self.key, Stored(self.status, self.items, chunks, now - self.age,
+                                             self.version), self.size, now + left)
         state.stored += 1
         decision = ex.intent_decision
         if decision is not None:  # co-warm the embedding cache under the same hash

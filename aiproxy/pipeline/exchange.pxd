@@ -19,6 +19,7 @@ cdef long long PENDING_LIMIT, REPLAY_LIMIT
 cdef Py_ssize_t TOKEN_TAIL
 cdef bytes CRLF
 cdef tuple NO_INTENT
+cdef frozenset RARE_METHODS
 cdef double INFINITY
 
 # Not final: Cython refuses a final class overriding its base's cpdef methods.
@@ -46,6 +47,7 @@ cdef class Exchange(ExchangeBase):
     cdef public double t_start_pc, t_classify, intent_conf, req_timeout
     cdef public bint reported, client_lost, counted, pending_conn, is_retry, replayed
     cdef public bint continued, drained
+    cdef public bint close_after  # HTTP/1.1: the connection ends with this response
     cdef public object intent, intent_domain, retry_handle, tok_tail, hold
     cdef public tuple filters  # tested for truth per request: a size check in C
     cdef public object up_headers, gate_task, trace_id, identity, llm
@@ -54,7 +56,7 @@ cdef class Exchange(ExchangeBase):
 
     # The per-request path: C calls between them (no attribute lookup per call).
     cpdef setup(self, down, RequestHead head, double now)
-    @cython.locals(head=RequestHead)
+    @cython.locals(head=RequestHead, rare=cython.bint)
     cpdef start(self)
     cpdef _send_continue(self)
     @cython.locals(head=RequestHead, route=Route)

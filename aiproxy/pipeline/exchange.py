@@ -44,6 +44,7 @@ from aiproxy.pipeline.filters import (
     ResponseRefused,
     StoredResponse,
 )
+from aiproxy.pipeline.filters import ResponseHead as OwnResponseHead
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.protocols.replies import error_body, grpc_status_for, grpc_status_value
 from aiproxy.ratelimit.bucket import Budget
@@ -91,6 +92,15 @@ INFORMATIONAL_BURST = 32.0
 INFORMATIONAL_REFILL = 1.0
 NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
+# Methods start() looks at before anything else; a plain request pays one set lookup.
+RARE_METHODS = frozenset((b"CONNECT", b"OPTIONS", b"TRACE", b"PRI"))
+# What an OPTIONS the proxy answers itself (Max-Forwards: 0) lists: the methods it
+# forwards (any other token goes on too, but cannot be listed; never CONNECT).
+ALLOW = b"GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH"
+ALLOW_NO_TRACE = b"GET, HEAD, POST, PUT, DELETE, OPTIONS, PATCH"
+MAX_FORWARDS_LIMIT = 2**31 - 1  # the largest Max-Forwards sent on (RFC 9110 7.6.2)
+# Fields a TRACE answered here leaves out of its echo (RFC 9110 9.3.8): credentials.
+TRACE_HIDDEN = frozenset((b"authorization", b"proxy-authorization", b"cookie", b"x-api-key"))
 # OpenAI-style usage in a JSON body or the final SSE event (llm_score token accounting).
 USAGE_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d{1,9})')
 TOKEN_TAIL = 4096  # bytes of the response end searched for usage
@@ -147,7 +157,7 @@ class Exchange(ExchangeBase):
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
         "info_budget", "upstream_error", "no_intent", "grpc_status",
-        "stream_error", "drained", "tunnel_ended",
+        "stream_error", "drained", "tunnel_ended", "close_after",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -169,7 +179,9 @@ class Exchange(ExchangeBase):
         (why a request semantic routing looked at got no intent: see _classify),
         stream_error (why the proxy reset the client's HTTP/2 stream, RFC 9113 8.1.1);
         drained (the client was cut by the drain deadline: see on_client_lost);
-        tunnel_ended (how an Upgrade tunnel ended: see _tunnel_end)."""
+        tunnel_ended (how an Upgrade tunnel ended: see _tunnel_end); close_after (an
+        HTTP/1.1 connection must end after this response: what follows on it is not
+        requests)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -228,9 +240,20 @@ class Exchange(ExchangeBase):
             timeout = grpc_timeout(head.get(b"grpc-timeout"))
             if timeout is not None:
                 self.deadline_at = self.t_start + timeout
-        if method == b"CONNECT":
+        rare = method in RARE_METHODS
+        if rare and method == b"CONNECT":
             self._framing()
+            # What follows a CONNECT on the connection may be tunnel bytes sent ahead of
+            # the answer (RFC 9110 9.3.6), never requests: the connection ends here.
+            self.close_after = True
             return self.local_reply(501, "CONNECT is not supported by this listener")
+        if rare and method == b"PRI":
+            # RFC 9113 3.4, 11.6: the start of an HTTP/2 connection preface, never a
+            # request; over HTTP/1.1 what follows it is HTTP/2 frames.
+            self._framing()
+            self.close_after = True
+            return self.local_reply(
+                400, "the PRI method is reserved for the HTTP/2 connection preface")
         if head.version == 20:
             # The limits the HTTP/1.1 parser applies to a request line and field count
             # (the header list's size is SETTINGS_MAX_HEADER_LIST_SIZE's).
@@ -268,6 +291,8 @@ class Exchange(ExchangeBase):
             return self.local_reply(417, "unsupported expectation")
         if not self._framing():
             return
+        if rare and self._max_forwards():
+            return
         sem = self.rt.semantic
         if sem is not None and self.rt.table.uses_intent:
             explicit = head.get(sem.header)
@@ -298,6 +323,58 @@ class Exchange(ExchangeBase):
                     self.no_intent = "not_held"
                 return self._classify(b"")
         self._route()
+
+    def _max_forwards(self) -> bool:
+        """RFC 9110 7.6.2 for OPTIONS and TRACE: at 0 the proxy is the final recipient
+        and answers; above, the request goes on with one less. True when answered."""
+        values = self.head.get_all(b"max-forwards")
+        if not values:
+            return False
+        value = values[0]
+        if len(values) > 1 or not value.isdigit():
+            # Neither "is this the last hop" nor the value to forward can be told.
+            self.local_reply(400, "invalid Max-Forwards (one field of digits expected)")
+            return True
+        value = value.lstrip(b"0")
+        if value:
+            left = int(value) - 1 if len(value) <= 10 else MAX_FORWARDS_LIMIT
+            self.set_upstream_header(b"max-forwards", b"%d" % min(left, MAX_FORWARDS_LIMIT))
+            return False
+        if self.method == b"OPTIONS":
+            self._answer_here([(b"allow", ALLOW)], b"")
+        else:
+            self._answer_here([(b"content-type", b"message/http")], self._trace_echo())
+        return True
+
+    def _trace_echo(self) -> bytes:
+        """The request head as received (RFC 9110 9.3.8), less the fields that may hold
+        credentials; an HTTP/2 request as the HTTP/1.1-style head it amounts to."""
+        head = self.head
+        hidden = TRACE_HIDDEN
+        auth = self.rt.config.auth
+        if auth is not None:
+            hidden = hidden | {auth.api_key_header}
+        if head.version == 20:
+            out = [head.method, b" ", head.target, b" HTTP/2.0\r\n"]
+            if head.host is not None:
+                out += (b"Host: ", head.host, CRLF)
+        else:
+            raw = head.raw
+            out = [raw[:raw.find(CRLF) + 2]]
+        for name, value in head.headers():
+            if name.lower() not in hidden:
+                out += (name, b": ", value, CRLF)
+        out.append(CRLF)
+        return b"".join(out)
+
+    def _answer_here(self, fields: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A 200 of the proxy's own (not a forwarded response: no Via), before routing:
+        the unrouted filters (tracing, audit) see it as they see a local reply."""
+        if self.rt.unrouted_filters:
+            self._start_unrouted()
+        fields.append((b"content-length", b"%d" % len(body)))
+        self._answer(StoredResponse(OwnResponseHead(200, fields), [body] if body else [],
+                                    version=0), len(self.filters))
 
     def _intent_may_route(self) -> bool:
         """Whether some intent could pick another route than no intent would."""
@@ -515,7 +592,7 @@ class Exchange(ExchangeBase):
                                     result.headers)
         self.reading_body = False
         self.status = result.head.status
-        self.resp_version = 11  # a stored response: its Via as before (not per upstream)
+        self.resp_version = result.version  # what its Via names
         self.head_sent = True
         self.t_first = monotonic()
         resp = self._filter_head(result.head)
@@ -597,6 +674,12 @@ class Exchange(ExchangeBase):
                 return self.local_reply(
                     501, f"cannot carry Upgrade: {offered.decode('latin-1')} to cluster "
                     f"{cluster.name!r}, whose upstreams speak HTTP/2", "upgrade_not_supported")
+        if route.has_policy and self.method == b"TRACE" and route.cfg.request_headers_add:
+            # The fields a route adds may be the upstream's credentials (an API key the
+            # proxy injects), and an upstream that implements TRACE echoes them back.
+            return self.local_reply(
+                405, "TRACE is not forwarded on a route that adds request fields",
+                "method_not_allowed", [(b"allow", ALLOW_NO_TRACE)])
         if cluster.max_requests:
             why = cluster.overflow()
             if why is not None:
@@ -666,8 +749,12 @@ class Exchange(ExchangeBase):
         # (which also rules out userinfo, RFC 9112 3.2.1).
         if not valid_authority(authority) or b"#" in rest:
             return False
-        path = rest[end:] or b"/"
-        if path[:1] == b"?":
+        path = rest[end:]
+        if not path:
+            # RFC 9112 3.2.4: an OPTIONS for the server itself (no path, no query) goes to
+            # the origin in asterisk-form, and is routed as `OPTIONS *` is.
+            path = b"*" if self.method == b"OPTIONS" else b"/"
+        elif path[:1] == b"?":
             path = b"/" + path
         self.up_target = path
         q = path.find(b"?")

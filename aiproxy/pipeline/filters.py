@@ -138,15 +138,18 @@ class ResponseHead(FieldsHead):
 
 class StoredResponse:
     """A complete response a filter answers with (a cache hit): the body as a list of
-    pieces sent in order, so a stored event stream keeps its event boundaries."""
+    pieces sent in order, so a stored event stream keeps its event boundaries.
+    `version`: the protocol (a Head.version) the response was received with, which the
+    Via field names (RFC 9110 7.6.3); 0 for the proxy's own response (no Via)."""
 
-    __slots__ = ("head", "chunks", "trailers")
+    __slots__ = ("head", "chunks", "trailers", "version")
 
     def __init__(self, head: ResponseHead, chunks: list[bytes],
-                 trailers: list[tuple[bytes, bytes]] | None = None) -> None:
+                 trailers: list[tuple[bytes, bytes]] | None = None, version: int = 11) -> None:
         self.head = head
         self.chunks = chunks
         self.trailers = trailers
+        self.version = version
 
 
 RequestResult = LocalReply | StoredResponse | None

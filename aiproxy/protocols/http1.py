@@ -392,10 +392,10 @@ class H1ConnectionCore(Downstream):
         rt = self.server.runtime
         if (not keep_alive or self.server.draining or (self.client_eof and not self.buf)
                 or (rt.max_keepalive_requests and self.served >= rt.max_keepalive_requests)):
-            if e.req_done:
+            if e.req_done and not e.close_after:
                 self.close()
             else:
-                self.linger()
+                self.linger()  # more bytes may come: read and dropped, not a reset
             return
         if self.pause_mask:
             self.pause_mask = 0
@@ -567,7 +567,7 @@ class H1ConnectionCore(Downstream):
     def send_error(self, ex: Exchange, status: int, message: str, code: str | None,
                    headers: list[tuple[bytes, bytes]] | None = None) -> bool:
         head = ex.head
-        keep = head.keep_alive and ex.req_done and self.may_keep_alive()
+        keep = head.keep_alive and ex.req_done and not ex.close_after and self.may_keep_alive()
         self.head_out = b""
         self.held = None
         self.chunked_out = False

@@ -35,8 +35,11 @@ STATUS_SLOTS = 600  # statuses 0-599 are counted in a C array; others (none expe
 # went out whole (whatever its status), the upstream cut it off after its head
 # (`upstream_error`), the client left first (`client_closed`; 499 if before the head),
 # the proxy reset the client's HTTP/2 stream for a protocol error (`stream_error`; 400
-# if before the head) or cut it at the drain deadline (`drained`; 503 if before).
+# if before the head) or cut it at the drain deadline (`drained`; 503 if before); a 101
+# started an Upgrade tunnel (`upgraded`, however the tunnel ended: the access log's
+# `ended` says how).
 COMPLETE = "complete"
+UPGRADED = "upgraded"
 UPSTREAM_ERROR = "upstream_error"
 CLIENT_CLOSED = "client_closed"
 STREAM_ERROR = "stream_error"
@@ -112,7 +115,9 @@ class Metrics:
             self.last_route = route
             self.last_cluster = cluster
             self.last_counts = counts
-        if ex.upstream_error is None and not ex.client_lost:
+        if ex.tunnel:
+            counts.add_outcome(UPGRADED, status)
+        elif ex.upstream_error is None and not ex.client_lost:
             counts.add(status)
         elif ex.upstream_error is not None:
             counts.add_outcome(UPSTREAM_ERROR, status)
