@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import pytest
 from hyperframe.frame import DataFrame, HeadersFrame, SettingsFrame
 
 from tests.h2_support import BLOCK, FrameClient, H2Upstream, ProxyProc, bytes_sha256, wait_for
-from tests.support import admin_block, free_port, scrape
+from tests.support import admin_block, free_port, run_nginx, scrape
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -231,3 +233,26 @@ def test_a_client_that_reads_many_streams_then_stops_holds_a_bounded_total(
         assert streams * INITIAL < most <= streams * INITIAL + SHARE, most
         held, _ = _gauges(proxy, up)
         assert held <= 8 * MiB, (held, total - sum(got.values()))
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="needs h2load (nghttp2-client)")
+def test_h2load_many_streams_of_large_responses_from_nginx(tmp_path: Path) -> None:
+    """h2load reads 40 streams of 8 MiB from nginx (h2c) through the proxy on one
+    connection. With 1 MiB upstream stream windows, what waited for the client (paused
+    while its socket was full) went out in one write when it resumed, over the 8 MiB a
+    client that does not read its socket may have pending, and the proxy closed the
+    connection on a client that reads: every request failed. Now all complete."""
+    www = tmp_path / "www"
+    www.mkdir()
+    (www / "b8.bin").write_bytes(BLOCK * 128)
+    with run_nginx(tmp_path, f"        root {www};", listen_extra="http2") as port:
+        p = ProxyProc(tmp_path, CONFIG % port)
+        try:
+            res = subprocess.run(
+                ["h2load", "-n", "40", "-c", "1", "-m", "40",
+                 f"http://127.0.0.1:{p.ports['port']}/b8.bin"],
+                capture_output=True, text=True, timeout=60)
+        finally:
+            log = p.stop()
+    assert "40 succeeded, 0 failed" in res.stdout, res.stdout + res.stderr
+    assert "does not read its socket" not in log
