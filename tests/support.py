@@ -404,10 +404,10 @@ def serve_aiohttp(app: Any, port: int | None = None) -> Iterator[int]:
 
 @contextlib.contextmanager
 def run_nginx(workdir: Path, server: str, connections: int = 256,
-              http_extra: str = "") -> Iterator[int]:
+              http_extra: str = "", listen_extra: str = "") -> Iterator[int]:
     """nginx (Debian package) in the foreground on a free loopback port with one
-    `server { listen ...; <server> }` block; yields the port. Skips the test if nginx is
-    not installed."""
+    `server { listen ... <listen_extra>; <server> }` block (listen_extra "http2": h2c
+    with prior knowledge); yields the port. Skips the test if nginx is not installed."""
     import shutil
 
     import pytest
@@ -433,7 +433,7 @@ http {{
     keepalive_requests 10000;
 {http_extra}
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port} {listen_extra};
 {server}
     }}
 }}

@@ -90,6 +90,17 @@ class Downstream:
         """Whether writes to the client are paused: the exchange then holds its upstream."""
         raise NotImplementedError
 
+    def response_backlog(self) -> int:
+        """Bytes of this response the proxy holds, waiting for the client (for its
+        flow-control window, or in a transport buffer of its own): an HTTP/2 upstream
+        stream's window grows only while this stays 0 and output_paused() is False."""
+        return 0
+
+    def window_share(self) -> Any:
+        """The h2_output.WindowShare the windows of this client's HTTP/2 upstream streams
+        grow into together, or None: one exchange at a time, bounded per stream."""
+        return None
+
 
 class Upstream:
     """The origin side: an HTTP/1.1 connection or one HTTP/2 stream."""

@@ -34,6 +34,9 @@ OUT_HIGH = 256 * 1024  # waiting bytes per stream before the producer is paused
 # slabs; an HTTP/2 upstream may still send what is left of the stream window it has).
 CONN_OUT_HIGH = 4 * OUT_HIGH
 CONN_OUT_LOW = CONN_OUT_HIGH // 2
+# The window growth past their initial window that the HTTP/2 upstream streams of one
+# client connection share (h2_upstream): four streams' worth of a full 1 MiB window.
+CLIENT_WINDOW_SHARE = 4 * 1024 * 1024
 OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused",
                 "out_sent", "stall_seen", "stall_since")
 
@@ -200,3 +203,25 @@ class StreamOutput:
             return
         self._output_ended(True, None)
         conn.want_flush()
+
+
+class WindowShare:
+    """Bytes of upstream stream window one client connection's streams may still grow
+    into: each stream holds what it took until it ends, so all of them together keep at
+    most CLIENT_WINDOW_SHARE more in flight than their initial windows, whatever the
+    client reads first and stops reading after."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, size: int = CLIENT_WINDOW_SHARE) -> None:
+        self.left = size
+
+    def take(self, n: int) -> int:
+        """Up to n bytes of the share (what is left of it)."""
+        if n > self.left:
+            n = self.left
+        self.left -= n
+        return n
+
+    def give(self, n: int) -> None:
+        self.left += n

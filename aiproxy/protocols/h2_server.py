@@ -41,7 +41,13 @@ from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, MalformedHead, h2_request_head
 from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_CLIENT, FrameBudgets
-from aiproxy.protocols.h2_output import CONN_OUT_HIGH, CONN_OUT_LOW, OUTPUT_SLOTS, StreamOutput
+from aiproxy.protocols.h2_output import (
+    CONN_OUT_HIGH,
+    CONN_OUT_LOW,
+    OUTPUT_SLOTS,
+    StreamOutput,
+    WindowShare,
+)
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.telemetry.recorder import server_timing
 
@@ -126,6 +132,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.out_waiting = 0         # response bytes its streams hold for the client's windows
         self.out_high = CONN_OUT_HIGH
         self.out_low = CONN_OUT_LOW
+        self.window_share = WindowShare()  # for its streams' HTTP/2 upstream windows
         self.closed = False
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
@@ -676,6 +683,14 @@ class H2Stream(StreamOutput, Downstream):
 
     def output_paused(self) -> bool:
         return self.writing_paused
+
+    def response_backlog(self) -> int:
+        # The connection's transport buffer is not counted: shared by the streams, it
+        # is bounded by pause_writing, which output_paused() tells.
+        return self.out_size
+
+    def window_share(self) -> WindowShare:
+        return self.conn.window_share
 
     # -- request body flow control ---------------------------------------------------
 

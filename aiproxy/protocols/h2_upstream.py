@@ -4,6 +4,18 @@ Each proxied request is an `H2UpstreamStream`, the upstream side of one Exchange
 Trailers (gRPC's grpc-status/grpc-message) travel back with the end of the
 stream; flow control is end to end as on the server side: response DATA is
 acknowledged only while the client keeps up.
+
+What a response can make the proxy hold (CVE-2019-9517, internal data buffering) is
+what waits for its client plus what its upstream may still send: the stream's window.
+So a stream starts with INITIAL_STREAM_WINDOW (SETTINGS_INITIAL_WINDOW_SIZE), and its
+window doubles, up to STREAM_WINDOW, each time a whole window's worth has gone straight
+on to the client (nothing waiting for it: Downstream.response_backlog() 0), i.e. while
+the upstream's window and not the client is what limits the stream; as Envoy's edge
+settings (64 KiB stream windows) and grpc-go (windows grown with what the reader takes)
+do. The growth of all the streams of one client connection comes out of one
+h2_output.WindowShare, held by each stream until it ends. A stream whose client is
+backed up (paused) stops re-opening its window; the connection's window is re-opened as
+DATA arrives, whatever the stream, as it is shared with other clients' streams.
 """
 
 from __future__ import annotations
@@ -23,19 +35,21 @@ from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upst
 from aiproxy.protocols import h2_fast
 from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
 from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_UPSTREAM, FrameBudgets
-from aiproxy.protocols.h2_output import OUTPUT_SLOTS, StreamOutput
+from aiproxy.protocols.h2_output import OUTPUT_SLOTS, StreamOutput, WindowShare
 
 if TYPE_CHECKING:
     from aiproxy.routing.pool import H2Pool
 
 log = logging.getLogger("aiproxy.h2.upstream")
 
-STREAM_WINDOW = 1024 * 1024
+INITIAL_STREAM_WINDOW = 64 * 1024
+STREAM_WINDOW = 1024 * 1024  # the most a stream's window grows to
 # A response field section over max_header_bytes but within this many times it is
 # decoded to its end (the HPACK table stays in step) and fails its stream alone, as
 # h2_server does for requests; a larger one ends the connection.
 HEADER_LIST_HARD_FACTOR = 4
 CONNECTION_WINDOW = 8 * 1024 * 1024
+CONNECTION_UPDATE = CONNECTION_WINDOW // 4  # DATA bytes between connection WINDOW_UPDATEs
 SWEEP_EVERY = 64
 NO_BOUND = 1 << 62  # out_high of an upstream connection: no bound but OUT_HIGH per stream
 # Events of frames that carry no response (PING ACKs: the proxy sends no PING).
@@ -66,6 +80,20 @@ class _ClientH2(h2_fast.FastReceive, h2.connection.H2Connection):
         return frames, events
 
 
+def response_held(conns: list[H2UpstreamConnection]) -> tuple[int, int]:
+    """(response bytes of these connections' streams the proxy holds for their clients,
+    bytes their upstream may still send on them: the windows it has), for /metrics."""
+    held = window = 0
+    for conn in conns:
+        for stream in conn.streams.values():
+            down = stream.down
+            if down is not None:
+                held += down.response_backlog()
+            if stream.credit > 0:
+                window += stream.credit
+    return held, window
+
+
 class H2UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: H2Pool) -> None:
         self.pool = pool
@@ -86,6 +114,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.done_count = 0
         self.idle_since = 0.0
         self.budgets = FrameBudgets(SMALL_DATA_UPSTREAM)  # settled after each read
+        self.unacked = 0             # DATA bytes not yet given back to the connection window
         # Done when the peer's first SETTINGS frame has arrived (its stream limit is known).
         self.settings_received: asyncio.Future[None] = pool.loop.create_future()
 
@@ -98,7 +127,7 @@ class H2UpstreamConnection(asyncio.Protocol):
             normalize_outbound_headers=False)
         conn = _ClientH2(config=config)
         conn.local_settings = h2.settings.Settings(client=True, initial_values={
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: INITIAL_STREAM_WINDOW,
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: self.pool.max_head,
         })
@@ -139,6 +168,7 @@ class H2UpstreamConnection(asyncio.Protocol):
     def stream_done(self, stream: H2UpstreamStream) -> None:
         self.streams.pop(stream.sid, None)
         stream.clear_output()  # never sent once done: out of out_waiting
+        stream.release_window()
         self.done_count += 1
         if self.done_count >= SWEEP_EVERY:
             # h2 forgets its closed streams only while counting the open ones (a scan of
@@ -216,16 +246,18 @@ class H2UpstreamConnection(asyncio.Protocol):
             kind = type(event)
             if kind is h2.events.DataReceived:
                 n = event.flow_controlled_length
-                if stream is not None and stream.paused:
-                    # Hold back the stream's window only: the connection's window is
-                    # shared with other clients' streams and must keep flowing.
-                    stream.unacked += n
-                    if n:
-                        self.h2.increment_flow_control_window(n)
-                else:
-                    self.h2.acknowledge_received_data(n, sid)
+                if n:
+                    # The connection's window is shared with other clients' streams:
+                    # it flows whatever this stream's client does.
+                    self.unacked += n
+                    if self.unacked >= CONNECTION_UPDATE:
+                        self.h2.increment_flow_control_window(self.unacked)
+                        self.unacked = 0
                 if stream is not None:
+                    stream.credit -= n
                     stream.on_data(event.data)
+                    if n and event.stream_ended is None:
+                        stream.replenish(n)
                 if event.stream_ended is None:
                     budgets.data(len(event.data))
             elif kind is h2.events.ResponseReceived:
@@ -313,15 +345,21 @@ class H2UpstreamConnection(asyncio.Protocol):
 class H2UpstreamStream(StreamOutput, Upstream):
     """The upstream side of one Exchange over a shared HTTP/2 connection."""
 
-    __slots__ = ("conn", "sid", "exchange", "paused", "unacked", "received", "trailers",
-                 "done", "ended_local", *OUTPUT_SLOTS)
+    __slots__ = ("conn", "sid", "exchange", "down", "paused", "window", "credit", "clean",
+                 "share", "grown", "received", "trailers", "done", "ended_local",
+                 *OUTPUT_SLOTS)
 
     def __init__(self, conn: H2UpstreamConnection) -> None:
         self.conn = conn
         self.sid = 0
         self.exchange: Any = None
+        self.down: Any = None        # the exchange's Downstream: where the response goes
         self.paused = False
-        self.unacked = 0
+        self.window = INITIAL_STREAM_WINDOW  # what the upstream may have in flight
+        self.credit = INITIAL_STREAM_WINDOW  # what it may still send (its window as sent)
+        self.clean = 0               # bytes gone straight on to the client since it grew
+        self.share: WindowShare | None = None
+        self.grown = 0               # taken from share
         self.received = False
         self.trailers: list | None = None
         self.done = False
@@ -333,6 +371,8 @@ class H2UpstreamStream(StreamOutput, Upstream):
     def start(self, exchange: Any) -> None:
         conn = self.conn
         self.exchange = exchange
+        self.down = down = exchange.down
+        self.share = down.window_share()
         conn.budgets.idle.credit(IDLE_PER_REQUEST)
         self.sid = conn.h2.get_next_available_stream_id()
         conn.streams[self.sid] = self
@@ -361,14 +401,49 @@ class H2UpstreamStream(StreamOutput, Upstream):
     def resume(self) -> None:
         if self.paused:
             self.paused = False
-            if self.unacked and not self.conn.closed:
-                # The connection's share of these bytes was acknowledged on arrival.
-                n, self.unacked = self.unacked, 0
-                try:
-                    self.conn.h2.increment_flow_control_window(n, stream_id=self.sid)
-                except (h2.exceptions.ProtocolError, KeyError):
-                    pass  # the stream is over: no window to open
+            self.clean = 0
+            if self.credit < self.window and not self.done:
+                self._open(self.window - self.credit)
                 self.conn.want_flush()
+
+    def replenish(self, n: int) -> None:
+        """n bytes of DATA were handed on to the client: re-open the stream's window
+        unless the client is backed up, and grow it while nothing waits for the client."""
+        if self.paused or self.done:
+            return
+        down = self.down
+        if down is not None and not down.output_paused() and down.response_backlog() == 0:
+            self.clean += n
+            window = self.window
+            if self.clean >= window and window < STREAM_WINDOW:
+                self.clean = 0
+                more = min(window, STREAM_WINDOW - window)
+                share = self.share
+                if share is not None:
+                    more = share.take(more)
+                    self.grown += more
+                self.window = window + more
+        else:
+            self.clean = 0
+        # As h2's own window manager: a WINDOW_UPDATE once half the window is used.
+        give = self.window - self.credit
+        if give >= self.window >> 1:
+            self._open(give)
+
+    def release_window(self) -> None:
+        """The stream is over: its growth goes back to its client's share."""
+        share, self.share = self.share, None
+        if share is not None and self.grown:
+            share.give(self.grown)
+            self.grown = 0
+        self.down = None
+
+    def _open(self, n: int) -> None:
+        try:
+            self.conn.h2.increment_flow_control_window(n, stream_id=self.sid)
+        except (h2.exceptions.ProtocolError, KeyError):
+            return  # the stream is over: no window to open
+        self.credit += n
 
     def usable(self) -> bool:
         return False  # a stream carries one exchange; the connection is what is shared

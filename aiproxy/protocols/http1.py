@@ -433,6 +433,10 @@ class H1ConnectionCore(Downstream):
     def output_paused(self) -> bool:
         return self.writing_paused
 
+    def response_backlog(self) -> int:
+        transport = self.transport
+        return transport.get_write_buffer_size() if transport is not None else 0
+
     # -- the downstream side of an Exchange: writing the response --------------------
 
     def send_continue(self) -> None:

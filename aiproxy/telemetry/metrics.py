@@ -18,6 +18,8 @@ from prometheus_client.registry import CollectorRegistry
 
 from aiproxy._fast.bufpool import POOL
 from aiproxy._fast.histogram import Histogram
+from aiproxy.protocols.h2_upstream import response_held
+from aiproxy.routing.pool import H2Pool
 from aiproxy.telemetry.kernel_metrics import kernel_families
 
 if TYPE_CHECKING:
@@ -192,15 +194,29 @@ class ProxyCollector:
         open_now = GaugeMetricFamily("aiproxy_upstream_connections_open",
                                      "Upstream connections open now",
                                      labels=["cluster", "endpoint"])
+        h2_held = GaugeMetricFamily(
+            "aiproxy_upstream_h2_response_held_bytes",
+            "Response bytes from HTTP/2 upstream streams the proxy holds for clients that "
+            "have not taken them yet", labels=["cluster", "endpoint"])
+        h2_window = GaugeMetricFamily(
+            "aiproxy_upstream_h2_stream_window_bytes",
+            "Bytes HTTP/2 upstreams may still send on their open streams (the stream "
+            "windows the proxy gave them)", labels=["cluster", "endpoint"])
         for cluster in server.runtime.clusters.values():
             for pool in cluster.pools:
                 labels = [cluster.name, pool.endpoint.address]
                 opened.add_metric(labels, pool.opened)
                 reused.add_metric(labels, pool.reused)
                 open_now.add_metric(labels, pool.open_count)
+                if isinstance(pool, H2Pool):
+                    held, window = response_held(pool.conns)
+                    h2_held.add_metric(labels, held)
+                    h2_window.add_metric(labels, window)
         yield opened
         yield reused
         yield open_now
+        yield h2_held
+        yield h2_window
         sem = server.runtime.semantic
         if sem is not None:
             decisions = CounterMetricFamily("aiproxy_semantic_decisions",
