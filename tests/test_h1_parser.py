@@ -1503,3 +1503,21 @@ def test_every_byte_at_every_value_position(length: int) -> None:
             with pytest.raises(ParseError) as exc:
                 parse_response(b"HTTP/1.1 200 OK\r\nX-Test: " + value + b"\r\n\r\n")
             assert exc.value.status == 502, (pos, byte)
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 15, 16, 255, 256, 4095, 65536, 2**31, 2**40 + 7])
+def test_chunk_size_line_is_the_hex_size(n):
+    from aiproxy._fast.h1 import chunk_size_line
+
+    assert chunk_size_line(n) == b"%x\r\n" % n
+
+
+@pytest.mark.parametrize("size", [1, 15, 16, 61, 255, 256, 2048, 70000])
+def test_chunk_frame_decodes_to_its_data(size):
+    from aiproxy._fast.h1 import chunk_frame
+
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    frame = chunk_frame(data)
+    assert frame == b"%x\r\n" % size + data + b"\r\n"
+    dec = ChunkedDecoder()
+    assert b"".join(dec.feed(frame + b"0\r\n\r\n")) == data and dec.done

@@ -15,6 +15,8 @@ cdef enum:
 
 
 cpdef Py_ssize_t find_query(bytes target) except -2
+cpdef bytes chunk_size_line(Py_ssize_t n)
+cpdef bytes chunk_frame(bytes data)
 # C calls from the connections (no argument boxing): defaults are in h1.pyx.
 cpdef object parse_request(object buf, Py_ssize_t max_head=*, Py_ssize_t max_line=*,
                            Py_ssize_t max_headers=*, Py_ssize_t length=*)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.clock import event_begin, event_end
-from aiproxy._fast.h1 import ChunkedDecoder, ParseError, parse_response
+from aiproxy._fast.h1 import ChunkedDecoder, ParseError, chunk_size_line, parse_response
 from aiproxy._fast.sendnow import Sender
 from aiproxy.pipeline.ends import (
     BODY_CHUNKED,
@@ -107,7 +107,7 @@ class H1UpstreamCore(Upstream):
         out = []
         for piece in pieces:
             if piece:  # an empty one would be the last chunk: the body cut short
-                out += (b"%x\r\n" % len(piece), piece, b"\r\n")
+                out += (chunk_size_line(len(piece)), piece, b"\r\n")
         self.tx.writelines(out)
 
     def end_body(self) -> None:

@@ -3,7 +3,8 @@ cimport cython
 
 from aiproxy._fast.clock cimport event_begin, event_end, event_now, monotonic
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
-from aiproxy._fast.h1 cimport RequestHead, ResponseHead, parse_request
+from aiproxy._fast.h1 cimport (RequestHead, ResponseHead, chunk_frame, chunk_size_line,
+                               parse_request)
 from aiproxy._fast.sendnow cimport Sender
 from aiproxy.pipeline.ends cimport Downstream
 from aiproxy.pipeline.exchange cimport Exchange

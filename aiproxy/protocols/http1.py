@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.clock import event_begin, event_end, event_now, monotonic
-from aiproxy._fast.h1 import ParseError, ResponseHead, parse_request
+from aiproxy._fast.h1 import (
+    ParseError,
+    ResponseHead,
+    chunk_frame,
+    chunk_size_line,
+    parse_request,
+)
 from aiproxy._fast.sendnow import Sender
 from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange, joined, serialize_without
@@ -540,10 +546,18 @@ class H1ConnectionCore(Downstream):
     def send_body(self, data: bytes) -> None:
         head_pending = self.held is not None or self.head_out
         if self.chunked_out:
-            if head_pending:
-                self.tx.writelines((self._take_head(), b"%x\r\n" % len(data), data, CRLF))
+            if type(data) is bytes and len(data) <= SMALL_BODY:
+                if not data:  # a chunk of 0 would end the body
+                    if head_pending:
+                        self.tx.write(self._take_head())
+                    return
+                # A streamed event as one chunk in one buffer: one send, no iovec.
+                frame = chunk_frame(data)
+                self.tx.write(self._take_head(frame) if head_pending else frame)
+            elif head_pending:
+                self.tx.writelines((self._take_head(), chunk_size_line(len(data)), data, CRLF))
             else:
-                self.tx.writelines((b"%x\r\n" % len(data), data, CRLF))
+                self.tx.writelines((chunk_size_line(len(data)), data, CRLF))
         elif head_pending:
             if len(data) <= SMALL_BODY:
                 # One buffer: write() is cheaper than writelines() for a small body.
