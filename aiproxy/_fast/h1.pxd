@@ -84,5 +84,6 @@ cdef class ChunkedDecoder:
     cdef readonly Py_ssize_t tail
 
     cdef int _trailer_byte(self, unsigned char c) except -1
+    cpdef list feed_slab(self, bytearray slab, Py_ssize_t n)
     cdef int _ext_byte(self, unsigned char c) except -1
     cdef list _feed(self, object data, const unsigned char *p, Py_ssize_t n)

@@ -11,6 +11,7 @@ errors in upstream responses to 502.
 
 cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memchr, memcmp, memcpy
@@ -1242,6 +1243,12 @@ cdef class ChunkedDecoder:
             return self._feed(data, <const unsigned char *>view.buf, view.len)
         finally:
             PyBuffer_Release(&view)
+
+    cpdef list feed_slab(self, bytearray slab, Py_ssize_t n):
+        """feed() of slab[:n], read in place: no buffer taken, no copy of the read."""
+        if slab is None or n < 0 or n > PyByteArray_GET_SIZE(slab):
+            raise ValueError("feed_slab() needs a bytearray holding n bytes")
+        return self._feed(None, <const unsigned char *>PyByteArray_AS_STRING(slab), n)
 
     cdef int _ext_byte(self, unsigned char c) except -1:
         """One byte of a chunk-ext (state C_EXT); CR where the grammar allows the line

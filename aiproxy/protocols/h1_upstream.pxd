@@ -42,4 +42,6 @@ cdef class H1UpstreamCore(Upstream):
     @cython.locals(ex=ExchangeBase, mode=cython.int, n=Py_ssize_t)
     cpdef _body(self, data)
     @cython.locals(ex=ExchangeBase)
+    cpdef _chunked(self, data, Py_ssize_t n)
+    @cython.locals(ex=ExchangeBase)
     cpdef _finish(self)

@@ -189,7 +189,11 @@ class H1UpstreamCore(Upstream):
         event_begin()
         try:
             if self.state == _BODY:
-                if views_to is None or nbytes <= SMALL_COPY:
+                if self.mode == BODY_CHUNKED:
+                    # Decoded in place: each piece is copied out once, the read is not.
+                    views_to = None
+                    self._chunked(slab, nbytes)
+                elif views_to is None or nbytes <= SMALL_COPY:
                     views_to = None
                     self._body(copy_out(slab, 0, nbytes))
                 else:
@@ -387,22 +391,30 @@ class H1UpstreamCore(Upstream):
             if self.exchange is not None:
                 self._finish()
         elif mode == BODY_CHUNKED:
-            decoder = self.decoder
-            try:
-                pieces = decoder.feed(data)
-            except ParseError as exc:
-                self._fail("upstream_bad_response", f"invalid chunked body: {exc.message}")
-                return
-            for piece in pieces:
-                ex.on_upstream_body(piece)
-                if self.exchange is None:
-                    return
-            if decoder.done:
-                if decoder.tail < len(data):
-                    self.broken = True
-                self._finish()
+            self._chunked(data, len(data))
         else:
             ex.on_upstream_body(data)
+
+    def _chunked(self, data: Any, n: int) -> None:
+        """n bytes of a chunked body: data[:n], a read slab (decoded in place) or bytes."""
+        decoder = self.decoder
+        try:
+            if type(data) is bytearray:
+                pieces = decoder.feed_slab(data, n)
+            else:
+                pieces = decoder.feed(data)
+        except ParseError as exc:
+            self._fail("upstream_bad_response", f"invalid chunked body: {exc.message}")
+            return
+        ex = self.exchange
+        for piece in pieces:
+            ex.on_upstream_body(piece)
+            if self.exchange is None:
+                return
+        if decoder.done:
+            if decoder.tail < n:
+                self.broken = True
+            self._finish()
 
     def _finish(self) -> None:
         ex = self.exchange
