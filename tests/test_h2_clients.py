@@ -36,7 +36,7 @@ from tests.h2_support import (
     make_pki,
     wait_for,
 )
-from tests.support import raw_exchange
+from tests.support import raw_exchange, stops_reading
 
 pytestmark = [
     pytest.mark.timeout(90),
@@ -812,7 +812,7 @@ def test_h2_client_not_reading_h2_upstream_memory_bounded(proxy: ProxyProc) -> N
         c.handshake()
         c.send(c.request(1, "/bytes/1073741824", authority=H2UP_HOST))
         with RssMonitor(proxy.pid) as rss:
-            time.sleep(2)
+            assert stops_reading(proxy.pid), "the proxy never stopped reading the upstream"
             assert h2_get(proxy.ports["h2c"], "/echo").status == 200
         got = sum(len(f.data) for f in c.frames_until(lambda f: False, 0.5)
                   if isinstance(f, DataFrame))

@@ -6,16 +6,14 @@ exactly; the demo upstream serves the bodies; the proxy's RSS is read from /proc
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from hyperframe.frame import DataFrame, SettingsFrame, WindowUpdateFrame
 
 from tests.h2_support import FrameClient, H2Response, ProxyProc, RssMonitor
-from tests.support import descendants
+from tests.support import stops_reading
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -59,33 +57,6 @@ def _first_bytes(c: FrameClient, sids: list[int], timeout: float = 20) -> None:
     assert not waiting, f"no DATA on streams {sorted(waiting)}"
 
 
-def _bytes_read(pid: int) -> int:
-    """What the proxy (its processes) has read so far: rchar of /proc/PID/io, which
-    counts the read() calls uvloop makes on sockets."""
-    total = 0
-    for member in descendants(pid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{member}/io").read_text().splitlines():
-                if line.startswith("rchar:"):
-                    total += int(line.split()[1])
-    return total
-
-
-def _stops_reading(pid: int, timeout: float = 60) -> bool:
-    """Waits until the proxy reads nothing more for half a second: with upstreams that
-    have far more to send than it takes, it has paused every one of them (what it holds
-    is then what it will hold). False if it still reads after `timeout` (a hang guard)."""
-    last = -1
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        now = _bytes_read(pid)
-        if now == last:
-            return True
-        last = now
-        time.sleep(0.5)
-    return False
-
-
 def _response(c: FrameClient, sid: int) -> H2Response:
     """c.response(), failing with a short message (not the body so far) if stuck."""
     try:
@@ -105,7 +76,7 @@ def test_shut_windows_on_many_streams_hold_a_bounded_total(proxy: ProxyProc) -> 
         for sid in sids:
             c.send(c.request(sid, "/bytes/50000000"))
         _first_bytes(c, sids)
-        assert _stops_reading(proxy.pid), "the proxy never paused its upstreams"
+        assert stops_reading(proxy.pid), "the proxy never paused its upstreams"
     assert rss.growth < 16 * MiB, rss.describe()
 
 
@@ -123,7 +94,7 @@ def test_stream_the_client_reads_completes_beside_stalled_ones(proxy: ProxyProc)
             c.send(c.request(sid, f"/bytes/{size}"))
         _first_bytes(c, stalled)
         # The stalled streams fill up to their own limit.
-        assert _stops_reading(proxy.pid), "the proxy never paused its upstreams"
+        assert stops_reading(proxy.pid), "the proxy never paused its upstreams"
         reader = stalled[-1] + 2
         c.send(c.request(reader, f"/bytes/{size}"),
                WindowUpdateFrame(reader, window_increment=16 * 1024))
