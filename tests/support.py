@@ -255,6 +255,33 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def bytes_read(pid: int) -> int:
+    """What the proxy (its processes) has read so far: rchar of /proc/PID/io, which
+    counts the read() calls uvloop makes on sockets."""
+    total = 0
+    for member in descendants(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{member}/io").read_text().splitlines():
+                if line.startswith("rchar:"):
+                    total += int(line.split()[1])
+    return total
+
+
+def stops_reading(pid: int, timeout: float = 60) -> bool:
+    """Waits until the proxy reads nothing more for half a second: with upstreams that
+    have far more to send than it takes, it has paused every one of them (what it holds
+    is then what it will hold). False if it still reads after `timeout` (a hang guard)."""
+    last = -1
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = bytes_read(pid)
+        if now == last:
+            return True
+        last = now
+        time.sleep(0.5)
+    return False
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """utime + stime (/proc/PID/stat fields 14 and 15) of pid and its live descendants:
     a supervisor's workers do the proxying, and their time is not in the supervisor's

@@ -36,7 +36,7 @@ from tests.h2_support import (
     make_pki,
     wait_for,
 )
-from tests.support import raw_exchange
+from tests.support import raw_exchange, stops_reading
 
 pytestmark = [
     pytest.mark.timeout(90),
@@ -812,7 +812,7 @@ def test_h2_client_not_reading_h2_upstream_memory_bounded(proxy: ProxyProc) -> N
         c.handshake()
         c.send(c.request(1, "/bytes/1073741824", authority=H2UP_HOST))
         with RssMonitor(proxy.pid) as rss:
-            time.sleep(2)
+            assert stops_reading(proxy.pid), "the proxy never stopped reading the upstream"
             assert h2_get(proxy.ports["h2c"], "/echo").status == 200
         got = sum(len(f.data) for f in c.frames_until(lambda f: False, 0.5)
                   if isinstance(f, DataFrame))
@@ -840,30 +840,55 @@ def test_upload_to_stalled_h2_upstream_memory_bounded(proxy: ProxyProc, h2up: H2
     assert rss.growth < 16 * MiB, rss.describe()
 
 
-def test_stalled_streams_do_not_block_the_shared_upstream_connection(proxy: ProxyProc) -> None:
+def _stalled_upstream_streams(up: H2Upstream, path: bytes) -> dict[int, bool]:
+    """Per open stream of `path` on the upstream (any of its connections): whether its
+    sender waits for that stream's own window (read in the upstream's thread)."""
+    def look() -> dict[int, bool]:
+        found = {}
+        for proto in up.protocols:
+            for sid, head in proto.heads.items():
+                stream = proto.conn.streams.get(sid)
+                if dict(head).get(b":path") == path and stream is not None and not stream.closed:
+                    found[id(proto) << 32 | sid] = stream.outbound_flow_control_window <= 0
+        return found
+
+    async def call() -> dict[int, bool]:
+        return look()
+    return asyncio.run_coroutine_threadsafe(call(), up.loop).result(10)
+
+
+def test_stalled_streams_do_not_block_the_shared_upstream_connection(
+        proxy: ProxyProc, h2up: H2Upstream) -> None:
     """Streams of many clients share one upstream HTTP/2 connection. Clients that stop
     reading must hold back only their own streams: if their unread data kept the shared
-    connection's window closed, every other client of that upstream would hang."""
+    connection's window closed, every other client of that upstream would hang. Once
+    the upstream has used up the stream windows of all the stalled ones, another
+    client's response completes whole while they are all still stalled."""
+    huge = b"/bytes/1073741824"
+    before = set(_stalled_upstream_streams(h2up, huge))  # left by earlier tests, if any
+
+    def stalled() -> list[bool]:
+        return [waits for key, waits in _stalled_upstream_streams(h2up, huge).items()
+                if key not in before]
+
     clients = []
     try:
         for _ in range(16):
             c = FrameClient(proxy.ports["h2c"])
             c.handshake()
-            c.send(c.request(1, "/bytes/1073741824", authority=H2UP_HOST))
+            c.send(c.request(1, huge.decode(), authority=H2UP_HOST))
             clients.append(c)
         # Each has its first 64 KiB (its window) and reads nothing more.
         for c in clients:
             assert c.frames_until(lambda f: isinstance(f, DataFrame), 5)
+        assert wait_for(lambda: stalled() == [True] * 16, 30), stalled()
         with RssMonitor(proxy.pid) as rss:
-            time.sleep(0.5)
-            start = time.monotonic()
-            with FrameClient(proxy.ports["h2c"]) as c:
+            with FrameClient(proxy.ports["h2c"], timeout=60) as c:
                 c.handshake()
                 c.send(c.request(1, "/bytes/3000000", authority=H2UP_HOST))
-                resp = c.response(1, timeout=10)
-            elapsed = time.monotonic() - start
+                resp = c.response(1, timeout=60)  # a hang guard only
         assert resp.status == 200 and sha(resp.body) == bytes_sha256(3000000)
-        assert elapsed < 3, elapsed
+        assert stalled() == [True] * 16
         assert rss.growth < 64 * MiB, rss.describe()
     finally:
         for c in clients:

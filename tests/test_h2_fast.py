@@ -266,3 +266,86 @@ def test_goaway_keeps_frames_queued_for_streams_in_flight() -> None:
         data = [f for f in frames if isinstance(f, DataFrame)]
         assert [(f.stream_id, f.data, "END_STREAM" in f.flags) for f in data] == \
             [(1, b"queued before the GOAWAY", True)], (ours_is_client, frames)
+
+
+# -- DATA over content-length and the connection window -----------------------------------
+
+
+def _read_frames(out: bytes) -> list[Frame]:
+    frames = []
+    while out:
+        frame, length = Frame.parse_frame_header(memoryview(out[:9]))
+        frame.parse_body(memoryview(out[9:9 + length]))
+        frames.append(frame)
+        out = out[9 + length:]
+    return frames
+
+
+@pytest.mark.parametrize("ours_is_client", [False, True], ids=["server", "upstream"])
+def test_data_over_content_length_is_given_back_to_the_connection_window_once(
+        ours_is_client: bool) -> None:
+    """DATA past a content-length makes its stream malformed (RFC 9113 8.1.1); h2 has
+    counted it against the connection window, and the proxy gives it back. It did
+    that through process_bytes(), which already adds what it returns to h2's inbound
+    window, and then increment_flow_control_window(), which adds it again: h2 then
+    took that much more from the peer than its WINDOW_UPDATEs had granted. Now the
+    window h2 enforces is the one it advertised: one byte past it is a FLOW_CONTROL_ERROR
+    (RFC 9113 6.9.1)."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.exceptions
+    from hyperframe.frame import HeadersFrame, SettingsFrame
+
+    from aiproxy.protocols.h2_server import _ServerH2
+    from aiproxy.protocols.h2_upstream import _ClientH2
+
+    ours = (_ClientH2 if ours_is_client else _ServerH2)(h2.config.H2Configuration(
+        client_side=ours_is_client, header_encoding=None))
+    ours.initiate_connection()
+    sids = [1, 3, 5, 7]
+    if ours_is_client:
+        for sid in sids:
+            ours.send_headers(sid, [(b":method", b"GET"), (b":scheme", b"http"),
+                                    (b":path", b"/"), (b":authority", b"a.test")],
+                              end_stream=True)
+        head = [(b":status", b"200")]
+        peer = SettingsFrame(0).serialize()
+    else:
+        head = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/"),
+                (b":authority", b"a.test")]
+        peer = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()
+    peer += SettingsFrame(0, flags=["ACK"]).serialize()
+    ours.receive_data(peer)
+    ours.data_to_send()
+    enc = hpack.Encoder()
+
+    def headers(sid: int, fields: list[tuple[bytes, bytes]]) -> bytes:
+        f = HeadersFrame(sid, flags=["END_HEADERS"])
+        f.data = enc.encode(fields)
+        return f.serialize()
+
+    def data(sid: int, n: int) -> bytes:
+        return DataFrame(sid, data=b"x" * n).serialize()
+
+    window = ours.inbound_flow_control_window  # 65535: a stream's default too
+    piece = 16384
+    # Two streams whose single DATA frame is over their content-length of 0: half the
+    # connection window, which h2 gives back at once.
+    events = ours.receive_data(b"".join(
+        headers(sid, [*head, (b"content-length", b"0")]) + data(sid, piece)
+        for sid in sids[:2]))
+    assert [e.stream_id for e in events if isinstance(e, h2.events.StreamReset)] == sids[:2]
+    updates = [f.window_increment for f in _read_frames(ours.data_to_send())
+               if f.type == 0x8 and f.stream_id == 0]
+    assert updates == [2 * piece]
+    granted = window - 2 * piece + sum(updates)
+    # Two streams whose DATA, never acknowledged here, fills exactly what was granted.
+    ours.receive_data(headers(sids[2], head) + headers(sids[3], head))
+    full, rest = divmod(granted, piece)
+    frames = [data(sids[2 + i % 2], piece) for i in range(full)]
+    frames.append(data(sids[3], rest))
+    ours.receive_data(b"".join(frames))
+    assert ours.inbound_flow_control_window == 0
+    with pytest.raises(h2.exceptions.FlowControlError):
+        ours.receive_data(data(sids[2], 1))

@@ -13,6 +13,7 @@ import pytest
 from hyperframe.frame import DataFrame, SettingsFrame, WindowUpdateFrame
 
 from tests.h2_support import FrameClient, H2Response, ProxyProc, RssMonitor
+from tests.support import stops_reading
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -75,7 +76,7 @@ def test_shut_windows_on_many_streams_hold_a_bounded_total(proxy: ProxyProc) -> 
         for sid in sids:
             c.send(c.request(sid, "/bytes/50000000"))
         _first_bytes(c, sids)
-        time.sleep(2)  # for the upstreams to fill whatever the proxy would hold
+        assert stops_reading(proxy.pid), "the proxy never paused its upstreams"
     assert rss.growth < 16 * MiB, rss.describe()
 
 
@@ -92,7 +93,8 @@ def test_stream_the_client_reads_completes_beside_stalled_ones(proxy: ProxyProc)
         for sid in stalled:
             c.send(c.request(sid, f"/bytes/{size}"))
         _first_bytes(c, stalled)
-        time.sleep(1)  # the stalled streams fill up to their own limit
+        # The stalled streams fill up to their own limit.
+        assert stops_reading(proxy.pid), "the proxy never paused its upstreams"
         reader = stalled[-1] + 2
         c.send(c.request(reader, f"/bytes/{size}"),
                WindowUpdateFrame(reader, window_increment=16 * 1024))

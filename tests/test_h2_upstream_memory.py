@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,67 @@ def test_h2load_many_streams_of_large_responses_from_nginx(tmp_path: Path) -> No
             log = p.stop()
     assert "40 succeeded, 0 failed" in res.stdout, res.stdout + res.stderr
     assert "does not read its socket" not in log
+
+
+def _read_slowly(port: int, paths: list[str]) -> tuple[dict[int, int], set[int], bool]:
+    """One connection with windows that never hold the proxy back asks for `paths` at
+    once, then reads its socket in bursts of 16 KiB with a pause after each: slower than
+    the proxy produces, so the proxy's side of the socket fills and its transport pauses
+    and resumes again and again. Returns (DATA bytes per stream, streams ended, whether
+    the proxy closed the connection first)."""
+    with FrameClient(port, timeout=60, rcvbuf=64 * KiB) as c:
+        c.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: 2**31 - 1}, window=2**31 - 1 - 65535)
+        sids = [1 + 2 * i for i in range(len(paths))]
+        c.send(*[c.request(sid, path) for sid, path in zip(sids, paths, strict=True)])
+        got = dict.fromkeys(sids, 0)
+        ended: set[int] = set()
+        buf = bytearray()
+        while len(ended) < len(sids):
+            try:
+                data = c.sock.recv(16 * KiB)
+            except (ConnectionResetError, TimeoutError):
+                data = b""
+            if not data:
+                return got, ended, True
+            buf += data
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                length = int.from_bytes(buf[:3], "big")
+                kind, flags, sid = buf[3], buf[4], int.from_bytes(buf[5:9], "big")
+                if kind == 0x0:  # DATA (the proxy does not pad)
+                    got[sid] += length
+                if kind in (0x0, 0x1) and flags & 0x1:  # END_STREAM
+                    ended.add(sid)
+                if kind == 0x4 and not flags & 0x1:  # SETTINGS: ACK it
+                    c.send(SettingsFrame(0, flags=["ACK"]))
+                del buf[:9 + length]
+            time.sleep(0.0005)
+    return got, ended, False
+
+
+@pytest.mark.parametrize(("listen_extra", "streams", "size"),
+                         [("http2", 100, MiB), ("", 16, 8 * MiB)],
+                         ids=["h2c-upstream", "http1-upstream"])
+def test_a_client_that_reads_slowly_is_not_taken_for_one_that_does_not_read(
+        tmp_path: Path, listen_extra: str, streams: int, size: int) -> None:
+    """A client that reads all the time, but slower than the proxy produces: its
+    socket fills and the proxy's transport pauses. What waited meanwhile on every
+    stream (up to a stream window each from an h2c upstream, a read of the upstream
+    socket each from HTTP/1.1 ones) went out in one write when the transport resumed,
+    and one write of what a single turn of the event loop got from all the streams'
+    upstreams: over the 8 MiB a client that does not read its socket may have pending,
+    so the proxy closed the connection of a client that reads. Now the proxy stops
+    handing out output once the transport pauses, and every response arrives whole."""
+    www = tmp_path / "www"
+    www.mkdir()
+    (www / "f.bin").write_bytes(BLOCK * (size // len(BLOCK)))
+    protocol = "h2" if listen_extra else "http1"
+    config = CONFIG.replace('protocol = "h2"', f'protocol = "{protocol}"')
+    with run_nginx(tmp_path, f"        root {www};", listen_extra=listen_extra) as port:
+        p = ProxyProc(tmp_path, config % port)
+        try:
+            got, ended, cut = _read_slowly(p.ports["port"], ["/f.bin"] * streams)
+        finally:
+            log = p.stop()
+    assert "does not read its socket" not in log
+    assert not cut, f"closed after {sum(got.values()) / MiB:.1f} MiB"
+    assert len(ended) == streams and set(got.values()) == {size}, got

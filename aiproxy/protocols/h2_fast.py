@@ -37,7 +37,7 @@ from hpack import NeverIndexedHeaderTuple
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
-from hyperframe.frame import ExtensionFrame, RstStreamFrame
+from hyperframe.frame import ExtensionFrame, RstStreamFrame, WindowUpdateFrame
 
 from aiproxy.protocols.fields import CREDENTIAL_FIELDS
 
@@ -654,14 +654,19 @@ class FastReceive:
             return super()._receive_data_frame(frame)
         except h2.exceptions.InvalidBodyLengthError:
             # More DATA than content-length, or less at END_STREAM. h2 has counted the
-            # frame against the connection window: give it back, as for any DATA
-            # dropped on a closed stream.
+            # frame against the connection window: give it back, as h2 does for DATA
+            # on a closed stream. process_bytes() has already added what it returns to
+            # the window: only the WINDOW_UPDATE is left to send (not through
+            # increment_flow_control_window, which would add it a second time).
             increment = self._inbound_flow_control_window_manager.process_bytes(
                 frame.flow_controlled_length)
+            frames, events = self._malformed(frame.stream_id, True, "DATA does not add up "
+                                             "to its content-length")
             if increment:
-                self.increment_flow_control_window(increment)
-            return self._malformed(frame.stream_id, True, "DATA does not add up to its "
-                                   "content-length")
+                update = WindowUpdateFrame(0)
+                update.window_increment = increment
+                frames = [update, *frames]
+            return frames, events
 
     def _receive_headers_frame(self, frame: Any) -> tuple[list, list]:
         sid = frame.stream_id

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from bisect import bisect_right
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -60,6 +61,9 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 STREAM_WINDOW = 256 * 1024
 CONNECTION_WINDOW = 4 * 1024 * 1024
 WRITE_BUFFER_LIMIT = 8 * 1024 * 1024
+# Output h2 holds that want_flush() writes at once instead of at the end of the turn, so
+# that a transport pausing in that write stops the streams after it (see want_flush).
+FLUSH_NOW = 256 * 1024
 RESET_BUDGET = 200.0        # client stream resets (and refused streams) allowed in a burst ...
 RESET_REFILL = 100.0        # ... and per second after it (CVE-2023-44487)
 SETTINGS_NO_RFC7540_PRIORITIES = 0x9  # RFC 9218 2.1: 0 or 1, else PROTOCOL_ERROR
@@ -136,6 +140,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.closed = False
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
+        self.released_to = 0         # the last stream resume_writing released output of
         self.goaway_sent = False
         self.drain_ping = False      # drain() announced the stop; the last GOAWAY is to come
         self.timer: asyncio.Handle | None = None
@@ -256,9 +261,21 @@ class H2ServerConnection(asyncio.Protocol):
                 ex.on_client_pause_writing()
 
     def resume_writing(self) -> None:
+        # What the streams queued while paused goes out stream by stream, and stops
+        # once the transport pauses again (want_flush writes as it grows): the rest
+        # waits for the next resume, instead of all of it landing in the transport's
+        # buffer at once and passing for a client that does not read. The next resume
+        # starts after the last stream served, so every stream gets its turn.
+        streams = list(self.streams.values())
+        n = len(streams)
+        start = bisect_right(list(self.streams), self.released_to) % n if n else 0
         self.writing_paused = False
-        for stream in list(self.streams.values()):
+        for i in range(n):
+            stream = streams[(start + i) % n]
             stream.try_send()
+            if self.writing_paused or self.closed:
+                self.released_to = stream.sid
+                return
             ex = stream.exchange
             if ex is not None and not stream.writing_paused:
                 ex.on_client_resume_writing()
@@ -477,7 +494,15 @@ class H2ServerConnection(asyncio.Protocol):
     def want_flush(self) -> None:
         """Write what h2 has queued once this event-loop turn is over: the streams of a
         connection answered in one turn share one write (one syscall)."""
-        if not self.flush_wanted and not self.closed:
+        if self.closed:
+            return
+        if len(self.h2._data_to_send) >= FLUSH_NOW:
+            # Now: a transport that pauses in this write blocks the DATA of the streams
+            # that come next in this turn (they queue it, their producers pause), where
+            # one write at the end of the turn would hold what all of them produced.
+            self._flush()
+            return
+        if not self.flush_wanted:
             self.flush_wanted = True
             if not self.receiving:
                 self.loop.call_soon(self._flush)
