@@ -56,7 +56,7 @@ def exchange() -> SimpleNamespace:
         t_start_pc=0.0,
         t_first=0.5, t_sent=0.1, pool=SimpleNamespace(stats=stats), intent_decision=None,
         cluster=SimpleNamespace(name="chat", track_tokens=False, pools=()), intent=None,
-        gov={})
+        gov={}, resp_version=11)
 
 
 LLM = LlmState(LlmConfig())
