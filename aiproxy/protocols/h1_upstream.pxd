@@ -5,7 +5,7 @@ cimport cython
 
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
 from aiproxy._fast.clock cimport event_begin, event_end
-from aiproxy._fast.h1 cimport ResponseHead, parse_response
+from aiproxy._fast.h1 cimport ChunkedDecoder, ResponseHead, chunk_size_line, parse_response
 from aiproxy._fast.sendnow cimport Sender
 from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
 
@@ -16,7 +16,8 @@ cdef int BODY_NONE, BODY_LENGTH, BODY_CHUNKED, BODY_UNTIL_CLOSE, BODY_TUNNEL  # 
 
 
 cdef class H1UpstreamCore(Upstream):
-    cdef public object pool, transport, decoder, views_to
+    cdef public object pool, transport, views_to
+    cdef public ChunkedDecoder decoder
     cdef Sender tx  # writes to the upstream (sendnow.pyx)
     cdef object tx_closing  # transport.is_closing, bound once
     cdef public ExchangeBase exchange
@@ -41,7 +42,7 @@ cdef class H1UpstreamCore(Upstream):
     cpdef _head(self, bytearray slab, Py_ssize_t nbytes)
     @cython.locals(ex=ExchangeBase, mode=cython.int, n=Py_ssize_t)
     cpdef _body(self, data)
-    @cython.locals(ex=ExchangeBase)
+    @cython.locals(ex=ExchangeBase, decoder=ChunkedDecoder)
     cpdef _chunked(self, data, Py_ssize_t n)
     @cython.locals(ex=ExchangeBase)
     cpdef _finish(self)
