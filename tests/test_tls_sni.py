@@ -88,6 +88,7 @@ def write_config(tmp_path: Path, port: int, upstream: int, tls: str) -> Path:
     config = tmp_path / "aiproxy.toml"
     config.write_text(f"""
 [server]
+workers = 1  # "config reloaded (" is then the whole reload (tests/test_tls_reload.py does 2)
 drain_timeout_ms = 2000
 
 [[listeners]]
