@@ -207,4 +207,6 @@ def test_bad_certificates_entry_names_file_line_and_key(tmp_path: Path, sni_pki,
     assert out.returncode != 0
     line = next((text for text in (out.stdout + out.stderr).splitlines() if key in text), "")
     assert message in line, out.stdout + out.stderr
-    assert f"{config}:9:" in line  # the listener's tls line
+    tls_line = config.read_text().splitlines().index(
+        next(t for t in config.read_text().splitlines() if t.startswith("tls = {"))) + 1
+    assert f"{config}:{tls_line}:" in line  # the listener's tls line
