@@ -398,10 +398,12 @@ class H1ConnectionCore(Downstream):
         rt = self.server.runtime
         if (not keep_alive or self.server.draining or (self.client_eof and not self.buf)
                 or (rt.max_keepalive_requests and self.served >= rt.max_keepalive_requests)):
-            if e.req_done and not e.close_after:
+            if e.req_done and not e.close_after and not self.buf:
                 self.close()
             else:
-                self.linger()  # more bytes may come: read and dropped, not a reset
+                # More bytes may come (pipelined ones are here already): read and
+                # dropped, not answered with a reset that could cut this response.
+                self.linger()
             return
         if self.pause_mask:
             self.pause_mask = 0
