@@ -255,14 +255,8 @@ def test_goaway_keeps_frames_queued_for_streams_in_flight() -> None:
         ours.send_data(1, b"queued before the GOAWAY", end_stream=True)
         peer.close_connection(last_stream_id=1)
         ours.receive_data(peer.data_to_send())
-        out = ours.data_to_send()
         # Read as frames: h2 (the peer here) takes no frame once it has sent GOAWAY.
-        frames = []
-        while out:
-            frame, length = Frame.parse_frame_header(memoryview(out[:9]))
-            frame.parse_body(memoryview(out[9:9 + length]))
-            frames.append(frame)
-            out = out[9 + length:]
+        frames = _read_frames(ours.data_to_send())
         data = [f for f in frames if isinstance(f, DataFrame)]
         assert [(f.stream_id, f.data, "END_STREAM" in f.flags) for f in data] == \
             [(1, b"queued before the GOAWAY", True)], (ours_is_client, frames)
