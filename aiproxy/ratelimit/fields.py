@@ -48,14 +48,19 @@ def policy_item(name: str, spec: Spec) -> bytes:
     return b"%s;q=%d;w=%d" % (sf_string(name), _whole(cap), max(1, _seconds(cap / rate)))
 
 
-def limit_item(name: str, spec: Spec, level: float, until: int | None = None) -> bytes:
-    """`until`: the Retry-After of a refusal, which no reset may pass (the draft's
-    section 6: Retry-After SHOULD NOT come before the reset)."""
+def left_and_reset(spec: Spec, level: float, until: int | None = None) -> tuple[int, int]:
+    """(whole units the level holds, less what the watermark keeps out of reach; seconds
+    until the bucket is full again). `until`: the Retry-After of a refusal, which no
+    reset may pass (the draft's section 6: Retry-After SHOULD NOT come before the reset)."""
     rate, cap, _, factor = spec
     t = _seconds((cap - level) / (rate * factor))
     if until is not None and t > until:
         t = until
-    return b"%s;r=%d;t=%d" % (sf_string(name), _whole(level - cap * (1 - factor)), t)
+    return _whole(level - cap * (1 - factor)), t
+
+
+def limit_item(name: str, spec: Spec, level: float, until: int | None = None) -> bytes:
+    return b"%s;r=%d;t=%d" % (sf_string(name), *left_and_reset(spec, level, until))
 
 
 def ratelimit_fields(snaps: Iterable[tuple[str, Spec, float]],
@@ -94,13 +99,10 @@ def openai_fields(snaps: Iterable[tuple[str, Spec, float]],
     "requests" or "tokens", the tightest bucket of each kind."""
     tightest: dict[str, tuple[int, int, int]] = {}
     for kind, spec, level in snaps:
-        rate, cap, _, factor = spec
-        left = _whole(level - cap * (1 - factor))
-        reset = _seconds((cap - level) / (rate * factor))
-        if until is not None and reset > until:
-            reset = until
+        left, reset = left_and_reset(spec, level, until)
         seen = tightest.get(kind)
         if seen is None or (left, -reset) < (seen[1], -seen[2]):
+            _, cap, _, factor = spec
             tightest[kind] = (_whole(cap * factor), left, reset)
     out = []
     for kind in ("requests", "tokens"):
