@@ -641,7 +641,8 @@ model = ""
         "13: clusters[1].hash_key: invalid hash_key 'cookie:a' (use \"header:<name>\" or "
         "\"client_ip\")",
         "14: clusters[1].health_check.path: must start with '/'",
-        "19: routes[0].split: give either cluster or split, not both",
+        "19: routes[0].split: give one of cluster, split, direct_response or redirect, "
+        "not cluster and split",
         "19: routes[0].split[0].cluster: unknown cluster 'nope' (defined: backend, x)",
         "19: routes[0].split[1].weight: must be between 0 and 1000000, got -1",
         "20: routes[0].match.headers.x-a: give exactly one of exact, regex, present",

@@ -23,6 +23,10 @@ def summary(cfg: Config) -> str:
 def _target(route: RouteConfig) -> str:
     if route.split:
         return "split " + ", ".join(f"{t.cluster}={t.weight}" for t in route.split)
+    if route.redirect is not None:
+        return f"redirect {route.redirect.status}"
+    if route.direct_response is not None:
+        return f"direct_response {route.direct_response.status}"
     return route.cluster or "?"
 
 

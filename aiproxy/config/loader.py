@@ -24,11 +24,13 @@ from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
 from .schema import (
     MAX_WORKERS,
+    REDIRECT_STATUSES,
     RETRY_ON,
     AccessLogConfig,
     AdminConfig,
     ClusterConfig,
     Config,
+    DirectResponse,
     Endpoint,
     HealthCheckConfig,
     HttpConfig,
@@ -37,6 +39,7 @@ from .schema import (
     LlmScoreConfig,
     LoadMetricsConfig,
     OutlierConfig,
+    Redirect,
     RetryPolicy,
     RouteConfig,
     RouteMatch,
@@ -75,7 +78,14 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 _ENDPOINT_KEYS = ("address", "weight", "capacity")
 _ROUTE_KEYS = ("name", "cluster", "match", "split", "sticky_header", "timeout_ms", "retries",
                "request_headers_add", "request_headers_remove", "response_headers_add",
-               "response_headers_remove", "prefix_rewrite", "model")
+               "response_headers_remove", "prefix_rewrite", "model", "direct_response",
+               "redirect")
+_DIRECT_KEYS = ("status", "body", "content_type")
+_REDIRECT_KEYS = ("status", "scheme", "host", "port", "path", "prefix_rewrite", "strip_query")
+# Route keys that only mean something when the request goes to a cluster.
+_UPSTREAM_ROUTE_KEYS = ("sticky_header", "timeout_ms", "retries", "request_headers_add",
+                        "request_headers_remove", "prefix_rewrite", "model")
+_DIRECT_BODY_LIMIT = 1024 * 1024
 _MATCH_KEYS = ("path", "path_prefix", "path_regex", "method", "host", "headers", "query",
                "grpc_service", "grpc_method", "intent", "intent_domain")
 _HEADER_RULE_KEYS = ("exact", "regex", "present")
@@ -192,6 +202,14 @@ def _bind_addresses(host: str) -> set[tuple[int, str]]:
     except ValueError:
         return {(0, host)}
     return {(ip.version, "*" if ip.is_unspecified else ip.compressed)}
+
+
+def _ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _bind_overlap(a: set[tuple[int, str]], b: set[tuple[int, str]]) -> bool:
@@ -911,19 +929,111 @@ class _Checker:
                 names.append((path + ("name",), name))
             cluster = None
             split: tuple[SplitTarget, ...] = ()
+            match = self.match(item, path)
+            targets = [k for k in ("cluster", "split", "direct_response", "redirect")
+                       if k in item]
+            local: dict[str, Any] = {}
+            if len(targets) > 1:
+                self.error(path + (targets[1],), f"give one of cluster, split, "
+                           f"direct_response or redirect, not {' and '.join(targets)}")
             if "split" in item:
-                if "cluster" in item:
-                    self.error(path + ("split",), "give either cluster or split, not both")
                 split = self.split(item, path, cluster_names)
+            elif targets and targets[-1] in ("direct_response", "redirect"):
+                for key in _UPSTREAM_ROUTE_KEYS:
+                    if key in item:
+                        self.error(path + (key,), f"only meaningful for a route to a "
+                                   f"cluster, not with {targets[0]}")
+                if targets[0] == "redirect":
+                    local["redirect"] = self.redirect(item, path, match)
+                else:
+                    local["direct_response"] = self.direct_response(item, path)
             else:
                 cluster = self.name(item, path, "cluster")
                 self.known_cluster(cluster, path + ("cluster",), cluster_names)
-            match = self.match(item, path)
             policy = self.route_policy(item, path, match)
             if len(self.problems) == before:
-                routes.append(RouteConfig(name, cluster, match, split=split, **policy))
+                routes.append(RouteConfig(name, cluster, match, split=split, **policy,
+                                          **local))
         self.unique_names(names, "route")
         return tuple(routes)
+
+    def direct_response(self, data: dict[str, Any], path: KeyPath) -> DirectResponse | None:
+        table = self.get(data, path, "direct_response", "table")
+        if table is None:
+            return None
+        path += ("direct_response",)
+        self.check_keys(table, path, _DIRECT_KEYS)
+        status = self.get(table, path, "status", "integer", required=True)
+        if status is not None and not 200 <= status <= 599:
+            self.error(path + ("status",), f"must be a final status, 200 to 599, got {status}")
+            status = None
+        text = self.get(table, path, "body", "string")
+        body = b"" if text is None else text.encode("utf-8")
+        if len(body) > _DIRECT_BODY_LIMIT:
+            self.error(path + ("body",), f"at most {_DIRECT_BODY_LIMIT} bytes")
+        if body and status in (204, 205, 304):
+            # RFC 9110 15.3.5, 15.3.6, 15.4.5: these responses have no content.
+            self.error(path + ("body",), f"a {status} response has no body")
+        ctype = self.get(table, path, "content_type", "string")
+        if ctype is not None:
+            if not ctype or not _HEADER_VALUE.fullmatch(ctype) or not ctype.isascii():
+                self.error(path + ("content_type",), "must be a non-empty ASCII field value")
+            elif not body:
+                self.error(path + ("content_type",), "only sent with a body")
+        if status is None:
+            return None
+        content_type = (ctype.encode("ascii") if ctype else b"text/plain; charset=utf-8"
+                        ) if body else None
+        return DirectResponse(status, body, content_type)
+
+    def redirect(self, data: dict[str, Any], path: KeyPath,
+                 match: RouteMatch | None) -> Redirect | None:
+        table = self.get(data, path, "redirect", "table")
+        if table is None:
+            return None
+        path += ("redirect",)
+        self.check_keys(table, path, _REDIRECT_KEYS)
+        values: dict[str, Any] = {}
+        status = self.get(table, path, "status", "integer")
+        if status is not None:
+            if status not in REDIRECT_STATUSES:
+                allowed = ", ".join(map(str, REDIRECT_STATUSES))
+                self.error(path + ("status",), f"must be one of {allowed}, got {status}")
+            values["status"] = status
+        scheme = self.get(table, path, "scheme", "string")
+        if scheme is not None:
+            if scheme not in ("http", "https"):
+                self.error(path + ("scheme",), f"must be \"http\" or \"https\", got '{scheme}'")
+            values["scheme"] = scheme.encode("ascii", "replace")
+        host = self.get(table, path, "host", "string")
+        if host is not None:
+            if not (HOSTNAME.fullmatch(host) and host.isascii()) and not _ip_literal(host):
+                self.error(path + ("host",), f"invalid host name '{host}' (no port: use port)")
+            values["host"] = (f"[{host}]" if ":" in host else host).encode("ascii", "replace")
+        port = self.get(table, path, "port", "integer")
+        if port is not None:
+            if not 1 <= port <= 65535:
+                self.error(path + ("port",), _range_message((1, 65535), port))
+            values["port"] = port
+        for key in ("path", "prefix_rewrite"):
+            text = self.get(table, path, key, "string")
+            if text is None:
+                continue
+            if not text.startswith("/") or text.startswith("//") or not (
+                    _VISIBLE_ASCII.fullmatch(text)):
+                self.error(path + (key,), "must start with one '/' and be printable ASCII "
+                                          "without spaces")
+            values[key] = text.encode("ascii", "replace")
+        if "path" in values and "prefix_rewrite" in values:
+            self.error(path + ("prefix_rewrite",), "give either path or prefix_rewrite")
+        if "prefix_rewrite" in values and match is not None and match.path_prefix is None:
+            self.error(path + ("prefix_rewrite",), "needs match.path_prefix")
+        if b"?" in values.get("prefix_rewrite", b""):
+            self.error(path + ("prefix_rewrite",), "must not hold a query (use path)")
+        strip = self.get(table, path, "strip_query", "boolean")
+        if strip is not None:
+            values["strip_query"] = strip
+        return Redirect(**values)
 
     def known_cluster(self, cluster: str | None, path: KeyPath, cluster_names: list[str]) -> None:
         if cluster is not None and cluster not in cluster_names:

@@ -263,10 +263,35 @@ class RetryPolicy:
     non_idempotent: bool = False
 
 
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectResponse:
+    """A route's own answer (nginx `return CODE TEXT`, Envoy direct_response)."""
+
+    status: int
+    body: bytes = b""
+    content_type: bytes | None = None  # sent only with a body
+
+
+@dataclass(frozen=True, slots=True)
+class Redirect:
+    """A route's redirect: the request's URL with the parts set here replaced."""
+
+    status: int = 301
+    scheme: bytes | None = None  # b"http" | b"https"
+    host: bytes | None = None
+    port: int | None = None
+    path: bytes | None = None  # the whole path (a query in it replaces the request's)
+    prefix_rewrite: bytes | None = None  # with match.path_prefix: that prefix replaced
+    strip_query: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class RouteConfig:
     name: str
-    cluster: str | None
+    cluster: str | None  # None: split, direct_response or redirect
     match: RouteMatch = field(default_factory=RouteMatch)
     split: tuple[SplitTarget, ...] = ()  # instead of cluster
     sticky_header: bytes | None = None
@@ -278,10 +303,14 @@ class RouteConfig:
     response_headers_remove: tuple[bytes, ...] = ()
     prefix_rewrite: bytes | None = None
     model: bytes | None = None  # sent upstream as x-model-id
+    direct_response: DirectResponse | None = None
+    redirect: Redirect | None = None
 
     @property
     def clusters(self) -> tuple[str, ...]:
-        return tuple(t.cluster for t in self.split) if self.split else (self.cluster,)
+        if self.split:
+            return tuple(t.cluster for t in self.split)
+        return (self.cluster,) if self.cluster is not None else ()
 
 
 @dataclass(frozen=True, slots=True)

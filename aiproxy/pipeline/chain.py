@@ -49,3 +49,5 @@ BUILDERS: list[BuilderEntry] = [
 # The features that also see an exchange no route took (a 404, a 400 for a bad target,
 # a 417): the trace it belongs to and its audit record. Their builders get route None.
 UNROUTED = ("tracing", "audit")
+# The features a route answered by the proxy (direct_response, redirect) runs.
+ANSWERED = ("tracing", "audit", "auth", "policy", "ratelimit")

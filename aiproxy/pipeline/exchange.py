@@ -46,6 +46,7 @@ from aiproxy.pipeline.filters import (
 )
 from aiproxy.pipeline.filters import ResponseHead as OwnResponseHead
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
+from aiproxy.pipeline.redirect import location
 from aiproxy.protocols.replies import error_body, grpc_status_for, grpc_status_value
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
@@ -665,6 +666,8 @@ class Exchange(ExchangeBase):
         """Pick an endpoint of the chosen cluster and send the request there."""
         head = self.head
         route = self.route
+        if route.direct is not None or route.redirect is not None:
+            return self._answer_route()
         cluster = self.cluster
         if head.upgrade is not None and cluster.cfg.protocol == "h2":
             offered = forwarded_upgrade(head.upgrade)
@@ -703,6 +706,34 @@ class Exchange(ExchangeBase):
                 return
             self._rewrite_model()
         self._use(pool)
+
+    def _answer_route(self) -> None:
+        """The route's own answer (direct_response, redirect), once its filters (auth,
+        policy, rate limits) let the request through. The request's body is not read:
+        a connection with body bytes still to come closes after the answer."""
+        route = self.route
+        d = route.direct
+        fields: list[tuple[bytes, bytes]] = []
+        if d is not None:
+            status, body = d.status, d.body
+            if body:
+                fields.append((b"content-type", d.content_type))
+        else:
+            r = route.redirect
+            q = find_query(self.up_target)
+            loc = location(r, self.down.scheme,
+                           self.host_line[6:-2] if self.host_line else self.head.host,
+                           self.path, self.up_target[q + 1:] if q >= 0 else b"",
+                           route.path_prefix)
+            if loc is None:
+                return self.local_reply(
+                    400, "the request names no host to redirect to", "no_host")
+            status, body = r.status, b""
+            fields.append((b"location", loc))
+        if status not in (204, 304):
+            fields.append((b"content-length", b"%d" % len(body)))
+        self._answer(StoredResponse(OwnResponseHead(status, fields), [body] if body else [],
+                                    version=0), len(self.filters))
 
     def _model_body(self, head: Any) -> bool:
         """Whether to hold the body to rewrite its JSON `model` field: only a JSON body of

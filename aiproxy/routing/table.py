@@ -81,7 +81,7 @@ class Route:
                  "has_rest", "timeout", "retries", "req_add", "req_remove", "resp_add",
                  "resp_remove", "prefix_rewrite", "model", "has_policy", "retry_statuses",
                  "req_add_lines", "resp_add_lines", "resp_edit", "retry_unavailable",
-                 "filters", "filter_inspect")
+                 "filters", "filter_inspect", "direct", "redirect")
 
     def __init__(self, cfg: RouteConfig, clusters: Cluster | Mapping[str, Cluster],
                  index: int = 0) -> None:
@@ -94,11 +94,19 @@ class Route:
             self.cum_weights = tuple(accumulate(t.weight for t in cfg.split))
             self.total_weight = self.cum_weights[-1]
             self.cluster = self.clusters[0]  # for code that only wants a name
+        elif cfg.cluster is None:  # answered by the proxy: direct_response or redirect
+            self.cluster = None
+            self.clusters = ()
+            self.cum_weights = ()
+            self.total_weight = 0
         else:
             self.cluster = clusters[cfg.cluster] if isinstance(clusters, Mapping) else clusters
             self.clusters = (self.cluster,)
             self.cum_weights = ()
             self.total_weight = 0
+        # Checked once per request in Exchange._dispatch: a C field each.
+        self.direct = cfg.direct_response
+        self.redirect = cfg.redirect
         self.sticky_header = cfg.sticky_header
         m = cfg.match
         self.path = m.path
@@ -220,6 +228,10 @@ class Route:
         if self.cum_weights:
             return {"split": [{"cluster": c.name, "weight": t.weight}
                               for c, t in zip(self.clusters, self.cfg.split, strict=True)]}
+        if self.direct is not None:
+            return {"direct_response": self.direct.status}
+        if self.redirect is not None:
+            return {"redirect": self.redirect.status}
         return {"cluster": self.cluster.name}
 
 

@@ -23,7 +23,7 @@ class Runtime:
         blocks, so the caller does that off the event loop: see load_intent_model)."""
         # Imported here, not at the top: the compiled exchange cimports this module, and
         # the filter chain imports modules that import the exchange's users.
-        from aiproxy.pipeline.chain import BUILDERS, UNROUTED
+        from aiproxy.pipeline.chain import ANSWERED, BUILDERS, UNROUTED
         from aiproxy.pipeline.filters import prepare_states, route_filters
         from aiproxy.semantic.router import SemanticRouter
 
@@ -40,7 +40,11 @@ class Runtime:
             BUILDERS, config, previous.filter_states if previous is not None else None)
         if self.filter_states:
             for route in self.table.routes:
-                route.filters = route_filters(BUILDERS, config, route.cfg, self.filter_states)
+                # A route the proxy answers itself has no upstream exchange to cache,
+                # account tokens of or guard: its chain is identity, policy and limits.
+                only = ANSWERED if route.cluster is None and not route.clusters else None
+                route.filters = route_filters(BUILDERS, config, route.cfg, self.filter_states,
+                                              only)
                 route.filter_inspect = max((f.inspect_bytes for f in route.filters), default=0)
         self.unrouted_filters = (route_filters(BUILDERS, config, None, self.filter_states,
                                                UNROUTED) if self.filter_states else ())
