@@ -298,3 +298,41 @@ def test_health_checks_use_tls(proxy: ProxyProc) -> None:
     log = proxy.log()
     assert "cluster checked-wrong-ca: 127.0.0.1" in log and "is unhealthy" in log, log[-3000:]
     assert "cluster checked: " not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("protocol", ["http1", "h2"])
+def test_cluster_host_is_the_name_tls_asks_for_and_verifies(
+        nginx: dict[str, int], pki: Pki, tmp_path: Path, protocol: str) -> None:
+    """An endpoint given by IP address, its cluster's `host` a name: SNI and the
+    certificate check use that name (without the port), Host carries it whole."""
+    def start(host: str) -> ProxyProc:
+        return ProxyProc(tmp_path, f"""
+[[listeners]]
+name = "p"
+address = "127.0.0.1:{{p}}"
+
+[[clusters]]
+name = "c"
+endpoints = ["127.0.0.1:{nginx['h2']}"]
+protocol = "{protocol}"
+tls = {{ ca = "{pki.ca}" }}
+host = "{host}"
+
+[[routes]]
+name = "r"
+cluster = "c"
+""", ("p",))
+
+    proxy = start("localhost:8443")
+    try:
+        r = httpx.get(f"http://127.0.0.1:{proxy.ports['p']}/", headers={"host": "gw.test"})
+        assert r.status_code == 200, r.text
+        assert "sni=localhost host=localhost:8443" in r.text
+    finally:
+        proxy.stop()
+    proxy = start("other.test")
+    try:
+        r = httpx.get(f"http://127.0.0.1:{proxy.ports['p']}/")
+        assert r.status_code == 502 and "other.test" in r.json()["error"]["message"], r.text
+    finally:
+        proxy.stop()

@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from aiproxy.config.address import split_authority
 from aiproxy.config.schema import Redirect
 from aiproxy.governance.auth import hash_key
-from aiproxy.pipeline.redirect import location, split_authority
+from aiproxy.pipeline.redirect import location
 from tests.h2_support import ProxyProc, make_pki, wait_for
 from tests.support import free_port, raw_exchange, wait_port
 

@@ -46,3 +46,17 @@ def _is_ipv6(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def split_authority(authority: bytes) -> tuple[bytes, bytes | None]:
+    """(host, port or None) of a Host field value or :authority."""
+    if authority.startswith(b"["):
+        end = authority.find(b"]")
+        if end > 0:
+            rest = authority[end + 1:]
+            return authority[:end + 1], rest[1:] if rest[:1] == b":" and rest[1:] else None
+        return authority, None
+    host, colon, port = authority.rpartition(b":")
+    if colon and port.isdigit():
+        return host, port
+    return authority.rstrip(b":"), None

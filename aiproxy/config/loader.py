@@ -750,6 +750,7 @@ class _Checker:
             load_metrics = self.load_metrics(item, path)
             outlier = self.outlier(item, path)
             tls = self.upstream_tls(item, path)
+            host = self.upstream_host(item, path)
             if balancer == "ring_hash":
                 self.ring_weights(endpoints, path)
             if len(self.problems) == before:
@@ -757,9 +758,26 @@ class _Checker:
                                               protocol=protocol, hash_key=hash_key,
                                               llm_score=llm_score, health_check=health,
                                               load_metrics=load_metrics,
-                                              outlier_detection=outlier, tls=tls, **extra))
+                                              outlier_detection=outlier, tls=tls, host=host,
+                                              **extra))
         self.unique_names(names, "cluster")
         return tuple(clusters), [name for _, name in names]
+
+    def upstream_host(self, data: dict[str, Any], path: KeyPath) -> bytes | None:
+        """A cluster's `host`: "name", "name:port", an IP address or "[v6]:port"."""
+        text = self.get(data, path, "host", "string")
+        if text is None:
+            return None
+        for candidate in (text, text + ":1"):  # with its port, or without one
+            try:
+                parse_address(candidate)
+            except ValueError:
+                continue
+            if text.isascii():
+                return text.lower().encode("ascii")
+        self.error(path + ("host",), f"invalid host '{text}' (name[:port], an IP address, "
+                                     "or [IPv6]:port)")
+        return None
 
     def ring_weights(self, endpoints: tuple[Endpoint, ...], path: KeyPath) -> None:
         total = sum(endpoint.weight for endpoint in endpoints)

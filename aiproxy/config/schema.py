@@ -218,6 +218,9 @@ class ClusterConfig:
     max_pending: int = _bounded(0, 0)
     max_requests: int = _bounded(0, 0)
     tls: UpstreamTlsConfig | None = None
+    # The Host (HTTP/2 :authority) sent to the endpoints, "name[:port]"; None: the
+    # client's, as it came (Envoy's default; nginx sends its upstream's name).
+    host: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,7 @@ cdef class Exchange(ExchangeBase):
     cpdef _drop_upstream(self)
     cpdef _finish(self, keep_alive)
     cpdef timings(self)
-    @cython.locals(rt=Runtime, head=RequestHead, drop=cython.uint, extra=tuple)
+    @cython.locals(rt=Runtime, head=RequestHead, drop=cython.uint, extra=tuple, ep=EndpointPool)
     cpdef h1_request_head(self, pool)
     cpdef _report(self)
     cpdef _release_cluster(self)

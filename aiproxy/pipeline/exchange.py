@@ -824,7 +824,11 @@ class Exchange(ExchangeBase):
         drop = F_HOP | F_CONTENT_LENGTH | F_OWN
         # The added field lines, one slot each (None: not sent): see Head.compose.
         host = fwd = decision = framing = upgrade_lines = added = None
-        if self.host_line:
+        ep = pool  # typed in exchange.pxd: a C field read
+        if ep.host_line is not None:  # the cluster's `host`
+            drop |= F_HOST
+            host = ep.host_line
+        elif self.host_line:
             drop |= F_HOST
             host = self.host_line
         elif head.version == 20 and head.host is not None:
@@ -873,7 +877,9 @@ class Exchange(ExchangeBase):
     def h2_request_headers(self, pool: Pool) -> list[tuple[bytes, bytes]]:
         """The request fields for an HTTP/2 upstream (RFC 9113 8.3.1 pseudo-fields first)."""
         head = self.head
-        authority = self.host_line[6:-2] if self.host_line else head.host
+        authority = pool.authority
+        if authority is None:
+            authority = self.host_line[6:-2] if self.host_line else head.host
         if not authority:
             authority = pool.endpoint.address.encode()
         fields = [(b":method", self.method), (b":scheme", pool.scheme),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from urllib.parse import quote_from_bytes
 
+from aiproxy.config.address import split_authority
 from aiproxy.config.schema import Redirect
 
 DEFAULT_PORTS = {b"http": b"80", b"https": b"443"}
@@ -14,20 +15,6 @@ DEFAULT_PORTS = {b"http": b"80", b"https": b"443"}
 # line carried) is percent-encoded: a field value must not carry it raw.
 _PATH_SAFE = "/:@!$&'()*+,;=-._~%"
 _QUERY_SAFE = _PATH_SAFE + "?"
-
-
-def split_authority(authority: bytes) -> tuple[bytes, bytes | None]:
-    """(host, port or None) of a Host field value or :authority."""
-    if authority.startswith(b"["):
-        end = authority.find(b"]")
-        if end > 0:
-            rest = authority[end + 1:]
-            return authority[:end + 1], rest[1:] if rest[:1] == b":" and rest[1:] else None
-        return authority, None
-    host, colon, port = authority.rpartition(b":")
-    if colon and port.isdigit():
-        return host, port
-    return authority.rstrip(b":"), None
 
 
 def location(r: Redirect, scheme: bytes, authority: bytes | None, path: bytes,

@@ -565,7 +565,8 @@ async def http_get(pool: Pool, path: bytes, timeout: float, body: bool,
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(
                 pool.host, pool.port, **tls_connect_args(pool, "http/1.1"))
-            writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: " + pool.endpoint.address.encode()
+            host = pool.authority or pool.endpoint.address.encode()
+            writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: " + host
                          + b"\r\nUser-Agent: aiproxy\r\nConnection: close\r\n\r\n")
             line = await reader.readline()
             parts = line.split(None, 2)

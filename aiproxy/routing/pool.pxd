@@ -8,6 +8,7 @@ from aiproxy.routing.stats cimport EndpointStats
 
 cdef class EndpointPool:
     cdef public object loop, endpoint, host, port, _cfg  # _cfg: the cluster_cfg property's
+    cdef public object host_line, authority
     cdef public long long max_head, opened, reused, open_count, max_idle, max_requests
     cdef public bint closed
     cdef public EndpointStats stats

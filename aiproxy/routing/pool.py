@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy._fast.clock import event_now, monotonic
 from aiproxy.config import ClusterConfig, Endpoint, UpstreamTlsConfig
+from aiproxy.config.address import split_authority
 from aiproxy.protocols.h1_upstream import H1UpstreamConnection
 from aiproxy.protocols.h2_upstream import H2UpstreamConnection, H2UpstreamStream
 from aiproxy.routing.stats import EndpointStats
@@ -54,8 +55,18 @@ def tls_connect_args(pool: EndpointPool, alpn: str) -> dict:
     entry = _TLS_CONTEXTS.get(key)
     if entry is None or entry[0] is not tls:  # made once per config (again after a reload)
         entry = _TLS_CONTEXTS[key] = (tls, upstream_tls_context(tls, alpn))
-    return {"ssl": entry[1], "server_hostname": tls.sni or pool.host,
+    return {"ssl": entry[1], "server_hostname": tls.sni or _named_host(pool),
             "ssl_handshake_timeout": pool.cluster_cfg.connect_timeout_ms / 1000}
+
+
+def _named_host(pool: EndpointPool) -> str:
+    """The name TLS asks for and verifies: the cluster's `host` (without its port) when
+    set, as the requests will name it, else the endpoint's host."""
+    host = pool.cluster_cfg.host
+    if host is None:
+        return pool.host
+    name = split_authority(host)[0].decode("ascii")
+    return name[1:-1] if name.startswith("[") else name
 
 
 _TLS_CONTEXTS: dict[tuple[int, str], tuple[UpstreamTlsConfig, ssl.SSLContext]] = {}
@@ -100,7 +111,8 @@ class EndpointPool:
     (replaced on reload), counters for /metrics and the balancer's statistics."""
 
     __slots__ = ("loop", "endpoint", "host", "port", "_cfg", "max_head", "opened",
-                 "reused", "closed", "open_count", "stats", "max_idle", "max_requests")
+                 "reused", "closed", "open_count", "stats", "max_idle", "max_requests",
+                 "host_line", "authority")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
                  cluster_cfg: ClusterConfig, http: HttpConfig) -> None:
@@ -126,6 +138,9 @@ class EndpointPool:
         self._cfg = cfg
         self.max_idle = cfg.max_idle_connections
         self.max_requests = cfg.max_requests_per_connection
+        # The cluster's `host`, sent instead of the client's Host / :authority.
+        self.authority = cfg.host
+        self.host_line = b"Host: " + cfg.host + b"\r\n" if cfg.host is not None else None
 
     @property
     def scheme(self) -> bytes:
