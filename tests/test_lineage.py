@@ -81,16 +81,22 @@ def test_lineage_across_three_hops(services):
 
     g = httpx.get(f"http://127.0.0.1:{admin_port}/lineage/{TRACE}", timeout=10).json()
     spans = {s["span_id"]: s for s in g["spans"]}
-    assert len(spans) == 3
-    # The span ids the services saw as their parent are the proxy's hop spans.
-    hop_spans = [h[1].decode() for h in hops]
-    assert set(hop_spans) == set(spans)
+    assert len(spans) == 6
+    # The span id each service saw as its parent is the proxy's attempt to call it: a
+    # client span, child of that hop's server span.
+    attempts = [h[1].decode() for h in hops]
+    assert all(spans[a]["kind"] == "client" for a in attempts)
+    hop_spans = [spans[a]["parent_id"] for a in attempts]
+    assert all(spans[s]["kind"] == "server" for s in hop_spans)
     assert g["roots"] == [hop_spans[0]]
     assert spans[hop_spans[0]]["parent_id"] == CLIENT_SPAN
     edges = {(e["parent"], e["child"], e["model"]) for e in g["edges"]}
     assert edges == {(CLIENT_SPAN, hop_spans[0], "model-a"),
-                     (hop_spans[0], hop_spans[1], "model-b"),
-                     (hop_spans[1], hop_spans[2], "model-c")}
+                     (hop_spans[0], attempts[0], "model-a"),
+                     (attempts[0], hop_spans[1], "model-b"),
+                     (hop_spans[1], attempts[1], "model-b"),
+                     (attempts[1], hop_spans[2], "model-c"),
+                     (hop_spans[2], attempts[2], "model-c")}
     assert spans[hop_spans[1]]["caller_model_id"] == "model-a"
     assert [spans[s]["route"] for s in hop_spans] == ["to-a", "to-b", "to-c"]
     assert all(spans[s]["status"] == 200 for s in hop_spans)
@@ -159,7 +165,7 @@ service_name = "edge-1"
                 assert r.status_code == 200
         deadline = time.monotonic() + 10
         while sum(len(ss.spans) for req in received for rs in req.resource_spans
-                  for ss in rs.scope_spans) < 3:
+                  for ss in rs.scope_spans) < 6:  # a server and a client span each
             assert time.monotonic() < deadline, "spans never exported"
             time.sleep(0.05)
     finally:
@@ -167,11 +173,14 @@ service_name = "edge-1"
     rs = received[0].resource_spans[0]
     assert rs.resource.attributes[0].key == "service.name"
     assert rs.resource.attributes[0].value.string_value == "edge-1"
-    spans = [s for req in received for r in req.resource_spans for ss in r.scope_spans
+    every = [s for req in received for r in req.resource_spans for ss in r.scope_spans
              for s in ss.spans]
-    assert {s.trace_id.hex() for s in spans} == {TRACE}
+    assert {s.trace_id.hex() for s in every} == {TRACE}
+    spans = [s for s in every if s.kind == 2]  # SERVER
     assert {s.parent_span_id.hex() for s in spans} == {CLIENT_SPAN}
     assert len({s.span_id for s in spans}) == 3
+    attempts = [s for s in every if s.kind == 3]  # CLIENT: one upstream attempt each
+    assert sorted(s.parent_span_id for s in attempts) == sorted(s.span_id for s in spans)
     attrs = {kv.key: kv.value for kv in spans[0].attributes}
     assert attrs["http.response.status_code"].int_value == 200
     assert attrs["aiproxy.route"].string_value == "all"
@@ -244,7 +253,8 @@ def test_a_span_keeps_the_first_1024_characters_of_a_long_path(start_proxy, demo
     r = httpx.get(f"{proxy.url}{path}?token=secret", timeout=10,
                   headers={"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"})
     assert r.status_code == 200
-    (span,) = httpx.get(f"http://127.0.0.1:{admin}/lineage/{TRACE}").json()["spans"]
+    spans = httpx.get(f"http://127.0.0.1:{admin}/lineage/{TRACE}").json()["spans"]
+    (span,) = [s for s in spans if s["kind"] == "server"]
     assert span["path"] == path[:1024]
 
 
@@ -266,7 +276,8 @@ def test_a_request_without_host_is_a_span_too(start_proxy, demo_upstream):
         while chunk := s.recv(65536):
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 200 "), reply[:100]
-    (span,) = httpx.get(f"http://127.0.0.1:{admin}/lineage/{TRACE}").json()["spans"]
+    spans = httpx.get(f"http://127.0.0.1:{admin}/lineage/{TRACE}").json()["spans"]
+    (span,) = [s for s in spans if s["kind"] == "server"]
     assert span["host"] is None and span["protocol"] == "1.0" and span["path"] == "/echo"
 
 

@@ -2,7 +2,7 @@
 
 It runs an asyncio server in its own thread. Every response is JSON describing the
 request (method, target, headers, body length) plus `upstream` (its name) and an
-OpenAI-style `usage`; `delay_ms`, `status`, `fail_first` and `extra_headers` can be set
+OpenAI-style `usage`; `seen` keeps every request's headers; `delay_ms`, `status`, `fail_first` and `extra_headers` can be set
 from the test at any time. GET /healthz answers with `health_status`.
 """
 
@@ -26,6 +26,7 @@ class TunableUpstream:
         self.extra_headers: dict[str, str] = {}
         self.tokens = 100
         self.requests = 0
+        self.seen: list[dict[str, str]] = []  # the headers of every request but /healthz
         self.health_checks = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -104,6 +105,7 @@ class TunableUpstream:
             extra: dict[str, str] = {}
         else:
             self.requests += 1
+            self.seen.append(headers)
             if self.reset_first > 0:
                 self.reset_first -= 1
                 writer.transport.abort()

@@ -21,6 +21,7 @@ MAX_BATCH = 512
 FLUSH_S = 0.2
 REPORT_EVERY = 60  # seconds between warnings of failed exports
 SPAN_KIND_SERVER = 2
+SPAN_KIND_CLIENT = 3
 STATUS_ERROR = 2
 
 
@@ -67,18 +68,47 @@ def host_attributes(host: str | None) -> list[tuple[str, str | int]]:
 def to_proto(span: dict[str, Any]) -> Any:
     from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
+    client = span.get("kind") == "client"
     start = int(span["start"] * 1e9)
+    if client:
+        attributes = client_attributes(span)
+    else:
+        attributes = ([_attr(name, span[k]) for k, name in ATTRIBUTES if span.get(k) is not None]
+                      + [_attr(name, value) for name, value in host_attributes(span.get("host"))])
     out = Span(
         trace_id=bytes.fromhex(span["trace_id"]), span_id=bytes.fromhex(span["span_id"]),
-        name=f"{span['method']} {span['route'] or span['path']}", kind=SPAN_KIND_SERVER,
+        name=f"{span['method']} {span['route'] or span['path']}",
+        kind=SPAN_KIND_CLIENT if client else SPAN_KIND_SERVER,
         start_time_unix_nano=start,
         end_time_unix_nano=start + int(span["duration_ms"] * 1e6),
-        attributes=[_attr(name, span[k]) for k, name in ATTRIBUTES if span.get(k) is not None]
-        + [_attr(name, value) for name, value in host_attributes(span.get("host"))])
+        attributes=attributes)
     if span["parent_id"]:
         out.parent_span_id = bytes.fromhex(span["parent_id"])
-    if span["status"] >= 500 or not span["status"]:
+    status = span["status"]
+    if client:
+        # OpenTelemetry's HTTP client spans: an error, or a 4xx/5xx, is an error status.
+        if span["error"] is not None or status is None or status >= 400:
+            out.status.CopyFrom(Status(code=STATUS_ERROR, message=span["message"] or ""))
+    elif status >= 500 or not status:
         out.status.CopyFrom(Status(code=STATUS_ERROR))
+    return out
+
+
+# An upstream attempt's CLIENT span: server.* is the endpoint it went to.
+CLIENT_ATTRIBUTES = (("method", "http.request.method"), ("protocol", "network.protocol.version"),
+                     ("status", "http.response.status_code"), ("route", "aiproxy.route"),
+                     ("cluster", "aiproxy.cluster"), ("endpoint", "aiproxy.upstream.address"),
+                     ("model_id", "gen_ai.request.model"))
+
+
+def client_attributes(span: dict[str, Any]) -> list[Any]:
+    out = [_attr(name, span[k]) for k, name in CLIENT_ATTRIBUTES if span.get(k) is not None]
+    out += [_attr(name, value) for name, value in host_attributes(span["endpoint"])]
+    if span["resend_count"]:  # semantic conventions: only on the 2nd and later attempts
+        out.append(_attr("http.request.resend_count", span["resend_count"]))
+    error = span["error"] or (str(span["status"]) if (span["status"] or 0) >= 400 else None)
+    if error is not None:
+        out.append(_attr("error.type", error))
     return out
 
 

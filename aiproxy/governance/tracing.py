@@ -1,18 +1,25 @@
 """W3C Trace Context (https://www.w3.org/TR/trace-context/): every proxied request is a
 span. A valid incoming `traceparent` is continued (same trace id, this hop's own span
-id as the upstream's parent); a missing or invalid one starts a new trace, and its
+id; the upstream's parent is the span of the attempt that calls it, see below); a missing or invalid one starts a new trace, and its
 `tracestate` is dropped with it (the spec forbids using tracestate without a valid
 traceparent). A continued trace's tracestate fields go on as one list, or not at all
 when the list is invalid (parse_tracestate); trace flags keep only the bits Level 2
 defines. The upstream also gets `x-trace-id` (and `x-model-id` from a route with
 `model`, see aiproxy/routing/table.py); a caller's own x-model-id is kept in its span.
 
-Lineage: each proxied hop is a span (trace id, span id, parent span id, model id, route,
-cluster, status, timings) kept in a bounded in-memory store (the oldest traces go
-first). When model services call each other through aiproxy, passing traceparent on,
-the spans of one trace form the call graph: parent span -> child span, labelled with
-the model called (the SpanID + ModelID fingerprint). GET /lineage/<trace_id> on the
-admin listener returns it."""
+Each upstream attempt (a retry, a failover after a refused connect, a replay after a
+stale connection) is a client span of its own, a child of the hop's server span: its id
+is the parent the `traceparent` sent to that attempt's upstream names. The Exchange
+calls the hop's TraceFilter (ex.tracer, None without [tracing]) when an attempt starts,
+gets a response head, and fails.
+
+Lineage: each proxied hop is a server span (trace id, span id, parent span id, model id,
+route, cluster, status, timings), each attempt a client span, kept in a bounded
+in-memory store (the oldest traces go first). When model services call each other
+through aiproxy, passing traceparent on, the spans of one trace form the call graph:
+parent span -> child span (hop -> attempt -> the next hop), labelled with the model
+called (the SpanID + ModelID fingerprint). GET /lineage/<trace_id> on the admin
+listener returns it."""
 
 from __future__ import annotations
 
@@ -175,24 +182,74 @@ def model_id(ex: Exchange) -> str | None:
     return None
 
 
+class Attempt:
+    """One upstream attempt: its client span id, endpoint, start and end (time.time()),
+    the response status it got (None before a head) and the error that ended it."""
+
+    __slots__ = ("span_id", "endpoint", "start", "end", "status", "error", "message")
+
+    def __init__(self, span_id: bytes, endpoint: str) -> None:
+        self.span_id = span_id
+        self.endpoint = endpoint
+        self.start = time.time()
+        self.end = 0.0
+        self.status: int | None = None
+        self.error: str | None = None
+        self.message: str | None = None
+
+
 class TraceFilter(Filter):
-    __slots__ = ("trace_id", "parent_id", "span_id", "factory", "start")
+    __slots__ = ("trace_id", "parent_id", "span_id", "flags", "factory", "start", "attempts")
 
     def __init__(self, trace_id: bytes, parent_id: bytes | None, span_id: bytes,
-                 factory: TraceFactory) -> None:
+                 flags: bytes, factory: TraceFactory) -> None:
         self.trace_id = trace_id
         self.parent_id = parent_id
         self.span_id = span_id
+        self.flags = flags
         self.factory = factory
         self.start = time.time()
+        self.attempts: list[Attempt] = []
+
+    def attempt(self, ex: Exchange, pool: Any) -> None:
+        """An upstream attempt starts (before its connection is taken or opened): a
+        client span, whose id the upstream gets as its parent."""
+        # Every way an attempt fails ends it before the next starts; this is a guard.
+        self.attempt_end("abandoned", "the proxy started another attempt")
+        span = os.urandom(8).hex().encode()
+        ex.set_upstream_header(b"traceparent",
+                               b"00-%s-%s-%s" % (self.trace_id, span, self.flags))
+        self.attempts.append(Attempt(span, pool.endpoint.address))
+
+    def attempt_head(self, status: int) -> None:
+        """The attempt's upstream answered with `status` (the attempt goes on until the
+        response ends, or attempt_end if it is retried)."""
+        if self.attempts:
+            self.attempts[-1].status = status
+
+    def attempt_end(self, error: str | None = None, message: str | None = None,
+                    now: float = 0.0) -> None:
+        """The open attempt (if any) ends (now, unless `now` says when); `error` (a code
+        such as upstream_reset) when it failed."""
+        if self.attempts:
+            a = self.attempts[-1]
+            if not a.end:
+                a.end = now or time.time()
+                a.error = error
+                a.message = message
 
     def done(self, ex: Exchange) -> None:
         route = ex.route
+        now = time.time()
+        model = model_id(ex)
+        trace_id = self.trace_id.decode()
+        span_id = self.span_id.decode()
         self.factory.add_span({
-            "trace_id": self.trace_id.decode(),
-            "span_id": self.span_id.decode(),
+            "kind": "server",
+            "trace_id": trace_id,
+            "span_id": span_id,
             "parent_id": self.parent_id.decode() if self.parent_id is not None else None,
-            "model_id": model_id(ex),
+            "model_id": model,
             "caller_model_id": ex.gov.get("caller_model"),
             "route": route.name if route is not None else None,
             "cluster": ex.cluster.name if ex.cluster is not None else None,
@@ -207,8 +264,39 @@ class TraceFilter(Filter):
                      )[:MAX_HOST].decode("latin-1") or None,  # HTTP/1.0 may send none
             "status": ex.status,
             "start": self.start,
-            "duration_ms": round((time.time() - self.start) * 1000, 3),
+            "duration_ms": round((now - self.start) * 1000, 3),
         })
+        if not self.attempts:
+            return
+        # The last attempt is still open if it answered (its response ended with the
+        # exchange) or the client left while it ran. One that answered keeps its status
+        # as the outcome: the client may leave once it has the whole body, before the
+        # upstream's end of stream arrives.
+        if ex.client_lost and self.attempts[-1].status is None:
+            self.attempt_end("client_lost", "the client went away before a response", now)
+        else:
+            self.attempt_end(now=now)
+        protocol = "2" if ex.cluster.cfg.protocol == "h2" else "1.1"
+        method = ex.method.decode("latin-1")
+        for n, a in enumerate(self.attempts):
+            self.factory.add_span({
+                "kind": "client",
+                "trace_id": trace_id,
+                "span_id": a.span_id.decode(),
+                "parent_id": span_id,
+                "model_id": model,
+                "route": route.name if route is not None else None,
+                "cluster": ex.cluster.name,
+                "endpoint": a.endpoint,
+                "method": method,
+                "protocol": protocol,
+                "resend_count": n,
+                "status": a.status,
+                "error": a.error,
+                "message": a.message,
+                "start": a.start,
+                "duration_ms": round((a.end - a.start) * 1000, 3),
+            })
 
 
 class TraceFactory(FilterFactory):
@@ -233,14 +321,15 @@ class TraceFactory(FilterFactory):
             sent = head.get_all(b"tracestate")
             if sent:  # one field, or none when invalid (3.3.1: combined into one)
                 ex.set_upstream_header(b"tracestate", parse_tracestate(sent))
-        ex.set_upstream_header(b"traceparent", b"00-%s-%s-%s" % (trace, span, flags))
+        # traceparent goes up per attempt (TraceFilter.attempt), naming its client span.
         ex.set_upstream_header(b"x-trace-id", trace)
         ex.trace_id = trace.decode()
         ex.gov["span_id"] = span.decode()
         caller = head.get(b"x-model-id")
         if caller is not None:
             ex.gov["caller_model"] = caller.decode("latin-1")
-        return TraceFilter(trace, parent, span, self)
+        ex.tracer = f = TraceFilter(trace, parent, span, flags, self)
+        return f
 
     def add_span(self, span: dict[str, Any]) -> None:
         self.store.add(span)

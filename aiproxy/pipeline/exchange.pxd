@@ -53,6 +53,7 @@ cdef class Exchange(ExchangeBase):
     cdef public object up_headers, gate_task, trace_id, identity, llm
     cdef public object done_filters, splice, intent_decision, _gov, info_budget
     cdef public object upstream_error, no_intent, stream_error, tunnel_ended
+    cdef public object tracer  # the tracing filter (governance/tracing.py), None when off
 
     # The per-request path: C calls between them (no attribute lookup per call).
     cpdef setup(self, down, RequestHead head, double now)

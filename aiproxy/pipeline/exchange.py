@@ -158,7 +158,7 @@ class Exchange(ExchangeBase):
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
         "info_budget", "upstream_error", "no_intent", "grpc_status",
-        "stream_error", "drained", "tunnel_ended", "close_after",
+        "stream_error", "drained", "tunnel_ended", "close_after", "tracer",
     )
 
     def __init__(self, down: Any, head: Any, now: float) -> None:
@@ -182,7 +182,7 @@ class Exchange(ExchangeBase):
         drained (the client was cut by the drain deadline: see on_client_lost);
         tunnel_ended (how an Upgrade tunnel ended: see _tunnel_end); close_after (an
         HTTP/1.1 connection must end after this response: what follows on it is not
-        requests)."""
+        requests); tracer (the tracing filter, told of each upstream attempt)."""
         # Read back through the typed fields: struct reads, not attribute lookups.
         self.down = down
         self.loop = self.down.loop
@@ -1066,6 +1066,8 @@ class Exchange(ExchangeBase):
     # -- upstream selection -------------------------------------------------------
 
     def _use(self, pool: Pool) -> None:
+        if self.tracer is not None:
+            self.tracer.attempt(self, pool)
         old = self.pool
         if old is not None:
             old.stats.in_flight -= 1
@@ -1099,6 +1101,8 @@ class Exchange(ExchangeBase):
         as stale), or for HTTP/2 a stream on a live connection with room; a new
         connection within the cluster's max_pending/max_connections as for a first
         attempt, else 503 upstream_overflow."""
+        if self.tracer is not None:
+            self.tracer.attempt(self, pool)
         if self.cluster.cfg.protocol == "h2":
             up = pool.take()
             if up is not None:
@@ -1128,6 +1132,8 @@ class Exchange(ExchangeBase):
         self._attach(up, False)
 
     def _connect_failed(self, pool: Pool, exc: UpstreamConnectError) -> None:
+        if self.tracer is not None:
+            self.tracer.attempt_end(exc.code, str(exc))
         if exc.code == "upstream_overflow":  # a breaker said no: not the endpoint's doing
             return self.fail(exc.status, exc.code, str(exc))
         self.tried += (pool,)
@@ -1227,6 +1233,8 @@ class Exchange(ExchangeBase):
                 return None
             return left
         if now >= self.deadline_at:
+            if self.tracer is not None:
+                self.tracer.attempt_end("deadline_exceeded", "grpc-timeout expired")
             if self.head_sent and self.grpc and self.head.version == 20 and not self.filters:
                 # A gRPC call's deadline is a status, also after its response headers
                 # (grpc-status 4 trailers): a reset would read as INTERNAL to a client
@@ -1283,6 +1291,8 @@ class Exchange(ExchangeBase):
             log.warning("upstream read timeout on route %s", self.route.name)
             self.upstream_error = (f"upstream sent nothing for {cfg.read_timeout_ms} ms "
                                    "(read_timeout_ms)")
+            if self.tracer is not None:
+                self.tracer.attempt_end("upstream_timeout", self.upstream_error)
             if self.grpc and self.head.version == 20 and not self.filters:
                 # As for the deadline: a status in trailers, not a reset read as INTERNAL.
                 self._drop_upstream()
@@ -1328,6 +1338,8 @@ class Exchange(ExchangeBase):
             cluster.record(pool, True)
         if self.t_sent:
             stats.observe_ttfb((t_first - self.t_sent) * 1000, cluster.score_alpha)
+        if self.tracer is not None:
+            self.tracer.attempt_head(status)
         if cluster.track_tokens:
             if self.llm is None:  # else the LLM accounting filter counts the tokens
                 self.tok_tail = b""
@@ -1353,6 +1365,8 @@ class Exchange(ExchangeBase):
             self.tried += (pool,)
             if up is not None:
                 up.abort()  # the error body is not needed; the connection is not reusable
+            if self.tracer is not None:
+                self.tracer.attempt_end()
             log.info("retrying after upstream status %d", status)
             self._retry(route.retries)
             return
@@ -1451,6 +1465,8 @@ class Exchange(ExchangeBase):
         self.upstream = None
         if self.finished:
             return
+        if self.tracer is not None:
+            self.tracer.attempt_end(code, message)
         if self.head_sent:
             if not self.down.take_back_response():
                 log.warning("upstream failed mid-response on route %s: %s",
@@ -1660,6 +1676,8 @@ class Exchange(ExchangeBase):
 
     def fail(self, status: int, code: str, message: str) -> None:
         log.info("%d %s: %s", status, code, message)
+        if self.tracer is not None:  # the attempt in flight (if any) ends with the exchange
+            self.tracer.attempt_end(code, message)
         self.local_reply(status, message, code)
 
     def local_reply(self, status: int, message: str, code: str | None = None,
