@@ -37,6 +37,9 @@ CONN_OUT_LOW = CONN_OUT_HIGH // 2
 # The window growth past their initial window that the HTTP/2 upstream streams of one
 # client connection share (h2_upstream): four streams' worth of a full 1 MiB window.
 CLIENT_WINDOW_SHARE = 4 * 1024 * 1024
+# Output h2 holds that a connection's want_flush() writes at once instead of at the end
+# of the turn, so that a transport pausing in that write stops the streams after it.
+FLUSH_NOW = 256 * 1024
 OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused",
                 "out_sent", "stall_seen", "stall_since")
 
