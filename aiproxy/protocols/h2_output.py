@@ -186,7 +186,9 @@ class StreamOutput:
         if not out and self.end_pending:
             self.end_pending = False
             self._end(self.trailers_pending)
-        if self.producer_paused and (not self.out_size or (
+        # Not while the connection cannot write (its transport paused): what the
+        # producer sent would only queue here; the connection's resume comes back.
+        if self.producer_paused and not self._blocked() and (not self.out_size or (
                 self.out_size <= OUT_HIGH // 2 and conn.out_waiting <= conn.out_low)):
             self.producer_paused = False
             self._resume_producer()
