@@ -459,7 +459,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.budgets.idle_frames += 1
 
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
-        self.budgets.idle_frames += 1
+        self.budgets.window_updates += 1
         if ev.stream_id == 0:
             for stream in list(self.streams.values()):
                 stream.try_send()

@@ -297,7 +297,7 @@ class H2UpstreamConnection(asyncio.Protocol):
                 if stream is not None:
                     stream.on_reset(event.error_code, getattr(event, "reason", None))
             elif kind is h2.events.WindowUpdated:
-                budgets.idle_frames += 1
+                budgets.window_updates += 1
                 if sid == 0:
                     for s in list(self.streams.values()):
                         s.try_send()
