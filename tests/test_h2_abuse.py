@@ -34,6 +34,7 @@ from tests.h2_support import (
     FrameClient,
     H2LibClient,
     H2Response,
+    H2Upstream,
     ProxyProc,
     RssMonitor,
     h2_get,
@@ -1035,6 +1036,52 @@ def test_window_updates_for_a_long_download_are_not_a_flood(port: int) -> None:
         c.send(c.request(1, "/bytes/2000000"))
         resp = c.response(1, timeout=30)
         assert resp.status == 200 and len(resp.body) == 2_000_000 and resp.reset is None
+
+
+TOKENS = 5000  # DATA frames of a token stream: more than the idle budget's burst
+
+
+async def _token_stream(proto, sid: int, path: str, head: dict, body: bytes) -> None:
+    """TOKENS DATA frames of 8 bytes each, written at once."""
+    proto.conn.send_headers(sid, [(b":status", b"200")])
+    for i in range(TOKENS):
+        proto.conn.send_data(sid, b"t%07d" % i)
+    proto.conn.end_stream(sid)
+    proto.flush()
+    proto.server.record("sent_all")
+
+
+def test_window_updates_for_data_sent_in_a_burst_are_not_a_flood(tmp_path: Path) -> None:
+    """A token stream of 5000 small DATA frames reaches the client before it reads any;
+    it then answers every frame with two WINDOW_UPDATEs (stream and connection), as in
+    the test above. The proxy counted what its DATA frames earned against a budget that
+    was already full, so the credit was lost, and the 10000 WINDOW_UPDATEs that followed
+    got GOAWAY(ENHANCE_YOUR_CALM): under load, the same happened with larger frames
+    waiting in the socket buffers (test_h2_output_bound). Now up to two WINDOW_UPDATEs
+    a DATA frame sent are answers, not idle frames, whenever they come."""
+    up = H2Upstream(_token_stream)
+    endpoint = f'endpoints = ["127.0.0.1:{up.port}"]'
+    config = (CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, up.port)).replace(
+        endpoint, endpoint + '\nprotocol = "h2"')
+    p = ProxyProc(tmp_path, config)
+    try:
+        with FrameClient(p.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/tokens"))
+            assert up.wait_event("sent_all", 10), "the upstream never sent its stream"
+            assert stops_reading(p.pid), "the proxy never took the whole stream"
+            resp = c.response(1, timeout=30)
+            c.send(c.request(3, "/tokens"))  # the connection still serves
+            again = c.response(3, timeout=30)
+    finally:
+        log = p.stop()
+        up.stop()
+    tokens = b"".join(b"t%07d" % i for i in range(TOKENS))
+    for got in (resp, again):
+        assert got.goaway is None, f"GOAWAY {got.goaway.error_code}"
+        assert got.status == 200 and got.reset is None, got
+        assert got.body == tokens
+    assert "floods" not in log
 
 
 # -- flow-control stalls ------------------------------------------------------------------------

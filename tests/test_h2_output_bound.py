@@ -10,10 +10,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from hyperframe.frame import DataFrame, SettingsFrame, WindowUpdateFrame
+from hyperframe.frame import DataFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame
 
 from tests.h2_support import FrameClient, H2Response, ProxyProc, RssMonitor
-from tests.support import stops_reading
+from tests.support import bytes_read, stops_reading
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -111,3 +111,45 @@ def test_stream_the_client_reads_completes_beside_stalled_ones(proxy: ProxyProc)
             # 1 byte arrived before response() was asked, while the windows were shut.
             assert len(got.body) == size - 1, f"stream {sid}: {len(got.body)} bytes"
             assert got.body == (bytes(range(256)) * (size // 256))[1:]
+
+
+def test_a_stream_is_not_resumed_while_the_connection_cannot_write(proxy: ProxyProc) -> None:
+    """A stream paused for the connection's total (its own queue small) stays paused
+    while the connection's transport is paused, even once the total falls and its
+    window opens: its upstream is read again only when the bytes can go. Before, the
+    WINDOW_UPDATE resumed its upstream at once, and the proxy read up to OUT_HIGH more
+    of it into a queue that could not move."""
+    port = proxy.ports["port"]
+    stalled = [1 + 2 * i for i in range(12)]
+    target = stalled[-1] + 2  # window 1: paused for the total, with one read queued
+    bulk = target + 2  # window open, client not reading: fills the socket
+    size = 2 * MiB
+    bulk_size = 16 * MiB
+    with FrameClient(port, timeout=30, rcvbuf=64 * 1024) as c:
+        c.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: 1}, window=2**31 - 1 - 65535)
+        for sid in stalled:
+            c.send(c.request(sid, f"/bytes/{size}"))
+        _first_bytes(c, stalled)
+        assert stops_reading(proxy.pid), "the proxy never paused its upstreams"
+        c.send(c.request(target, f"/bytes/{size}"))
+        _first_bytes(c, [target])
+        c.send(c.request(bulk, f"/bytes/{bulk_size}"),
+               WindowUpdateFrame(bulk, window_increment=bulk_size))
+        # The client reads nothing now: the transport pauses, and bulk's upstream with it.
+        assert stops_reading(proxy.pid), "the proxy never paused bulk's upstream"
+        # The connection's total falls under its low mark ...
+        c.send(*[RstStreamFrame(sid, error_code=0x8) for sid in stalled])
+        assert stops_reading(proxy.pid)
+        before = bytes_read(proxy.pid)
+        # ... and target's window opens, while the transport is still paused.
+        c.send(WindowUpdateFrame(target, window_increment=size))
+        assert stops_reading(proxy.pid)
+        read = bytes_read(proxy.pid) - before
+        assert read < 64 * 1024, f"read {read} bytes from upstreams that cannot be sent"
+        # Once the client reads, both complete whole.
+        got = _response(c, target)
+        assert got.reset is None and len(got.body) == size - 1, len(got.body)
+        assert got.body == (bytes(range(256)) * (size // 256))[1:]
+        got = _response(c, bulk)
+        assert got.status == 200 and got.reset is None
+        assert got.body == bytes(range(256)) * (bulk_size // 256)

@@ -9,7 +9,13 @@ GOAWAY(ENHANCE_YOUR_CALM):
   each answered with RST_STREAM (9514), and any frame that raised no event at all
   (RST_STREAM or WINDOW_UPDATE on a stream gone).
 The idle-frame budget refills with time, and with work the peer asked for: each
-request, and each DATA frame the proxy sent (a peer answers DATA with WINDOW_UPDATEs).
+request. WINDOW_UPDATEs that answer DATA the proxy sent are not idle: up to
+ACKS_PER_DATA_SENT of them for each DATA frame, whenever they come. They used to be
+charged, against a credit for each DATA frame sent that the budget could not hold once
+full: a client that read a burst of frames late (a token stream of small frames, or
+MiBs waiting in socket buffers under load) and answered each one got
+GOAWAY(ENHANCE_YOUR_CALM). A peer may hold its answers back, but never sends more of
+them free than the DATA frames it got called for.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ CONTROL_REFILL = 100.0      # ... and per second after it
 IDLE_BUDGET = 2000.0
 IDLE_REFILL = 500.0
 IDLE_PER_REQUEST = 8.0
-IDLE_PER_DATA_SENT = 4.0
+ACKS_PER_DATA_SENT = 2  # a DATA frame's WINDOW_UPDATEs: its stream's and the connection's
 # A DATA frame costs the proxy about the same whatever it carries, so a client's frame
 # that carries less than this many bytes is charged the part of a frame it leaves empty:
 # 1-byte frames (each dispatched in Python, about 20 us) cannot keep a worker busy
@@ -39,12 +45,15 @@ class FrameBudgets:
     frames as events arrive and settles once per read (`settle`), so a read of many
     frames costs one refill."""
 
-    __slots__ = ("control", "idle", "idle_frames", "data_sent_seen", "small_data")
+    __slots__ = ("control", "idle", "idle_frames", "window_updates", "acks_owed",
+                 "data_sent_seen", "small_data")
 
     def __init__(self, small_data: int) -> None:
         self.control = Budget(CONTROL_BUDGET, CONTROL_REFILL)
         self.idle = Budget(IDLE_BUDGET, IDLE_REFILL)
         self.idle_frames = 0.0
+        self.window_updates = 0  # WINDOW_UPDATE frames since the last settle
+        self.acks_owed = 0  # WINDOW_UPDATEs the DATA frames sent may still call for
         self.data_sent_seen = 0
         self.small_data = small_data
 
@@ -54,16 +63,25 @@ class FrameBudgets:
             self.idle_frames += 1 - n / self.small_data
 
     def settle(self, conn: Any, clock: Callable[[], float]) -> bool:
-        """Charge the idle frames counted since the last call, and the frames on closed
-        streams h2_fast.FastReceive counted on `conn`; False once overdrawn. `clock` is
-        read only when there is something to charge."""
-        n = self.idle_frames + conn.closed_frames
+        """Charge the idle frames counted since the last call, the WINDOW_UPDATEs past
+        those the DATA frames sent on `conn` call for (those on streams that have ended
+        too), and the frames on closed streams h2_fast.FastReceive counted on `conn`;
+        False once overdrawn. `clock` is read
+        only when there is something to charge."""
+        updates = self.window_updates + conn.closed_window_updates
+        if updates:
+            self.window_updates = 0
+            conn.closed_window_updates = 0
+            sent = conn.data_frames_sent
+            if sent != self.data_sent_seen:
+                self.acks_owed += (sent - self.data_sent_seen) * ACKS_PER_DATA_SENT
+                self.data_sent_seen = sent
+            answers = min(updates, self.acks_owed)
+            self.acks_owed -= answers
+            updates -= answers
+        n = self.idle_frames + conn.closed_frames + updates
         if not n:
             return True
         self.idle_frames = 0.0
         conn.closed_frames = 0
-        sent = conn.data_frames_sent
-        if sent != self.data_sent_seen:
-            self.idle.credit((sent - self.data_sent_seen) * IDLE_PER_DATA_SENT)
-            self.data_sent_seen = sent
         return self.idle.spend(n, clock())

@@ -545,11 +545,14 @@ class FastReceive:
     - RFC 9113 5.1 on closed streams: frames after our own RST_STREAM are ignored, DATA
       after END_STREAM both ways is a connection error (h2 answers both with RST_STREAM).
     - `closed_frames` counts frames on closed streams and frames that raised no event,
-      for the caller's idle-frame budget (h2_budgets.FrameBudgets.settle)."""
+      for the caller's idle-frame budget (h2_budgets.FrameBudgets.settle); but for
+      WINDOW_UPDATEs on streams that ended (`closed_window_updates`): the peer's answer
+      to DATA it read after the stream's end (RFC 9113 6.9), budgeted as such."""
 
     refuse_excess = False
     refused = 0
     closed_frames = 0     # frames on closed streams, and frames that raised no event
+    closed_window_updates = 0  # WINDOW_UPDATEs on streams that have ended
     data_frames_sent = 0  # by send_data
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -588,7 +591,10 @@ class FastReceive:
             if not events:
                 # Nothing for the caller to handle (RST_STREAM or WINDOW_UPDATE on a
                 # stream gone, say), so nothing of its own would charge it.
-                self.closed_frames += 1
+                if frame.__class__ is WindowUpdateFrame:
+                    self.closed_window_updates += 1
+                else:
+                    self.closed_frames += 1
         return events
 
     def _on_reset_stream(self, sid: int, code: int, now: bool) -> None:

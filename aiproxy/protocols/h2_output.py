@@ -37,6 +37,9 @@ CONN_OUT_LOW = CONN_OUT_HIGH // 2
 # The window growth past their initial window that the HTTP/2 upstream streams of one
 # client connection share (h2_upstream): four streams' worth of a full 1 MiB window.
 CLIENT_WINDOW_SHARE = 4 * 1024 * 1024
+# Output h2 holds that a connection's want_flush() writes at once instead of at the end
+# of the turn, so that a transport pausing in that write stops the streams after it.
+FLUSH_NOW = 256 * 1024
 OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused",
                 "out_sent", "stall_seen", "stall_since")
 
@@ -183,7 +186,9 @@ class StreamOutput:
         if not out and self.end_pending:
             self.end_pending = False
             self._end(self.trailers_pending)
-        if self.producer_paused and (not self.out_size or (
+        # Not while the connection cannot write (its transport paused): what the
+        # producer sent would only queue here; the connection's resume comes back.
+        if self.producer_paused and not self._blocked() and (not self.out_size or (
                 self.out_size <= OUT_HIGH // 2 and conn.out_waiting <= conn.out_low)):
             self.producer_paused = False
             self._resume_producer()

@@ -45,6 +45,7 @@ from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_CLIENT, Fr
 from aiproxy.protocols.h2_output import (
     CONN_OUT_HIGH,
     CONN_OUT_LOW,
+    FLUSH_NOW,
     OUTPUT_SLOTS,
     StreamOutput,
     WindowShare,
@@ -61,9 +62,6 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 STREAM_WINDOW = 256 * 1024
 CONNECTION_WINDOW = 4 * 1024 * 1024
 WRITE_BUFFER_LIMIT = 8 * 1024 * 1024
-# Output h2 holds that want_flush() writes at once instead of at the end of the turn, so
-# that a transport pausing in that write stops the streams after it (see want_flush).
-FLUSH_NOW = 256 * 1024
 RESET_BUDGET = 200.0        # client stream resets (and refused streams) allowed in a burst ...
 RESET_REFILL = 100.0        # ... and per second after it (CVE-2023-44487)
 SETTINGS_NO_RFC7540_PRIORITIES = 0x9  # RFC 9218 2.1: 0 or 1, else PROTOCOL_ERROR
@@ -461,7 +459,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.budgets.idle_frames += 1
 
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
-        self.budgets.idle_frames += 1
+        self.budgets.window_updates += 1
         if ev.stream_id == 0:
             for stream in list(self.streams.values()):
                 stream.try_send()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from bisect import bisect_right
 from typing import TYPE_CHECKING, Any
 
 import h2.config
@@ -35,7 +36,7 @@ from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upst
 from aiproxy.protocols import h2_fast
 from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
 from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_UPSTREAM, FrameBudgets
-from aiproxy.protocols.h2_output import OUTPUT_SLOTS, StreamOutput, WindowShare
+from aiproxy.protocols.h2_output import FLUSH_NOW, OUTPUT_SLOTS, StreamOutput, WindowShare
 
 if TYPE_CHECKING:
     from aiproxy.routing.pool import H2Pool
@@ -94,6 +95,17 @@ def response_held(conns: list[H2UpstreamConnection]) -> tuple[int, int]:
     return held, window
 
 
+def write_buffered(conns: list[H2UpstreamConnection]) -> int:
+    """Bytes written to these connections that their sockets have not taken yet (the
+    transports' write buffers), for /metrics."""
+    n = 0
+    for conn in conns:
+        transport = conn.transport
+        if transport is not None and not conn.closed:
+            n += transport.get_write_buffer_size()
+    return n
+
+
 class H2UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: H2Pool) -> None:
         self.pool = pool
@@ -110,6 +122,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.out_high = self.out_low = NO_BOUND
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
+        self.released_to = 0         # the last stream resume_writing released output of
         self.max_streams = 100       # the peer's SETTINGS_MAX_CONCURRENT_STREAMS, once known
         self.done_count = 0
         self.idle_since = 0.0
@@ -153,7 +166,15 @@ class H2UpstreamConnection(asyncio.Protocol):
     def want_flush(self) -> None:
         """Write what h2 has queued once this event-loop turn is over: the requests
         started in one turn share one write."""
-        if not self.flush_wanted and not self.closed:
+        if self.closed:
+            return
+        if len(self.h2._data_to_send) >= FLUSH_NOW:
+            # Now: a transport that pauses in this write holds back the request bodies
+            # of the streams that come next in this turn (they queue them, and pause
+            # their clients past OUT_HIGH) instead of all of them landing in its buffer.
+            self.flush()
+            return
+        if not self.flush_wanted:
             self.flush_wanted = True
             if not self.receiving:
                 self.pool.loop.call_soon(self.flush)
@@ -276,7 +297,7 @@ class H2UpstreamConnection(asyncio.Protocol):
                 if stream is not None:
                     stream.on_reset(event.error_code, getattr(event, "reason", None))
             elif kind is h2.events.WindowUpdated:
-                budgets.idle_frames += 1
+                budgets.window_updates += 1
                 if sid == 0:
                     for s in list(self.streams.values()):
                         s.try_send()
@@ -336,9 +357,19 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.writing_paused = True
 
     def resume_writing(self) -> None:
+        # As h2_server's: what the streams queued while paused goes out stream by
+        # stream until the transport pauses again (want_flush writes as it grows), and
+        # the next resume starts after the last stream served, so every one gets its turn.
+        streams = list(self.streams.values())
+        n = len(streams)
+        start = bisect_right(list(self.streams), self.released_to) % n if n else 0
         self.writing_paused = False
-        for stream in list(self.streams.values()):
+        for i in range(n):
+            stream = streams[(start + i) % n]
             stream.try_send()
+            if self.writing_paused or self.closed:
+                self.released_to = stream.sid
+                return
         self.flush()
 
 

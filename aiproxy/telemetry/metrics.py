@@ -18,7 +18,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from aiproxy._fast.bufpool import POOL
 from aiproxy._fast.histogram import Histogram
-from aiproxy.protocols.h2_upstream import response_held
+from aiproxy.protocols.h2_upstream import response_held, write_buffered
 from aiproxy.routing.pool import H2Pool
 from aiproxy.telemetry.kernel_metrics import kernel_families
 
@@ -202,6 +202,10 @@ class ProxyCollector:
             "aiproxy_upstream_h2_stream_window_bytes",
             "Bytes HTTP/2 upstreams may still send on their open streams (the stream "
             "windows the proxy gave them)", labels=["cluster", "endpoint"])
+        h2_buffered = GaugeMetricFamily(
+            "aiproxy_upstream_h2_write_buffer_bytes",
+            "Bytes written to HTTP/2 upstream connections that their sockets have not "
+            "taken yet", labels=["cluster", "endpoint"])
         for cluster in server.runtime.clusters.values():
             for pool in cluster.pools:
                 labels = [cluster.name, pool.endpoint.address]
@@ -212,11 +216,13 @@ class ProxyCollector:
                     held, window = response_held(pool.conns)
                     h2_held.add_metric(labels, held)
                     h2_window.add_metric(labels, window)
+                    h2_buffered.add_metric(labels, write_buffered(pool.conns))
         yield opened
         yield reused
         yield open_now
         yield h2_held
         yield h2_window
+        yield h2_buffered
         sem = server.runtime.semantic
         if sem is not None:
             decisions = CounterMetricFamily("aiproxy_semantic_decisions",
