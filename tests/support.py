@@ -18,6 +18,16 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+
+def aiproxy_cli(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    """`python -m aiproxy ARGS` from the repository, output captured as text."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "aiproxy", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
 _next_port = [0]
 
 

@@ -15,19 +15,11 @@ import pytest
 
 import aiproxy
 from tests.conftest import simple_config
-from tests.support import REPO_ROOT, free_port, start_process, stop_process
+from tests.support import REPO_ROOT, aiproxy_cli, free_port, start_process, stop_process
 
 pytestmark = pytest.mark.timeout(60)
 
 EXAMPLE_CONFIG = REPO_ROOT / "config" / "aiproxy.toml"
-
-
-def aiproxy_cli(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "aiproxy", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO_ROOT, env=env,
-                          stdin=subprocess.DEVNULL)
 
 
 def line_of(text: str, needle: str, occurrence: int = 1) -> int:

@@ -8,7 +8,6 @@ import json
 import socket
 import ssl
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from aiproxy.config.schema import Redirect
 from aiproxy.governance.auth import hash_key
 from aiproxy.pipeline.redirect import location
 from tests.h2_support import ProxyProc, make_pki, wait_for
-from tests.support import free_port, raw_exchange, wait_port
+from tests.support import aiproxy_cli, free_port, raw_exchange, wait_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -305,9 +304,7 @@ retries = { attempts = 1 }
 name = "d"
 direct_response = { status = 304, body = "x" }
 """)
-    r = subprocess.run([sys.executable, "-m", "aiproxy", "check", "-c", str(path)],
-                       capture_output=True, text=True, check=False,
-                       cwd=Path(__file__).resolve().parents[1])
+    r = aiproxy_cli("check", "-c", str(path))
     assert r.returncode != 0
     err = r.stderr
     assert f"{path}:12: routes[0].redirect: give one of cluster" in err, err
@@ -315,6 +312,31 @@ direct_response = { status = 304, body = "x" }
     assert "routes[1].redirect.scheme: must be \"http\" or \"https\"" in err
     assert "routes[1].retries: only meaningful for a route to a cluster" in err
     assert "routes[2].direct_response.body: a 304 response has no body" in err
+
+
+@pytest.mark.parametrize("host, ok", [
+    ("docs.example.com", True), ("192.0.2.7", True), ("::1", True),
+    ("[::1]", False), ("docs.example.com:8443", False), ("999.1.1.1", False),
+    ("bad host", False), ("bücher.example", False),
+])
+def test_redirect_host_is_a_name_or_address_without_port(tmp_path: Path, host: str,
+                                                          ok: bool) -> None:
+    path = tmp_path / "redirect.toml"
+    path.write_text(f"""[[listeners]]
+name = "p"
+address = "127.0.0.1:1"
+
+[[routes]]
+name = "r"
+redirect = {{ host = "{host}" }}
+""")
+    r = aiproxy_cli("check", "-c", str(path))
+    if ok:
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode != 0
+        assert f"{path}:7: routes[0].redirect.host: invalid host name '{host}'" in r.stderr, \
+            r.stderr
 
 
 @pytest.mark.parametrize("redirect, scheme, authority, path, query, want", [

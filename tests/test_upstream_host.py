@@ -4,8 +4,6 @@ Envoy's host_rewrite_literal). TLS to that name: tests/test_h2_upstream_tls.py."
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import httpx
 import pytest
 
 from tests.h2_support import H2Upstream, ProxyProc
+from tests.support import aiproxy_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,7 +87,6 @@ name = "c"
 endpoints = ["127.0.0.1:2"]
 host = "bad host:99999"
 """)
-    r = subprocess.run([sys.executable, "-m", "aiproxy", "check", "-c", str(path)],
-                       capture_output=True, text=True, check=False)
+    r = aiproxy_cli("check", "-c", str(path))
     assert r.returncode != 0
     assert f"{path}:8: clusters[0].host: invalid host 'bad host:99999'" in r.stderr, r.stderr

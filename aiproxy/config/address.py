@@ -36,6 +36,23 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, number
 
 
+def is_host(text: str, port: bool = False) -> bool:
+    """An ASCII host name or IP address. Without ``port`` as a URI's host is given apart
+    from its brackets (IPv6 bare); with ``port`` as a Host field value: ``name[:port]``,
+    ``[v6][:port]``."""
+    if port:
+        candidates = (text, text + ":1")
+    else:
+        candidates = (f"[{text}]:1" if ":" in text else f"{text}:1",)
+    for candidate in candidates:
+        try:
+            parse_address(candidate)
+        except ValueError:
+            continue
+        return text.isascii()
+    return False
+
+
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

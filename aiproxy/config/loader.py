@@ -16,7 +16,7 @@ from typing import Any
 from aiproxy.pipeline.paths import ESCAPED_SLASHES
 
 from . import llm_sections
-from .address import HOSTNAME, parse_address
+from .address import HOSTNAME, is_host, parse_address
 from .errors import ConfigError, Problem
 from .files import cert_dns_names, tls_problems, writable_file_problem
 from .governance import GOVERNANCE_KEYS, governance_sections
@@ -202,14 +202,6 @@ def _bind_addresses(host: str) -> set[tuple[int, str]]:
     except ValueError:
         return {(0, host)}
     return {(ip.version, "*" if ip.is_unspecified else ip.compressed)}
-
-
-def _ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _bind_overlap(a: set[tuple[int, str]], b: set[tuple[int, str]]) -> bool:
@@ -768,13 +760,8 @@ class _Checker:
         text = self.get(data, path, "host", "string")
         if text is None:
             return None
-        for candidate in (text, text + ":1"):  # with its port, or without one
-            try:
-                parse_address(candidate)
-            except ValueError:
-                continue
-            if text.isascii():
-                return text.lower().encode("ascii")
+        if is_host(text, port=True):
+            return text.lower().encode("ascii")
         self.error(path + ("host",), f"invalid host '{text}' (name[:port], an IP address, "
                                      "or [IPv6]:port)")
         return None
@@ -1025,7 +1012,7 @@ class _Checker:
             values["scheme"] = scheme.encode("ascii", "replace")
         host = self.get(table, path, "host", "string")
         if host is not None:
-            if not (HOSTNAME.fullmatch(host) and host.isascii()) and not _ip_literal(host):
+            if not is_host(host):
                 self.error(path + ("host",), f"invalid host name '{host}' (no port: use port)")
             values["host"] = (f"[{host}]" if ":" in host else host).encode("ascii", "replace")
         port = self.get(table, path, "port", "integer")
