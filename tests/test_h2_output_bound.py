@@ -153,3 +153,13 @@ def test_a_stream_is_not_resumed_while_the_connection_cannot_write(proxy: ProxyP
         got = _response(c, bulk)
         assert got.status == 200 and got.reset is None
         assert got.body == bytes(range(256)) * (bulk_size // 256)
+
+
+def test_release_order_starts_after_the_stream_last_served() -> None:
+    from aiproxy.protocols.h2_output import release_order
+    streams = {1: "a", 3: "b", 7: "c", 9: "d"}
+    assert release_order(streams, 0) == ["a", "b", "c", "d"]
+    assert release_order(streams, 3) == ["c", "d", "a", "b"]
+    assert release_order(streams, 5) == ["c", "d", "a", "b"]  # stream 5 has ended since
+    assert release_order(streams, 9) == ["a", "b", "c", "d"]
+    assert release_order({}, 9) == []

@@ -19,6 +19,7 @@ whose client reads thus never waits for the others.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from typing import Any
 
@@ -40,6 +41,17 @@ CLIENT_WINDOW_SHARE = 4 * 1024 * 1024
 # Output h2 holds that a connection's want_flush() writes at once instead of at the end
 # of the turn, so that a transport pausing in that write stops the streams after it.
 FLUSH_NOW = 256 * 1024
+
+
+def release_order(streams: dict[int, Any], released_to: int) -> list[Any]:
+    """A connection's streams (by id, in id order) in the order its resume_writing
+    releases their output: from the first after `released_to`, the stream the last
+    resume stopped at, round to the ones before it, so every stream gets its turn."""
+    order = list(streams.values())
+    start = bisect_right(list(streams), released_to)
+    return order[start:] + order[:start]
+
+
 OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused",
                 "out_sent", "stall_seen", "stall_since")
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from bisect import bisect_right
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -49,6 +48,7 @@ from aiproxy.protocols.h2_output import (
     OUTPUT_SLOTS,
     StreamOutput,
     WindowShare,
+    release_order,
 )
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.telemetry.recorder import server_timing
@@ -264,12 +264,8 @@ class H2ServerConnection(asyncio.Protocol):
         # waits for the next resume, instead of all of it landing in the transport's
         # buffer at once and passing for a client that does not read. The next resume
         # starts after the last stream served, so every stream gets its turn.
-        streams = list(self.streams.values())
-        n = len(streams)
-        start = bisect_right(list(self.streams), self.released_to) % n if n else 0
         self.writing_paused = False
-        for i in range(n):
-            stream = streams[(start + i) % n]
+        for stream in release_order(self.streams, self.released_to):
             stream.try_send()
             if self.writing_paused or self.closed:
                 self.released_to = stream.sid

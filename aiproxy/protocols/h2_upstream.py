@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from bisect import bisect_right
 from typing import TYPE_CHECKING, Any
 
 import h2.config
@@ -36,7 +35,13 @@ from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upst
 from aiproxy.protocols import h2_fast
 from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
 from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_UPSTREAM, FrameBudgets
-from aiproxy.protocols.h2_output import FLUSH_NOW, OUTPUT_SLOTS, StreamOutput, WindowShare
+from aiproxy.protocols.h2_output import (
+    FLUSH_NOW,
+    OUTPUT_SLOTS,
+    StreamOutput,
+    WindowShare,
+    release_order,
+)
 
 if TYPE_CHECKING:
     from aiproxy.routing.pool import H2Pool
@@ -360,12 +365,8 @@ class H2UpstreamConnection(asyncio.Protocol):
         # As h2_server's: what the streams queued while paused goes out stream by
         # stream until the transport pauses again (want_flush writes as it grows), and
         # the next resume starts after the last stream served, so every one gets its turn.
-        streams = list(self.streams.values())
-        n = len(streams)
-        start = bisect_right(list(self.streams), self.released_to) % n if n else 0
         self.writing_paused = False
-        for i in range(n):
-            stream = streams[(start + i) % n]
+        for stream in release_order(self.streams, self.released_to):
             stream.try_send()
             if self.writing_paused or self.closed:
                 self.released_to = stream.sid
