@@ -1,11 +1,12 @@
 """W3C Trace Context (https://www.w3.org/TR/trace-context/): every proxied request is a
 span. A valid incoming `traceparent` is continued (same trace id, this hop's own span
-id; the upstream's parent is the span of the attempt that calls it, see below); a missing or invalid one starts a new trace, and its
-`tracestate` is dropped with it (the spec forbids using tracestate without a valid
-traceparent). A continued trace's tracestate fields go on as one list, or not at all
-when the list is invalid (parse_tracestate); trace flags keep only the bits Level 2
-defines. The upstream also gets `x-trace-id` (and `x-model-id` from a route with
-`model`, see aiproxy/routing/table.py); a caller's own x-model-id is kept in its span.
+id; the upstream's parent is the span of the attempt that calls it, see below); a
+missing or invalid one starts a new trace, and its `tracestate` is dropped with it (the
+spec forbids using tracestate without a valid traceparent). A continued trace's
+tracestate fields go on as one list, or not at all when the list is invalid
+(parse_tracestate); trace flags keep only the bits Level 2 defines. The upstream also
+gets `x-trace-id` (and `x-model-id` from a route with `model`, see
+aiproxy/routing/table.py); a caller's own x-model-id is kept in its span.
 
 Each upstream attempt (a retry, a failover after a refused connect, a replay after a
 stale connection) is a client span of its own, a child of the hop's server span: its id
