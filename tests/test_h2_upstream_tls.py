@@ -336,3 +336,55 @@ cluster = "c"
         assert r.status_code == 502 and "other.test" in r.json()["error"]["message"], r.text
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("protocol", ["http1", "h2"])
+def test_reload_that_changes_host_or_tls_opens_new_connections(
+        nginx: dict[str, int], pki: Pki, tmp_path: Path, protocol: str) -> None:
+    """The connections a pool keeps were set up for its cluster's `host` and `tls`:
+    after a reload that changes either, the next request goes over a new connection
+    (new SNI, certificate checked against the new name), not a kept one."""
+    admin = free_port()
+
+    def config(host: str, tls: str) -> str:
+        return f"""
+[[listeners]]
+name = "p"
+address = "127.0.0.1:{{p}}"
+
+[admin]
+address = "127.0.0.1:{admin}"
+
+[[clusters]]
+name = "c"
+endpoints = ["127.0.0.1:{nginx['h2']}"]
+protocol = "{protocol}"
+tls = {{ ca = "{pki.ca}"{tls} }}
+host = "{host}"
+
+[[routes]]
+name = "r"
+cluster = "c"
+"""
+
+    proxy = ProxyProc(tmp_path, config("localhost", ""), ("p",))
+    port = proxy.ports["p"]
+    try:
+        wait_port("127.0.0.1", admin)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+            r = client.get("/")
+            assert r.status_code == 200 and "sni=localhost host=localhost" in r.text, r.text
+            for host, tls, want in (
+                    ("other.test", "", 502),  # the name the certificate must match
+                    ("localhost", "", 200),
+                    ("localhost", ', sni = "other.test"', 502),
+                    ("localhost", "", 200)):
+                proxy.config_path.write_text(config(host, tls).replace("{p}", str(port)))
+                r = httpx.post(f"http://127.0.0.1:{admin}/config/reload")
+                assert r.status_code == 200, r.text
+                r = client.get("/")
+                assert r.status_code == want, (host, tls, r.text)
+                if want == 502:
+                    assert "other.test" in r.json()["error"]["message"], r.text
+    finally:
+        proxy.stop()

@@ -32,8 +32,11 @@ HEALTH_EPOCH = [0]
 
 
 def pool_key(cfg: ClusterConfig, endpoint: Endpoint) -> tuple:
-    """Pools are shared across reloads by cluster, protocol and endpoint address."""
-    return (cfg.name, cfg.protocol, endpoint.host, endpoint.port)
+    """Pools are shared across reloads by cluster, protocol and endpoint address, and by
+    what their connections were set up for (`tls`: CA, SNI, verification; `host`: the
+    name TLS asked for): a reload that changes those starts a new pool, and the old one
+    closes its connections (Runtime.retire)."""
+    return (cfg.name, cfg.protocol, endpoint.host, endpoint.port, cfg.tls, cfg.host)
 
 
 def _set_availability_changed() -> None:
