@@ -155,6 +155,41 @@ def test_a_stream_is_not_resumed_while_the_connection_cannot_write(proxy: ProxyP
         assert got.body == bytes(range(256)) * (bulk_size // 256)
 
 
+def test_connection_window_updates_go_round_the_streams(proxy: ProxyProc) -> None:
+    """Stream windows wide open, the connection's window opened 16 KiB at a time: each
+    update goes to the next stream with data waiting, round the streams. In id order,
+    the first stream took every update while the others, their bodies queued too,
+    waited until it had ended."""
+    port = proxy.ports["port"]
+    sids = [1, 3, 5, 7]
+    step = 16 * 1024
+    with FrameClient(port, timeout=30) as c:
+        c.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: 64 * MiB})
+        for sid in sids:
+            c.send(c.request(sid, "/bytes/8388608"))
+        got = {sid: 0 for sid in sids}
+        heads: set[int] = set()
+        # The connection's initial 65,535 bytes, and every response's HEADERS.
+        while sum(got.values()) < 65535 or len(heads) < len(sids):
+            frame = c.recv(10)
+            assert frame is not None, f"stuck: {got}, heads of {sorted(heads)}"
+            if isinstance(frame, DataFrame):
+                got[frame.stream_id] += len(frame.data)
+            elif frame.__class__.__name__ == "HeadersFrame":
+                heads.add(frame.stream_id)
+        served = []
+        for _ in range(3 * len(sids)):
+            c.send(WindowUpdateFrame(0, window_increment=step))
+            turn: dict[int, int] = {}
+            while sum(turn.values()) < step:
+                frame = c.recv(10)
+                assert frame is not None, f"stuck after {served}: {turn}"
+                if isinstance(frame, DataFrame):
+                    turn[frame.stream_id] = turn.get(frame.stream_id, 0) + len(frame.data)
+            served.append(max(turn, key=turn.__getitem__))
+        assert set(served) == set(sids), f"updates went to streams {served}"
+
+
 def test_release_order_starts_after_the_stream_last_served() -> None:
     from aiproxy.protocols.h2_output import release_order
     streams = {1: "a", 3: "b", 7: "c", 9: "d"}

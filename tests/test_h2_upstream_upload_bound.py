@@ -124,3 +124,81 @@ def test_uploads_to_a_slow_upstream_keep_its_write_buffer_bounded(tmp_path: Path
     # The transport did back up (past its 64 KiB high-water mark): the bound was tested.
     assert peak > 64 * KiB, f"the upstream's transport never backed up: {peak}"
     assert peak < MiB, f"{peak / MiB:.2f} MiB waited in the transport towards the upstream"
+
+
+def _window_by_steps(served: list[int], streams: int, step: int) -> object:
+    """An upstream script: stream windows wide open, the connection's window left at
+    65,535 and then opened `step` bytes at a time, 3 x `streams` times, once every
+    request's HEADERS and the first window's DATA have arrived; `served` gets the stream
+    that took most of each step. Then the window opens wide and each request is answered
+    with the number of body bytes it carried."""
+
+    def script(conn: RawConn) -> None:
+        conn.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: MAX_WINDOW})
+        got: dict[int, int] = {}
+        ended: set[int] = set()
+
+        def read(turn: dict[int, int]) -> bool:
+            frame = conn.recv(timeout=30)
+            if frame is None:
+                return False
+            if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
+                conn.send(SettingsFrame(0, flags=["ACK"]))
+            if isinstance(frame, HeadersFrame):
+                got.setdefault(frame.stream_id, 0)
+            if isinstance(frame, DataFrame):
+                got[frame.stream_id] = got.get(frame.stream_id, 0) + len(frame.data)
+                turn[frame.stream_id] = turn.get(frame.stream_id, 0) + len(frame.data)
+            if isinstance(frame, (DataFrame, HeadersFrame)) and "END_STREAM" in frame.flags:
+                ended.add(frame.stream_id)
+                body = b"%d" % got[frame.stream_id]
+                conn.send(conn.headers(frame.stream_id, [
+                    (b":status", b"200"), (b"content-length", b"%d" % len(body))]),
+                    conn.data(frame.stream_id, body, end=True))
+            return True
+
+        first: dict[int, int] = {}
+        while len(got) < streams or sum(first.values()) < 65535:
+            if not read(first):
+                return
+        for _ in range(3 * streams):
+            conn.send(WindowUpdateFrame(0, window_increment=step))
+            turn: dict[int, int] = {}
+            while sum(turn.values()) < step:
+                if not read(turn):
+                    return
+            served.append(max(turn, key=turn.__getitem__))
+        conn.send(WindowUpdateFrame(0, window_increment=MAX_WINDOW - 65535 - 3 * streams * step))
+        while len(ended) < streams:
+            if not read({}):
+                return
+        conn.until(lambda f: False, timeout=5)  # until the proxy closes
+
+    return script
+
+
+def test_connection_window_updates_go_round_the_uploads(tmp_path: Path) -> None:
+    """Four uploads over one upstream connection whose stream windows are wide open and
+    whose connection window opens 16 KiB at a time: each update goes to the next upload
+    with body waiting, round them. In id order the first took every update while the
+    others, their bodies queued too, waited until it had ended."""
+    streams = 4
+    served: list[int] = []
+    up = RawUpstream(_window_by_steps(served, streams, 16 * KiB))
+    p = ProxyProc(tmp_path, CONFIG % up.port)
+    body = BLOCK * (SIZE // len(BLOCK))
+    try:
+        url = f"http://127.0.0.1:{p.ports['port']}/upload"
+
+        async def upload() -> list[tuple[int, bytes]]:
+            async with httpx.AsyncClient(http1=False, http2=True, timeout=60) as client:
+                replies = await asyncio.gather(*[client.post(url, content=body)
+                                                 for _ in range(streams)])
+            return [(r.status_code, r.content) for r in replies]
+
+        results = asyncio.run(upload())
+    finally:
+        log = p.stop()
+        up.stop()
+    assert results == [(200, b"%d" % SIZE)] * streams, (results, log[-3000:])
+    assert len(set(served)) == streams, f"updates went to streams {served}"

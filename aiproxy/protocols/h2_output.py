@@ -52,6 +52,21 @@ def release_order(streams: dict[int, Any], released_to: int) -> list[Any]:
     return order[start:] + order[:start]
 
 
+def open_window(h2c: Any, streams: dict[int, Any], start: int) -> int:
+    """The connection's send window opened (a WINDOW_UPDATE on stream 0, or a larger
+    SETTINGS_INITIAL_WINDOW_SIZE): each stream sends what waited, from the first after
+    `start`, the stream the window last ran out at, round to the ones before it. In id
+    order, a stream with more queued than each update opens took every update and the
+    others waited until it ended. Returns where the window ran out this time (`start`
+    if it did not)."""
+    ran_out = 0
+    for stream in release_order(streams, start):
+        stream.try_send()
+        if not ran_out and h2c.outbound_flow_control_window <= 0:
+            ran_out = stream.sid
+    return ran_out or start
+
+
 OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused",
                 "out_sent", "stall_seen", "stall_since")
 

@@ -48,6 +48,7 @@ from aiproxy.protocols.h2_output import (
     OUTPUT_SLOTS,
     StreamOutput,
     WindowShare,
+    open_window,
     release_order,
 )
 from aiproxy.ratelimit.bucket import Budget
@@ -139,6 +140,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
         self.released_to = 0         # the last stream resume_writing released output of
+        self.window_to = 0           # the stream the send window last ran out at
         self.goaway_sent = False
         self.drain_ping = False      # drain() announced the stop; the last GOAWAY is to come
         self.timer: asyncio.Handle | None = None
@@ -457,8 +459,7 @@ class H2ServerConnection(asyncio.Protocol):
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
         self.budgets.window_updates += 1
         if ev.stream_id == 0:
-            for stream in list(self.streams.values()):
-                stream.try_send()
+            self.window_to = open_window(self.h2, self.streams, self.window_to)
         else:
             stream = self.streams.get(ev.stream_id)
             if stream is not None:
@@ -469,8 +470,7 @@ class H2ServerConnection(asyncio.Protocol):
         if self.closed:
             return
         if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in ev.changed_settings:
-            for stream in list(self.streams.values()):
-                stream.try_send()
+            self.window_to = open_window(self.h2, self.streams, self.window_to)
 
     def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
         # The client is going away: streams it still counts on finish, nothing new starts.

@@ -40,6 +40,7 @@ from aiproxy.protocols.h2_output import (
     OUTPUT_SLOTS,
     StreamOutput,
     WindowShare,
+    open_window,
     release_order,
 )
 
@@ -128,6 +129,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.receiving = False       # inside data_received, which flushes when done
         self.flush_wanted = False
         self.released_to = 0         # the last stream resume_writing released output of
+        self.window_to = 0           # the stream the send window last ran out at
         self.max_streams = 100       # the peer's SETTINGS_MAX_CONCURRENT_STREAMS, once known
         self.done_count = 0
         self.idle_since = 0.0
@@ -304,8 +306,7 @@ class H2UpstreamConnection(asyncio.Protocol):
             elif kind is h2.events.WindowUpdated:
                 budgets.window_updates += 1
                 if sid == 0:
-                    for s in list(self.streams.values()):
-                        s.try_send()
+                    self.window_to = open_window(self.h2, self.streams, self.window_to)
                 elif stream is not None:
                     stream.try_send()
             elif kind is h2.events.RemoteSettingsChanged:
@@ -317,8 +318,7 @@ class H2UpstreamConnection(asyncio.Protocol):
                     self.settings_received.set_result(None)
                 elif self.max_streams:
                     self.pool.capacity_changed()  # requests may wait on a limit of 0
-                for s in list(self.streams.values()):
-                    s.try_send()
+                self.window_to = open_window(self.h2, self.streams, self.window_to)
             elif kind is h2.events.ConnectionTerminated:
                 self.goaway = True
                 last = event.last_stream_id if event.last_stream_id is not None else 0
