@@ -18,7 +18,6 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-
 def aiproxy_cli(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
     """`python -m aiproxy ARGS` from the repository, output captured as text."""
     env = dict(os.environ)

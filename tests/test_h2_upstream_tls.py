@@ -300,28 +300,37 @@ def test_health_checks_use_tls(proxy: ProxyProc) -> None:
     assert "cluster checked: " not in log, log[-3000:]
 
 
+def host_config(port: int, ca: Path, protocol: str, host: str, tls: str = "",
+                admin: int | None = None) -> str:
+    """One listener ({p}), one TLS cluster to nginx's `port` with `host`, `tls` adding
+    to its { ca } table, and an admin listener when `admin` is given."""
+    admin_part = f'[admin]\naddress = "127.0.0.1:{admin}"\n' if admin else ""
+    return f"""
+[[listeners]]
+name = "p"
+address = "127.0.0.1:{{p}}"
+
+{admin_part}
+[[clusters]]
+name = "c"
+endpoints = ["127.0.0.1:{port}"]
+protocol = "{protocol}"
+tls = {{ ca = "{ca}"{tls} }}
+host = "{host}"
+
+[[routes]]
+name = "r"
+cluster = "c"
+"""
+
+
 @pytest.mark.parametrize("protocol", ["http1", "h2"])
 def test_cluster_host_is_the_name_tls_asks_for_and_verifies(
         nginx: dict[str, int], pki: Pki, tmp_path: Path, protocol: str) -> None:
     """An endpoint given by IP address, its cluster's `host` a name: SNI and the
     certificate check use that name (without the port), Host carries it whole."""
     def start(host: str) -> ProxyProc:
-        return ProxyProc(tmp_path, f"""
-[[listeners]]
-name = "p"
-address = "127.0.0.1:{{p}}"
-
-[[clusters]]
-name = "c"
-endpoints = ["127.0.0.1:{nginx['h2']}"]
-protocol = "{protocol}"
-tls = {{ ca = "{pki.ca}" }}
-host = "{host}"
-
-[[routes]]
-name = "r"
-cluster = "c"
-""", ("p",))
+        return ProxyProc(tmp_path, host_config(nginx["h2"], pki.ca, protocol, host), ("p",))
 
     proxy = start("localhost:8443")
     try:
@@ -347,25 +356,7 @@ def test_reload_that_changes_host_or_tls_opens_new_connections(
     admin = free_port()
 
     def config(host: str, tls: str) -> str:
-        return f"""
-[[listeners]]
-name = "p"
-address = "127.0.0.1:{{p}}"
-
-[admin]
-address = "127.0.0.1:{admin}"
-
-[[clusters]]
-name = "c"
-endpoints = ["127.0.0.1:{nginx['h2']}"]
-protocol = "{protocol}"
-tls = {{ ca = "{pki.ca}"{tls} }}
-host = "{host}"
-
-[[routes]]
-name = "r"
-cluster = "c"
-"""
+        return host_config(nginx["h2"], pki.ca, protocol, host, tls, admin)
 
     proxy = ProxyProc(tmp_path, config("localhost", ""), ("p",))
     port = proxy.ports["p"]
