@@ -379,3 +379,28 @@ def test_reload_that_changes_host_or_tls_opens_new_connections(
                     assert "other.test" in r.json()["error"]["message"], r.text
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("protocol", ["http1", "h2"])
+def test_reload_after_the_ca_file_changed_opens_new_connections(
+        nginx: dict[str, int], pki: Pki, tmp_path: Path, protocol: str) -> None:
+    """The same `ca` path with other bytes in it (a CA rotated in place) is a change of
+    `tls` too: after the reload the kept connection, verified against the old CA, is not
+    used; the next one is checked against the file as it is now."""
+    admin = free_port()
+    ca = tmp_path / "upstream-ca.pem"
+    shutil.copy(pki.ca, ca)
+    text = host_config(nginx["h2"], ca, protocol, "localhost", admin=admin)
+    proxy = ProxyProc(tmp_path, text, ("p",))
+    try:
+        wait_port("127.0.0.1", admin)
+        with httpx.Client(base_url=f"http://127.0.0.1:{proxy.ports['p']}") as client:
+            assert client.get("/").status_code == 200
+            for source, want in ((pki.ca.parent / "ca2.pem", 502), (pki.ca, 200)):
+                shutil.copy(source, ca)
+                r = httpx.post(f"http://127.0.0.1:{admin}/config/reload")
+                assert r.status_code == 200, r.text
+                r = client.get("/")
+                assert r.status_code == want, (source.name, r.text)
+    finally:
+        proxy.stop()

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import ssl
+
+
+def file_sha256(path: str) -> str:
+    """The hex SHA-256 of a file's bytes ("" if it cannot be read)."""
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.file_digest(fh, "sha256").hexdigest()
+    except OSError:
+        return ""
 
 
 def writable_file_problem(path: str) -> str | None:

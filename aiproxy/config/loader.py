@@ -18,7 +18,7 @@ from aiproxy.pipeline.paths import ESCAPED_SLASHES
 from . import llm_sections
 from .address import HOSTNAME, is_host, parse_address
 from .errors import ConfigError, Problem
-from .files import cert_dns_names, tls_problems, writable_file_problem
+from .files import cert_dns_names, file_sha256, tls_problems, writable_file_problem
 from .governance import GOVERNANCE_KEYS, governance_sections
 from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
@@ -786,6 +786,7 @@ class _Checker:
             return None
         self.check_keys(value, path, ("ca", "sni", "verify"))
         ca = self.get(value, path, "ca", "string")
+        ca_sha256 = ""
         if ca is not None:
             full = os.path.join(os.path.dirname(os.path.abspath(self.filename)), ca)
             if not os.path.isfile(full):
@@ -793,6 +794,7 @@ class _Checker:
             else:
                 for key, message in tls_problems(None, None, full):
                     self.error(path + (key,), message)
+                ca_sha256 = file_sha256(full)
             ca = full
         sni = self.get(value, path, "sni", "string")
         if sni is not None and not HOSTNAME.fullmatch(sni):
@@ -800,7 +802,8 @@ class _Checker:
         verify = self.get(value, path, "verify", "boolean")
         if verify is False and ca is not None:
             self.error(path + ("verify",), "'ca' is only used with verify = true")
-        return UpstreamTlsConfig(ca=ca, sni=sni, verify=verify is not False)
+        return UpstreamTlsConfig(ca=ca, sni=sni, verify=verify is not False,
+                                 ca_sha256=ca_sha256)
 
     def hash_key(self, data: dict[str, Any], path: KeyPath) -> str:
         value = self.get(data, path, "hash_key", "string")

@@ -90,11 +90,14 @@ class TlsConfig:
 @dataclass(frozen=True, slots=True)
 class UpstreamTlsConfig:
     """TLS to a cluster's endpoints: `ca` (PEM bundle; default: the system's), `sni`
-    (default: the endpoint's host), `verify` the certificate and host name."""
+    (default: the endpoint's host), `verify` the certificate and host name.
+    `ca_sha256`, of the CA file's bytes when the config was read, makes a reload that
+    finds the file changed a change of `tls` (routing.cluster.pool_key)."""
 
     ca: str | None = None
     sni: str | None = None
     verify: bool = True
+    ca_sha256: str = ""
 
 
 @dataclass(frozen=True, slots=True)
