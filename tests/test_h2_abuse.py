@@ -30,6 +30,7 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from aiproxy.protocols.h2_output import SILLY_WINDOW
 from tests.h2_support import (
     FrameClient,
     H2LibClient,
@@ -1035,7 +1036,63 @@ def test_window_updates_for_a_long_download_are_not_a_flood(port: int) -> None:
         c.handshake({0x4: 1024})
         c.send(c.request(1, "/bytes/2000000"))
         resp = c.response(1, timeout=30)
+        assert resp.goaway is None, f"GOAWAY {resp.goaway.error_code}"
         assert resp.status == 200 and len(resp.body) == 2_000_000 and resp.reset is None
+
+
+def test_a_window_opened_by_a_few_bytes_waits_for_more(port: int) -> None:
+    """The upstream's reads do not line up with a 1 KiB window: sending whatever the
+    window let through cut it into a small and a large piece for good, each answered by
+    a WINDOW_UPDATE of its size, so about every other DATA frame carried a few bytes
+    (and was charged as a data dribble, below). A window narrower than SILLY_WINDOW and
+    than half the widest one granted now waits for the client's next update."""
+    size = 1_000_000
+    sizes: list[int] = []
+    with FrameClient(port) as c:
+        c.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: 1024})
+        c.send(c.request(1, f"/bytes/{size}"))
+        while sum(sizes) < size:
+            frame = c.recv(10)
+            assert frame is not None and not isinstance(frame, GoAwayFrame), frame
+            if isinstance(frame, DataFrame) and frame.data:
+                n = len(frame.data)
+                sizes.append(n)
+                c.send(WindowUpdateFrame(0, window_increment=n),
+                       WindowUpdateFrame(1, window_increment=n))
+    small = [n for n in sizes if n < 512]
+    assert len(small) < len(sizes) // 10, f"{len(small)} of {len(sizes)} frames under 512 bytes"
+
+
+def test_data_dribble_gets_enhance_your_calm(proxy: ProxyProc, port: int) -> None:
+    """CVE-2019-9511: a client with a 1-byte stream window that opens it a byte at a
+    time has the proxy send a DATA frame for each byte; each WINDOW_UPDATE answers a
+    DATA frame sent, so it was never charged, and the client kept the worker busy for as
+    long as it liked. Frames its window cuts that small are charged now: GOAWAY
+    (ENHANCE_YOUR_CALM) well before 20,000 of them. Other connections are served."""
+    updates = 0
+    with FrameClient(port) as c:
+        c.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: 1})
+        c.send(c.request(1, "/bytes/100000000"))
+        goaway = None
+        while goaway is None and updates < 20000:
+            # One byte, one frame; the proxy may have closed the connection just now.
+            if not c.try_send(WindowUpdateFrame(1, window_increment=1)):
+                break
+            updates += 1
+            frame = c.recv(5)
+            while frame is not None and not isinstance(frame, (DataFrame, GoAwayFrame)):
+                frame = c.recv(5)
+            if frame is None:
+                break
+            if isinstance(frame, GoAwayFrame):
+                goaway = frame
+        goaway = goaway or c.goaway(5)
+        assert goaway is not None, f"no GOAWAY after {updates} 1-byte window updates"
+        assert goaway.error_code == ErrorCodes.ENHANCE_YOUR_CALM, goaway
+    assert updates < 20000
+    assert "floods frames that carry no request" in proxy.log()
+    resp = h2_get(port, "/bytes/100000", timeout=30)
+    assert resp.status == 200 and len(resp.body) == 100000
 
 
 TOKENS = 5000  # DATA frames of a token stream: more than the idle budget's burst
@@ -1097,18 +1154,22 @@ def _served_meanwhile(proxy: ProxyProc, port: int) -> None:
 
 def test_stream_window_never_opened(proxy: ProxyProc, port: int) -> None:
     """A client that asks for 1 GiB and never sends WINDOW_UPDATE: the proxy sends the
-    65535-byte initial window and holds the rest in the upstream (RSS bounded), and
-    serves other connections meanwhile."""
+    65535-byte initial window (less what a last upstream read leaves to a window too
+    narrow to be worth a frame, SILLY_WINDOW) and holds the rest in the upstream (RSS
+    bounded), and serves other connections meanwhile."""
     with FrameClient(port) as c:
         c.handshake()
         c.send(c.request(1, "/bytes/1073741824"))
         got = 0
         deadline = time.monotonic() + 5
-        while got < 65535 and time.monotonic() < deadline:
+        while got <= 65535 - SILLY_WINDOW and time.monotonic() < deadline:
             f = c.recv(1)
             if isinstance(f, DataFrame):
                 got += len(f.data)
-        assert got == 65535
+        for f in c.frames_until(lambda f: False, 0.5):
+            if isinstance(f, DataFrame):
+                got += len(f.data)
+        assert 65535 - SILLY_WINDOW < got <= 65535
         with RssMonitor(proxy.pid) as rss:
             _served_meanwhile(proxy, port)
         assert rss.growth < 16 * MiB, rss.describe()

@@ -7,7 +7,8 @@ GOAWAY(ENHANCE_YOUR_CALM):
 - frames that carry nothing (9513 PRIORITY, 9518 empty DATA, unknown frame types,
   WINDOW_UPDATE, PING and SETTINGS ACKs, a repeated GOAWAY), frames on closed streams,
   each answered with RST_STREAM (9514), and any frame that raised no event at all
-  (RST_STREAM or WINDOW_UPDATE on a stream gone).
+  (RST_STREAM or WINDOW_UPDATE on a stream gone);
+- DATA frames a client's window cuts small (9511 data dribble; SMALL_WINDOW_CLIENT).
 The idle-frame budget refills with time, and with work the peer asked for: each
 request. WINDOW_UPDATEs that answer DATA the proxy sent are not idle: up to
 ACKS_PER_DATA_SENT of them for each DATA frame, whenever they come. They used to be
@@ -38,6 +39,16 @@ ACKS_PER_DATA_SENT = 2  # a DATA frame's WINDOW_UPDATEs: its stream's and the co
 # stream): only its empty ones are charged.
 SMALL_DATA_CLIENT = 64
 SMALL_DATA_UPSTREAM = 1
+# The other way (CVE-2019-9511, data dribble): a client that opens its windows a byte at
+# a time has the proxy send a DATA frame for each byte, each WINDOW_UPDATE answered by
+# a frame, so that the allowance of ACKS_PER_DATA_SENT never runs out. A DATA frame the
+# client's window cut to fewer than this many bytes, more waiting behind it, is charged
+# the part it leaves empty. A window that narrow waits for the next update instead
+# (h2_output.SILLY_WINDOW) once the client has granted a wider one, so it is mostly a
+# client that never grants 1 KiB that is charged. An upstream is not charged for its
+# windows.
+SMALL_WINDOW_CLIENT = 1024
+SMALL_WINDOW_UPSTREAM = 0
 
 
 class FrameBudgets:
@@ -46,9 +57,9 @@ class FrameBudgets:
     frames costs one refill."""
 
     __slots__ = ("control", "idle", "idle_frames", "window_updates", "acks_owed",
-                 "data_sent_seen", "small_data")
+                 "data_sent_seen", "small_data", "small_window")
 
-    def __init__(self, small_data: int) -> None:
+    def __init__(self, small_data: int, small_window: int) -> None:
         self.control = Budget(CONTROL_BUDGET, CONTROL_REFILL)
         self.idle = Budget(IDLE_BUDGET, IDLE_REFILL)
         self.idle_frames = 0.0
@@ -56,11 +67,17 @@ class FrameBudgets:
         self.acks_owed = 0  # WINDOW_UPDATEs the DATA frames sent may still call for
         self.data_sent_seen = 0
         self.small_data = small_data
+        self.small_window = small_window
 
     def data(self, n: int) -> None:
         """A DATA frame that did not end its stream, carrying n bytes."""
         if n < self.small_data:
             self.idle_frames += 1 - n / self.small_data
+
+    def window_cut(self, n: int) -> None:
+        """A DATA frame sent, n bytes: all the peer's window let through of more."""
+        if n < self.small_window:
+            self.idle_frames += 1 - n / self.small_window
 
     def settle(self, conn: Any, clock: Callable[[], float]) -> bool:
         """Charge the idle frames counted since the last call, the WINDOW_UPDATEs past

@@ -38,6 +38,10 @@ CONN_OUT_LOW = CONN_OUT_HIGH // 2
 # The window growth past their initial window that the HTTP/2 upstream streams of one
 # client connection share (h2_upstream): four streams' worth of a full 1 MiB window.
 CLIENT_WINDOW_SHARE = 4 * 1024 * 1024
+# A send window narrower than this, and than half the widest the peer has granted
+# (if that was as wide as this), waits for the peer's next update instead of being
+# sent a small frame (_send).
+SILLY_WINDOW = 1024
 # Output h2 holds that a connection's want_flush() writes at once instead of at the end
 # of the turn, so that a transport pausing in that write stops the streams after it.
 FLUSH_NOW = 256 * 1024
@@ -57,18 +61,19 @@ def open_window(h2c: Any, streams: dict[int, Any], start: int) -> int:
     SETTINGS_INITIAL_WINDOW_SIZE): each stream sends what waited, from the first after
     `start`, the stream the window last ran out at, round to the ones before it. In id
     order, a stream with more queued than each update opens took every update and the
-    others waited until it ended. Returns where the window ran out this time (`start`
-    if it did not)."""
+    others waited until it ended. Returns where the window ran out (narrower than
+    SILLY_WINDOW, which a stream with more waiting does not send into) this time, or
+    `start`."""
     ran_out = 0
     for stream in release_order(streams, start):
         stream.try_send()
-        if not ran_out and h2c.outbound_flow_control_window <= 0:
+        if not ran_out and h2c.outbound_flow_control_window < SILLY_WINDOW:
             ran_out = stream.sid
     return ran_out or start
 
 
 OUTPUT_SLOTS = ("out", "out_size", "end_pending", "trailers_pending", "producer_paused",
-                "out_sent", "stall_seen", "stall_since")
+                "out_sent", "stall_seen", "stall_since", "max_window")
 
 
 class StreamOutput:
@@ -95,6 +100,7 @@ class StreamOutput:
         self.out_sent = 0  # bytes sent as DATA so far
         self.stall_seen = -1  # out_sent at the last stalled() look ...
         self.stall_since = 0.0  # ... and since when it has not moved
+        self.max_window = 0  # the widest send window seen (the stream's and connection's)
 
     def stalled(self, now: float) -> float:
         """Seconds that data has waited here without a byte of it going out (0: none
@@ -169,6 +175,18 @@ class StreamOutput:
                 return
         n = len(data)
         off = 0
+        if window > self.max_window:
+            self.max_window = window
+        elif (window < n and window < SILLY_WINDOW and 2 * window < self.max_window
+                and self.max_window >= SILLY_WINDOW):
+            # Silly window avoidance (RFC 1122 4.2.3.4, for TCP): a window opened by
+            # a few bytes while more waits, and the peer has granted one at least
+            # twice as wide (and SILLY_WINDOW), waits for the peer's next update.
+            # Sending whatever opens keeps a window cut into small pieces for good (a
+            # client that answers each DATA frame with its size answers a small frame
+            # with a small update), each piece a frame. A peer that only ever grants a
+            # few bytes gets them as they open (and is charged: budgets.window_cut).
+            window = 0
         if window > 0:
             frame = h2c.max_outbound_frame_size
             try:
@@ -177,11 +195,14 @@ class StreamOutput:
                     off = n
                 else:
                     view = memoryview(data)
+                    size = 0
                     while off < n and window > 0:
                         size = min(n - off, window, frame)
                         h2_fast.send_data(h2c, stream, view[off:off + size])
                         off += size
                         window -= size
+                    if off < n:
+                        conn.budgets.window_cut(size)
             except ProtocolError as exc:
                 self._output_failed(exc)
                 return

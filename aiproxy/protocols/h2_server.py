@@ -40,7 +40,12 @@ from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, MalformedHead, h2_request_head
-from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_CLIENT, FrameBudgets
+from aiproxy.protocols.h2_budgets import (
+    IDLE_PER_REQUEST,
+    SMALL_DATA_CLIENT,
+    SMALL_WINDOW_CLIENT,
+    FrameBudgets,
+)
 from aiproxy.protocols.h2_output import (
     CONN_OUT_HIGH,
     CONN_OUT_LOW,
@@ -151,7 +156,8 @@ class H2ServerConnection(asyncio.Protocol):
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
         self.requests = 0            # streams opened, for [http] h2_max_requests ...
         self.last_request = 0        # ... and the id of the last
-        self.budgets = FrameBudgets(SMALL_DATA_CLIENT)  # settled at the end of data_received
+        # Settled at the end of data_received.
+        self.budgets = FrameBudgets(SMALL_DATA_CLIENT, SMALL_WINDOW_CLIENT)
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
         # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
         # some clients (curl 7.x) cannot take more than a small buffer's worth of bytes

@@ -34,7 +34,12 @@ from h2.errors import ErrorCodes
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upstream
 from aiproxy.protocols import h2_fast
 from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
-from aiproxy.protocols.h2_budgets import IDLE_PER_REQUEST, SMALL_DATA_UPSTREAM, FrameBudgets
+from aiproxy.protocols.h2_budgets import (
+    IDLE_PER_REQUEST,
+    SMALL_DATA_UPSTREAM,
+    SMALL_WINDOW_UPSTREAM,
+    FrameBudgets,
+)
 from aiproxy.protocols.h2_output import (
     FLUSH_NOW,
     OUTPUT_SLOTS,
@@ -133,7 +138,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.max_streams = 100       # the peer's SETTINGS_MAX_CONCURRENT_STREAMS, once known
         self.done_count = 0
         self.idle_since = 0.0
-        self.budgets = FrameBudgets(SMALL_DATA_UPSTREAM)  # settled after each read
+        self.budgets = FrameBudgets(SMALL_DATA_UPSTREAM, SMALL_WINDOW_UPSTREAM)  # settled per read
         self.unacked = 0             # DATA bytes not yet given back to the connection window
         # Done when the peer's first SETTINGS frame has arrived (its stream limit is known).
         self.settings_received: asyncio.Future[None] = pool.loop.create_future()
