@@ -159,7 +159,7 @@ def _window_by_steps(served: list[int], streams: int, step: int) -> object:
             return True
 
         first: dict[int, int] = {}
-        while len(got) < streams or sum(first.values()) < 65535:
+        while len(got) < streams or sum(first.values()) <= 65535 - SILLY_WINDOW:
             if not read(first):
                 return
         for _ in range(3 * streams):
