@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +269,7 @@ class FrameClient:
                 resp.trailers = frame.decoded
         elif isinstance(frame, DataFrame):
             resp.body += frame.data
+            resp.data_sizes.append(len(frame.data))
         elif isinstance(frame, RstStreamFrame):
             resp.reset = frame.error_code
             return True
@@ -282,6 +283,7 @@ class H2Response:
     trailers: list[tuple[bytes, bytes]] | None = None
     reset: int | None = None
     goaway: GoAwayFrame | None = None
+    data_sizes: list[int] = field(default_factory=list)  # of each DATA frame, in order
 
     def header(self, name: bytes) -> bytes | None:
         for k, v in self.headers or []:
