@@ -30,7 +30,9 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from aiproxy.protocols.h2_fast import FRAMES_PER_PASS
 from aiproxy.protocols.h2_output import SILLY_WINDOW
+from aiproxy.protocols.h2_server import RESET_BUDGET
 from tests.h2_support import (
     FrameClient,
     H2LibClient,
@@ -755,6 +757,24 @@ def test_oversized_header_lists_are_budgeted(wide_proxy: ProxyProc) -> None:
     assert resp.status == 200, resp
 
 
+def test_a_flood_in_one_read_is_cut_within_the_read(wide_proxy: ProxyProc) -> None:
+    """Budgets were charged once per read: 7,000 HEADERS frames with empty blocks (each
+    a malformed request the proxy resets), 63,000 bytes in one read, had every stream
+    opened, reset and logged before the GOAWAY (7,000 RST_STREAMs and about 60 MiB of
+    RSS a connection). The budgets are charged every FRAMES_PER_PASS frames now."""
+    port = wide_proxy.ports["port"]
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(b"".join(raw_frame(HEADERS, END_STREAM | END_HEADERS, sid, b"")
+                        for sid in range(1, 14000, 2)))
+        frames = c.frames_until(lambda f: isinstance(f, GoAwayFrame), 20)
+    assert frames and isinstance(frames[-1], GoAwayFrame), frames[-3:]
+    assert frames[-1].error_code == ErrorCodes.ENHANCE_YOUR_CALM, frames[-1]
+    resets = sum(isinstance(f, RstStreamFrame) for f in frames)
+    assert resets <= RESET_BUDGET + 2 * FRAMES_PER_PASS, resets
+    assert h2_get(port, "/echo").status == 200
+
+
 def _proxy_with(demo_upstream: int, tmp_path: Path, http: str) -> ProxyProc:
     """A proxy of this module's config with more [http] settings."""
     text = (CONFIG % (MAX_STREAMS, MAX_HEADER_BYTES, demo_upstream)).replace(
@@ -1013,15 +1033,25 @@ def test_flood_of_frames_that_carry_no_request(proxy: ProxyProc, port: int, kind
     assert wait_for(lambda: proxy.log().count(said) > before, 5), proxy.log()[-2000:]
 
 
-def test_an_upload_in_small_data_frames_is_not_a_flood(port: int) -> None:
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_upload_in_small_data_frames_is_not_a_flood(port: int, padded: bool) -> None:
     """A client that streams its body in many small frames (gRPC messages of 64 bytes
     and up, say) is sending a body, not flooding: 192 KiB (within the stream's window)
-    in 64-byte DATA frames."""
-    body = bytes(range(64)) * 3072
+    in 64-byte DATA frames. Padding counts as what the frame carries (RFC 9113 10.7: it
+    costs the client's window as data does): 3,072 frames of 8 bytes padded to 64 were
+    charged as nearly empty ones, and the upload was cut off."""
+    piece = 8 if padded else 64
+    body = bytes(range(64)) * (3072 * piece // 64)
     with FrameClient(port) as c:
-        c.handshake(window=len(body))
+        c.handshake(window=3072 * 64)
         frames: list = [c.request(1, "/echo", "POST", end_stream=False)]
-        frames += [raw_frame(DATA, 0, 1, body[i:i + 64]) for i in range(0, len(body), 64)]
+        for i in range(0, len(body), piece):
+            chunk = body[i:i + piece]
+            if padded:
+                frames.append(raw_frame(DATA, PADDED, 1, bytes([63 - piece]) + chunk
+                                        + bytes(63 - piece)))
+            else:
+                frames.append(raw_frame(DATA, 0, 1, chunk))
         frames.append(raw_frame(DATA, END_STREAM, 1, b""))
         c.send(*frames)
         resp = c.response(1, timeout=30)
@@ -1236,7 +1266,8 @@ def test_sigterm_goaway_inflight_stream_finishes(demo_upstream: int, tmp_path: P
 
 def test_client_goaway_lets_inflight_stream_finish(port: int) -> None:
     """RFC 9113 6.8: a client's GOAWAY(NO_ERROR) stops new streams; the response in flight
-    still completes."""
+    still completes, and the proxy's own GOAWAY, naming that stream, comes before the
+    close (it used to close without one when a stream was in flight)."""
     with FrameClient(port) as c:
         c.handshake()
         c.send(c.request(1, "/sse?n=4&delay_ms=150"))
@@ -1247,7 +1278,11 @@ def test_client_goaway_lets_inflight_stream_finish(port: int) -> None:
         assert resp.reset is None, resp
         body += resp.body
         assert body == b"".join(f"data: event {i}\n\n".encode() for i in range(4))
-        assert c.closed_after(5)
+        goaways = [resp.goaway] if resp.goaway else []
+        goaways += [f for f in c.frames_until(lambda f: False, 5) if isinstance(f, GoAwayFrame)]
+        assert c.eof
+        assert len(goaways) == 1, goaways
+        assert goaways[0].error_code == 0 and goaways[0].last_stream_id == 1, goaways[0]
 
 
 def test_stream_reset_behind_its_headers_after_client_goaway(port: int) -> None:

@@ -139,6 +139,26 @@ class FieldsHead:
         return b"".join(parts)
 
 
+_DEFAULT_PORTS = {b"http": b":80", b"https": b":443"}
+
+
+def _authority_key(authority: bytes, scheme: bytes | None) -> bytes:
+    key = authority.lower()
+    if key.endswith(b":"):
+        return key[:-1]
+    default = _DEFAULT_PORTS.get(scheme.lower() if scheme else b"")
+    if default is not None and key.endswith(default):
+        return key[:-len(default)]
+    return key
+
+
+def same_authority(a: bytes, b: bytes, scheme: bytes | None) -> bool:
+    """Whether two authorities name the same entity (RFC 9113 8.3.1: Host against
+    :authority), compared as RFC 3986 6.2.2-6.2.3 normalizes them: the host in any
+    case, an empty port or the scheme's default port as none."""
+    return a == b or _authority_key(a, scheme) == _authority_key(b, scheme)
+
+
 def h2_request_head(headers: list[tuple[bytes, bytes]], end_stream: bool) -> RequestHead:
     """A request from HTTP/2 pseudo-fields and fields, checked per RFC 9113 8.3. Sent to
     an HTTP/1.1 upstream, `host` (:authority, else the host field) becomes the Host field:
@@ -187,7 +207,8 @@ def h2_request_head(headers: list[tuple[bytes, bytes]], end_stream: bool) -> Req
         # RFC 9113 8.1.1: no DATA can follow, so the body cannot be the declared length.
         raise MalformedHead("content-length but no body")
     authority = pseudo.get(b":authority")
-    if authority is not None and host is not None and host != authority:
+    if authority is not None and host is not None and not same_authority(authority, host,
+                                                                          scheme):
         raise MalformedHead(":authority and host differ")
     if authority is None:
         authority = host

@@ -33,7 +33,8 @@ IDLE_REFILL = 500.0
 IDLE_PER_REQUEST = 8.0
 ACKS_PER_DATA_SENT = 2  # a DATA frame's WINDOW_UPDATEs: its stream's and the connection's
 # A DATA frame costs the proxy about the same whatever it carries, so a client's frame
-# that carries less than this many bytes is charged the part of a frame it leaves empty:
+# that carries less than this many bytes (data and padding: both cost the sender its
+# window, RFC 9113 6.9.1) is charged the part of a frame it leaves empty:
 # 1-byte frames (each dispatched in Python, about 20 us) cannot keep a worker busy
 # either. An upstream's small frames are response bytes the client asked for (a token
 # stream): only its empty ones are charged.
@@ -70,7 +71,7 @@ class FrameBudgets:
         self.small_window = small_window
 
     def data(self, n: int) -> None:
-        """A DATA frame that did not end its stream, carrying n bytes."""
+        """A DATA frame that did not end its stream, n bytes flow-controlled."""
         if n < self.small_data:
             self.idle_frames += 1 - n / self.small_data
 

@@ -39,13 +39,16 @@ from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
 from hyperframe.frame import ExtensionFrame, RstStreamFrame, WindowUpdateFrame
 
-from aiproxy.protocols.fields import CREDENTIAL_FIELDS
+from aiproxy.protocols.fields import CREDENTIAL_FIELDS, same_authority
 
 T_DATA = 0x0
 T_HEADERS = 0x1
 T_CONTINUATION = 0x9
 END_STREAM = 0x1
 END_HEADERS = 0x4
+# Frames h2 parses and dispatches in one receive_data call (_FrameBuffer): between
+# passes the caller settles its budgets, so a flood is cut within a pass of its limit.
+FRAMES_PER_PASS = 64
 
 # hyperframe builds, for every frame it parses, the set of its class's flag names: made
 # once per frame class here instead (same set, read-only; other callers unchanged).
@@ -260,7 +263,7 @@ def checked_fields(headers: list, flags: Any) -> list:
     regular = False
     method = None
     request = not flags.is_response_header and not flags.is_trailer
-    authority = host = None
+    authority = host = scheme = None
     for field in headers:
         name, value = field
         if name == b"cookie":
@@ -288,6 +291,8 @@ def checked_fields(headers: list, flags: Any) -> list:
             elif request:
                 if name == b":authority":
                     authority = value
+                elif name == b":scheme":
+                    scheme = value
                 elif name == b":path" and not value:
                     raise ProtocolError("An empty :path header is forbidden")
         else:
@@ -311,7 +316,8 @@ def checked_fields(headers: list, flags: Any) -> list:
         if authority is None and host is None:
             raise ProtocolError(
                 "Request header block does not have an :authority or Host header.")
-        if authority is not None and host is not None and authority != host:
+        if (authority is not None and host is not None
+                and not same_authority(authority, host, scheme)):
             raise ProtocolError("Request header block has mismatched :authority and Host "
                                 f"headers: {authority!r} / {host!r}")
     return out
@@ -500,12 +506,27 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
     - a WINDOW_UPDATE or PRIORITY frame that is a stream error (_stream_error_code) is
       passed on as a STREAM_ERROR_FRAME (hyperframe would refuse it, a connection error);
     - the frames of most requests (plain_frame: HEADERS in one frame, DATA unpadded) are
-      built without hyperframe's parser, as it would build them."""
+      built without hyperframe's parser, as it would build them;
+    - receive_data stops after FRAMES_PER_PASS frames, setting `more` if frames are
+      left: the caller handles the events, charges its budgets and passes b"" for the
+      next frames (h2 would otherwise open, reset and report every stream of a 64 KiB
+      read of 9-byte HEADERS frames, 7,000 of them, before any budget is looked at)."""
 
     stream_errors = 0
+    taken = 0      # frames parsed since the last add_data
+    more = False   # frames left in the buffer when a pass stopped at FRAMES_PER_PASS
+
+    def add_data(self, data: Any) -> None:
+        self.taken = 0
+        self.more = False
+        super().add_data(data)
 
     def __next__(self) -> Any:
         data = self._data
+        if self.taken >= FRAMES_PER_PASS:
+            self.more = len(data) >= 9
+            raise StopIteration
+        self.taken += 1
         if len(data) >= 9:
             length = int.from_bytes(data[0:3], "big")
             self._validate_frame_length(length)

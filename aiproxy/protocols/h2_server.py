@@ -207,11 +207,29 @@ class H2ServerConnection(asyncio.Protocol):
             self.data_received(data)
 
     def data_received(self, data: bytes) -> None:
+        conn = self.h2
         try:
-            events = self.h2.receive_data(data)
+            events = conn.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
             self._connection_error(exc)
             return
+        while True:
+            if self._handle(events):
+                return
+            if not conn.incoming_buffer.more:
+                break
+            try:
+                events = conn.receive_data(b"")  # the frames past FRAMES_PER_PASS
+            except h2.exceptions.ProtocolError as exc:
+                self._connection_error(exc)
+                return
+        self._flush()
+        if not self.streams and self._spent():
+            self._end_spent()  # its last request was malformed
+
+    def _handle(self, events: list) -> bool:
+        """Handles one pass of receive_data's events and charges what they cost; True
+        once the connection is closed."""
         self.receiving = True
         try:
             if self.await_preface:
@@ -223,7 +241,7 @@ class H2ServerConnection(asyncio.Protocol):
                 if handler is not None:
                     handler(self, event)
                 if self.closed:
-                    return
+                    return True
         finally:
             self.receiving = False
         conn = self.h2
@@ -232,16 +250,14 @@ class H2ServerConnection(asyncio.Protocol):
             # (a rapid-reset variant that needs no RST_STREAM from the client).
             n, conn.refused = conn.refused, 0
             if self._charge_resets(n):
-                return
+                return True
         if not self.budgets.settle(conn, self.loop.time):
             log.warning("client %s floods frames that carry no request (empty or tiny "
                         "DATA, PRIORITY, WINDOW_UPDATE, unknown or on closed streams): GOAWAY",
                         self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
-            return
-        self._flush()
-        if not self.streams and self._spent():
-            self._end_spent()  # its last request was malformed
+            return True
+        return self.closed
 
     def eof_received(self) -> bool:
         return False
@@ -348,7 +364,7 @@ class H2ServerConnection(asyncio.Protocol):
     def _on_data(self, ev: h2.events.DataReceived) -> None:
         sid = ev.stream_id
         if ev.stream_ended is None:
-            self.budgets.data(len(ev.data))
+            self.budgets.data(ev.flow_controlled_length)
         stream = self.streams.get(sid)
         if stream is None or stream.exchange is None or stream.exchange.finished:
             if sid in self.early:
@@ -481,13 +497,16 @@ class H2ServerConnection(asyncio.Protocol):
     def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
         # The client is going away: streams it still counts on finish, nothing new starts.
         self.budgets.idle_frames += 1  # a client may repeat its GOAWAY, but not endlessly
-        if not self.streams and not self.goaway_sent:
+        if self.goaway_sent:
+            if not self.streams:
+                self.close()
+        elif not self.streams:
             # RFC 9113 6.8: GOAWAY before closing, behind what h2 has queued (PING ACKs).
             self._goaway(ErrorCodes.NO_ERROR, close=True)
-            return
-        self.goaway_sent = True
-        if not self.streams:
-            self.close()
+        else:
+            # Now, naming the last stream taken: the connection closes when the streams
+            # in flight are done, and 6.8 asks for a GOAWAY before any close.
+            self._goaway(ErrorCodes.NO_ERROR, close=False)
 
     # -- output and lifecycle --------------------------------------------------------------
 

@@ -229,32 +229,43 @@ class H2UpstreamConnection(asyncio.Protocol):
         try:
             events = self.h2.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
-            log.warning("HTTP/2 protocol error from upstream %s: %s",
-                        self.pool.endpoint.address, exc)
-            # Out of the pool before the streams fail: a replay must not be opened on
-            # this connection, whose h2 state is closed.
-            self.goaway = True
-            self.pool.discard(self)
+            self._protocol_error(exc)
+            return
+        while True:
+            self.receiving = True
             try:
-                self.h2.close_connection(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR))
-            except h2.exceptions.ProtocolError:
-                pass
-            self.flush()
-            self._fail_all("upstream_bad_response", f"HTTP/2 protocol error: {exc}")
-            self.close()
-            return
-        self.receiving = True
-        try:
-            self._dispatch(events)
-        finally:
-            self.receiving = False
-        if self.closed:
-            return
-        if not self.budgets.settle(self.h2, self.pool.loop.time):
-            self._flooded("frames that carry no response (empty DATA, PRIORITY, "
-                          "WINDOW_UPDATE, unknown or on closed streams)")
-            return
+                self._dispatch(events)
+            finally:
+                self.receiving = False
+            if self.closed:
+                return
+            if not self.budgets.settle(self.h2, self.pool.loop.time):
+                self._flooded("frames that carry no response (empty DATA, PRIORITY, "
+                              "WINDOW_UPDATE, unknown or on closed streams)")
+                return
+            if not self.h2.incoming_buffer.more:
+                break
+            try:
+                events = self.h2.receive_data(b"")  # the frames past FRAMES_PER_PASS
+            except h2.exceptions.ProtocolError as exc:
+                self._protocol_error(exc)
+                return
         self.flush()
+
+    def _protocol_error(self, exc: h2.exceptions.ProtocolError) -> None:
+        log.warning("HTTP/2 protocol error from upstream %s: %s",
+                    self.pool.endpoint.address, exc)
+        # Out of the pool before the streams fail: a replay must not be opened on
+        # this connection, whose h2 state is closed.
+        self.goaway = True
+        self.pool.discard(self)
+        try:
+            self.h2.close_connection(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR))
+        except h2.exceptions.ProtocolError:
+            pass
+        self.flush()
+        self._fail_all("upstream_bad_response", f"HTTP/2 protocol error: {exc}")
+        self.close()
 
     def _flooded(self, what: str) -> None:
         """The upstream overdrew a frame budget (h2_budgets.py): GOAWAY, and its streams
@@ -292,7 +303,7 @@ class H2UpstreamConnection(asyncio.Protocol):
                     if n and event.stream_ended is None:
                         stream.replenish(n)
                 if event.stream_ended is None:
-                    budgets.data(len(event.data))
+                    budgets.data(event.flow_controlled_length)
             elif kind is h2.events.ResponseReceived:
                 if stream is not None:
                     stream.on_head(event.headers, bool(event.stream_ended))
