@@ -23,12 +23,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hyperframe.frame import HeadersFrame
 from websockets.exceptions import ConnectionClosedOK
 from websockets.sync.client import connect as ws_connect
 
 from aiproxy.demo.upstream import pattern
 from tests.conftest import Proxy, simple_config
-from tests.h2_support import bytes_sha256
+from tests.h2_support import FrameClient, bytes_sha256
 from tests.support import (
     RssMonitor,
     free_port,
@@ -1213,12 +1214,28 @@ def test_early_hints_forwarded_to_http11_only(
         hints = c.read_response()
         assert hints.status == 103
         assert hints.header("link") == "</style.css>; rel=preload"
+        assert hints.header("via") == "1.1 aiproxy"  # RFC 9110 7.6.3: every message
         final = c.read_response()
         assert final.status == 200 and final.body == b"final"
     with RawConn(proxy.port) as c:
         c.send(get("/hints", version="1.0"))
         r = c.read_response()
         assert r.status == 200 and r.body == b"final"
+
+
+def test_early_hints_to_an_http2_client_carry_via(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    up = serve(scripted_upstream)
+    proxy = start_proxy(simple_config(up.port), 'protocols = ["h2c"]')
+    with FrameClient(proxy.port) as c:
+        c.handshake()
+        c.send(c.request(1, "/hints"))
+        frames = c.frames_until(lambda f: "END_STREAM" in f.flags and f.stream_id == 1)
+    heads = [dict(f.decoded) for f in frames if isinstance(f, HeadersFrame)]
+    assert [h[b":status"] for h in heads] == [b"103", b"200"], heads
+    assert heads[0][b"link"] == b"</style.css>; rel=preload"
+    assert heads[0][b"via"] == heads[1][b"via"] == b"1.1 aiproxy"
 
 
 def test_flood_of_informational_responses_is_502(

@@ -108,7 +108,8 @@ def test_request_body_after_an_early_101_keeps_its_framing(
     with RawConn(proxy.port) as c:
         c.send(b"POST /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                + head + b"\r\n\r\n" + first)
-        assert c.read_head().status == 101
+        head = c.read_head()
+        assert head.status == 101 and head.header("via") == "1.1 aiproxy", head
         c.send(rest + b"RAW")
         assert c.read_exact(8) == b"echo:RAW"
     assert got == {"body": b"helloworld", "tunnel": b"RAW"}

@@ -28,6 +28,12 @@ def forwarded_lines(peer: bytes, scheme: bytes) -> bytes:
     return b"X-Forwarded-For: " + peer + b"\r\nX-Forwarded-Proto: " + scheme + b"\r\n"
 
 
+def response_version(resp: Any) -> int:
+    """The version a forwarded response's Via names: an HTTP/1.x upstream's head
+    (h1.ResponseHead) carries it; an HTTP/2 upstream's (fields.H2ResponseHead) is 2."""
+    return getattr(resp, "version", 20)
+
+
 class ServerCore:
     """What the per-request path reads of the server (app.ProxyServer is the subclass):
     C fields, so a connection or exchange reads them without an attribute lookup."""

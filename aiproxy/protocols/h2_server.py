@@ -36,7 +36,7 @@ import hpack
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
-from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
+from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines, response_version
 from aiproxy.pipeline.exchange import Exchange
 from aiproxy.protocols import h2_fast, replies
 from aiproxy.protocols.fields import F_CONTENT_LENGTH, F_HOP, MalformedHead, h2_request_head
@@ -777,8 +777,12 @@ class H2Stream(StreamOutput, Downstream):
         pass  # HTTP/2 clients send the body without waiting for 100
 
     def send_informational(self, resp: Any) -> None:
-        # RFC 9110 8.6: no Content-Length in a 1xx or 204 response.
+        # RFC 9110 8.6: no Content-Length in a 1xx or 204 response; 7.6.3: a Via on
+        # every message forwarded.
         fields = resp.fields(F_HOP | F_CONTENT_LENGTH)
+        via = self.server.runtime.via_fields.get(response_version(resp))
+        if via is not None:
+            fields.append(via)
         self._headers([(b":status", b"%d" % resp.status), *fields], False)
 
     def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:

@@ -35,7 +35,7 @@ from aiproxy._fast.h1 import (
     parse_request,
 )
 from aiproxy._fast.sendnow import Sender
-from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines
+from aiproxy.pipeline.ends import BODY_NONE, Downstream, forwarded_lines, response_version
 from aiproxy.pipeline.exchange import Exchange, joined, serialize_without
 from aiproxy.protocols import h2_server, replies
 from aiproxy.protocols.fields import MalformedHead, h2_request_head
@@ -453,9 +453,11 @@ class H1ConnectionCore(Downstream):
     def send_informational(self, resp: Any) -> None:
         ex = self.exchange
         if ex is not None and ex.head.version >= 11:
-            # RFC 9110 8.6: no Content-Length in a 1xx or 204 response.
+            # RFC 9110 8.6: no Content-Length in a 1xx or 204 response; 7.6.3: a Via
+            # on every message forwarded.
+            via = self.server.runtime.via_lines.get(response_version(resp))
             self.transport.write(resp.serialize(
-                b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason), b"",
+                b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason), via or b"",
                 F_HOP | F_CONTENT_LENGTH))
 
     def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
@@ -625,9 +627,10 @@ class H1ConnectionCore(Downstream):
         self.close()
 
     def start_tunnel(self, resp: Any, upgrade: bytes) -> None:
+        via = self.server.runtime.via_lines.get(response_version(resp))
         self.transport.write(resp.serialize(
             b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason),
-            b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF,
+            (via or b"") + b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF,
             F_HOP | F_CONTENT_LENGTH))  # RFC 9110 8.6: no Content-Length on a 1xx
         self.tunnel = True
         if self.buf:
