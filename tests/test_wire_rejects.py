@@ -848,6 +848,26 @@ def test_chunked_body_over_max_body_in_one_write(proxy: Proxy, rec: Recorder) ->
     assert_nothing_smuggled(rec)
 
 
+@pytest.mark.parametrize("size", [b"ffffffffffffffff", b"%x" % (MAX_BODY + 1)])
+def test_chunk_larger_than_max_body_refused_at_its_size_line(proxy: Proxy, rec: Recorder,
+                                                             size: bytes) -> None:
+    """A chunk whose size line alone takes the body past max_body_bytes: 413 at the
+    line (as nginx), not once max_body_bytes of it have been read and forwarded."""
+    out = send_and_close(proxy.port, _chunked(size + b"\r\n0123456789"))
+    assert_rejected(out, 413)
+    assert b"0123456789" not in rec.raw()
+    sentinel(proxy.port, rec)
+
+
+def test_chunk_of_exactly_max_body_accepted(proxy: Proxy, rec: Recorder) -> None:
+    with connect(proxy.port) as sock:
+        sock.sendall(_chunked(b"%x\r\n" % MAX_BODY + b"x" * MAX_BODY + b"\r\n0\r\n\r\n"))
+        [resp] = read_responses(sock, 1)
+    assert resp.status == 200
+    [req] = rec.requests()
+    assert req.body == b"x" * MAX_BODY
+
+
 # --------------------------------------------------------------------------------------
 # Accepted shapes: framed and forwarded correctly
 # --------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ cdef class ResponseHead(Head):
 
 cdef class ChunkedDecoder:
     cdef int state
-    cdef unsigned long long remaining
+    cdef readonly unsigned long long remaining  # of the chunk being read, at least
     cdef int digits
     cdef Py_ssize_t ext_len
     cdef int ext_state  # where in the chunk-ext grammar (X_* in h1.pyx)

@@ -960,7 +960,10 @@ class Exchange(ExchangeBase):
         for piece in pieces:
             self.req_bytes += len(piece)
         max_body = self.rt.max_body
-        if max_body and self.req_bytes > max_body:
+        # A chunk's size line says what is coming: refused there, as nginx does, not
+        # after max_body_bytes of it have been read and forwarded.
+        if max_body and (self.req_bytes > max_body
+                         or decoder.remaining > max_body - self.req_bytes):
             self._request_body_error(413, "request body larger than max_body_bytes")
             return len(data)
         if pieces:
