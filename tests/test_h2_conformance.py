@@ -16,7 +16,15 @@ from typing import Any
 
 import pytest
 from h2.errors import ErrorCodes
-from hyperframe.frame import DataFrame, Frame, GoAwayFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import (
+    DataFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+)
 
 from tests.h2_support import PREFACE, FrameClient, ProxyProc, client_tls, make_pki, raw_frame
 
@@ -615,3 +623,18 @@ def test_client_goaway_is_answered_before_close(connect: Callable[[], FrameClien
         assert frames and isinstance(frames[-1], GoAwayFrame), frames
         assert frames[-1].error_code == E.NO_ERROR
         assert c.closed_after(3)
+
+
+def test_header_table_size_stated_twice_still_gets_its_update(
+        connect: Callable[[], FrameClient]) -> None:
+    """RFC 7541 4.2: after SETTINGS_HEADER_TABLE_SIZE shrinks the table, the next header
+    block starts with a dynamic table size update. A client that stated the same size
+    twice (as an h2c upgrade client does: HTTP2-Settings, then its preface SETTINGS) got
+    none, and `nghttp -u -c 0` failed with COMPRESSION_ERROR."""
+    with connect() as c:
+        c.handshake({SettingsFrame.HEADER_TABLE_SIZE: 0})
+        c.send(SettingsFrame(0, settings={SettingsFrame.HEADER_TABLE_SIZE: 0}),
+               c.request(1, "/echo"))
+        frames = c.frames_until(lambda f: isinstance(f, HeadersFrame))
+    assert frames and isinstance(frames[-1], HeadersFrame), frames
+    assert frames[-1].data[:1] == b"\x20", frames[-1].data[:8]  # size update to 0

@@ -154,7 +154,11 @@ def send_headers(conn: Any, sid: int, fields: list[tuple[bytes, bytes]],
     else:
         stream.state_machine.process_input(StreamInputs.SEND_HEADERS)
     encoder = conn.encoder
-    if encoder.header_table.resized:
+    if encoder.table_size_changes:
+        # A table size update is owed (RFC 7541 4.2). hpack's `resized` is not the test:
+        # the same size set twice clears it (an h2c upgrade client's HTTP2-Settings,
+        # then its preface SETTINGS), though the update has not gone out yet.
+        encoder.header_table.resized = True
         block = encoder.encode(fields)  # starts with the table size update
     else:
         block = encode_fields(fields)
