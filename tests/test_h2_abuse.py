@@ -34,6 +34,7 @@ from aiproxy.protocols.h2_fast import FRAMES_PER_PASS
 from aiproxy.protocols.h2_output import SILLY_WINDOW
 from aiproxy.protocols.h2_server import RESET_BUDGET
 from tests.h2_support import (
+    PREFACE,
     FrameClient,
     H2LibClient,
     H2Response,
@@ -876,6 +877,43 @@ def test_keepalive_off_h2_connection_serves_one_request(demo_upstream: int,
             assert goaway is not None and goaway.error_code == ErrorCodes.NO_ERROR, goaway
             assert goaway.last_stream_id == 0
             assert c.closed_after(5)
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("part", ["frame_header", "header_block", "preface"])
+def test_part_of_a_frame_waits_header_timeout_ms_at_most(demo_upstream: int, tmp_path: Path,
+                                                         part: str) -> None:
+    """A frame (or header block, or preface) begun and never finished is a request head
+    on its way: closed after header_timeout_ms, as an HTTP/1.1 head is and as nginx's
+    client_header_timeout does. It was held for keepalive_timeout_ms (a slowloris on
+    HTTP/2). An idle connection with nothing begun still gets keepalive_timeout_ms."""
+    proxy = _proxy_with(demo_upstream, tmp_path,
+                        "keepalive_timeout_ms = 60000\nheader_timeout_ms = 1000")
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            if part == "preface":
+                c.send(PREFACE[:10])
+            else:
+                c.handshake()
+                # Both SETTINGS acknowledged first: the client sends nothing after the part.
+                acked = c.frames_until(lambda f: isinstance(f, SettingsFrame)
+                                       and "ACK" in f.flags)
+                assert acked, "no SETTINGS ACK"
+                block = c.encode([(":method", "GET"), (":scheme", "http"),
+                                  (":path", "/echo"), (":authority", "test")])
+                if part == "frame_header":  # the header of a HEADERS frame, no payload
+                    c.send(raw_frame(HEADERS, END_STREAM | END_HEADERS, 1, block)[:9])
+                else:  # HEADERS without END_HEADERS: CONTINUATION to come
+                    c.send(raw_frame(HEADERS, END_STREAM, 1, block))
+            deadline = time.monotonic() + 15
+            while not c.eof and time.monotonic() < deadline:
+                c.recv(deadline - time.monotonic(), auto_ack=False)
+            assert c.eof
+        assert "sent part of a frame and not the rest" in proxy.log()
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            assert not c.closed_after(3)  # idle, not begun: keep-alive applies
     finally:
         proxy.stop()
 

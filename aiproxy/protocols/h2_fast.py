@@ -49,6 +49,7 @@ END_HEADERS = 0x4
 # Frames h2 parses and dispatches in one receive_data call (_FrameBuffer): between
 # passes the caller settles its budgets, so a flood is cut within a pass of its limit.
 FRAMES_PER_PASS = 64
+PREFACE_LENGTH = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # hyperframe builds, for every frame it parses, the set of its class's flag names: made
 # once per frame class here instead (same set, read-only; other callers unchanged).
@@ -524,6 +525,12 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
         self.taken = 0
         self.more = False
         super().add_data(data)
+
+    def partial(self) -> bool:
+        """Whether part of a frame, of a header block (CONTINUATION to come) or of the
+        client preface has arrived and the rest not yet."""
+        return bool(self._data or self._headers_buffer
+                    or 0 < self._preamble_len < PREFACE_LENGTH)
 
     def __next__(self) -> Any:
         data = self._data

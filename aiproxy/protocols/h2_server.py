@@ -153,6 +153,7 @@ class H2ServerConnection(asyncio.Protocol):
         # Handle, which has no when().
         self.timer_at = INFINITY
         self.idle_since = 0.0
+        self.partial_since = 0.0     # since when part of a frame waits for the rest
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
         self.requests = 0            # streams opened, for [http] h2_max_requests ...
         self.last_request = 0        # ... and the id of the last
@@ -223,6 +224,11 @@ class H2ServerConnection(asyncio.Protocol):
             except h2.exceptions.ProtocolError as exc:
                 self._connection_error(exc)
                 return
+        if conn.incoming_buffer.partial():
+            if not self.partial_since:
+                self.partial_since = self.loop.time()
+        else:
+            self.partial_since = 0.0
         self._flush()
         if not self.streams and self._spent():
             self._end_spent()  # its last request was malformed
@@ -666,10 +672,17 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         if not self.streams:
             # Keep-alive off, a connection is idle only before its request: that wait is
-            # header_timeout_ms, as for HTTP/1.1.
+            # header_timeout_ms, as for HTTP/1.1. So is the wait for the rest of a frame
+            # (or preface) begun: a request head on its way, as nginx's
+            # client_header_timeout for an incomplete frame.
             idle_ms = http.keepalive_timeout_ms or http.header_timeout_ms
             idle = self.idle_since + idle_ms / 1000 - now
+            if self.partial_since:
+                idle = min(idle, self.partial_since + http.header_timeout_ms / 1000 - now)
             if idle <= 0:
+                if self.partial_since:
+                    log.info("client %s sent part of a frame and not the rest within "
+                             "header_timeout_ms: closed", self.peer.decode())
                 self._goaway(ErrorCodes.NO_ERROR, close=True)
                 return
             left = min(left, idle)
