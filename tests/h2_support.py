@@ -279,7 +279,7 @@ class FrameClient:
 @dataclass
 class H2Response:
     headers: list[tuple[bytes, bytes]] | None = None
-    body: bytes = b""
+    body: bytearray = field(default_factory=bytearray)  # grown in place: MiBs in 16 KiB frames
     trailers: list[tuple[bytes, bytes]] | None = None
     reset: int | None = None
     goaway: GoAwayFrame | None = None
