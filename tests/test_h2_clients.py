@@ -141,6 +141,14 @@ match = { host = "fresh.test" }
 cluster = "fresh"
 
 [[routes]]
+name = "trailers"
+match = { host = "trailers.test" }
+cluster = "fresh"
+model = "m-1"
+request_headers_add = { "x-tenant" = "acme" }
+request_headers_remove = ["x-internal"]
+
+[[routes]]
 name = "hostile"
 match = { host = "hostile.test" }
 cluster = "hostile"
@@ -1030,10 +1038,35 @@ def test_request_trailers_h2_client_to_h2_upstream(proxy: ProxyProc, tmp_path: P
     assert doc["trailers"] == [["x-checksum", "abc123"], ["x-count", "3"]]
 
 
-def test_request_trailers_h2_client_to_h1_upstream_chunked(proxy: ProxyProc,
-                                                          upgrader: UpgradeUpstream) -> None:
+def test_request_trailers_never_carry_what_the_proxy_states(proxy: ProxyProc) -> None:
+    """A client's trailer fields cannot state what the proxy states or removes on the
+    request (identity, forwarding, tracing, lineage, credentials, deadline, the route's
+    fields): an upstream that merged trailers into the header section would believe
+    them. A field of the client's own goes on."""
+    forged = [("x-checksum", "abc"), ("x-aiproxy-identity", "subject=admin"),
+              ("x_aiproxy_identity", "subject=admin"), ("traceparent", "00-" + "1" * 32
+              + "-" + "2" * 16 + "-01"), ("tracestate", "a=b"), ("x-trace-id", "t"),
+              ("x-forwarded-for", "1.2.3.4"), ("x_forwarded_for", "1.2.3.4"),
+              ("x-forwarded-host", "evil.test"), ("forwarded", "for=1.2.3.4"),
+              ("via", "1.1 evil"), ("x-model-id", "forged"), ("x-api-key", "k"),
+              ("api-key", "k"), ("grpc-timeout", "1S"), ("proxy-x", "1"),
+              ("x-tenant", "forged"), ("x-internal", "1"), ("content-type", "text/x")]
+    with FrameClient(proxy.ports["h2c"]) as c:
+        c.handshake()
+        c.send(c.request(1, "/echo", "POST", authority="trailers.test", end_stream=False),
+               DataFrame(1, data=b"abc"), c.headers(1, forged, True))
+        resp = c.response(1)
+    assert resp.status == 200, resp
+    doc = json.loads(bytes(resp.body))
+    assert doc["trailers"] == [["x-checksum", "abc"]], doc["trailers"]
+
+
+def test_request_trailers_h2_client_to_h1_upstream_chunked_are_dropped(
+        proxy: ProxyProc, upgrader: UpgradeUpstream) -> None:
     """A body of unknown length goes to an HTTP/1.1 upstream chunked; the client's trailers
-    become its trailer section (content-length among them is dropped)."""
+    are dropped, as an HTTP/1.1 client's are (and as nginx and Envoy do): aiohttp, for one,
+    reads a trailer section into the next request's header section, on a pooled connection
+    another client's."""
     before = len(upgrader.heads)
     with FrameClient(proxy.ports["h2c"]) as c:
         c.handshake()
@@ -1045,7 +1078,7 @@ def test_request_trailers_h2_client_to_h1_upstream_chunked(proxy: ProxyProc,
     raw = upgrader.heads[before]
     head, _, body = raw.partition(b"\r\n\r\n")
     assert b"transfer-encoding: chunked" in head.lower()
-    assert body == b"6\r\nhello \r\n5\r\nworld\r\n0\r\nx-digest: sha-256=abc\r\n\r\n"
+    assert body == b"6\r\nhello \r\n5\r\nworld\r\n0\r\n\r\n"
 
 
 def test_request_without_trailers_h1_upstream_chunked_ends_plainly(

@@ -47,6 +47,7 @@ from aiproxy.pipeline.filters import (
 from aiproxy.pipeline.filters import ResponseHead as OwnResponseHead
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.pipeline.redirect import location
+from aiproxy.protocols.fields import trailer_fields
 from aiproxy.protocols.replies import error_body, grpc_status_for, grpc_status_value
 from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
@@ -925,9 +926,23 @@ class Exchange(ExchangeBase):
                            grpc_timeout_value(self.deadline_at - monotonic())))
         return fields
 
-    def request_trailers(self) -> list[tuple[bytes, bytes]] | None:
-        """The trailer fields that ended the client's request body (HTTP/2), if any."""
-        return getattr(self.down, "request_trailers", None)
+    def request_trailers(self) -> list[tuple[bytes, bytes]]:
+        """The trailer fields that ended the client's request body (HTTP/2) that an
+        HTTP/2 upstream gets: trailer_fields' and none the proxy sets or removes on this
+        request (the route's, the identity's, the API key field)."""
+        fields = getattr(self.down, "request_trailers", None)
+        if not fields:
+            return []
+        route = self.route
+        owned = set(route.req_remove)
+        owned.update([n for n, _ in route.req_add])
+        if self.up_headers:
+            owned.update([n for n, _ in self.up_headers])
+        auth = self.rt.config.auth
+        if auth is not None:
+            owned.add(auth.api_key_header)
+        return trailer_fields(fields, frozenset(owned))
+
 
     def _xff(self) -> bytes:
         peer = self.down.peer

@@ -37,18 +37,29 @@ CREDENTIAL_FIELDS = frozenset((*REQUEST_CREDENTIALS, b"proxy-authorization", b"s
 
 
 # RFC 9110 6.5.1: besides hop fields, what a trailer section must not carry (framing,
-# routing): dropped when request trailers are forwarded.
-_NOT_IN_TRAILERS = _HOP | {b"content-length", b"host", b"content-type", b"content-encoding",
-                           b"content-range", b"authorization", b"cookie"}
+# routing, credentials), and the fields the proxy states for the client (forwarding,
+# tracing, lineage, deadline): a client's request trailers never carry them upstream,
+# where an upstream that merges trailers into the header section would believe them.
+_NOT_IN_TRAILERS = _HOP | set(REQUEST_CREDENTIALS) | {
+    b"content-length", b"host", b"content-type", b"content-encoding", b"content-range",
+    b"forwarded", b"via", b"traceparent", b"tracestate", b"x-trace-id", b"x-model-id",
+    b"grpc-timeout"}
 
 
-def trailer_fields(fields: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes, bytes]]:
-    """The trailer fields (received over HTTP/2: validated, lower-case) to forward."""
+def trailer_fields(fields: list[tuple[bytes, bytes]] | None,
+                   owned: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """The trailer fields (received over HTTP/2: validated, lower-case) to forward; none
+    named in `owned` (the fields the proxy itself sets or removes on this request)."""
     if not fields:
         return []
-    return [(n, v) for n, v in fields
-            if n not in _NOT_IN_TRAILERS and n[:1] != b":" and n[:6] != b"proxy-"
-            and valid_field_line(n, v)]
+    return [(n, v) for n, v in fields if _trailer_allowed(n, owned) and valid_field_line(n, v)]
+
+
+def _trailer_allowed(name: bytes, owned: frozenset[bytes]) -> bool:
+    dashed = name.replace(b"_", b"-")  # as CGI/WSGI-style servers read it (see _ALIASED)
+    return not (dashed in _NOT_IN_TRAILERS or name in owned or dashed in owned
+                or name[:1] == b":" or dashed[:6] == b"proxy-"
+                or dashed[:10] == b"x-aiproxy-" or dashed[:12] == b"x-forwarded-")
 
 
 class MalformedHead(Exception):

@@ -33,7 +33,6 @@ from aiproxy.pipeline.ends import (
     BODY_UNTIL_CLOSE,
     Upstream,
 )
-from aiproxy.protocols.fields import trailer_fields
 
 if TYPE_CHECKING:
     from aiproxy.routing.pool import Pool
@@ -112,13 +111,11 @@ class H1UpstreamCore(Upstream):
 
     def end_body(self) -> None:
         if self.chunked:
-            # An HTTP/2 client's request trailers go in the chunked trailer section.
-            trailers = trailer_fields(self.exchange.request_trailers())
-            if trailers:
-                self.tx.write(b"0\r\n" + b"".join(
-                    [n + b": " + v + b"\r\n" for n, v in trailers]) + b"\r\n")
-            else:
-                self.tx.write(b"0\r\n\r\n")
+            # An HTTP/2 client's request trailers are dropped, as an HTTP/1.1 client's
+            # are (and as nginx and Envoy do): some servers (aiohttp) read a trailer
+            # section into the next request's header section, which on a pooled
+            # connection is another client's.
+            self.tx.write(b"0\r\n\r\n")
 
     def tunnel_write(self, data: bytes) -> None:
         if self.transport is not None:

@@ -33,7 +33,7 @@ from h2.errors import ErrorCodes
 
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upstream
 from aiproxy.protocols import h2_fast
-from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
+from aiproxy.protocols.fields import H2ResponseHead, MalformedHead
 from aiproxy.protocols.h2_budgets import (
     IDLE_PER_REQUEST,
     SMALL_DATA_UPSTREAM,
@@ -441,7 +441,7 @@ class H2UpstreamStream(StreamOutput, Upstream):
         if self.done or self.ended_local:
             return
         # An HTTP/2 client's request trailers (gRPC client streaming may send some).
-        self.queue_end(trailer_fields(self.exchange.request_trailers()) or None)
+        self.queue_end(self.exchange.request_trailers() or None)
 
     def pause(self) -> None:
         self.paused = True
