@@ -56,3 +56,67 @@ cluster = "up"
         assert r.json()["error"]["code"] == "upstream_bad_response"
         assert client.get(proxy.url + "/echo").status_code == 200
     assert garbler.connections == (3 if method == "GET" else 2)
+
+
+async def ends_in_headers(proto, sid: int, path: str, head: dict, body: bytes) -> None:
+    """Responses that end with their HEADERS frame (END_STREAM), or with trailers and no
+    DATA: /empty/N (status N, no content-length), /short-head (content-length 5, ended),
+    /short-trailers (content-length 5, then trailers). Else as default_handler."""
+    conn = proto.conn
+    if path.startswith("/empty/"):
+        conn.send_headers(sid, [(b":status", path[7:10].encode()),
+                                (b"content-type", b"text/plain")], end_stream=True)
+    elif path == "/grpc-trailers-only":
+        conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc"),
+                                (b"grpc-status", b"14")], end_stream=True)
+    elif path == "/short-head":
+        conn.send_headers(sid, [(b":status", b"200"), (b"content-length", b"5")],
+                          end_stream=True)
+    elif path == "/short-trailers":
+        conn.send_headers(sid, [(b":status", b"200"), (b"content-length", b"5")])
+        conn.send_headers(sid, [(b"x-checksum", b"abc")], end_stream=True)
+    else:
+        await default_handler(proto, sid, path, head, body)
+        return
+    proto.flush()
+
+
+@pytest.fixture
+def header_ender() -> Iterator[H2Upstream]:
+    up = H2Upstream(ends_in_headers, name="header-ender")
+    yield up
+    up.stop()
+
+
+def test_a_response_ended_in_its_headers_is_an_empty_body(
+        start_proxy: Callable[..., Proxy], header_ender: H2Upstream) -> None:
+    """RFC 9113 8.1: END_STREAM on the HEADERS is a response with no content. An HTTP/1.1
+    client got no framing for it (no Content-Length, no chunked, the connection kept):
+    a body read to the connection's close, which never came."""
+    proxy = start_proxy(f"""
+[[clusters]]
+name = "up"
+protocol = "h2"
+endpoints = ["127.0.0.1:{header_ender.port}"]
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "up"
+""")
+    with httpx.Client(timeout=5) as client:
+        for path, status in (("/empty/200", 200), ("/empty/404", 404),
+                             ("/grpc-trailers-only", 200)):
+            r = client.get(proxy.url + path)
+            assert r.status_code == status and r.content == b"", (path, r)
+            assert r.headers["content-length"] == "0", (path, r.headers)
+        # The same connection goes on.
+        assert client.get(proxy.url + "/echo").status_code == 200
+        # content-length 5 and no DATA: malformed (RFC 9113 8.1.1), a 502, and not five
+        # bytes of whatever comes next on the client's connection.
+        for path in ("/short-head", "/short-trailers"):
+            r = client.get(proxy.url + path)
+            assert r.status_code == 502, (path, r, r.content)
+            assert r.json()["error"]["code"] == "upstream_bad_response"
+            assert "content-length" in r.json()["error"]["message"]
+        assert client.get(proxy.url + "/echo").status_code == 200

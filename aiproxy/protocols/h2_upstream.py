@@ -395,7 +395,7 @@ class H2UpstreamStream(StreamOutput, Upstream):
 
     __slots__ = ("conn", "sid", "exchange", "down", "paused", "window", "credit", "clean",
                  "share", "grown", "received", "trailers", "done", "ended_local",
-                 *OUTPUT_SLOTS)
+                 "body_left", *OUTPUT_SLOTS)
 
     def __init__(self, conn: H2UpstreamConnection) -> None:
         self.conn = conn
@@ -412,6 +412,7 @@ class H2UpstreamStream(StreamOutput, Upstream):
         self.trailers: list | None = None
         self.done = False
         self.ended_local = False
+        self.body_left = -1          # content-length bytes still to come; -1: no length
         self._init_output()
 
     # -- driven by the exchange ----------------------------------------------------------
@@ -523,6 +524,15 @@ class H2UpstreamStream(StreamOutput, Upstream):
             ex.on_upstream_failed(502, "upstream_bad_response", str(exc))
             return
         no_content = resp.status in (204, 304) or ex.method == b"HEAD"
+        if ended and not no_content:
+            if resp.content_length > 0:
+                self._malformed(ex, "the response ended before its content-length")
+                return
+            # An empty body: one that says so (an HTTP/1.1 client's connection would
+            # otherwise read on to its close).
+            resp.content_length = 0
+        elif not no_content:
+            self.body_left = resp.content_length
         if ended or no_content:
             mode = BODY_NONE
         elif resp.content_length >= 0:
@@ -548,11 +558,19 @@ class H2UpstreamStream(StreamOutput, Upstream):
 
     def on_data(self, data: bytes) -> None:
         self.received = True
+        if self.body_left > 0:
+            self.body_left -= len(data)  # more than that: h2 resets the stream
         if self.exchange is not None and data:
             self.exchange.on_upstream_body(data)
 
     def on_end(self) -> None:
         ex = self.exchange
+        if self.body_left > 0 and ex is not None:
+            # h2 checks the sum at a DATA frame with END_STREAM, not when trailers end
+            # the stream (RFC 9113 8.1.1: malformed).
+            self._malformed(ex, f"the response ended {self.body_left} bytes short of its "
+                            "content-length")
+            return
         self.exchange = None
         self.done = True
         conn = self.conn
@@ -617,6 +635,10 @@ class H2UpstreamStream(StreamOutput, Upstream):
             self.exchange.on_upstream_resume_writing()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _malformed(self, ex: Any, why: str) -> None:
+        self._reset(ErrorCodes.PROTOCOL_ERROR)
+        ex.on_upstream_failed(502, "upstream_bad_response", f"malformed response from upstream: {why}")
 
     def _reset(self, code: int) -> None:
         conn = self.conn
