@@ -3,6 +3,7 @@ logged), broken files, dry-run, time-limited grants, `aiproxy policy explain`.""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -197,7 +198,8 @@ def test_a_file_replaced_while_a_worker_starts_is_picked_up(tmp_path, monkeypatc
         return loaded
 
     monkeypatch.setattr(policy_mod, "load_policy_files", load_then_replace)
-    state = policy_mod.PolicyState((str(pf),), dry_run=False, poll_ms=50)
+    state = policy_mod.PolicyState((str(pf),), dry_run=False, poll_ms=50,
+                                   inspect_bytes=1024 * 1024)
     assert [r.id for r in state.policy.rules][-1] == "rbac"
     state.watch.checked = float("-inf")  # the next poll is due
     assert [r.id for r in state.current().rules][-1] == "late"
@@ -739,3 +741,145 @@ claims = { scope = "ai:chat" }
     with pytest.raises(ConfigError) as err:
         load_policy_files([str(pf)])
     assert str(err.value).startswith(f"{pf}:4: rules[0].claims.scope: "), str(err.value)
+
+
+# -- what the rules read of a body: all of it, or a bound on the rest -------------------------
+
+
+def _chat_body(model_json: str, pad: int, tail: str = "") -> bytes:
+    """A chat body: `model_json` members first, `pad` bytes of prompt, `tail` members last."""
+    return (f'{{{model_json}"messages": [{{"role": "user", "content": "{"x" * pad}"}}]'
+            f'{tail}}}').encode()
+
+
+def test_the_model_is_read_from_the_whole_body_not_its_start(policy_proxy):
+    """alice may use gpt-4o* only. A body longer than the 64 KiB once read whose start
+    names gpt-4o (nested, or as the first of two `model` keys: an upstream's JSON parser
+    keeps the last), or names no model at all, was judged on that start and allowed."""
+    pad = 80_000
+    bodies = {
+        "nested model first": _chat_body('"metadata": {"model": "gpt-4o"}, "model": "tiny-1", ',
+                                         pad),
+        "model after the prompt": _chat_body("", pad, ', "model": "tiny-1"'),
+        "second model key": _chat_body('"model": "gpt-4o", ', pad, ', "model": "tiny-1"'),
+    }
+    with httpx.Client(timeout=10) as c:
+        for what, body in bodies.items():
+            r = c.post(f"{policy_proxy.url}/echo", content=body,
+                       headers={"x-api-key": KEYS["alice"][0],
+                                "content-type": "application/json"})
+            assert r.status_code == 403, (what, r.status_code, r.text[:200])
+            assert r.headers["x-aiproxy-policy-rule"] == "default", what
+        ok = c.post(f"{policy_proxy.url}/echo", content=_chat_body('"model": "gpt-4o", ', pad),
+                    headers={"x-api-key": KEYS["alice"][0], "content-type": "application/json"})
+        assert ok.status_code == 200, ok.text[:200]
+
+
+def test_a_body_past_inspect_bytes_is_refused_where_its_model_matters(start_proxy, demo_upstream,
+                                                                      tmp_path):
+    """Past [policy] inspect_bytes the model could only be guessed: 413 where a rule that
+    reads it holds in all else (alice's rbac rule), not where none does (a route no model
+    rule is about)."""
+    pf = tmp_path / "policy.toml"
+    pf.write_text("""
+default = "allow"
+[roles]
+analyst = ["route:all", "model:gpt-4o*"]
+[[rules]]
+id = "models"
+effect = "deny"
+models = ["secret*"]
+subjects = ["alice"]
+""")
+    proxy = start_proxy(_config(demo_upstream, pf, "inspect_bytes = 4096"))
+    body = _chat_body('"model": "gpt-4o", ', 10_000, ', "model": "secret-1"')
+
+    def post_in_two(who: str) -> bytes:
+        """The body in two writes: the policy runs on the first 6,000 bytes."""
+        head = (f"POST /echo HTTP/1.1\r\nHost: x\r\nx-api-key: {KEYS[who][0]}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            s.sendall(head + body[:6000])
+            time.sleep(0.3)
+            try:
+                s.sendall(body[6000:])
+            except OSError:
+                pass  # refused already, and closed
+            out = b""
+            while data := s.recv(65536):
+                out += data
+        return out
+
+    out = post_in_two("alice")
+    assert out.startswith(b"HTTP/1.1 413 "), out[:300]
+    assert b'"policy_body_too_large"' in out and b"4096" in out, out
+    # bob: no rule about models holds for him, so the model does not matter.
+    out = post_in_two("bob")
+    assert out.startswith(b"HTTP/1.1 200 "), out[:300]
+    with httpx.Client(timeout=10) as c:
+        # Within the limit the whole body is read: the last model key is the one judged.
+        small = _chat_body('"model": "gpt-4o", ', 1000, ', "model": "secret-1"')
+        r = c.post(f"{proxy.url}/echo", content=small,
+                   headers={"x-api-key": KEYS["alice"][0], "content-type": "application/json"})
+        assert r.status_code == 403 and r.headers["x-aiproxy-policy-rule"] == "models"
+
+
+SIZE_POLICY = """
+default = "allow"
+[[rules]]
+id = "too-big"
+effect = "deny"
+body_over = 100000
+"""
+
+
+def test_body_over_holds_for_a_chunked_body(start_proxy, demo_upstream, tmp_path):
+    """A body of unknown length was judged by the bytes held when the policy ran (none, on
+    a policy without model rules): a chunked 2 MB body passed body_over = 100000."""
+    pf = tmp_path / "policy.toml"
+    pf.write_text(SIZE_POLICY)
+    proxy = start_proxy(_config(demo_upstream, pf))
+
+    def chunks(n: int):
+        for _ in range(n // 10_000):
+            yield b"y" * 10_000
+
+    with httpx.Client(timeout=10) as c:
+        r = c.post(f"{proxy.url}/echo", content=chunks(2_000_000),
+                   headers={"x-api-key": KEYS["alice"][0]})
+        assert r.status_code == 403, r.text[:300]
+        assert r.headers["x-aiproxy-policy-rule"] == "too-big"
+        r = c.post(f"{proxy.url}/echo", content=chunks(50_000),
+                   headers={"x-api-key": KEYS["alice"][0]})
+        assert r.status_code == 200, r.text[:300]
+
+
+def test_body_over_past_inspect_bytes_is_held_as_the_body_streams(start_proxy, demo_upstream,
+                                                                  tmp_path):
+    """Past inspect_bytes the request goes upstream, allowed on its start; the body is
+    then held to the deny rule's bound: once past it, 413 naming the rule."""
+    pf = tmp_path / "policy.toml"
+    pf.write_text(SIZE_POLICY.replace("100000", "5000"))
+    proxy = start_proxy(_config(demo_upstream, pf, "inspect_bytes = 4096"))
+    head = (f"POST /echo HTTP/1.1\r\nHost: x\r\nx-api-key: {KEYS['alice'][0]}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+        s.sendall(head + b"%x\r\n" % 4500 + b"y" * 4500 + b"\r\n")
+        time.sleep(0.3)  # allowed on these 4,500 bytes, and sent upstream
+        s.sendall(b"%x\r\n" % 1000 + b"y" * 1000 + b"\r\n0\r\n\r\n")
+        out = b""
+        while b"\r\n\r\n" not in out or not out.endswith(b"}"):
+            data = s.recv(65536)
+            if not data:
+                break
+            out += data
+    assert out.startswith(b"HTTP/1.1 413 "), out[:300]
+    assert b"policy rule too-big" in out, out
+    # Within the bound the same way in passes.
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+        s.sendall(head + b"%x\r\n" % 4500 + b"y" * 4500 + b"\r\n")
+        time.sleep(0.3)
+        s.sendall(b"%x\r\n" % 400 + b"y" * 400 + b"\r\n0\r\n\r\n")
+        out = s.recv(65536)
+    assert out.startswith(b"HTTP/1.1 200 "), out[:300]

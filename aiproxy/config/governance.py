@@ -71,6 +71,7 @@ class PolicyConfig:
     files: tuple[str, ...]
     dry_run: bool = False
     poll_ms: int = 100
+    inspect_bytes: int = 1024 * 1024
 
 
 AUDIT_FSYNC = ("always", "interval", "never")
@@ -361,7 +362,7 @@ def _jwt(checker: _Checker, table: dict, path: KeyPath) -> JwtConfig | None:
 
 
 def _policy(checker: _Checker, data: dict) -> PolicyConfig | None:
-    table = checker.section(data, "policy", ("files", "dry_run", "poll_ms"))
+    table = checker.section(data, "policy", ("files", "dry_run", "poll_ms", "inspect_bytes"))
     if table is None:
         return None
     path: KeyPath = ("policy",)
@@ -382,7 +383,9 @@ def _policy(checker: _Checker, data: dict) -> PolicyConfig | None:
             checker.problems.extend(exc.problems)
     dry_run = checker.get(table, path, "dry_run", "boolean")
     return PolicyConfig(files=tuple(files), dry_run=bool(dry_run),
-                        poll_ms=_int(checker, table, path, "poll_ms", 100, 10, 10_000))
+                        poll_ms=_int(checker, table, path, "poll_ms", 100, 10, 10_000),
+                        inspect_bytes=_int(checker, table, path, "inspect_bytes", 1024 * 1024,
+                                           1024, 64 * 1024 * 1024))
 
 
 def _audit(checker: _Checker, data: dict) -> AuditConfig | None:

@@ -103,6 +103,7 @@ class Policy:
     default: str = "deny"
     uses_model: bool = False
     uses_intent: bool = False  # a rule reads the intent or its domain
+    uses_body: bool = False  # a rule has body_over or body_max
 
 
 @dataclass(slots=True)
@@ -131,6 +132,7 @@ class Request:
     domain: str | None = None
     source: str | None = None
     body_bytes: int = 0
+    body_known: bool = True  # else body_bytes is what has come of a longer body so far
     now: float = 0.0
 
 
@@ -275,7 +277,9 @@ def _policy(rules: list[Rule], roles: Any, default: Any) -> Policy:
     return Policy(tuple(rules), roles, default,
                   uses_model=any("models" in r.globs or r.rbac for r in rules),
                   uses_intent=any("intents" in r.globs or "domains" in r.globs or r.rbac
-                                  for r in rules))
+                                  for r in rules),
+                  uses_body=any(r.body_over is not None or r.body_max is not None
+                                for r in rules))
 
 
 def _rule(raw: dict, path: KeyPath, error: Any, source: str) -> Rule | None:
@@ -456,8 +460,11 @@ def permissions(policy: Policy, req: Request) -> list[str]:
     return perms
 
 
-def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
-    """None when the rule's conditions all hold, else the first one that does not."""
+def why_not(policy: Policy, rule: Rule, req: Request, model: bool = True,
+            body: bool = True) -> str | None:
+    """None when the rule's conditions all hold, else the first one that does not.
+    With model (body) False, what the rule asks of the model (the body's size) is taken
+    to hold."""
     now = req.now
     if rule.expires is not None and now >= rule.expires:
         return "expired"
@@ -468,6 +475,8 @@ def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
               "routes": req.route, "models": req.model, "intents": req.intent,
               "domains": req.domain}
     for key, patterns in g.items():
+        if key == "models" and not model:
+            continue
         if key == "roles":
             if not any(_any_glob(patterns, r) for r in req.roles):
                 return "roles"
@@ -491,9 +500,9 @@ def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
             return "source_cidrs"
         if not any(addr in net for net in rule.cidrs if net.version == addr.version):
             return "source_cidrs"
-    if rule.body_over is not None and not req.body_bytes > rule.body_over:
+    if body and rule.body_over is not None and not req.body_bytes > rule.body_over:
         return "body_over"
-    if rule.body_max is not None and req.body_bytes > rule.body_max:
+    if body and rule.body_max is not None and req.body_bytes > rule.body_max:
         return "body_max"
     if rule.days is not None or rule.minutes is not None:
         t = datetime.fromtimestamp(now, UTC)
@@ -509,6 +518,8 @@ def why_not(policy: Policy, rule: Rule, req: Request) -> str | None:
         perms = permissions(policy, req)
         for kind, value in (("route", req.route), ("model", req.model),
                             ("intent", req.intent), ("domain", req.domain)):
+            if kind == "model" and not model:
+                continue
             if not _permitted(perms, kind, value):
                 return f"rbac.{kind}"
     return None
@@ -575,22 +586,25 @@ def needed_scope(policy: Policy, req: Request, decision: Decision) -> str | None
 # -- the filter --------------------------------------------------------------------------------
 
 
-def model_of(ex: Exchange) -> str | None:
+def model_of(ex: Exchange, whole: bool = True) -> str | None:
+    """The LLM filter's model, else the JSON body's `model`, else the route's. Not read
+    from part of a body (`whole` false): a later "model" key is the one an upstream's
+    JSON parser keeps, so the start of a body is no evidence of it."""
     llm = ex.llm
-    model = getattr(llm, "model", None) if llm is not None else None
+    model = (getattr(llm, "model", None)
+             if llm is not None and not llm.request_truncated else None)
     if model:
         return model
     body = ex.request_body()
-    if body:
-        if ex.req_done:
-            try:
-                doc = wirejson.loads(body)
-                if isinstance(doc, dict) and isinstance(doc.get("model"), str):
-                    return doc["model"]
-                return None
-            except ValueError:
-                pass
-        m = MODEL_IN_BODY.search(body)
+    if body and whole:
+        try:
+            doc = wirejson.loads(body)
+            if isinstance(doc, dict) and isinstance(doc.get("model"), str):
+                return doc["model"]
+            return None
+        except ValueError:
+            pass
+        m = MODEL_IN_BODY.search(body)  # not JSON: what it seems to name
         if m is not None:
             try:
                 return json.loads(b'"' + m.group(1) + b'"')
@@ -600,11 +614,14 @@ def model_of(ex: Exchange) -> str | None:
     return route_model.decode("latin-1") if route_model else None
 
 
-def request_of(ex: Exchange, uses_model: bool, uses_intent: bool = False) -> Request:
+def request_of(ex: Exchange, uses_model: bool, uses_intent: bool = False,
+               whole: bool = True) -> Request:
+    """What the rules look at; `whole`: the body read (ex.request_body()) is all of it."""
     ident = ex.identity
     head = ex.head
     length = head.content_length
-    body_bytes = length if length is not None and length >= 0 else ex.pending_size
+    known = length is not None and length >= 0
+    body_bytes = length if known else ex.pending_size
     intent, domain = ex.intent, ex.intent_domain
     sem = ex.rt.semantic
     if uses_intent and sem is not None and (intent is None
@@ -619,9 +636,32 @@ def request_of(ex: Exchange, uses_model: bool, uses_intent: bool = False) -> Req
         claims=ident.claims if ident is not None else {},
         method=ex.method.decode("latin-1").upper(), path=ex.path.decode("latin-1"),
         route=ex.route.name if ex.route is not None else None,
-        model=model_of(ex) if uses_model else None,
-        intent=intent, domain=domain,
-        source=ex.down.peer.decode("latin-1"), body_bytes=body_bytes, now=_time.time())
+        model=model_of(ex, whole) if uses_model else None,
+        intent=intent, domain=domain, source=ex.down.peer.decode("latin-1"),
+        body_bytes=body_bytes, body_known=known or whole, now=_time.time())
+
+
+def model_matters(policy: Policy, req: Request) -> bool:
+    """Whether a rule that reads the model holds in all else for `req`."""
+    return any(("models" in r.globs or r.rbac) and why_not(policy, r, req, model=False) is None
+               for r in policy.rules)
+
+
+def body_cap(policy: Policy, req: Request, decision: Decision) -> tuple[int, str] | None:
+    """For a request allowed on the start of a body of unknown length: the size past
+    which a deny rule's body_over would hold, or the allowing rule's body_max would not
+    (the least of them, with that rule's id)."""
+    cap = None
+    for r in policy.rules:
+        if r.effect == "deny" and r.body_over is not None:
+            limit = r.body_over
+        elif r.id == decision.rule and r.effect == "allow" and r.body_max is not None:
+            limit = r.body_max
+        else:
+            continue
+        if (cap is None or limit < cap[0]) and why_not(policy, r, req, body=False) is None:
+            cap = (limit, r.id)
+    return cap
 
 
 def _model_intent(ex: Exchange, sem: Any) -> tuple[str | None, str | None]:
@@ -641,9 +681,11 @@ class PolicyState:
     """The current policy; re-read when its files change (kept across config reloads
     while the file list is the same)."""
 
-    def __init__(self, files: tuple[str, ...], dry_run: bool, poll_ms: int) -> None:
+    def __init__(self, files: tuple[str, ...], dry_run: bool, poll_ms: int,
+                 inspect_bytes: int) -> None:
         self.files = files
         self.dry_run = dry_run
+        self.inspect_bytes = inspect_bytes
         # Stamp before reading: a file replaced while it is read then looks changed at
         # the next poll. The other order keeps the old rules under the new stamp.
         self.watch = FileWatch(files, poll_ms / 1000)
@@ -701,11 +743,24 @@ class PolicyFilter(Filter):
     def request(self, ex: Exchange) -> LocalReply | None:
         state = self.state
         policy = state.current()
-        req = request_of(ex, policy.uses_model, policy.uses_intent)
+        body = ex.request_body()
+        whole = ex.req_done or 0 <= ex.head.content_length <= len(body)
+        req = request_of(ex, policy.uses_model, policy.uses_intent, whole)
+        if (not whole and policy.uses_model and not ex.grpc and not state.dry_run
+                and model_matters(policy, req)):
+            # Read past the limit, the model would be a guess the client controls.
+            return LocalReply(413, "policy_body_too_large", "the policy reads the model "
+                              f"from at most {state.inspect_bytes} bytes of a request body "
+                              "([policy] inspect_bytes)")
         decision = decide(policy, req)
         if decision.allowed:
             ex.gov["policy"] = ("allow", decision.rule)
             state.count("allow", decision.rule)
+            if not req.body_known and policy.uses_body and not state.dry_run:
+                cap = body_cap(policy, req, decision)
+                if cap is not None:
+                    ex.cap_body(cap[0], f"request body larger than policy rule {cap[1]} "
+                                "allows")
             return None
         subject = ex.identity.subject if ex.identity is not None else "-"
         if state.dry_run:
@@ -741,10 +796,16 @@ class PolicyFactory(FilterFactory):
 
     def __init__(self, state: PolicyState, classifies: bool) -> None:
         self.state = state
+        self.classifies = classifies
+
+    @property
+    def inspect_bytes(self) -> int:  # type: ignore[override]
+        """Read per request: the policy files may change what their rules read."""
+        policy = self.state.policy
+        if policy.uses_model or policy.uses_body:
+            return self.state.inspect_bytes
         # Intent rules read the body only through a [semantic] model (request_of).
-        policy = state.policy
-        self.inspect_bytes = (INSPECT_BYTES if policy.uses_model
-                              or (policy.uses_intent and classifies) else 0)
+        return INSPECT_BYTES if policy.uses_intent and self.classifies else 0
 
     def start(self, ex: Exchange) -> Filter:
         return PolicyFilter(self.state)
@@ -756,10 +817,11 @@ def make_state(config: Config, previous: Any) -> Any:
         return None
     if (isinstance(previous, PolicyState) and previous.files == cfg.files):
         previous.dry_run = cfg.dry_run
+        previous.inspect_bytes = cfg.inspect_bytes
         previous.watch.interval = cfg.poll_ms / 1000
         previous.current()
         return previous
-    return PolicyState(cfg.files, cfg.dry_run, cfg.poll_ms)
+    return PolicyState(cfg.files, cfg.dry_run, cfg.poll_ms, cfg.inspect_bytes)
 
 
 def build(config: Config, route: RouteConfig, state: PolicyState) -> FilterFactory:

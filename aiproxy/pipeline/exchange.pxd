@@ -36,6 +36,8 @@ cdef class Exchange(ExchangeBase):
     cdef public int req_mode
     cdef public long long req_remaining, req_bytes, pending_size, replay_size, resp_bytes
     cdef public long long inspect_limit, body_len
+    cdef public long long body_cap  # a filter's bound on a body of unknown length; 0: none
+    cdef public object body_cap_why
     cdef public object decoder, pending, replay, tried, reused
     cdef public bint pending_end
     cdef public object path, up_target

@@ -444,6 +444,14 @@ class Exchange(ExchangeBase):
         gone upstream yet). Complete when self.req_done."""
         return b"".join(self.pending or ())
 
+    def cap_body(self, limit: int, why: str) -> None:
+        """Refuse the body (413, `why`) once more than `limit` bytes of it have come: for
+        a filter that judged a body of unknown length (chunked, or HTTP/2 without
+        content-length) by its start."""
+        if not self.body_cap or limit < self.body_cap:
+            self.body_cap = limit
+            self.body_cap_why = why
+
     def set_upstream_header(self, name: bytes, value: bytes | None) -> None:
         """Add a field (lower-case name) to the upstream request, replacing the
         client's fields of that name (value None: just remove them)."""
@@ -543,7 +551,7 @@ class Exchange(ExchangeBase):
                 return self.local_reply(500, f"filter {factory.name} failed", "filter_error")
             if f is not None:
                 started.append(f)
-                if self.route.filter_inspect and factory.inspect_bytes > need:
+                if factory.inspect_bytes > need:
                     need = factory.inspect_bytes
         self.filters = tuple(started)
         if need and self.reading_body:
@@ -943,7 +951,6 @@ class Exchange(ExchangeBase):
             owned.add(auth.api_key_header)
         return trailer_fields(fields, frozenset(owned))
 
-
     def _xff(self) -> bytes:
         peer = self.down.peer
         if self.head.has_xff:
@@ -981,6 +988,10 @@ class Exchange(ExchangeBase):
                          or decoder.remaining > max_body - self.req_bytes):
             self._request_body_error(413, "request body larger than max_body_bytes")
             return len(data)
+        if self.body_cap and (self.req_bytes > self.body_cap
+                              or decoder.remaining > self.body_cap - self.req_bytes):
+            self._request_body_error(413, self.body_cap_why)
+            return len(data)
         if pieces:
             self._forward(pieces)
         if decoder.done:
@@ -995,6 +1006,9 @@ class Exchange(ExchangeBase):
         max_body = self.rt.max_body
         if max_body and self.req_bytes > max_body:
             self._request_body_error(413, "request body larger than max_body_bytes")
+            return
+        if self.body_cap and self.req_bytes > self.body_cap:
+            self._request_body_error(413, self.body_cap_why)
             return
         if data:
             self._forward((data,))

@@ -8,7 +8,7 @@ cdef class Route:
     cdef public object path_regex, grpc_service, grpc_method, intent, intent_domain
     cdef public object timeout, retries, req_add, req_remove, resp_add, resp_remove
     cdef public object prefix_rewrite, model, req_add_lines, resp_add_lines
-    cdef public object filter_inspect, cluster, direct, redirect
+    cdef public object cluster, direct, redirect
     # Tested for truth per request: typed, that is a size check in C.
     cdef public tuple cum_weights, filters
     cdef public frozenset retry_statuses

@@ -81,7 +81,7 @@ class Route:
                  "has_rest", "timeout", "retries", "req_add", "req_remove", "resp_add",
                  "resp_remove", "prefix_rewrite", "model", "has_policy", "retry_statuses",
                  "req_add_lines", "resp_add_lines", "resp_edit", "retry_unavailable",
-                 "filters", "filter_inspect", "direct", "redirect")
+                 "filters", "direct", "redirect")
 
     def __init__(self, cfg: RouteConfig, clusters: Cluster | Mapping[str, Cluster],
                  index: int = 0) -> None:
@@ -143,7 +143,6 @@ class Route:
         self.has_policy = bool(self.req_add or self.req_remove or self.prefix_rewrite)
         # The filter chain (aiproxy/pipeline/filters.py), set by the Runtime.
         self.filters: tuple = ()
-        self.filter_inspect = 0
         self.retry_statuses = frozenset(
             int(c) for c in (cfg.retries.on if cfg.retries else ()) if c.isdigit())
         self.retry_unavailable = bool(cfg.retries and "unavailable" in cfg.retries.on)

@@ -45,7 +45,6 @@ class Runtime:
                 only = ANSWERED if route.cluster is None and not route.clusters else None
                 route.filters = route_filters(BUILDERS, config, route.cfg, self.filter_states,
                                               only)
-                route.filter_inspect = max((f.inspect_bytes for f in route.filters), default=0)
         self.unrouted_filters = (route_filters(BUILDERS, config, None, self.filter_states,
                                                UNROUTED) if self.filter_states else ())
         # The prompt cache's embedding side (aiproxy/cache/prompt.py), asked before the
