@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import Proxy
 from tests.h2_support import H2Upstream, default_handler
+from tests.support import raw_exchange
 
 
 async def garbage_on_demand(proto, sid: int, path: str, head: dict, body: bytes) -> None:
@@ -69,6 +70,11 @@ async def ends_in_headers(proto, sid: int, path: str, head: dict, body: bytes) -
     elif path == "/grpc-trailers-only":
         conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc"),
                                 (b"grpc-status", b"14")], end_stream=True)
+    elif path == "/framing-trailers":
+        conn.send_headers(sid, [(b":status", b"200")])
+        conn.send_data(sid, b"abc")
+        conn.send_headers(sid, [(b"x-checksum", b"abc"), (b"content-length", b"99"),
+                                (b"content-type", b"text/html")], end_stream=True)
     elif path == "/short-head":
         conn.send_headers(sid, [(b":status", b"200"), (b"content-length", b"5")],
                           end_stream=True)
@@ -120,3 +126,25 @@ cluster = "up"
             assert r.json()["error"]["code"] == "upstream_bad_response"
             assert "content-length" in r.json()["error"]["message"]
         assert client.get(proxy.url + "/echo").status_code == 200
+
+
+def test_response_trailers_carry_no_framing_fields(start_proxy: Callable[..., Proxy],
+                                                   header_ender: H2Upstream) -> None:
+    """RFC 9110 6.5.1: a trailer section carries no framing or content-format fields; an
+    HTTP/2 upstream's content-length trailer was passed on."""
+    proxy = start_proxy(f"""
+[[clusters]]
+name = "up"
+protocol = "h2"
+endpoints = ["127.0.0.1:{header_ender.port}"]
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "up"
+""")
+    out = raw_exchange(proxy.port, b"GET /framing-trailers HTTP/1.1\r\nHost: x\r\n"
+                       b"TE: trailers\r\nConnection: close\r\n\r\n")
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), out
+    assert body == b"3\r\nabc\r\n0\r\nx-checksum: abc\r\n\r\n", body
