@@ -1091,7 +1091,7 @@ cdef _finish_framing(Head h, FieldState *st, bint is_request):
         if st.te_chunked_count > 1:
             raise ParseError(400, "chunked applied more than once")
         if not st.te_last_chunked:
-            raise ParseError(400, "chunked is not the final transfer coding")
+            raise ParseError(400, "the final transfer coding is not chunked")
         if st.te_other:
             raise ParseError(501, "unsupported transfer coding")
         h.chunked = 1
