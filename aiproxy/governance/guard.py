@@ -9,9 +9,11 @@ decoded if sent base64 or quoted-printable; other files are skipped; a body of m
 than MAX_FORM_PARTS parts is refused, 413 too_many_parts); otherwise the
 UnifiedRequest text the semantic layer extracts (gRPC strings, form values, plain text,
 ...). A body longer than inspect_bytes is refused (413 guard_body_too_large); of a gRPC
-call the first message is read. Keywords match the text as a reader sees it:
-compatibility-normalized (NFKC: fullwidth letters are letters), without invisible
-(default-ignorable) characters, with each run of whitespace one space.
+call the first message is read. The body is read in each way an upstream may decode
+it (readings: as sent, as its charset says, JSON in UTF-16 or UTF-32); a charset the
+guard cannot decode is refused (415 unsupported_charset). Keywords match the text as a
+reader sees it: compatibility-normalized (NFKC: fullwidth letters are letters), without
+invisible (default-ignorable) characters, with each run of whitespace one space.
 A `block` rule answers 403 with its id; a `flag` rule lets the request through with
 x-aiproxy-guard-flags on the upstream request and the response, and in the audit record.
 
@@ -53,7 +55,6 @@ from aiproxy.semantic.unified import (
     grpc_strings,
     is_json_type,
     media_type,
-    part_text,
     protobuf_strings,
 )
 
@@ -80,6 +81,9 @@ _IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1
 _INVISIBLE = dict.fromkeys(cp for lo, hi in _IGNORABLE for cp in range(lo, hi + 1))
 _SPACES = re.compile(r"\s+")
 _LEADING_WS = re.compile(rb"[ \t\r\n]*")
+_LEADING_SPACE = re.compile(r"[ \t\r\n]*")
+# Each charset parameter of a Content-Type (readers differ on which of two counts).
+_CHARSET = re.compile(rb';[ \t]*charset[ \t]*=[ \t]*"?([^";, \t]*)', re.IGNORECASE)
 # Each string of a (valid) JSON text; group 1 is set for a key.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"([ \t\r\n]*:)?')
 
@@ -137,17 +141,44 @@ def _strings_in(doc: Any) -> tuple[list[str], int]:
 
 def multipart_text(content_type: bytes, body: bytes) -> tuple[str, bool]:
     """The text of a multipart/form-data body's text parts (no Content-Type, text/* or
-    JSON: every string), one per line; file parts of other types are skipped. And
-    whether parts were left unread (more than MAX_FORM_PARTS: see form_parts)."""
+    JSON: every string), one per line, in each reading of a part; file parts of other
+    types are skipped. And whether parts were left unread (more than MAX_FORM_PARTS:
+    see form_parts). UnknownCharset: see readings."""
     out = []
     found, cut = form_parts(content_type, body)
     for media, data, charset in found:
-        if is_json_type(media):
-            text = json_text(data)
-            out.append(text if text is not None else part_text(data, charset))
-        elif media.startswith("text/"):
-            out.append(part_text(data, charset))
+        if not (is_json_type(media) or media.startswith("text/")):
+            continue
+        for reading in readings(media, [charset] if charset else [], data):
+            text = json_text(reading) if is_json_type(media) else None
+            out.append(text if text is not None else reading.decode("utf-8", "replace"))
     return "\n".join(out), cut
+
+
+class UnknownCharset(ValueError):
+    """A charset parameter that names no text encoding the guard can decode."""
+
+
+def readings(media: str, charsets: list[str], body: bytes) -> list[bytes]:
+    """The body as each upstream may decode it, in UTF-8 but for the bytes as sent
+    (first): as each charset parameter of a text or JSON type says (aiohttp's text()
+    and json() honour it; most JSON readers do not), and a JSON text in UTF-16 or
+    UTF-32 or after a BOM, which RFC 8259 8.1 lets a reader take (Python's json.loads
+    does: json.detect_encoding). The guard reads all of them: any one could be what the
+    model is given. UnknownCharset for a charset it cannot decode: not passed unread."""
+    out = [body]
+    if media.startswith("text/") or is_json_type(media):
+        for name in charsets:
+            try:
+                out.append(body.decode(name, "replace").encode("utf-8", "replace"))
+            except (LookupError, UnicodeError):  # unknown; not a text codec; idna, ...
+                raise UnknownCharset(name) from None
+    encoding = json.detect_encoding(body)
+    if encoding != "utf-8":
+        text = body.decode(encoding, "replace")
+        if text[_LEADING_SPACE.match(text).end():][:1] in ("{", "["):
+            out.append(text.encode("utf-8", "replace"))
+    return list(dict.fromkeys(out))
 
 
 def loose_json_text(body: bytes) -> str:
@@ -178,13 +209,28 @@ def pairs_text(data: bytes) -> str:
 
 def body_text(content_type: bytes, body: bytes, json_fields: tuple[str, ...],
               size: int | None, inspect_bytes: int | None = None) -> tuple[str, str | None]:
-    """Every piece of the body an upstream may read as text, one per line, and why parts
-    were left unread (None: all read): a multipart body of more than MAX_FORM_PARTS
-    parts, or compressed gRPC messages that decode past inspect_bytes in all."""
+    """Every piece of the body an upstream may read as text, one per line, in each way
+    it may decode the body (readings), and why parts were left unread (None: all read):
+    a multipart body of more than MAX_FORM_PARTS parts, or compressed gRPC messages
+    that decode past inspect_bytes in all. UnknownCharset: see readings."""
+    media = media_type(content_type)
+    charsets = [c.decode("latin-1") for c in _CHARSET.findall(content_type)]
+    texts = []
+    for data in readings(media, charsets, body):
+        text, unread = _reading_text(content_type, media, data, json_fields, size,
+                                     inspect_bytes)
+        if unread is not None:
+            return text, unread
+        texts.append(text)
+    return "\n".join(filter(None, texts)), None
+
+
+def _reading_text(content_type: bytes, media: str, body: bytes, json_fields: tuple[str, ...],
+                  size: int | None, inspect_bytes: int | None) -> tuple[str, str | None]:
+    """body_text of one reading of the body (UTF-8, or bytes as sent)."""
     text = json_text(body)
     if text is not None:
         return text, None
-    media = media_type(content_type)
     if media == "multipart/form-data":
         text, cut = multipart_text(content_type, body)
         return text, (f"a multipart body the guard reads may have at most {MAX_FORM_PARTS} "
@@ -287,8 +333,12 @@ class GuardFilter(Filter):
                               f"{self.inspect_bytes} bytes of a request body "
                               "([guard] inspect_bytes)")
         size = head.content_length if head.content_length >= 0 else None
-        text, unread = body_text(head.get(b"content-type") or b"", body, self.json_fields,
-                                 size, self.inspect_bytes)
+        try:
+            text, unread = body_text(head.get(b"content-type") or b"", body,
+                                     self.json_fields, size, self.inspect_bytes)
+        except UnknownCharset as exc:
+            return LocalReply(415, "unsupported_charset", "the prompt guard cannot decode "
+                              f"charset {str(exc)[:64]!r}")
         if unread is not None:
             # What it did not read could hold a prompt: refused, as a body in a
             # Content-Encoding is, not passed unread.
