@@ -4,9 +4,10 @@ Prompt guard (`[[guard.rules]]`): keywords (case-insensitive substrings, all rul
 one Aho-Corasick automaton) and regexes over the request's text: for a JSON body
 (whatever its content type) every string in it (all messages and roles, system
 prompts, instructions, tool definitions and call arguments: whatever the model may
-read; each value of a duplicate name); for a multipart/form-data body its text parts (fields, text/* and JSON files,
-decoded if sent base64 or quoted-printable; other files are skipped; a body of more
-than MAX_FORM_PARTS parts is refused, 413 too_many_parts); otherwise the
+read, object keys too; each value of a duplicate name); for a multipart/form-data body
+its text parts (fields, text/* and JSON files, decoded if sent base64 or
+quoted-printable; other files are skipped; a body of more than MAX_FORM_PARTS parts is
+refused, 413 too_many_parts); otherwise the
 UnifiedRequest text the semantic layer extracts (gRPC strings, form values, plain text,
 ...). A body longer than inspect_bytes is refused (413 guard_body_too_large); of a gRPC
 call the first message is read. The body is read in each way an upstream may decode
@@ -89,9 +90,9 @@ _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"([ \t\r\n]*:)?')
 
 
 def json_text(body: bytes) -> str | None:
-    """Every string value of a JSON body, one per line (None: not JSON). Keys are left
-    out; a body cut at the inspection limit is not JSON and is read as text instead.
-    Every value of a duplicate key is read: parsers differ on which one they keep."""
+    """Every string of a JSON body, keys and values, one per line (None: not JSON); a
+    body cut at the inspection limit is not JSON and is read as text instead. Every
+    value of a duplicate key is read: parsers differ on which one they keep."""
     start = _LEADING_WS.match(body).end()
     if body[start:start + 1] not in (b"{", b"["):
         return None
@@ -117,13 +118,14 @@ def json_text(body: bytes) -> str | None:
 
 def json_text_pairs(body: bytes) -> str:
     """json_text of a (valid) body read with every (key, value) pair kept."""
-    doc = json.loads(body, object_pairs_hook=lambda pairs: [v for _, v in pairs])
+    doc = json.loads(body, object_pairs_hook=lambda pairs: [x for pair in pairs for x in pair])
     return "\n".join(_strings_in(doc)[0])
 
 
 def _strings_in(doc: Any) -> tuple[list[str], int]:
-    """Every string value of a parsed JSON document in document order, and how many
-    object members it has (keys are not read)."""
+    """Every string of a parsed JSON document, keys and values, in document order, and
+    how many object members it has. Keys are read: a model reads them too (a tool's
+    parameter names, a response_format schema's property names)."""
     out: list[str] = []
     keys = 0
     stack = [doc]
@@ -133,7 +135,7 @@ def _strings_in(doc: Any) -> tuple[list[str], int]:
             out.append(value)
         elif isinstance(value, dict):
             keys += len(value)
-            stack.extend(reversed(list(value.values())))
+            stack.extend(reversed([x for pair in value.items() for x in pair]))
         elif isinstance(value, list):
             stack.extend(reversed(value))
     return out, keys
@@ -184,11 +186,12 @@ def readings(media: str, charsets: list[str], body: bytes) -> list[bytes]:
 def loose_json_text(body: bytes) -> str:
     """A document that looks like JSON but no strict parser takes (a trailing comma, a
     comment, single quotes: what lenient parsers read): the body as text, and each of
-    its double-quoted strings decoded (escapes would hide a keyword in the raw text)."""
+    its double-quoted strings, keys too, decoded (escapes would hide a keyword in the
+    raw text)."""
     out = [body.decode("utf-8", "replace")]
     for m in _STRING.finditer(body):
-        literal = m.group(0)
-        if m.group(1) is None and b"\\" in literal:
+        literal = m.group(0).rstrip(b" \t\r\n:")  # a key's without its colon
+        if b"\\" in literal:
             try:
                 out.append(json.loads(literal))
             except ValueError:
