@@ -58,6 +58,7 @@ from aiproxy.semantic.unified import (
     media_type,
     protobuf_strings,
 )
+from aiproxy.wirejson import valid_text
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
@@ -85,6 +86,9 @@ _LEADING_WS = re.compile(rb"[ \t\r\n]*")
 _LEADING_SPACE = re.compile(r"[ \t\r\n]*")
 # Each charset parameter of a Content-Type (readers differ on which of two counts).
 _CHARSET = re.compile(rb';[ \t]*charset[ \t]*=[ \t]*"?([^";, \t]*)', re.IGNORECASE)
+# An escape in a JSON string: \uXXXX, JSON5's \xXX, or a character.
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|x([0-9a-fA-F]{2})|(.))", re.DOTALL)
+_ESCAPED = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "0": "\0"}
 # Each string of a (valid) JSON text; group 1 is set for a key.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"([ \t\r\n]*:)?')
 
@@ -187,16 +191,20 @@ def loose_json_text(body: bytes) -> str:
     """A document that looks like JSON but no strict parser takes (a trailing comma, a
     comment, single quotes: what lenient parsers read): the body as text, and each of
     its double-quoted strings, keys too, decoded (escapes would hide a keyword in the
-    raw text)."""
+    raw text): bytes that are not UTF-8 replaced, not the string skipped, and an escape
+    JSON does not have read as lenient parsers read it (JSON5's \\x41; \\q is q)."""
     out = [body.decode("utf-8", "replace")]
     for m in _STRING.finditer(body):
         literal = m.group(0).rstrip(b" \t\r\n:")  # a key's without its colon
         if b"\\" in literal:
-            try:
-                out.append(json.loads(literal))
-            except ValueError:
-                pass
+            text = _ESCAPE.sub(_unescaped, literal[1:-1].decode("utf-8", "replace"))
+            out.append(valid_text(text))  # surrogate pairs joined, lone ones U+FFFD
     return "\n".join(out)
+
+
+def _unescaped(m: re.Match[str]) -> str:
+    code = m.group(1) or m.group(2)
+    return chr(int(code, 16)) if code else _ESCAPED.get(m.group(3), m.group(3))
 
 
 def pairs_text(data: bytes) -> str:
