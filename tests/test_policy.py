@@ -739,3 +739,23 @@ claims = { scope = "ai:chat" }
     with pytest.raises(ConfigError) as err:
         load_policy_files([str(pf)])
     assert str(err.value).startswith(f"{pf}:4: rules[0].claims.scope: "), str(err.value)
+
+
+def test_only_a_file_that_sets_the_default_changes_it(start_proxy, demo_upstream, tmp_path):
+    """Of several files the last default set counts. A file was taken to set it when the
+    word "default" was anywhere in it (a comment, a rule id): a second file that only
+    added a deny rule reset the first file's `default = "allow"` to deny."""
+    base = tmp_path / "base.toml"
+    base.write_text('default = "allow"\n')
+    extra = tmp_path / "extra.toml"
+    extra.write_text('# the default stays as base.toml sets it\n'
+                     '[[rules]]\nid = "no-default-delete"\neffect = "deny"\n'
+                     'methods = ["DELETE"]\n')
+    proxy = start_proxy(simple_config(demo_upstream)
+                        + f'\n[policy]\nfiles = ["{base}", "{extra}"]\n')
+    with httpx.Client(timeout=10) as c:
+        assert c.post(f"{proxy.url}/echo", json={"model": "m"}).status_code == 200
+        _assert_403(c.delete(f"{proxy.url}/echo"), "no-default-delete")
+    assert load_policy_files([str(base), str(extra)]).default == "allow"
+    extra.write_text('default = "deny"\n')
+    assert load_policy_files([str(base), str(extra)]).default == "deny"
