@@ -198,6 +198,22 @@ def test_routes_queries_and_codings_never_share_entries(start_proxy, upstream):
     assert len(upstream.calls) == 6
 
 
+def test_paths_of_one_endpoint_never_share_entries(start_proxy, upstream):
+    """The key held the endpoint's kind, not the path: /v1/chat/completions/ (which an
+    upstream may answer otherwise, with a 404 or a redirect) was answered from the entry
+    of /v1/chat/completions. The path the upstream is sent takes part now."""
+    proxy = _proxy(start_proxy, upstream.port)
+    url = f"{proxy.url}/v1/chat/completions"
+    with httpx.Client() as c:
+        plain = _ask(c, url)
+        slash = _ask(c, url + "/")
+        assert (plain[0], slash[0]) == ("miss", "miss") and plain[1] != slash[1]
+        assert _ask(c, url + "/") == ("hit", slash[1])
+        assert _ask(c, url) == ("hit", plain[1])
+    assert [call["target"] for call in upstream.calls] == ["/v1/chat/completions",
+                                                            "/v1/chat/completions/"]
+
+
 def test_every_field_that_changes_the_answer_takes_part(start_proxy, upstream):
     proxy = _proxy(start_proxy, upstream.port)
     url = f"{proxy.url}/v1/chat/completions"

@@ -883,3 +883,23 @@ def test_body_over_past_inspect_bytes_is_held_as_the_body_streams(start_proxy, d
         s.sendall(b"%x\r\n" % 400 + b"y" * 400 + b"\r\n0\r\n\r\n")
         out = s.recv(65536)
     assert out.startswith(b"HTTP/1.1 200 "), out[:300]
+
+
+def test_only_a_file_that_sets_the_default_changes_it(start_proxy, demo_upstream, tmp_path):
+    """Of several files the last default set counts. A file was taken to set it when the
+    word "default" was anywhere in it (a comment, a rule id): a second file that only
+    added a deny rule reset the first file's `default = "allow"` to deny."""
+    base = tmp_path / "base.toml"
+    base.write_text('default = "allow"\n')
+    extra = tmp_path / "extra.toml"
+    extra.write_text('# the default stays as base.toml sets it\n'
+                     '[[rules]]\nid = "no-default-delete"\neffect = "deny"\n'
+                     'methods = ["DELETE"]\n')
+    proxy = start_proxy(simple_config(demo_upstream)
+                        + f'\n[policy]\nfiles = ["{base}", "{extra}"]\n')
+    with httpx.Client(timeout=10) as c:
+        assert c.post(f"{proxy.url}/echo", json={"model": "m"}).status_code == 200
+        _assert_403(c.delete(f"{proxy.url}/echo"), "no-default-delete")
+    assert load_policy_files([str(base), str(extra)]).default == "allow"
+    extra.write_text('default = "deny"\n')
+    assert load_policy_files([str(base), str(extra)]).default == "deny"

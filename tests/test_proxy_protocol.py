@@ -60,6 +60,38 @@ def test_parse_whole_headers(data, expected):
     assert parse_header(data) == expected
 
 
+@pytest.mark.parametrize("data, expected", [
+    (b"PROXY TCP6 ::ffff:10.66.1.2 ::1 5555 80\r\n", (41, "10.66.1.2")),
+    (b"PROXY TCP6 ::FFFF:0a42:0102 ::1 5555 80\r\n", (41, "10.66.1.2")),
+    (v2(1, 0x21, inet6("::ffff:10.66.1.2", "::1", 1, 2)), (52, "10.66.1.2")),
+    (b"PROXY TCP6 2001:DB8:0::1 ::1 1 2\r\n", (34, "2001:db8::1")),
+])
+def test_parse_names_one_client_by_one_address(data, expected):
+    """An IPv4 client named by its IPv4-mapped IPv6 address (a dual-stack balancer's
+    TCP6 header) is named by its IPv4 address, as in a TCP4 header; an IPv6 address in
+    its canonical spelling."""
+    assert parse_header(data) == expected
+
+
+def test_an_ipv4_mapped_client_meets_the_ipv4_rules(start_proxy, demo_upstream, tmp_path):
+    """`PROXY TCP6 ::ffff:10.66.1.2 ...` slipped past a source_cidrs rule on
+    10.66.0.0/16 that `PROXY TCP4 10.66.1.2 ...` met, and its X-Forwarded-For named
+    another client than the TCP4 header's."""
+    pf = tmp_path / "policy.toml"
+    pf.write_text('default = "allow"\n[[rules]]\nid = "no-lab-net"\neffect = "deny"\n'
+                  'source_cidrs = ["10.66.0.0/16"]\n')
+    proxy = start_proxy(simple_config(demo_upstream) + f'\n[policy]\nfiles = ["{pf}"]\n',
+                        listener_extra="proxy_protocol = true")
+    for header in (b"PROXY TCP4 10.66.1.2 127.0.0.1 5555 80\r\n",
+                   b"PROXY TCP6 ::ffff:10.66.1.2 ::1 5555 80\r\n",
+                   v2(1, 0x21, inet6("::ffff:10.66.1.2", "::1", 5555, 80))):
+        r = get_after(proxy.port, header)
+        assert r.startswith(b"HTTP/1.1 403 "), (header, r[:300])
+        assert b"no-lab-net" in r, r
+    r = get_after(proxy.port, b"PROXY TCP6 ::ffff:10.67.1.2 ::1 5555 80\r\n")
+    assert r.startswith(b"HTTP/1.1 200 ") and echo_xff(r) == "10.67.1.2", r[:300]
+
+
 @pytest.mark.parametrize("data", [
     b"P", b"PROXY", b"PROXY TCP4 192.0.2.1", SIG[:5], SIG, SIG + b"\x21\x11\x00",
     v2(1, 0x11, inet("192.0.2.9", "10.0.0.1", 1, 2))[:27],

@@ -6,9 +6,8 @@ fields that do not change the answer dropped (`user`, `metadata`): model, messag
 prompt / input and every sampling parameter (temperature, top_p, seed, stop, tools,
 max_tokens, stream, ...) take part, so two requests share a key only when an upstream
 would see the same question asked the same way. A prompt entry's key adds what else
-decides the answer (prompt.variant_of: route, cluster, query, Accept-Encoding, the API
-version, beta and Origin fields) and whose
-entry it is.
+decides the answer (prompt.variant_of: route, cluster, path and query, Accept-Encoding,
+the API version, beta and Origin fields) and whose entry it is.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ def context_hash(kind: str, body: dict[str, Any]) -> str:
 
 def prompt_key(h: str, variant: str, scope: str | None) -> str:
     """`pc:<hash>:<variant hash>`: the body's hash, then what else decides the answer
-    (the variant: route, cluster, query, Accept-Encoding) and, when entries are per
-    identity, whose entry it is."""
+    (the variant: route, cluster, path and query, Accept-Encoding) and, when entries are
+    per identity, whose entry it is."""
     tail = variant if scope is None else f"{variant}\x1e{scope}"
     digest = hashlib.blake2b(tail.encode("utf-8", "surrogatepass"), digest_size=16)
     return f"pc:{h}:{digest.hexdigest()}"

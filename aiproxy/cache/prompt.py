@@ -214,15 +214,15 @@ def scope_of(ex: Exchange, tenant: str) -> str:
 def variant_of(ex: Exchange, route_part: str) -> str:
     """What besides the body and the caller decides the answer: the route (route_part:
     its name and what it changes in the upstream request), the cluster it chose (a
-    split's side), the query (Azure's api-version), the codings the client accepts
-    (an entry stored gzip-coded is for a client that takes gzip) and VARIANT_FIELDS."""
-    target = ex.up_target
-    q = target.find(b"?")
-    query = target[q + 1:] if q >= 0 else b""
+    split's side), the target the upstream is sent, path and query (Azure's
+    api-version) as sent: the request hash keys by the endpoint's kind, which two paths
+    may share (a trailing slash, another API version's prefix), the codings the
+    client accepts (an entry stored gzip-coded is for a client that takes gzip) and
+    VARIANT_FIELDS."""
     head = ex.head
     codings = b",".join(head.get_all(b"accept-encoding")).lower().replace(b" ", b"")
     versions = b"\x1e".join(b",".join(head.get_all(name)) for name in VARIANT_FIELDS)
-    return "\x1f".join((route_part, ex.cluster.name, query.decode("latin-1"),
+    return "\x1f".join((route_part, ex.cluster.name, ex.up_target.decode("latin-1"),
                         codings.decode("latin-1"), versions.decode("latin-1")))
 
 

@@ -4,14 +4,17 @@ Prompt guard (`[[guard.rules]]`): keywords (case-insensitive substrings, all rul
 one Aho-Corasick automaton) and regexes over the request's text: for a JSON body
 (whatever its content type) every string in it (all messages and roles, system
 prompts, instructions, tool definitions and call arguments: whatever the model may
-read; each value of a duplicate name); for a multipart/form-data body its text parts (fields, text/* and JSON files,
-decoded if sent base64 or quoted-printable; other files are skipped; a body of more
-than MAX_FORM_PARTS parts is refused, 413 too_many_parts); otherwise the
+read, object keys too; each value of a duplicate name); for a multipart/form-data body
+its text parts (fields, text/* and JSON files, decoded if sent base64 or
+quoted-printable; other files are skipped; a body of more than MAX_FORM_PARTS parts is
+refused, 413 too_many_parts); otherwise the
 UnifiedRequest text the semantic layer extracts (gRPC strings, form values, plain text,
 ...). A body longer than inspect_bytes is refused (413 guard_body_too_large); of a gRPC
-call the first message is read. Keywords match the text as a reader sees it:
-compatibility-normalized (NFKC: fullwidth letters are letters), without invisible
-(default-ignorable) characters, with each run of whitespace one space.
+call the first message is read. The body is read in each way an upstream may decode
+it (readings: as sent, as its charset says, JSON in UTF-16 or UTF-32); a charset the
+guard cannot decode is refused (415 unsupported_charset). Keywords match the text as a
+reader sees it: compatibility-normalized (NFKC: fullwidth letters are letters), without
+invisible (default-ignorable) characters, with each run of whitespace one space.
 A `block` rule answers 403 with its id; a `flag` rule lets the request through with
 x-aiproxy-guard-flags on the upstream request and the response, and in the audit record.
 
@@ -53,9 +56,9 @@ from aiproxy.semantic.unified import (
     grpc_strings,
     is_json_type,
     media_type,
-    part_text,
     protobuf_strings,
 )
+from aiproxy.wirejson import valid_text
 
 if TYPE_CHECKING:
     from aiproxy.config import Config, RouteConfig
@@ -80,14 +83,20 @@ _IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1
 _INVISIBLE = dict.fromkeys(cp for lo, hi in _IGNORABLE for cp in range(lo, hi + 1))
 _SPACES = re.compile(r"\s+")
 _LEADING_WS = re.compile(rb"[ \t\r\n]*")
+_LEADING_SPACE = re.compile(r"[ \t\r\n]*")
+# Each charset parameter of a Content-Type (readers differ on which of two counts).
+_CHARSET = re.compile(rb';[ \t]*charset[ \t]*=[ \t]*"?([^";, \t]*)', re.IGNORECASE)
+# An escape in a JSON string: \uXXXX, JSON5's \xXX, or a character.
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|x([0-9a-fA-F]{2})|(.))", re.DOTALL)
+_ESCAPED = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "0": "\0"}
 # Each string of a (valid) JSON text; group 1 is set for a key.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"([ \t\r\n]*:)?')
 
 
 def json_text(body: bytes) -> str | None:
-    """Every string value of a JSON body, one per line (None: not JSON). Keys are left
-    out; a body cut at the inspection limit is not JSON and is read as text instead.
-    Every value of a duplicate key is read: parsers differ on which one they keep."""
+    """Every string of a JSON body, keys and values, one per line (None: not JSON); a
+    body cut at the inspection limit is not JSON and is read as text instead. Every
+    value of a duplicate key is read: parsers differ on which one they keep."""
     start = _LEADING_WS.match(body).end()
     if body[start:start + 1] not in (b"{", b"["):
         return None
@@ -113,13 +122,14 @@ def json_text(body: bytes) -> str | None:
 
 def json_text_pairs(body: bytes) -> str:
     """json_text of a (valid) body read with every (key, value) pair kept."""
-    doc = json.loads(body, object_pairs_hook=lambda pairs: [v for _, v in pairs])
+    doc = json.loads(body, object_pairs_hook=lambda pairs: [x for pair in pairs for x in pair])
     return "\n".join(_strings_in(doc)[0])
 
 
 def _strings_in(doc: Any) -> tuple[list[str], int]:
-    """Every string value of a parsed JSON document in document order, and how many
-    object members it has (keys are not read)."""
+    """Every string of a parsed JSON document, keys and values, in document order, and
+    how many object members it has. Keys are read: a model reads them too (a tool's
+    parameter names, a response_format schema's property names)."""
     out: list[str] = []
     keys = 0
     stack = [doc]
@@ -129,7 +139,7 @@ def _strings_in(doc: Any) -> tuple[list[str], int]:
             out.append(value)
         elif isinstance(value, dict):
             keys += len(value)
-            stack.extend(reversed(list(value.values())))
+            stack.extend(reversed([x for pair in value.items() for x in pair]))
         elif isinstance(value, list):
             stack.extend(reversed(value))
     return out, keys
@@ -137,32 +147,64 @@ def _strings_in(doc: Any) -> tuple[list[str], int]:
 
 def multipart_text(content_type: bytes, body: bytes) -> tuple[str, bool]:
     """The text of a multipart/form-data body's text parts (no Content-Type, text/* or
-    JSON: every string), one per line; file parts of other types are skipped. And
-    whether parts were left unread (more than MAX_FORM_PARTS: see form_parts)."""
+    JSON: every string), one per line, in each reading of a part; file parts of other
+    types are skipped. And whether parts were left unread (more than MAX_FORM_PARTS:
+    see form_parts). UnknownCharset: see readings."""
     out = []
     found, cut = form_parts(content_type, body)
     for media, data, charset in found:
-        if is_json_type(media):
-            text = json_text(data)
-            out.append(text if text is not None else part_text(data, charset))
-        elif media.startswith("text/"):
-            out.append(part_text(data, charset))
+        if not (is_json_type(media) or media.startswith("text/")):
+            continue
+        for reading in readings(media, [charset] if charset else [], data):
+            text = json_text(reading) if is_json_type(media) else None
+            out.append(text if text is not None else reading.decode("utf-8", "replace"))
     return "\n".join(out), cut
+
+
+class UnknownCharset(ValueError):
+    """A charset parameter that names no text encoding the guard can decode."""
+
+
+def readings(media: str, charsets: list[str], body: bytes) -> list[bytes]:
+    """The body as each upstream may decode it, in UTF-8 but for the bytes as sent
+    (first): as each charset parameter of a text or JSON type says (aiohttp's text()
+    and json() honour it; most JSON readers do not), and a JSON text in UTF-16 or
+    UTF-32 or after a BOM, which RFC 8259 8.1 lets a reader take (Python's json.loads
+    does: json.detect_encoding). The guard reads all of them: any one could be what the
+    model is given. UnknownCharset for a charset it cannot decode: not passed unread."""
+    out = [body]
+    if media.startswith("text/") or is_json_type(media):
+        for name in charsets:
+            try:
+                out.append(body.decode(name, "replace").encode("utf-8", "replace"))
+            except (LookupError, UnicodeError):  # unknown; not a text codec; idna, ...
+                raise UnknownCharset(name) from None
+    encoding = json.detect_encoding(body)
+    if encoding != "utf-8":
+        text = body.decode(encoding, "replace")
+        if text[_LEADING_SPACE.match(text).end():][:1] in ("{", "["):
+            out.append(text.encode("utf-8", "replace"))
+    return list(dict.fromkeys(out))
 
 
 def loose_json_text(body: bytes) -> str:
     """A document that looks like JSON but no strict parser takes (a trailing comma, a
     comment, single quotes: what lenient parsers read): the body as text, and each of
-    its double-quoted strings decoded (escapes would hide a keyword in the raw text)."""
+    its double-quoted strings, keys too, decoded (escapes would hide a keyword in the
+    raw text): bytes that are not UTF-8 replaced, not the string skipped, and an escape
+    JSON does not have read as lenient parsers read it (JSON5's \\x41; \\q is q)."""
     out = [body.decode("utf-8", "replace")]
     for m in _STRING.finditer(body):
-        literal = m.group(0)
-        if m.group(1) is None and b"\\" in literal:
-            try:
-                out.append(json.loads(literal))
-            except ValueError:
-                pass
+        literal = m.group(0).rstrip(b" \t\r\n:")  # a key's without its colon
+        if b"\\" in literal:
+            text = _ESCAPE.sub(_unescaped, literal[1:-1].decode("utf-8", "replace"))
+            out.append(valid_text(text))  # surrogate pairs joined, lone ones U+FFFD
     return "\n".join(out)
+
+
+def _unescaped(m: re.Match[str]) -> str:
+    code = m.group(1) or m.group(2)
+    return chr(int(code, 16)) if code else _ESCAPED.get(m.group(3), m.group(3))
 
 
 def pairs_text(data: bytes) -> str:
@@ -178,13 +220,28 @@ def pairs_text(data: bytes) -> str:
 
 def body_text(content_type: bytes, body: bytes, json_fields: tuple[str, ...],
               size: int | None, inspect_bytes: int | None = None) -> tuple[str, str | None]:
-    """Every piece of the body an upstream may read as text, one per line, and why parts
-    were left unread (None: all read): a multipart body of more than MAX_FORM_PARTS
-    parts, or compressed gRPC messages that decode past inspect_bytes in all."""
+    """Every piece of the body an upstream may read as text, one per line, in each way
+    it may decode the body (readings), and why parts were left unread (None: all read):
+    a multipart body of more than MAX_FORM_PARTS parts, or compressed gRPC messages
+    that decode past inspect_bytes in all. UnknownCharset: see readings."""
+    media = media_type(content_type)
+    charsets = [c.decode("latin-1") for c in _CHARSET.findall(content_type)]
+    texts = []
+    for data in readings(media, charsets, body):
+        text, unread = _reading_text(content_type, media, data, json_fields, size,
+                                     inspect_bytes)
+        if unread is not None:
+            return text, unread
+        texts.append(text)
+    return "\n".join(filter(None, texts)), None
+
+
+def _reading_text(content_type: bytes, media: str, body: bytes, json_fields: tuple[str, ...],
+                  size: int | None, inspect_bytes: int | None) -> tuple[str, str | None]:
+    """body_text of one reading of the body (UTF-8, or bytes as sent)."""
     text = json_text(body)
     if text is not None:
         return text, None
-    media = media_type(content_type)
     if media == "multipart/form-data":
         text, cut = multipart_text(content_type, body)
         return text, (f"a multipart body the guard reads may have at most {MAX_FORM_PARTS} "
@@ -287,8 +344,12 @@ class GuardFilter(Filter):
                               f"{self.inspect_bytes} bytes of a request body "
                               "([guard] inspect_bytes)")
         size = head.content_length if head.content_length >= 0 else None
-        text, unread = body_text(head.get(b"content-type") or b"", body, self.json_fields,
-                                 size, self.inspect_bytes)
+        try:
+            text, unread = body_text(head.get(b"content-type") or b"", body,
+                                     self.json_fields, size, self.inspect_bytes)
+        except UnknownCharset as exc:
+            return LocalReply(415, "unsupported_charset", "the prompt guard cannot decode "
+                              f"charset {str(exc)[:64]!r}")
         if unread is not None:
             # What it did not read could hold a prompt: refused, as a body in a
             # Content-Encoding is, not passed unread.

@@ -380,7 +380,7 @@ def load_policy_files(paths: tuple[str, ...] | list[str]) -> Policy:
         rules += policy.rules
         for name, perms in policy.roles.items():
             roles[name] = roles.get(name, ()) + perms
-        if "default" in text:
+        if _sets_default(text):
             default = policy.default
     ids: dict[str, str] = {}
     for rule in rules:
@@ -392,6 +392,15 @@ def load_policy_files(paths: tuple[str, ...] | list[str]) -> Policy:
     if problems:
         raise ConfigError(problems)
     return _policy(rules, roles, default)
+
+
+def _sets_default(text: str) -> bool:
+    """Whether a policy file states its default (a comment or a rule id may say the
+    word without setting it)."""
+    try:
+        return "default" in tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False  # parse_policy has said why
 
 
 def kernel_deny_cidrs(policy: Policy) -> tuple[str, ...]:

@@ -61,9 +61,8 @@ def _parse_v1(data: bytes | bytearray) -> tuple[int, str | None] | None:
     if len(parts) != 5 or parts[0] not in (b"TCP4", b"TCP6"):
         raise ProxyHeaderError("v1 header is not PROXY TCP4|TCP6|UNKNOWN src dst sport dport")
     try:
-        src = parts[1].decode("ascii")
         family = ipaddress.IPv4Address if parts[0] == b"TCP4" else ipaddress.IPv6Address
-        family(src)
+        src = family(parts[1].decode("ascii"))
         family(parts[2].decode("ascii"))
     except (UnicodeDecodeError, ValueError):
         raise ProxyHeaderError("v1 header has an invalid address") from None
@@ -71,7 +70,7 @@ def _parse_v1(data: bytes | bytearray) -> tuple[int, str | None] | None:
         if not (port.isdigit() and len(port) <= 5 and int(port) <= 65535
                 and (port == b"0" or port[:1] != b"0")):
             raise ProxyHeaderError("v1 header has an invalid port")
-    return end + 2, src
+    return end + 2, client_address(src)
 
 
 def _parse_v2(data: bytes | bytearray) -> tuple[int, str | None] | None:
@@ -103,7 +102,15 @@ def _parse_v2(data: bytes | bytearray) -> tuple[int, str | None] | None:
     size = 4 if family == 1 else 16
     raw = bytes(data[16:16 + size])
     address = ipaddress.IPv4Address(raw) if family == 1 else ipaddress.IPv6Address(raw)
-    return 16 + length, str(address)
+    return 16 + length, client_address(address)
+
+
+def client_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """The client's address as text; an IPv4-mapped IPv6 one (::ffff:a.b.c.d, what a
+    dual-stack balancer names an IPv4 client by) as the IPv4 address it is, so IPv4
+    source_cidrs, rate-limit keys and logs see one client under one address."""
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped if mapped is not None else address)
 
 
 class ProxyHeaderReader(asyncio.Protocol):
