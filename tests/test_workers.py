@@ -303,6 +303,30 @@ def test_broken_reload_is_rejected_in_the_parent(workers_proxy, demo_upstream):
     assert found[("aiproxy_config_last_reload_success", ())] == 0
 
 
+def test_a_worker_ignores_sighup_only_the_supervisor_reloads(workers_proxy, demo_upstream):
+    """A SIGHUP to one worker (or to the process group: kill -HUP -PGID, systemctl kill)
+    had that worker re-read the file itself, past the supervisor's check: workers served
+    two configs. It is ignored in a worker; the supervisor's reload reaches them all."""
+    proxy, admin = workers_proxy(simple_config(demo_upstream))
+    wait_for(lambda: len(started(proxy.log())) == 2, what="two workers")
+    pids = [pid for _, pid in started(proxy.log())]
+    good = proxy.config_path.read_text()
+    proxy.config_path.write_text(good.replace(
+        'name = "all"\n', 'name = "all"\nresponse_headers_add = { "x-gen" = "2" }\n', 1))
+    assert 'x-gen' in proxy.config_path.read_text()
+    os.kill(pids[0], signal.SIGHUP)
+    time.sleep(1.0)
+    for _ in range(20):  # new connections spread over both workers
+        r = httpx.get(proxy.url + "/echo")
+        assert r.status_code == 200 and "x-gen" not in r.headers, r.headers
+    assert all(serving(proxy.log(), p) for p in pids)
+    assert "reload" not in proxy.log().split("is serving")[-1], proxy.log()
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "config reloaded" in proxy.log(), what="reload")
+    for _ in range(20):
+        assert httpx.get(proxy.url + "/echo").headers.get("x-gen") == "2"
+
+
 def test_sd_notify_only_from_the_parent(tmp_path: Path, demo_upstream):
     notify_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -344,6 +368,35 @@ def test_sd_notify_only_from_the_parent(tmp_path: Path, demo_upstream):
         order = [m.split("\n")[0] for m, _ in messages if not m.startswith("WATCHDOG")]
         assert order == ["READY=1", "RELOADING=1", "READY=1", "STOPPING=1"]
         assert {pid for _, pid in messages} == {proc.pid}
+    finally:
+        stop_process(proc)
+        sock.close()
+        os.unlink(notify_path)
+
+
+def test_sighup_before_the_workers_serve_is_ignored(tmp_path: Path, demo_upstream):
+    """README: until the proxy serves, SIGHUP is ignored. The supervisor took it as soon
+    as its loop ran: "config reloaded in 0 workers", and RELOADING=1 then READY=1 to
+    systemd before any worker served."""
+    notify_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    sock.settimeout(60)
+    port = free_port()
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(WORKERS + f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
+                   + simple_config(demo_upstream))
+    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(cfg)],
+                         env={"NOTIFY_SOCKET": str(notify_path)})
+    try:
+        log_path = Path(proc.log_path)  # type: ignore[attr-defined]
+        wait_for(lambda: started(log_path.read_text()), what="a worker spawned")
+        proc.send_signal(signal.SIGHUP)
+        data = sock.recv(4096).decode()
+        assert data.startswith("READY=1"), data
+        log = log_path.read_text()
+        assert "config reloaded" not in log and "is serving" in log, log
+        assert httpx.get(f"http://127.0.0.1:{port}/echo").status_code == 200
     finally:
         stop_process(proc)
         sock.close()

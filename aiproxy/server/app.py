@@ -449,14 +449,16 @@ def settle_gc() -> None:
     gc.set_threshold(GC_YOUNG, 10, 10)
 
 
-def stop_event(server: ProxyServer) -> asyncio.Event:
-    """Set on SIGTERM/SIGINT/SIGQUIT; SIGHUP reloads the config, SIGUSR1 reopens the
-    logs."""
+def stop_event(server: ProxyServer, reloads: bool = True) -> asyncio.Event:
+    """Set on SIGTERM/SIGINT/SIGQUIT; SIGHUP reloads the config (`reloads`: else it
+    stays ignored, as in a worker, whose config the supervisor validates and hands
+    out), SIGUSR1 reopens the logs."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
+    if reloads:
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
     loop.add_signal_handler(signal.SIGUSR1, server.reopen_logs)
     return stop
 

@@ -122,8 +122,6 @@ class Supervisor:
         stop = asyncio.Event()
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
-        loop.add_signal_handler(signal.SIGUSR1, self.signal_workers, signal.SIGUSR1)
         admin = self.config.admin
         if admin is not None:
             # aiohttp only when there is an admin listener: it is most of this process's
@@ -163,6 +161,10 @@ class Supervisor:
                     sd_notify.notify("WATCHDOG=1")
                     loop.call_later(watchdog, _ping)
                 _ping()
+            # Ignored until now (_run): a reload before every worker serves would reach
+            # none of them, and tell systemd READY=1 early.
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+            loop.add_signal_handler(signal.SIGUSR1, self.signal_workers, signal.SIGUSR1)
             log.info("aiproxy ready: %d workers (%d routes, %d clusters)", len(self.slots),
                      len(self.config.routes), len(self.config.clusters))
             sd_notify.notify("READY=1")

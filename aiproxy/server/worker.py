@@ -63,7 +63,9 @@ async def serve_worker(config: Config, sock: socket.socket, slot: int,
         return server
     settle_gc()
     backend = LocalBackend(server)
-    stop = stop_event(server)
+    # SIGHUP stays ignored (_run): a reload is the supervisor's, which checks the file
+    # once and hands every worker the same text. One to the process group reaches it.
+    stop = stop_event(server, reloads=False)
 
     async def reload(text: str) -> dict:
         ok, message = await server.reload(text)
