@@ -970,6 +970,7 @@ class _Checker:
         if table is None:
             return None
         path += ("direct_response",)
+        before = len(self.problems)
         self.check_keys(table, path, _DIRECT_KEYS)
         status = self.get(table, path, "status", "integer", required=True)
         if status is not None and not 200 <= status <= 599:
@@ -988,7 +989,7 @@ class _Checker:
                 self.error(path + ("content_type",), "must be a non-empty ASCII field value")
             elif not body:
                 self.error(path + ("content_type",), "only sent with a body")
-        if status is None:
+        if status is None or len(self.problems) > before:  # e.g. a non-ASCII content_type
             return None
         content_type = (ctype.encode("ascii") if ctype else b"text/plain; charset=utf-8"
                         ) if body else None
