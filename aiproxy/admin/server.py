@@ -274,8 +274,10 @@ class AdminServer:
         admin = self.backend.config.admin
         token = admin.token if admin is not None else None
         if token and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            # aiohttp keeps bytes that are not UTF-8 as lone surrogates: surrogatepass
+            # encodes any str, and never to the bytes of a (valid UTF-8) token.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
+            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
                 return web.json_response(
                     {"error": {"code": "unauthorized", "message": "bearer token required"}},
                     status=401, headers={"WWW-Authenticate": 'Bearer realm="aiproxy-admin"'})
