@@ -452,6 +452,10 @@ class _Checker:
             if tls is None and "h2" in protocols:
                 self.error(path + ("protocols",), "'h2' needs TLS: add tls = { cert, key }"
                            " (use 'h2c' for cleartext HTTP/2)")
+            if tls is not None and "h2c" in protocols:
+                # A TLS listener offers HTTP/2 through ALPN only: 'h2c' would serve nothing.
+                self.error(path + ("protocols",), "'h2c' is cleartext HTTP/2: over TLS use"
+                           " 'h2'")
             cluster = self.tcp_listener(item, path, protocols, tls)
             extra = self.scalars(ListenerConfig, item, path)
             if len(self.problems) == before:
