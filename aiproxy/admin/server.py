@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import ipaddress
 import logging
 import re
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from aiproxy.config import Config
+from aiproxy.config.address import loopback_name
 from aiproxy.governance.tracing import build_graph, trace_spans
 from aiproxy.protocols import fields
 from aiproxy.server.sockets import bound_sockets
@@ -183,22 +183,6 @@ async def _same_origin(request: web.Request, handler: Any) -> web.StreamResponse
             {"error": {"code": "cross_origin",
                        "message": "cross-origin browser request refused"}}, status=403)
     return await handler(request)
-
-
-def loopback_name(host: str) -> bool:
-    """A Host value (port or not) that names this machine's loopback: 127.0.0.0/8, ::1,
-    localhost or a name under .localhost (RFC 6761 6.3: those resolve to loopback)."""
-    if host.startswith("["):
-        name = host[1:host.find("]")] if "]" in host else ""
-    else:
-        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    name = name.lower().rstrip(".")
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def _known_host(loopback: bool) -> Any:
