@@ -63,8 +63,9 @@ cluster = "backend"
 # -- version and help ----------------------------------------------------------------------
 
 
-def test_version() -> None:
-    res = aiproxy_cli("--version")
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag: str) -> None:
+    res = aiproxy_cli(flag)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"aiproxy {aiproxy.__version__}"
 
