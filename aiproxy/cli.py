@@ -16,7 +16,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="aiproxy",
         description="AI-native edge reverse proxy. `aiproxy -c FILE` runs in the foreground.",
     )
-    parser.add_argument("--version", action="version", version=f"aiproxy {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"aiproxy {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the proxy in the foreground (the default command)",
@@ -71,7 +71,7 @@ def _main(argv: list[str] | None) -> int:
         from aiproxy.semantic.cli import main as router_main
 
         return router_main(argv[1:])
-    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version"):
         # `aiproxy -c FILE` is `aiproxy run -c FILE`; a word that is no command (a typo)
         # is left for argparse to name, not taken for an argument of `run`.
         argv.insert(0, "run")

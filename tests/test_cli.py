@@ -63,8 +63,9 @@ cluster = "backend"
 # -- version and help ----------------------------------------------------------------------
 
 
-def test_version() -> None:
-    res = aiproxy_cli("--version")
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag: str) -> None:
+    res = aiproxy_cli(flag)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"aiproxy {aiproxy.__version__}"
 
@@ -473,6 +474,35 @@ def test_upstream_tls_without_verification_is_a_warning(tmp_path: Path, start_pr
     assert "does not check its endpoints' TLS certificates" in log, log
     res = aiproxy_cli("check", "-c", str(write(tmp_path, valid_config())))
     assert res.returncode == 0 and res.stderr == "", res.stderr
+
+
+@pytest.mark.parametrize("admin, warned", [
+    ('address = "0.0.0.0:9901"', True),
+    ('address = "[::]:9901"', True),
+    ('address = "192.0.2.10:9901"', True),
+    ('address = "admin.example:9901"', True),
+    ('address = "0.0.0.0:9901"\ntoken = "s3cret"', False),
+    ('address = "127.0.0.2:9901"', False),
+    ('address = "[::1]:9901"', False),
+    ('address = "localhost:9901"', False),
+])
+def test_admin_off_loopback_without_token_is_a_warning(tmp_path: Path, admin: str,
+                                                      warned: bool) -> None:
+    """Off loopback and without a token, the admin API lets anyone who reaches it read
+    /config and POST /config/reload: accepted (a private network may be meant), but
+    said aloud with its file, line and key."""
+    text = valid_config() + f"\n[admin]\n{admin}\n"
+    path = write(tmp_path, text)
+    res = aiproxy_cli("check", "-c", str(path))
+    assert res.returncode == 0, res.stderr
+    if not warned:
+        assert res.stderr == "", res.stderr
+        return
+    address = admin.split('"')[1]
+    assert res.stderr == (
+        f"warning: {path}:{line_of(text, admin)}: admin.address: the admin API on "
+        f"'{address}' is off loopback and has no token: anyone who reaches it can read "
+        "/config and POST /config/reload (set [admin] token, or keep it on loopback)\n")
 
 
 @pytest.mark.parametrize("key", ["caf\u00e9-key-0123456789".encode(), b"\xffraw-key-0123456789"])

@@ -87,6 +87,20 @@ def test_admin_token_and_redacted_config(start_proxy, demo_upstream):
     assert proxy.proc.poll() is None
 
 
+def test_admin_token_that_is_not_utf8_is_refused_not_a_crash(start_proxy, demo_upstream):
+    """An Authorization field with bytes that are not UTF-8 is a wrong token: 401,
+    every time, with no traceback in the log."""
+    admin = free_port()
+    proxy = start_proxy(simple_config(demo_upstream) + admin_block(admin, "s3cret"))
+    wait_port("127.0.0.1", admin)
+    request = (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Authorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
+    for _ in range(2):
+        answer = raw_exchange(admin, request)
+        assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert "Traceback" not in proxy.log(), proxy.log()
+
+
 def test_admin_refuses_cross_site_browser_posts(start_proxy, demo_upstream):
     """Without [admin] token, a page the operator visits could make the browser POST to
     the loopback admin port: a "simple" request (text/plain, a form) needs no CORS

@@ -273,6 +273,42 @@ def test_broken_policy_file_at_startup_names_file_and_line(tmp_path):
     assert res.returncode == 2 and f"{pf}:8:" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("rest", ["", '\n\n[[rules]]\nid = "b"\neffect = "deny"\n'])
+def test_policy_syntax_error_names_the_statement_that_opened_it(tmp_path, rest):
+    """tomllib reports an unclosed array where parsing gave up (a later line, or the end
+    of the document with no line at all): the policy file's error names the statement
+    that opened it, as the main config's does."""
+    pf = tmp_path / "p.toml"
+    pf.write_text('default = "deny"\n[[rules]]\nid = "a"\neffect = "allow"\n'
+                  'methods = ["GET"' + rest)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[[listeners]]\nname = "a"\naddress = "127.0.0.1:1"\n[policy]\n'
+                   f'files = ["{pf}"]\n')
+    res = subprocess.run([sys.executable, "-m", "aiproxy", "check", "-c", str(cfg)],
+                         capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith(f"{pf}:5: rules[0].methods: syntax: "), res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_duplicate_rule_id_is_one_problem_at_its_id(tmp_path):
+    """In one file or across two: one problem, at the second id, naming the first."""
+    one = tmp_path / "one.toml"
+    one.write_text('[[rules]]\nid = "x"\neffect = "allow"\n'
+                   '[[rules]]\nid = "x"\neffect = "deny"\n')
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(one)])
+    assert str(err.value) == (f"{one}:5: rules[1].id: duplicate rule id 'x' "
+                              f"(first at {one}:2)")
+    two = tmp_path / "two.toml"
+    two.write_text('[[rules]]\nid = "y"\neffect = "deny"\n\n'
+                   '[[rules]]\nid = "x"\neffect = "deny"\n')
+    with pytest.raises(ConfigError) as err:
+        load_policy_files([str(one), str(two)])
+    assert str(err.value).splitlines()[1:] == [
+        f"{two}:6: rules[1].id: duplicate rule id 'x' (first at {one}:2)"]
+
+
 def test_explain_cli(tmp_path):
     pf = tmp_path / "p.toml"
     pf.write_text(POLICY)

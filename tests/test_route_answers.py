@@ -314,6 +314,23 @@ direct_response = { status = 304, body = "x" }
     assert "routes[2].direct_response.body: a 304 response has no body" in err
 
 
+def test_non_ascii_content_type_is_a_config_error_not_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "ctype.toml"
+    path.write_text("""[[listeners]]
+name = "p"
+address = "127.0.0.1:1"
+
+[[routes]]
+name = "r"
+direct_response = { status = 200, body = "hi", content_type = "text/plain; charset=\u00e9" }
+""", encoding="utf-8")
+    r = aiproxy_cli("check", "-c", str(path))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"{path}:7: routes[0].direct_response.content_type: "
+                                "must be a non-empty ASCII field value"), r.stderr
+
+
 @pytest.mark.parametrize("host, ok", [
     ("docs.example.com", True), ("192.0.2.7", True), ("::1", True),
     ("[::1]", False), ("docs.example.com:8443", False), ("999.1.1.1", False),

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.h2_support import Pki, ProxyProc, client_tls, make_pki
+from tests.support import aiproxy_cli
 
 pytestmark = [
     pytest.mark.timeout(90),
@@ -320,6 +321,24 @@ def test_refused_client_certificate_gets_its_alert(proxy: ProxyProc, pki: Pki, c
                           "--key", str(pki.client_key), "-o", "/dev/null", "-w", "%{http_code}",
                           url], capture_output=True, text=True, timeout=20)
     assert out.stdout == "200", out.stderr
+
+
+@pytest.mark.parametrize("protocols", ['["h2c"]', '["http1", "h2c"]'])
+def test_h2c_on_a_tls_listener_is_a_config_error(pki: Pki, tmp_path: Path,
+                                                 protocols: str) -> None:
+    """A TLS listener offers HTTP/2 through ALPN ('h2') only: with 'h2c' it would pass
+    check, start, and close every connection after the handshake."""
+    path = tmp_path / "h2c_tls.toml"
+    path.write_text(f"""[[listeners]]
+name = "public"
+address = "127.0.0.1:1"
+protocols = {protocols}
+tls = {{ cert = "{pki.cert}", key = "{pki.key}" }}
+""")
+    r = aiproxy_cli("check", "-c", str(path))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"{path}:4: listeners[0].protocols: 'h2c' is cleartext "
+                                "HTTP/2: over TLS use 'h2'"), r.stderr
 
 
 # -- upstreams --------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import ipaddress
 import logging
 import re
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from aiproxy.config import Config
+from aiproxy.config.address import loopback_name
 from aiproxy.governance.tracing import build_graph, trace_spans
 from aiproxy.protocols import fields
 from aiproxy.server.sockets import bound_sockets
@@ -185,22 +185,6 @@ async def _same_origin(request: web.Request, handler: Any) -> web.StreamResponse
     return await handler(request)
 
 
-def loopback_name(host: str) -> bool:
-    """A Host value (port or not) that names this machine's loopback: 127.0.0.0/8, ::1,
-    localhost or a name under .localhost (RFC 6761 6.3: those resolve to loopback)."""
-    if host.startswith("["):
-        name = host[1:host.find("]")] if "]" in host else ""
-    else:
-        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    name = name.lower().rstrip(".")
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
 def _known_host(loopback: bool) -> Any:
     @web.middleware
     async def known_host(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -274,8 +258,10 @@ class AdminServer:
         admin = self.backend.config.admin
         token = admin.token if admin is not None else None
         if token and request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            # aiohttp keeps bytes that are not UTF-8 as lone surrogates: surrogatepass
+            # encodes any str, and never to the bytes of a (valid UTF-8) token.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
+            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
                 return web.json_response(
                     {"error": {"code": "unauthorized", "message": "bearer token required"}},
                     status=401, headers={"WWW-Authenticate": 'Bearer realm="aiproxy-admin"'})

@@ -53,6 +53,22 @@ def is_host(text: str, port: bool = False) -> bool:
     return False
 
 
+def loopback_name(host: str) -> bool:
+    """A Host value (port or not) that names this machine's loopback: 127.0.0.0/8, ::1,
+    localhost or a name under .localhost (RFC 6761 6.3: those resolve to loopback)."""
+    if host.startswith("["):
+        name = host[1:host.find("]")] if "]" in host else ""
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

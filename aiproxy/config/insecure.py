@@ -4,6 +4,7 @@ accept them silently; a forgotten one should not stay unnoticed)."""
 
 from __future__ import annotations
 
+from .address import loopback_name
 from .errors import Problem
 from .loader import read_config_text
 from .locate import Locator, format_path
@@ -18,6 +19,12 @@ def insecure_settings(config: Config) -> list[Problem]:
                           f"cluster '{cluster.name}' does not check its endpoints' TLS "
                           "certificates or host names: anyone on the path can answer "
                           "for them"))
+    admin = config.admin
+    if admin is not None and not admin.token and not loopback_name(admin.host):
+        found.append((("admin", "address"),
+                      f"the admin API on '{admin.address}' is off loopback and has no token: "
+                      "anyone who reaches it can read /config and POST /config/reload "
+                      "(set [admin] token, or keep it on loopback)"))
     if not found:
         return []
     try:

@@ -452,6 +452,10 @@ class _Checker:
             if tls is None and "h2" in protocols:
                 self.error(path + ("protocols",), "'h2' needs TLS: add tls = { cert, key }"
                            " (use 'h2c' for cleartext HTTP/2)")
+            if tls is not None and "h2c" in protocols:
+                # A TLS listener offers HTTP/2 through ALPN only: 'h2c' would serve nothing.
+                self.error(path + ("protocols",), "'h2c' is cleartext HTTP/2: over TLS use"
+                           " 'h2'")
             cluster = self.tcp_listener(item, path, protocols, tls)
             extra = self.scalars(ListenerConfig, item, path)
             if len(self.problems) == before:
@@ -970,6 +974,7 @@ class _Checker:
         if table is None:
             return None
         path += ("direct_response",)
+        before = len(self.problems)
         self.check_keys(table, path, _DIRECT_KEYS)
         status = self.get(table, path, "status", "integer", required=True)
         if status is not None and not 200 <= status <= 599:
@@ -988,7 +993,7 @@ class _Checker:
                 self.error(path + ("content_type",), "must be a non-empty ASCII field value")
             elif not body:
                 self.error(path + ("content_type",), "only sent with a body")
-        if status is None:
+        if status is None or len(self.problems) > before:  # e.g. a non-ASCII content_type
             return None
         content_type = (ctype.encode("ascii") if ctype else b"text/plain; charset=utf-8"
                         ) if body else None

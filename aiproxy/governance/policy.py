@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy import wirejson
 from aiproxy.config.errors import ConfigError, Problem
+from aiproxy.config.loader import _syntax_problem
 from aiproxy.config.locate import KeyPath, Locator
 from aiproxy.config.locate import format_path as _format_path
 from aiproxy.governance.auth import AUTH_CHALLENGE, BEARER_CHALLENGE
@@ -219,12 +220,14 @@ def _claim_conditions(table: dict, prefix: tuple[str, ...],
         out[path] = tuple(values)
 
 
-def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
+def parse_policy(text: str, filename: str, ids: dict[str, str] | None = None
+                 ) -> tuple[Policy, list[Problem]]:
+    """`ids`: rule id -> FILE:LINE of the rules already read (other files); this file's
+    rules are added to it."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        m = re.search(r"at line (\d+)", str(exc))
-        return Policy((), {}), [Problem(filename, int(m.group(1)) if m else 0, "", str(exc))]
+        return Policy((), {}), [_syntax_problem(filename, text, exc)]
     locator = Locator(text)
     problems: list[Problem] = []
 
@@ -257,7 +260,7 @@ def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
     if not isinstance(raw_rules, list):
         error(("rules",), "expected array of tables")
         raw_rules = []
-    seen: set[str] = set()
+    seen = {} if ids is None else ids
     for i, raw in enumerate(raw_rules):
         path: KeyPath = ("rules", i)
         if not isinstance(raw, dict):
@@ -266,8 +269,9 @@ def parse_policy(text: str, filename: str) -> tuple[Policy, list[Problem]]:
         rule = _rule(raw, path, error, f"{filename}:{locator.line(path)}")
         if rule is not None:
             if rule.id in seen:
-                error(path + ("id",), f"duplicate rule id '{rule.id}'")
-            seen.add(rule.id)
+                error(path + ("id",), f"duplicate rule id '{rule.id}' "
+                                      f"(first at {seen[rule.id]})")
+            seen.setdefault(rule.id, f"{filename}:{locator.line(path + ('id',))}")
             rules.append(rule)
     return _policy(rules, roles, default), problems
 
@@ -368,27 +372,21 @@ def load_policy_files(paths: tuple[str, ...] | list[str]) -> Policy:
     roles: dict[str, tuple[str, ...]] = {}
     default = "deny"
     problems: list[Problem] = []
-    for path in paths:
+    ids: dict[str, str] = {}
+    for path in dict.fromkeys(paths):  # a file listed twice is read once
         try:
             with open(path, "rb") as fh:
                 text = fh.read().decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             problems.append(Problem(path, 0, "", f"cannot read policy file: {exc}"))
             continue
-        policy, found = parse_policy(text, path)
+        policy, found = parse_policy(text, path, ids)
         problems += found
         rules += policy.rules
         for name, perms in policy.roles.items():
             roles[name] = roles.get(name, ()) + perms
         if _sets_default(text):
             default = policy.default
-    ids: dict[str, str] = {}
-    for rule in rules:
-        if rule.id in ids and ids[rule.id] != rule.source:
-            file, _, line = rule.source.rpartition(":")
-            problems.append(Problem(file, int(line), "id", f"duplicate rule id '{rule.id}' "
-                                    f"(first at {ids[rule.id]})"))
-        ids.setdefault(rule.id, rule.source)
     if problems:
         raise ConfigError(problems)
     return _policy(rules, roles, default)
