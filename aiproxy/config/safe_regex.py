@@ -17,6 +17,7 @@ RE2's own are ASCII-only, which would let `ignore\\s+previous` miss a no-break s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import re2
@@ -93,6 +94,22 @@ def unicode_classes(pattern: str) -> str:
 def compile_bytes(pattern: bytes) -> Any:
     """A route condition: matches bytes, byte by byte. Raises `error`."""
     return re2.compile(pattern, _BYTES)
+
+
+_WHOLE = re2._re2.RE2.Anchor.ANCHOR_BOTH
+
+
+def fullmatcher(pattern: bytes) -> Callable[[bytes], bool | None]:
+    """fullmatch(data): True when the pattern matches all of data, else None (as `re`'s
+    fullmatch is tested: `is None`). Per request: the RE2 object's Match is called
+    directly, since the `re2` module's fullmatch (its Python layer: pos/endpos clamping, a
+    Match object) costs 4.7 us against 0.9 us here. Raises `error`."""
+    match = compile_bytes(pattern)._regexp.Match
+
+    def fullmatch(data: bytes) -> bool | None:
+        return True if match(_WHOLE, data, 0, len(data))[0][0] >= 0 else None
+
+    return fullmatch
 
 
 def compile_text(pattern: str) -> Any:
