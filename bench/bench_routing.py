@@ -82,3 +82,31 @@ def test_route_match_linear_reference(benchmark, n: int) -> None:
     head, path = _request(n)
     benchmark.extra_info["routes"] = n
     benchmark(_linear, table, head.method, path, head.host, head)
+
+
+def _regex_table() -> RouteTable:
+    """A path_regex route and a header-regex route after it (one cluster each)."""
+    cluster = object()
+    return RouteTable([
+        Route(RouteConfig(name="path", cluster="svc",
+                          match=RouteMatch(path_regex=rb"/models/[a-z0-9-]+/v[0-9]+/infer")),
+              cluster, 0),
+        Route(RouteConfig(name="tenant", cluster="svc",
+                          match=RouteMatch(path_prefix=b"/",
+                                           header_rules=((b"x-tenant", "regex",
+                                                          rb"(team|org)-[a-z]+"),))),
+              cluster, 1),
+    ])
+
+
+@pytest.mark.parametrize("kind", ["path_regex", "header_regex"])
+def test_route_match_regex(benchmark, kind: str) -> None:
+    """A request that a regex condition decides (per request: one regex match, or two)."""
+    benchmark.group = "route match: regex conditions"
+    table = _regex_table()
+    target = b"/models/llama-3/v2/infer" if kind == "path_regex" else b"/chat"
+    head = parse_request(bytearray(b"GET " + target + b" HTTP/1.1\r\nHost: a\r\n"
+                                   b"x-tenant: team-blue\r\n\r\n"))
+    route = table.match(head.method, target, head.host, head)
+    assert route is not None and route.name == ("path" if kind == "path_regex" else "tenant")
+    benchmark(table.match, head.method, target, head.host, head)

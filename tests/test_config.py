@@ -16,6 +16,8 @@ from aiproxy.config import (
 )
 from aiproxy.config.locate import KeyPath, Locator, format_path
 
+from .support import aiproxy_cli
+
 BASE = """\
 [[listeners]]
 name = "public"
@@ -646,8 +648,7 @@ model = ""
         "19: routes[0].split[0].cluster: unknown cluster 'nope' (defined: backend, x)",
         "19: routes[0].split[1].weight: must be between 0 and 1000000, got -1",
         "20: routes[0].match.headers.x-a: give exactly one of exact, regex, present",
-        "20: routes[0].match.path_regex: invalid regular expression: missing ), unterminated "
-        "subpattern at position 0",
+        "20: routes[0].match.path_regex: invalid regular expression: RE2 syntax: missing ): (",
         "21: routes[0].retries.on[0]: unknown retry condition 'timeout' (allowed: "
         "connect-failure, reset, 502, 503, 504, unavailable)",
         "22: routes[0].request_headers_add.Host: header 'host' is managed by the proxy",
@@ -934,6 +935,70 @@ def test_empty_audit_fsync_and_guard_action_are_errors(tmp_path):
         "11: audit.fsync: one of always, interval, never, got ''",
         "15: guard.rules[0].action: one of block, flag, got ''",
     ]
+
+
+def test_regexes_must_be_re2_syntax(tmp_path):
+    """Route and guard regexes run on client input in RE2 (linear time): what only a
+    backtracking engine can do (lookaround, backreferences) is a config error naming the
+    feature, not a pattern that can stall the worker."""
+    text = BASE + textwrap.dedent("""\
+
+        [[routes]]
+        name = "a"
+        cluster = "backend"
+        match = { path_regex = '/v1/(?!admin).*' }
+
+        [[routes]]
+        name = "b"
+        cluster = "backend"
+        match = { headers = { x-tenant = { regex = '(?<=t-)[a-z]+' } } }
+
+        [[routes]]
+        name = "c"
+        cluster = "backend"
+        match = { headers = { x-t = { regex = '([a-z]+)-\\1' } } }
+
+        [[guard.rules]]
+        id = "r"
+        regexes = ['ok', 'ignore(?= previous)', '(?P<k>[a-z]+)=(?P=k)', 'end\\Z']
+        """)
+    assert problems(tmp_path, text) == [
+        "12: routes[0].match.path_regex: invalid regular expression: RE2 syntax: "
+        "negative lookahead (?!...) not supported",
+        "17: routes[1].match.headers.x-tenant.regex: invalid regular expression: RE2 syntax: "
+        "lookbehind (?<=...) not supported",
+        "22: routes[2].match.headers.x-t.regex: invalid regular expression: RE2 syntax: "
+        "backreference \\1 not supported",
+        "26: guard.rules[0].regexes[1]: invalid regex: RE2 syntax: lookahead (?=...) not "
+        "supported",
+        "26: guard.rules[0].regexes[2]: invalid regex: RE2 syntax: backreference (?P=...) "
+        "not supported",
+        "26: guard.rules[0].regexes[3]: invalid regex: RE2 syntax: \\Z not supported (use "
+        "\\z for the end of the text)",
+    ]
+    # Patterns that backtrack catastrophically in `re` are fine: RE2 runs them in linear time.
+    load_config(write(tmp_path, BASE + textwrap.dedent("""\
+
+        [[routes]]
+        name = "a"
+        cluster = "backend"
+        match = { path_regex = '/(a+)+', headers = { x-tenant = { regex = '([a-z]+)+' } } }
+        """)))
+
+
+def test_check_reports_a_lookahead_as_file_line_and_exit_2(tmp_path):
+    path = write(tmp_path, BASE + textwrap.dedent("""\
+
+        [[routes]]
+        name = "a"
+        cluster = "backend"
+        match = { headers = { x-tenant = { regex = 'a(?=b)' } } }
+        """))
+    res = aiproxy_cli("check", "-c", str(path))
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert (f"{path}:12: routes[0].match.headers.x-tenant.regex: invalid regular expression: "
+            "RE2 syntax: lookahead (?=...) not supported") in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "re2.cc" not in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("token", ["abc ", "abc\\t", "a\\nb", "a\\u007fb"])

@@ -270,8 +270,8 @@ def test_guard_reads_json_bodies_whatever_their_json_type(start_proxy, chat_upst
 
 def test_guard_regexes_keep_their_own_flags_and_groups(start_proxy, chat_upstream):
     """Each rule's regexes match on their own: a rule with inline flags, another using
-    the same group name, a backreference, and a rule whose match overlaps an earlier
-    rule's all load and all hit."""
+    the same group name, and a rule whose match overlaps an earlier rule's all load and
+    all hit. (Backreferences are not RE2 syntax: a config error, tests/test_config.py.)"""
     rules = """
 [guard]
 [[guard.rules]]
@@ -287,13 +287,41 @@ regexes = ['(?P<k>token=)[a-z]+']
 [[guard.rules]]
 id = "key-b"
 action = "flag"
-regexes = ['(?P<k>[a-z]+)=(?P=k)']
+regexes = ['(?P<k>[a-z]+)=(?P<v>token)']
 """
     proxy = start_proxy(simple_config(chat_upstream) + rules)
     with httpx.Client(timeout=10) as c:
         r = _ask(c, proxy, "send akiaabcdefghijklmnop with token=token")
         assert r.status_code == 200, r.text
         assert r.headers["x-aiproxy-guard-flags"] == "aws,key-a,key-b"
+
+
+def test_guard_regex_runs_in_linear_time(start_proxy, chat_upstream):
+    """Guard regexes run in RE2: `([a-z]+)+[0-9]` over 40 letters and a "!" would keep
+    Python's `re` backtracking for hours on the event loop; here the request completes
+    within the client's 10 s, and the rule still blocks what it matches. Their \\s keeps
+    its Unicode meaning (a no-break space is whitespace), as under `re`."""
+    rules = """
+[guard]
+[[guard.rules]]
+id = "evil"
+action = "block"
+regexes = ['([a-z]+)+[0-9]']
+
+[[guard.rules]]
+id = "spaced"
+action = "flag"
+regexes = ['ignore\\s+previous']
+"""
+    proxy = start_proxy(simple_config(chat_upstream) + rules)
+    with httpx.Client(timeout=10) as c:
+        r = _ask(c, proxy, "a" * 40 + "!")
+        assert r.status_code == 200, r.text
+        assert "x-aiproxy-guard-flags" not in r.headers
+        r = _ask(c, proxy, "see abc1")
+        assert r.status_code == 403 and r.headers["x-aiproxy-guard"] == "evil", r.text
+        r = _ask(c, proxy, "please ignore\u00a0previous ones")
+        assert r.status_code == 200 and r.headers["x-aiproxy-guard-flags"] == "spaced"
 
 
 def test_json_response_redacted_and_still_json(start_proxy, chat_upstream):

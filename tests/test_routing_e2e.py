@@ -273,3 +273,40 @@ retries = { attempts = 2, on = ["unavailable"], backoff_ms = 1, non_idempotent =
     a.extra_headers = {"grpc-status": "0"}
     assert httpx.post(proxy.url + "/pkg.Svc/Run", content=b"\0\0\0\0\0",
                       headers=headers).headers["grpc-status"] == "0"
+
+
+def test_backtracking_regexes_do_not_stall_the_worker(start_proxy, demo_upstream,
+                                                      demo_upstream_b):
+    """Route regexes run in RE2 (linear time). Under Python's `re`, `([a-z]+)+` against
+    40 letters and a "!" backtracks for hours (29 bytes took 16 s) and the worker answers
+    nobody meanwhile: each request here must complete within the client's 10 s."""
+    proxy = start_proxy(cluster("a", demo_upstream) + cluster("b", demo_upstream_b) + """
+[[routes]]
+name = "tenant"
+match = { headers = { x-tenant = { regex = "([a-z]+)+" } } }
+cluster = "a"
+
+[[routes]]
+name = "path"
+match = { path_regex = "/r/([a-z]+)+" }
+cluster = "a"
+
+[[routes]]
+name = "rest"
+match = { path_prefix = "/" }
+cluster = "b"
+""")
+    evil = "a" * 40 + "!"
+    with httpx.Client(base_url=proxy.url, timeout=10) as c:
+        r = c.get("/echo", headers={"x-tenant": evil})
+        assert r.status_code == 200 and r.headers["x-upstream"] == "demo-b"
+        r = c.get("/r/" + evil)
+        assert r.headers["x-upstream"] == "demo-b"
+        # Matching values still route to the regex routes; others fall through.
+        assert c.get("/echo", headers={"x-tenant": "acme"}).headers["x-upstream"] == "demo-a"
+        assert c.get("/r/abc").headers["x-upstream"] == "demo-a"
+        assert c.get("/echo", headers={"x-tenant": "Acme"}).headers["x-upstream"] == "demo-b"
+        assert c.get("/r/abc/d").headers["x-upstream"] == "demo-b"
+        # A byte that is not UTF-8 is matched as a byte, as under `re`'s bytes patterns.
+        r = c.get("/echo", headers={"x-tenant": b"\xe9t\xe9"})
+        assert r.headers["x-upstream"] == "demo-b"

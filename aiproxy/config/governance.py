@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import safe_regex
 from .errors import ConfigError, Problem
 from .files import writable_file_problem
 from .locate import KeyPath, Locator
@@ -435,9 +436,10 @@ def _guard(checker: _Checker, data: dict) -> GuardConfig | None:
         regexes = _strings(checker, entry, item_path, "regexes") or ()
         for i, rx in enumerate(regexes):
             try:
-                re.compile(rx)
-            except re.error as exc:
-                checker.error(item_path + ("regexes", i), f"invalid regex: {exc}")
+                safe_regex.compile_text(rx)  # as the guard compiles it: RE2, linear time
+            except safe_regex.error as exc:
+                checker.error(item_path + ("regexes", i),
+                              "invalid regex: " + safe_regex.problem(rx, exc))
         if not keywords and not regexes:
             checker.error(item_path, "needs keywords or regexes")
         if rid is not None:

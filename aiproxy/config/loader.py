@@ -15,7 +15,7 @@ from typing import Any
 
 from aiproxy.pipeline.paths import ESCAPED_SLASHES
 
-from . import llm_sections
+from . import llm_sections, safe_regex
 from .address import HOSTNAME, is_host, parse_address
 from .errors import ConfigError, Problem
 from .files import cert_dns_names, file_sha256, tls_problems, writable_file_problem
@@ -1395,10 +1395,12 @@ class _Checker:
         value = self.get(data, path, key, "string")
         if value is None:
             return None
+        # RE2, as the route table compiles it: linear time on the request's bytes.
         try:
-            re.compile(value.encode("utf-8"))
-        except re.error as exc:
-            self.error(path + (key,), f"invalid regular expression: {exc}")
+            safe_regex.compile_bytes(value.encode("utf-8"))
+        except safe_regex.error as exc:
+            self.error(path + (key,), "invalid regular expression: "
+                       + safe_regex.problem(value, exc))
             return None
         return value.encode("utf-8")
 

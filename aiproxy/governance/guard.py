@@ -38,6 +38,7 @@ import ahocorasick
 import orjson
 
 from aiproxy.config.governance import GuardConfig, RedactConfig
+from aiproxy.config.safe_regex import compile_text, text_bytes
 from aiproxy.governance.decoding import Decoder, decoder_for
 from aiproxy.governance.redact import Redactor, compile_detector
 from aiproxy.pipeline.filters import (
@@ -299,7 +300,8 @@ class PromptGuard:
         # One pattern per regex, not one alternation of all: joined, patterns lose their
         # own flags and group numbers (and may not compile), and a match of one rule
         # would hide an overlapping match of another.
-        self.patterns = [(r.id, re.compile(rx)) for r in cfg.rules for rx in r.regexes]
+        # RE2 (linear time), never `re`: they run over the client's text on the event loop.
+        self.patterns = [(r.id, compile_text(rx)) for r in cfg.rules for rx in r.regexes]
 
     def scan(self, text: str) -> list[str]:
         """Ids of the rules the text hits: keyword rules in the order the text hits them,
@@ -309,9 +311,11 @@ class PromptGuard:
             for _, ids in self.automaton.iter(reader_text(text)):
                 for rid in ids:
                     hits[rid] = None
-        for rid, pattern in self.patterns:
-            if rid not in hits and pattern.search(text):
-                hits[rid] = None
+        if self.patterns:
+            data = text_bytes(text)
+            for rid, pattern in self.patterns:
+                if rid not in hits and pattern.search(data):
+                    hits[rid] = None
         return list(hits)
 
 

@@ -11,7 +11,6 @@ matching index wins, which keeps first-match-in-config-order semantics.
 
 from __future__ import annotations
 
-import re
 import zlib
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes
 
 from aiproxy.config import RouteConfig
+from aiproxy.config.safe_regex import fullmatcher
 
 if TYPE_CHECKING:
     from aiproxy._fast.h1 import RequestHead
@@ -116,10 +116,11 @@ class Route:
         self.headers = m.headers
         rules = []
         for name, kind, value in m.header_rules:
-            rules.append((name, kind, re.compile(value).fullmatch if kind == "regex" else None))
+            rules.append((name, kind, fullmatcher(value) if kind == "regex" else None))
         self.header_rules = tuple(rules)
         self.query = m.query
-        self.path_regex = re.compile(m.path_regex).fullmatch if m.path_regex else None
+        # RE2 (linear time), never `re`: these run on the client's bytes on the event loop.
+        self.path_regex = fullmatcher(m.path_regex) if m.path_regex else None
         self.grpc_service = m.grpc_service
         self.grpc_method = m.grpc_method
         self.intent = m.intent
