@@ -94,22 +94,26 @@ def header_ender() -> Iterator[H2Upstream]:
     up.stop()
 
 
-def test_a_response_ended_in_its_headers_is_an_empty_body(
-        start_proxy: Callable[..., Proxy], header_ender: H2Upstream) -> None:
-    """RFC 9113 8.1: END_STREAM on the HEADERS is a response with no content. An HTTP/1.1
-    client got no framing for it (no Content-Length, no chunked, the connection kept):
-    a body read to the connection's close, which never came."""
-    proxy = start_proxy(f"""
+def _through(start_proxy: Callable[..., Proxy], up: H2Upstream) -> Proxy:
+    return start_proxy(f"""
 [[clusters]]
 name = "up"
 protocol = "h2"
-endpoints = ["127.0.0.1:{header_ender.port}"]
+endpoints = ["127.0.0.1:{up.port}"]
 
 [[routes]]
 name = "all"
 match = {{ path_prefix = "/" }}
 cluster = "up"
 """)
+
+
+def test_a_response_ended_in_its_headers_is_an_empty_body(
+        start_proxy: Callable[..., Proxy], header_ender: H2Upstream) -> None:
+    """RFC 9113 8.1: END_STREAM on the HEADERS is a response with no content. An HTTP/1.1
+    client got no framing for it (no Content-Length, no chunked, the connection kept):
+    a body read to the connection's close, which never came."""
+    proxy = _through(start_proxy, header_ender)
     with httpx.Client(timeout=5) as client:
         for path, status in (("/empty/200", 200), ("/empty/404", 404),
                              ("/grpc-trailers-only", 200)):
@@ -132,17 +136,7 @@ def test_response_trailers_carry_no_framing_fields(start_proxy: Callable[..., Pr
                                                    header_ender: H2Upstream) -> None:
     """RFC 9110 6.5.1: a trailer section carries no framing or content-format fields; an
     HTTP/2 upstream's content-length trailer was passed on."""
-    proxy = start_proxy(f"""
-[[clusters]]
-name = "up"
-protocol = "h2"
-endpoints = ["127.0.0.1:{header_ender.port}"]
-
-[[routes]]
-name = "all"
-match = {{ path_prefix = "/" }}
-cluster = "up"
-""")
+    proxy = _through(start_proxy, header_ender)
     out = raw_exchange(proxy.port, b"GET /framing-trailers HTTP/1.1\r\nHost: x\r\n"
                        b"TE: trailers\r\nConnection: close\r\n\r\n")
     head, _, body = out.partition(b"\r\n\r\n")
