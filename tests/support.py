@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import socket
@@ -30,6 +31,9 @@ def aiproxy_cli(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
 _next_port = [0]
 
 
+_given: collections.deque[int] = collections.deque(maxlen=512)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (another process may still take it).
     AIPROXY_TEST_PORTS=LOW-HIGH keeps the ports in that range (a shared machine where
@@ -50,9 +54,15 @@ def free_port(host: str = "127.0.0.1") -> int:
                     continue
                 return port
         raise RuntimeError(f"no free port in AIPROXY_TEST_PORTS={span}")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        # The kernel may hand the same free port to two calls in a row (CI once gave a
+        # test's admin port to its listener): not one this process was just given.
+        if port not in _given:
+            _given.append(port)
+            return port
 
 
 def wait_port(
