@@ -59,6 +59,9 @@ cluster = "up"
     assert garbler.connections == (3 if method == "GET" else 2)
 
 
+TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
 async def ends_in_headers(proto, sid: int, path: str, head: dict, body: bytes) -> None:
     """Responses that end with their HEADERS frame (END_STREAM), or with trailers and no
     DATA: /empty/N (status N, no content-length), /short-head (content-length 5, ended),
@@ -74,7 +77,9 @@ async def ends_in_headers(proto, sid: int, path: str, head: dict, body: bytes) -
         conn.send_headers(sid, [(b":status", b"200")])
         conn.send_data(sid, b"abc")
         conn.send_headers(sid, [(b"x-checksum", b"abc"), (b"content-length", b"99"),
-                                (b"content-type", b"text/html")], end_stream=True)
+                                (b"content-type", b"text/html"), (b"set-cookie", b"a=b"),
+                                (b"x-aiproxy-cache", b"hit"), (b"traceparent", TRACEPARENT)],
+                          end_stream=True)
     elif path == "/short-head":
         conn.send_headers(sid, [(b":status", b"200"), (b"content-length", b"5")],
                           end_stream=True)
@@ -134,11 +139,13 @@ def test_a_response_ended_in_its_headers_is_an_empty_body(
 
 def test_response_trailers_carry_no_framing_fields(start_proxy: Callable[..., Proxy],
                                                    header_ender: H2Upstream) -> None:
-    """RFC 9110 6.5.1: a trailer section carries no framing or content-format fields; an
-    HTTP/2 upstream's content-length trailer was passed on."""
+    """RFC 9110 6.5.1: a trailer section carries no framing, content-format or cookie
+    fields (an HTTP/2 upstream's content-length trailer was passed on), nor one the proxy
+    states on responses; a tracing field is the upstream's to send."""
     proxy = _through(start_proxy, header_ender)
     out = raw_exchange(proxy.port, b"GET /framing-trailers HTTP/1.1\r\nHost: x\r\n"
                        b"TE: trailers\r\nConnection: close\r\n\r\n")
     head, _, body = out.partition(b"\r\n\r\n")
     assert b"transfer-encoding: chunked" in head.lower(), out
-    assert body == b"3\r\nabc\r\n0\r\nx-checksum: abc\r\n\r\n", body
+    assert body == (b"3\r\nabc\r\n0\r\nx-checksum: abc\r\ntraceparent: " + TRACEPARENT
+                    + b"\r\n\r\n"), body

@@ -184,13 +184,13 @@ def parse_api_key(entry: Any, path: KeyPath, error: Any) -> ApiKey | None:
 
 def load_key_file(path: str) -> tuple[ApiKey, ...]:
     """The `[[keys]]` of an API key file; ConfigError naming FILE:LINE on problems."""
-    from .loader import _syntax_problem, read_config_text
+    from .loader import read_config_text, syntax_problem
 
     text = read_config_text(path)  # ConfigError: FILE: cannot read, or FILE:LINE: not UTF-8
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([_syntax_problem(path, text, exc)]) from None
+        raise ConfigError([syntax_problem(path, text, exc)]) from None
     locator = Locator(text)
     problems: list[Problem] = []
 

@@ -146,7 +146,7 @@ def load_config_text(text: str, filename: str) -> Config:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([_syntax_problem(filename, text, exc)]) from None
+        raise ConfigError([syntax_problem(filename, text, exc)]) from None
     checker = _Checker(filename, Locator(text))
     checker.numbers(data, ())
     config = checker.config(data)
@@ -155,7 +155,8 @@ def load_config_text(text: str, filename: str) -> Config:
     return config
 
 
-def _syntax_problem(filename: str, text: str, exc: tomllib.TOMLDecodeError) -> Problem:
+def syntax_problem(filename: str, text: str, exc: tomllib.TOMLDecodeError) -> Problem:
+    """The FILE:LINE problem for a TOML syntax error, at the statement that caused it."""
     message = str(exc)
     position = _SYNTAX_POSITION.search(message)
     lines = text.splitlines(keepends=True)

@@ -339,7 +339,7 @@ class GuardFilter(Filter):
             return None
         head = ex.head
         body = ex.request_body()
-        whole = ex.req_done or 0 <= head.content_length <= len(body)
+        whole = ex.request_body_whole(body)
         if not ex.grpc and (not whole or len(body) > self.inspect_bytes):
             # What it did not read would go upstream unread: refused, as a coded body is
             # (and so is any body over the limit, whether or not it all came in one read).

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiproxy import wirejson
 from aiproxy.config.errors import ConfigError, Problem
-from aiproxy.config.loader import _syntax_problem
+from aiproxy.config.loader import syntax_problem
 from aiproxy.config.locate import KeyPath, Locator
 from aiproxy.config.locate import format_path as _format_path
 from aiproxy.governance.auth import AUTH_CHALLENGE, BEARER_CHALLENGE
@@ -105,6 +105,7 @@ class Policy:
     uses_model: bool = False
     uses_intent: bool = False  # a rule reads the intent or its domain
     uses_body: bool = False  # a rule has body_over or body_max
+    states_default: bool = False  # its file says `default` (several files: the last that does)
 
 
 @dataclass(slots=True)
@@ -227,7 +228,7 @@ def parse_policy(text: str, filename: str, ids: dict[str, str] | None = None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        return Policy((), {}), [_syntax_problem(filename, text, exc)]
+        return Policy((), {}), [syntax_problem(filename, text, exc)]
     locator = Locator(text)
     problems: list[Problem] = []
 
@@ -273,12 +274,13 @@ def parse_policy(text: str, filename: str, ids: dict[str, str] | None = None
                                       f"(first at {seen[rule.id]})")
             seen.setdefault(rule.id, f"{filename}:{locator.line(path + ('id',))}")
             rules.append(rule)
-    return _policy(rules, roles, default), problems
+    return _policy(rules, roles, default, "default" in data), problems
 
 
-def _policy(rules: list[Rule], roles: Any, default: Any) -> Policy:
+def _policy(rules: list[Rule], roles: Any, default: Any, states_default: bool = False
+            ) -> Policy:
     """The Policy, with what its rules read of a request (the model, the intent)."""
-    return Policy(tuple(rules), roles, default,
+    return Policy(tuple(rules), roles, default, states_default=states_default,
                   uses_model=any("models" in r.globs or r.rbac for r in rules),
                   uses_intent=any("intents" in r.globs or "domains" in r.globs or r.rbac
                                   for r in rules),
@@ -385,20 +387,11 @@ def load_policy_files(paths: tuple[str, ...] | list[str]) -> Policy:
         rules += policy.rules
         for name, perms in policy.roles.items():
             roles[name] = roles.get(name, ()) + perms
-        if _sets_default(text):
+        if policy.states_default:
             default = policy.default
     if problems:
         raise ConfigError(problems)
     return _policy(rules, roles, default)
-
-
-def _sets_default(text: str) -> bool:
-    """Whether a policy file states its default (a comment or a rule id may say the
-    word without setting it)."""
-    try:
-        return "default" in tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        return False  # parse_policy has said why
 
 
 def kernel_deny_cidrs(policy: Policy) -> tuple[str, ...]:
@@ -751,7 +744,7 @@ class PolicyFilter(Filter):
         state = self.state
         policy = state.current()
         body = ex.request_body()
-        whole = ex.req_done or 0 <= ex.head.content_length <= len(body)
+        whole = ex.request_body_whole(body)
         req = request_of(ex, policy.uses_model, policy.uses_intent, whole)
         if (not whole and policy.uses_model and not ex.grpc and not state.dry_run
                 and model_matters(policy, req)):

@@ -152,7 +152,8 @@ class LlmFilter(Filter):
 
     def request(self, ex: Exchange) -> None:
         f = self.facts
-        info = read_request(f.endpoint, ex.request_body(), ex.req_done,
+        body = ex.request_body()
+        info = read_request(f.endpoint, body, ex.request_body_whole(body),
                             ex.head.content_length)
         f.model = info.model
         f.stream = info.stream

@@ -444,6 +444,11 @@ class Exchange(ExchangeBase):
         gone upstream yet). Complete when self.req_done."""
         return b"".join(self.pending or ())
 
+    def request_body_whole(self, body: bytes) -> bool:
+        """Whether `body` (what request_body() gave) is all of the request body: the
+        body ended, or a content-length says it is all here."""
+        return self.req_done or 0 <= self.head.content_length <= len(body)
+
     def cap_body(self, limit: int, why: str) -> None:
         """Refuse the body (413, `why`) once more than `limit` bytes of it have come: for
         a filter that judged a body of unknown length (chunked, or HTTP/2 without

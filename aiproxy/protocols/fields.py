@@ -55,6 +55,25 @@ def trailer_fields(fields: list[tuple[bytes, bytes]] | None,
     return [(n, v) for n, v in fields if _trailer_allowed(n, owned) and valid_field_line(n, v)]
 
 
+# RFC 9110 6.5.1 for a response's trailer section: framing, routing, content metadata and
+# cookies stay out, and so do the fields the proxy states on responses (x-aiproxy-*).
+# Tracing and lineage fields pass: they say nothing the proxy relies on in a response.
+_NOT_IN_RESPONSE_TRAILERS = _HOP | {
+    b"content-length", b"host", b"content-type", b"content-encoding", b"content-range",
+    b"set-cookie"}
+
+
+def response_trailer_fields(fields: list[tuple[bytes, bytes]] | None
+                            ) -> list[tuple[bytes, bytes]]:
+    """The trailer fields of an HTTP/2 upstream's response (validated, lower-case) that
+    go on to the client."""
+    if not fields:
+        return []
+    return [(n, v) for n, v in fields
+            if n not in _NOT_IN_RESPONSE_TRAILERS and n[:1] != b":"
+            and n[:10] != b"x-aiproxy-" and valid_field_line(n, v)]
+
+
 def _trailer_allowed(name: bytes, owned: frozenset[bytes]) -> bool:
     dashed = name.replace(b"_", b"-")  # as CGI/WSGI-style servers read it (see _ALIASED)
     return not (dashed in _NOT_IN_TRAILERS or name in owned or dashed in owned

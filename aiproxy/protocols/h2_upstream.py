@@ -33,7 +33,7 @@ from h2.errors import ErrorCodes
 
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upstream
 from aiproxy.protocols import h2_fast
-from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, trailer_fields
+from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, response_trailer_fields
 from aiproxy.protocols.h2_budgets import (
     IDLE_PER_REQUEST,
     SMALL_DATA_UPSTREAM,
@@ -587,8 +587,7 @@ class H2UpstreamStream(StreamOutput, Upstream):
             conn.want_flush()
         conn.stream_done(self)
         if ex is not None:
-            # RFC 9110 6.5.1: no framing field (a content-length) in a trailer section.
-            ex.on_upstream_end(trailer_fields(self.trailers) or None)
+            ex.on_upstream_end(response_trailer_fields(self.trailers) or None)
 
     def on_reset(self, code: int, reason: str | None = None) -> None:
         """The stream was reset: by the upstream, or (with `reason`) by the proxy for a
