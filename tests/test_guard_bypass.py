@@ -287,3 +287,29 @@ def test_strings_no_strict_parser_takes_are_decoded_not_skipped(start_proxy, ups
     r = _post(proxy, body)
     assert _blocked(r), (r.status_code, r.text)
     assert seen == []
+
+
+@pytest.mark.parametrize("secret", [
+    "ＡＫＩＡＩＯＳＦＯＤＮＮ７ＥＸＡＭＰＬＥ",  # fullwidth: NFKC reads it as ASCII
+    "AKIA\u200bIOSFODNN7\u2060EXAMPLE",  # zero-width space, word joiner
+    "AKIAIOSF\u00adODNN7EXAMPLE",  # soft hyphen
+], ids=["fullwidth", "zero-width", "soft-hyphen"])
+def test_regexes_match_the_normalized_text_too(start_proxy, upstream, secret):
+    """Keywords matched the NFKC text without invisible characters, regexes only the
+    text as sent: a fullwidth or zero-width-split key passed a regex rule. Regexes match
+    both now (a pattern written for the text as sent still matches it)."""
+    port, seen = upstream
+    proxy = start_proxy(simple_config(port) + GUARD + """
+[[guard.rules]]
+id = "aws-key"
+action = "block"
+regexes = ['AKIA[0-9A-Z]{16}', 'ｆｕｌｌ']
+""")
+    seen.clear()
+    for text in (secret, "ｆｕｌｌ width"):
+        body = json.dumps({"model": "m", "prompt": f"my key: {text}"}).encode()
+        r = _post(proxy, body)
+        assert r.status_code == 403 and r.headers.get("x-aiproxy-guard") == "aws-key", text
+    assert seen == []
+    clean = json.dumps({"model": "m", "prompt": "ＡＫＩＡ is not a key"}).encode()
+    assert _post(proxy, clean).status_code == 200 and seen == [clean]

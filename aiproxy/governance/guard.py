@@ -14,7 +14,8 @@ call the first message is read. The body is read in each way an upstream may dec
 it (readings: as sent, as its charset says, JSON in UTF-16 or UTF-32); a charset the
 guard cannot decode is refused (415 unsupported_charset). Keywords match the text as a
 reader sees it: compatibility-normalized (NFKC: fullwidth letters are letters), without
-invisible (default-ignorable) characters, with each run of whitespace one space.
+invisible (default-ignorable) characters, with each run of whitespace one space; regexes
+match both the text as sent and the text NFKC-normalized without invisible characters.
 A `block` rule answers 403 with its id; a `flag` rule lets the request through with
 x-aiproxy-guard-flags on the upstream request and the response, and in the audit record.
 
@@ -40,7 +41,7 @@ import orjson
 from aiproxy.config.governance import GuardConfig, RedactConfig
 from aiproxy.config.safe_regex import compile_text, text_bytes
 from aiproxy.governance.decoding import Decoder, decoder_for
-from aiproxy.governance.redact import Redactor, compile_detector
+from aiproxy.governance.redact import INVISIBLE, Redactor, compile_detector
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
@@ -73,15 +74,6 @@ FLAGS_HEADER = b"x-aiproxy-guard-flags"
 STREAMED_JSON = frozenset(("text/event-stream", "application/x-ndjson", "application/jsonl"))
 
 
-# Unicode's Default_Ignorable_Code_Point set (DerivedCoreProperties.txt): invisible
-# characters (zero-width, bidi controls, variation selectors, tags, fillers, ...) that a
-# reader (or a model's tokenizer) reads past.
-_IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160),
-              (0x17B4, 0x17B5), (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E),
-              (0x2060, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
-              (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
-              (0xE0000, 0xE0FFF))
-_INVISIBLE = dict.fromkeys(cp for lo, hi in _IGNORABLE for cp in range(lo, hi + 1))
 _SPACES = re.compile(r"\s+")
 _LEADING_WS = re.compile(rb"[ \t\r\n]*")
 _LEADING_SPACE = re.compile(r"[ \t\r\n]*")
@@ -281,8 +273,17 @@ def _reading_text(content_type: bytes, media: str, body: bytes, json_fields: tup
 def reader_text(text: str) -> str:
     """The text as a reader sees it, for keywords: NFKC, no zero-width characters, each
     run of whitespace one space, case-folded."""
-    text = unicodedata.normalize("NFKC", text).translate(_INVISIBLE)
+    text = unicodedata.normalize("NFKC", text).translate(INVISIBLE)
     return _SPACES.sub(" ", text).casefold()
+
+
+def normalized(text: str) -> str | None:
+    """The text NFKC-normalized without invisible characters, for regexes; None where
+    that is the text itself (all ASCII is)."""
+    if text.isascii():
+        return None
+    norm = unicodedata.normalize("NFKC", text).translate(INVISIBLE)
+    return norm if norm != text else None
 
 
 class PromptGuard:
@@ -312,9 +313,13 @@ class PromptGuard:
                 for rid in ids:
                     hits[rid] = None
         if self.patterns:
-            data = text_bytes(text)
+            # Each regex sees the text as sent (a pattern may be written for look-alikes
+            # or fullwidth forms) and as a reader sees it (fullwidth "ＡＫＩＡ" is "AKIA").
+            norm = normalized(text)
+            datas = [text_bytes(text)] if norm is None else [text_bytes(text),
+                                                            text_bytes(norm)]
             for rid, pattern in self.patterns:
-                if rid not in hits and pattern.search(data):
+                if rid not in hits and any(pattern.search(d) for d in datas):
                     hits[rid] = None
         return list(hits)
 
