@@ -84,6 +84,10 @@ _ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|x([0-9a-fA-F]{2})|(.))", re.DOTALL
 _ESCAPED = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "0": "\0"}
 # Each string of a (valid) JSON text; group 1 is set for a key.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"([ \t\r\n]*:)?')
+# Each string of a loosely read document: double-quoted or JSON5's single-quoted, read
+# from left to right (a quote inside the other kind of string starts none).
+_LOOSE_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"' rb"|'[^'\\]*(?:\\.[^'\\]*)*'",
+                           re.DOTALL)
 
 
 def json_text(body: bytes) -> str | None:
@@ -183,12 +187,12 @@ def readings(media: str, charsets: list[str], body: bytes) -> list[bytes]:
 def loose_json_text(body: bytes) -> str:
     """A document that looks like JSON but no strict parser takes (a trailing comma, a
     comment, single quotes: what lenient parsers read): the body as text, and each of
-    its double-quoted strings, keys too, decoded (escapes would hide a keyword in the
+    its strings, double- or single-quoted (JSON5), keys too, decoded (escapes would hide a keyword in the
     raw text): bytes that are not UTF-8 replaced, not the string skipped, and an escape
     JSON does not have read as lenient parsers read it (JSON5's \\x41; \\q is q)."""
     out = [body.decode("utf-8", "replace")]
-    for m in _STRING.finditer(body):
-        literal = m.group(0).rstrip(b" \t\r\n:")  # a key's without its colon
+    for m in _LOOSE_STRING.finditer(body):
+        literal = m.group(0)
         if b"\\" in literal:
             text = _ESCAPE.sub(_unescaped, literal[1:-1].decode("utf-8", "replace"))
             out.append(valid_text(text))  # surrogate pairs joined, lone ones U+FFFD
