@@ -42,6 +42,7 @@ from aiproxy.config.governance import GuardConfig, RedactConfig
 from aiproxy.config.safe_regex import compile_text, text_bytes
 from aiproxy.governance.decoding import Decoder, decoder_for
 from aiproxy.governance.redact import INVISIBLE, Redactor, compile_detector
+from aiproxy.llm.openai import body_model
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
@@ -384,6 +385,9 @@ class GuardFilter(Filter):
             counts[key] = counts.get(key, 0) + 1
         ex.gov["guard"] = {"hits": hits, "blocked": blocked[0] if blocked else None}
         if blocked:
+            # The LLM filter, which names the model for the audit record, never sees it.
+            if ex.gov.get("model") is None:
+                ex.gov["model"] = body_model(body)
             return LocalReply(403, "guard_blocked", f"blocked by guard rule {blocked[0]}",
                               [(b"x-aiproxy-guard", blocked[0].encode("latin-1"))])
         self.flags = hits

@@ -753,6 +753,8 @@ class PolicyFilter(Filter):
         body = ex.request_body()
         whole = ex.req_done or 0 <= ex.head.content_length <= len(body)
         req = request_of(ex, policy.uses_model, policy.uses_intent, whole)
+        if req.model is not None:  # for the audit record, also of a request denied here
+            ex.gov["model"] = wirejson.valid_text(req.model[:200])
         if (not whole and policy.uses_model and not ex.grpc and not state.dry_run
                 and model_matters(policy, req)):
             # Read past the limit, the model would be a guess the client controls.
