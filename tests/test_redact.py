@@ -300,3 +300,18 @@ def test_non_ascii_stream_any_split_gives_the_same_result():
     whole, _, _ = _run(body, "json", [])
     for i in range(1, len(body)):
         assert _run(body, "json", [i])[0] == whole, i
+
+
+@pytest.mark.parametrize("data, mode", [
+    (b' \n{"created": 1764460800123, "t": "call +1 415 555 0100"}', "json"),
+    (_sse(["card 4111 1111 ", "1111 1111 ok"]), "sse"),
+    (b": comment\ndata: plain 4111 1111 1111 1111\n\n", "sse"),
+    (b"dat 4111 1111 1111 1111", "text"),
+])
+def test_auto_mode_reads_as_the_first_bytes_tell(data, mode):
+    """A response with no Content-Type: read as JSON, an event stream or text as its
+    first bytes tell, whatever reads split them."""
+    whole, r, _ = _run(data, "auto", [])
+    assert r.mode == mode and whole == _run(data, mode, [])[0] and whole != data
+    for i in range(1, len(data)):
+        assert _run(data, "auto", [i])[0] == whole, i

@@ -425,7 +425,8 @@ class GuardFilter(Filter):
             self.decoder = decoder
             self._count("decoded")
             resp = _decoded_head(resp)
-        mode = ("sse" if ctype == "text/event-stream" else
+        mode = ("auto" if ctype == "" else
+                "sse" if ctype == "text/event-stream" else
                 "ndjson" if ctype in STREAMED_JSON else
                 "json" if "json" in ctype else "text")
         self.redactor = Redactor(detector, mode)

@@ -62,6 +62,7 @@ _ALNUM = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456
 _ESCAPE = regex.compile(rb"\\(?:u[0-9a-fA-F]{4}|[^u])")
 _SIMPLE_ESCAPES = {ord("n"): b"\n", ord("t"): b"\t", ord("r"): b"\r", ord("b"): b" ",
                    ord("f"): b" ", ord("/"): b"/", ord("\\"): b"\\", ord('"'): b'"'}
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")  # how an event stream starts
 _PRC_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 _NON_ASCII = regex.compile(rb"[\x80-\xff]+")
 
@@ -176,7 +177,8 @@ class Redactor:
     """One response body. mode: "json" (every string by itself), "ndjson" (content
     strings as running texts across lines), "sse" (an event stream: the same across
     events for data: lines holding JSON; data: lines holding anything else are text),
-    "text" (the whole body is text)."""
+    "text" (the whole body is text), "auto" (one of json, sse and text, as the first
+    bytes tell: a response with no Content-Type)."""
 
     __slots__ = ("pattern", "names", "mode", "buf", "counts", "ctx", *_STATE)
 
@@ -200,10 +202,29 @@ class Redactor:
         self.counts: dict[str, int] = {}
 
     def feed(self, data: bytes) -> bytes:
+        if self.mode == "auto" and not self._sniff(self.buf + data, False):
+            return b""
         return self._run(self.buf + data, False)
 
     def end(self) -> bytes:
+        if self.mode == "auto":
+            self._sniff(self.buf, True)
         return self._run(self.buf, True) if self.buf else b""
+
+    def _sniff(self, data: bytes, final: bool) -> bool:
+        """Mode "auto" (a response with no Content-Type): the mode its first bytes
+        tell, JSON, an event stream or text; False (data held) while they cannot yet."""
+        start = data.lstrip(b" \t\r\n")
+        mode = "json" if start[:1] in (b"{", b"[", b'"') else "text"
+        for field in _SSE_FIELDS:
+            if start.startswith(field):
+                mode = "sse"
+            elif field.startswith(start) and not final:
+                self.buf = data
+                return False
+        self.mode = mode
+        self.in_str = self.content = mode == "text"
+        return True
 
     # -- scanning ---------------------------------------------------------------------------
 
