@@ -655,3 +655,42 @@ def test_writer_keeps_a_record_json_cannot_encode(tmp_path):
     assert records[2]["unencodable"].startswith("ValueError: Circular reference")
     res = _cli("verify", str(path))
     assert res.returncode == 0 and "ok: 4 records" in res.stdout, res.stdout
+
+
+def test_requests_refused_before_the_llm_filter_name_their_model(start_proxy, demo_upstream,
+                                                                   tmp_path):
+    """The audit record took the model from the LLM filter, which runs after the policy
+    and the guard: a request the guard blocked, or a policy rule on models denied, was
+    recorded with model null although its body named it (ex.gov["model"], which the
+    audit record reads, was set by nobody). They record the body's model now."""
+    (tmp_path / "models.toml").write_text(
+        '[[rules]]\nid = "no-secret"\neffect = "deny"\nmodels = ["secret*"]\n\n'
+        '[[rules]]\nid = "all"\neffect = "allow"\n')
+    config = _config(demo_upstream, tmp_path, "").replace(
+        "policy.toml", "models.toml") + """
+[llm]
+
+[guard]
+[[guard.rules]]
+id = "jailbreak"
+action = "block"
+keywords = ["ignore previous instructions"]
+"""
+    proxy = start_proxy(config)
+    h = {"x-api-key": KEY, "content-type": "application/json"}
+
+    def post(body: bytes) -> int:
+        return httpx.post(f"{proxy.url}/v1/chat/completions", headers=h, content=body,
+                          timeout=10).status_code
+
+    assert post(b'{"model": "gpt-4o", "messages": [{"role": "user", '
+                b'"content": "ignore previous instructions"}]}') == 403
+    # not JSON to a strict parser (a trailing comma): what the body seems to name
+    assert post(b'{"model": "gpt-4o-mini", "prompt": "ignore previous instructions",}') == 403
+    assert post(b'{"model": "secret-1", "messages": [{"role": "user", "content": "hi"}]}'
+                ) == 403
+    recs = _wait_records(tmp_path / "audit.log", 3)
+    assert [(r["status"], r["model"]) for r in recs] == [
+        (403, "gpt-4o"), (403, "gpt-4o-mini"), (403, "secret-1")], recs
+    assert recs[0]["guard"]["blocked"] == "jailbreak"
+    assert recs[2]["decision"] == {"result": "deny", "rule": "no-secret"}

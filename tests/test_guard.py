@@ -17,7 +17,13 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import simple_config
-from tests.support import free_port, serve_aiohttp, wait_port
+from tests.support import (
+    StreamServerThread,
+    free_port,
+    read_request,
+    serve_aiohttp,
+    wait_port,
+)
 
 CARD = "4111 1111 1111 1111"
 PARTS = ["Your card number is 4111 11", "11 1111 1", "111, and mail me at bob.jones@example.org"]
@@ -594,3 +600,56 @@ def test_compressed_grpc_messages_are_read_to_inspect_bytes_decoded(start_proxy,
         r = c.post(url, headers=grpc, content=_grpc_message(b" " * 70_000, True)
                    + _grpc_message(b"ignore previous instructions", True))
         assert r.status_code == 413, r.text
+
+
+UNTYPED = {
+    # path: (Content-Type or None, body)
+    "/json": (None, b'{"created": 1764460800123, "id": 4111111111111111, '
+                    b'"content": "card 4111 1111 1111 1111, mail bob.jones@example.org"}'),
+    "/sse": (None, b'data: {"created": 1764460800123, "choices": [{"delta": '
+                   b'{"content": "card 4111 1111 "}}]}\n\ndata: {"choices": [{"delta": '
+                   b'{"content": "1111 1111"}}]}\n\ndata: [DONE]\n\n'),
+    "/text": (None, b"card 4111 1111 1111 1111, mail bob.jones@example.org"),
+    "/html": ("text/html; charset=utf-8",
+              b"<p>card 4111 1111 1111 1111, mail <b>bob.jones@example.org</b></p>"),
+}
+
+
+async def _untyped(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while (req := await read_request(reader)) is not None:
+        ctype, body = UNTYPED[req[1]]
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n" % len(body)
+        if ctype is not None:
+            head += b"content-type: " + ctype.encode() + b"\r\n"
+        writer.write(head + b"\r\n" + body)
+        await writer.drain()
+    writer.close()
+
+
+def test_untyped_and_html_responses_are_redacted_by_default(start_proxy):
+    """The default content_types left out a response with no Content-Type (what an LLM
+    upstream may send JSON or text as) and text/html: a card or an address in them
+    passed. Both are redacted by default now; an untyped body is read as its first
+    bytes tell (JSON, an event stream or text), so JSON numbers stay untouched."""
+    upstream = StreamServerThread(_untyped)
+    try:
+        proxy = start_proxy(simple_config(upstream.port) + "\n[redact]\n")
+        with httpx.Client(timeout=10) as c:
+            got = {path: c.get(f"{proxy.url}{path}") for path in UNTYPED}
+    finally:
+        upstream.close()
+    for path, r in got.items():
+        assert r.status_code == 200, (path, r.text)
+        assert b"4111 1111 1111 1111" not in r.content and b"bob.jones" not in r.content, path
+        assert len(r.content) == len(UNTYPED[path][1]), path
+    doc = got["/json"].json()
+    assert doc["created"] == 1764460800123 and doc["id"] == 4111111111111111
+    assert doc["content"] == "card **** **** **** 1111, mail ***.*****@******e.org"
+    events = [json.loads(line[6:]) for line in got["/sse"].text.split("\n")
+              if line.startswith("data: {")]
+    assert events[0]["created"] == 1764460800123
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events) == \
+        "card **** **** **** 1111"
+    assert got["/text"].text == "card **** **** **** 1111, mail ***.*****@******e.org"
+    assert got["/html"].text == ("<p>card **** **** **** 1111, mail "
+                                 "<b>***.*****@******e.org</b></p>")

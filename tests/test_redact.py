@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -251,3 +252,66 @@ def test_anthropic_thinking_and_tool_input_are_running_texts():
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 40)))
         assert _run(data, "sse", cuts)[0] == whole, cuts
+
+
+@pytest.mark.parametrize("text, masked, kind", [
+    # fullwidth forms (NFKC): each masked character's 3 bytes become "***"
+    ("mail ｊａｎｅ＠ｅｘａｍｐｌｅ．ｃｏｍ ok", "mail " + "*" * 12 + "＠" + "*" * 18 + "ｅ．ｃｏｍ ok",
+     "email"),
+    ("card ４１１１ １１１１ １１１１ １１１１ ok", "card " + " ".join(["*" * 12] * 3) + " １１１１ ok",
+     "card"),
+    # zero-width characters, soft hyphen, word joiner and BOM are read past and kept
+    ("card 4111\u200b1111\u200c1111\u200d1111 ok", "card ****\u200b****\u200c****\u200d1111 ok",
+     "card"),
+    ("mail jane\u00ad.doe@exa\u2060mple.com x", "mail ****\u00ad.***@***\u2060***e.com x", "email"),
+    ("\ufeff4111111111111111 \u00e9t\u00e9", "\ufeff************1111 \u00e9t\u00e9", "card"),
+    ("ssn 078\u200b-05-1120", "ssn ***\u200b-**-1120", "us_ssn"),
+])
+def test_text_is_read_normalized_and_kept(text, masked, kind):
+    """Fullwidth characters (NFKC) and invisible ones must not hide a value; what is
+    not masked (the invisible characters, the other text) is left as it was."""
+    body = text.encode()
+    out, counts = redact_text(body)
+    assert out.decode() == masked and counts == {kind: 1}
+    assert len(out) == len(body)
+    # The same escaped (json.dumps's default): an escape of a masked character is masked whole.
+    doc = json.dumps({"t": text}).encode()
+    out, counts = redact_text(doc, mode="json")
+    assert counts == {kind: 1} and len(out) == len(doc)
+    stars = re.compile(r"\*+")  # an escape's 6 bytes are masked, a character's 3
+    assert stars.sub("*", json.loads(out)["t"]) == stars.sub("*", masked)
+
+
+def test_non_ascii_stream_any_split_gives_the_same_result():
+    """A character cut by a read (a fullwidth digit's 3 bytes over two events of the
+    transport) is held until whole: any split reads the same text."""
+    parts = ["Card: ４１１１ １１", "１１ 1111\u200b1111 and été ", "ｂｏｂ＠ｅｘａｍｐｌｅ.org"]
+    data = b"".join(p.encode() for p in parts)
+    whole, r, _ = _run(data, "text", [])
+    assert r.counts == {"card": 1, "email": 1}
+    assert whole.decode() == ("Card: " + "*" * 12 + " " + "*" * 12 + " ****\u200b1111 and été "
+                              + "*" * 9 + "＠" + "*" * 18 + "ｅ.org")
+    rng = random.Random(11)
+    for cuts in [list(range(1, len(data)))] + [
+            sorted(rng.sample(range(1, len(data)), rng.randint(1, 30))) for _ in range(100)]:
+        out, _, _ = _run(data, "text", cuts)
+        assert out == whole, cuts
+    body = json.dumps({"t": "".join(parts)}, ensure_ascii=False).encode()
+    whole, _, _ = _run(body, "json", [])
+    for i in range(1, len(body)):
+        assert _run(body, "json", [i])[0] == whole, i
+
+
+@pytest.mark.parametrize("data, mode", [
+    (b' \n{"created": 1764460800123, "t": "call +1 415 555 0100"}', "json"),
+    (_sse(["card 4111 1111 ", "1111 1111 ok"]), "sse"),
+    (b": comment\ndata: plain 4111 1111 1111 1111\n\n", "sse"),
+    (b"dat 4111 1111 1111 1111", "text"),
+])
+def test_auto_mode_reads_as_the_first_bytes_tell(data, mode):
+    """A response with no Content-Type: read as JSON, an event stream or text as its
+    first bytes tell, whatever reads split them."""
+    whole, r, _ = _run(data, "auto", [])
+    assert r.mode == mode and whole == _run(data, mode, [])[0] and whole != data
+    for i in range(1, len(data)):
+        assert _run(data, "auto", [i])[0] == whole, i

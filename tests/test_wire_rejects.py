@@ -773,6 +773,11 @@ BODY_REJECTS = {
     "chunk-ext-junk-after-quote": (400, b'5;a="b"c\r\nhello\r\n0\r\n\r\n' + SMUGGLED),
     "trailer-obs-fold": (400, b"5\r\nhello\r\n0\r\nX-T: a\r\n b\r\n\r\n" + SMUGGLED),
     "chunk-size-plus-sign": (400, b"+5\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    # Bounded like a head: a size line or trailer section never buffered without end.
+    "chunk-ext-too-long": (400, b"5;a=" + b"x" * 5000 + b"\r\nhello\r\n0\r\n\r\n" + SMUGGLED),
+    "trailer-section-too-large": (
+        431, b"5\r\nhello\r\n0\r\n"
+        + b"".join(b"X-T%d: %s\r\n" % (i, b"v" * 100) for i in range(50)) + b"\r\n" + SMUGGLED),
 }
 
 
@@ -1005,3 +1010,67 @@ def test_bad_request_pipelined_after_good(proxy: Proxy, rec: Recorder, bad: byte
     assert (out.responses[0].status, out.responses[0].body) == (200, b"ok")
     assert [r.target for r in rec.requests()] == [b"/first"]
     assert b"/second" not in rec.raw() and b"/submit" not in rec.raw()
+
+
+# --------------------------------------------------------------------------------------
+# A local answer before the body: the body is never read as the next request
+# --------------------------------------------------------------------------------------
+
+API_ONLY = """
+[http]
+max_body_bytes = 1024
+
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{port}"]
+
+[[routes]]
+name = "api"
+match = {{ path_prefix = "/api" }}
+cluster = "up"
+"""
+
+SMUGGLED_API = b"GET /api/admin HTTP/1.1\r\nHost: example.test\r\n\r\n"
+
+
+def _raw_until_close(sock: socket.socket) -> bytes:
+    sock.settimeout(5)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("parts", [
+    [b"POST /other HTTP/1.1\r\n" + H + b"Content-Length: %d\r\n\r\n" % len(SMUGGLED_API)
+     + SMUGGLED_API],
+    [b"POST /other HTTP/1.1\r\n" + H + b"Content-Length: %d\r\n\r\n" % len(SMUGGLED_API),
+     SMUGGLED_API],
+    [b"POST /other HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n",
+     b"%x\r\n%s\r\n0\r\n\r\n" % (len(SMUGGLED_API), SMUGGLED_API)],
+    [b"POST /other HTTP/1.1\r\n" + H + b"Expect: 100-continue\r\n"
+     b"Content-Length: %d\r\n\r\n" % len(SMUGGLED_API), SMUGGLED_API],
+], ids=["length-one-write", "length-later", "chunked-later", "expect-100-continue"])
+def test_local_answer_before_the_body_closes(start_proxy: Callable[..., Proxy],
+                                             parts: list[bytes]) -> None:
+    """A 404 (no route) answered from the head alone: the body, unread, holds what looks
+    like a request for a routed path. It must not be taken as the next request: one
+    response with `Connection: close`, then EOF, and nothing reaches the upstream. With
+    `Expect: 100-continue` no 100 goes out first (RFC 9110 10.1.1: the final answer
+    instead of it)."""
+    up = Recorder()
+    try:
+        p = start_proxy(API_ONLY.format(port=up.port))
+        with connect(p.port) as sock:
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(0.05)  # the second part, if any, comes after the answer
+            data = _raw_until_close(sock)
+        assert data.startswith(b"HTTP/1.1 404 "), data
+        responses, rest = parse_responses(data)
+        assert [r.status for r in responses] == [404] and rest == b"", data
+        assert responses[0].headers.get(b"connection") == b"close"
+        assert responses[0].json_error()["code"] == "no_route"
+        assert up.raw() == b""
+    finally:
+        up.close()

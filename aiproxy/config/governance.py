@@ -107,8 +107,11 @@ REDACT_TYPES = ("email", "phone", "card", "iban", "prc_id", "us_ssn")
 @dataclass(frozen=True, slots=True)
 class RedactConfig:
     types: tuple[str, ...] = REDACT_TYPES
+    # "": a response with no Content-Type (its body tells JSON, an event stream or
+    # text). A leak is worse than a rewrite: text/html is text too.
     content_types: tuple[str, ...] = ("application/json", "text/event-stream", "text/plain",
-                                      "application/x-ndjson", "application/jsonl")
+                                      "application/x-ndjson", "application/jsonl",
+                                      "text/html", "")
 
 
 def _dir(checker: _Checker) -> str:
@@ -116,14 +119,15 @@ def _dir(checker: _Checker) -> str:
 
 
 def _strings(checker: _Checker, data: dict, path: KeyPath, key: str,
-             choices: tuple[str, ...] | None = None) -> tuple[str, ...] | None:
+             choices: tuple[str, ...] | None = None, empty: bool = False
+             ) -> tuple[str, ...] | None:
     if key not in data:
         return None
     out = []
     for item_path, value in checker.string_list(data, path, key):
         if choices is not None and value not in choices:
             checker.error(item_path, f"unknown value '{value}' (one of: {', '.join(choices)})")
-        elif value == "":
+        elif value == "" and not empty:
             checker.error(item_path, "must not be empty")
         else:
             out.append(value)
@@ -457,7 +461,7 @@ def _redact(checker: _Checker, data: dict) -> RedactConfig | None:
         return None
     path: KeyPath = ("redact",)
     types = _strings(checker, table, path, "types", REDACT_TYPES)
-    ctypes = _strings(checker, table, path, "content_types")
+    ctypes = _strings(checker, table, path, "content_types", empty=True)  # "": none sent
     values: dict[str, Any] = {}
     if types is not None:
         values["types"] = types

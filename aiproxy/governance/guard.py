@@ -14,7 +14,8 @@ call the first message is read. The body is read in each way an upstream may dec
 it (readings: as sent, as its charset says, JSON in UTF-16 or UTF-32); a charset the
 guard cannot decode is refused (415 unsupported_charset). Keywords match the text as a
 reader sees it: compatibility-normalized (NFKC: fullwidth letters are letters), without
-invisible (default-ignorable) characters, with each run of whitespace one space.
+invisible (default-ignorable) characters, with each run of whitespace one space; regexes
+match both the text as sent and the text NFKC-normalized without invisible characters.
 A `block` rule answers 403 with its id; a `flag` rule lets the request through with
 x-aiproxy-guard-flags on the upstream request and the response, and in the audit record.
 
@@ -40,7 +41,8 @@ import orjson
 from aiproxy.config.governance import GuardConfig, RedactConfig
 from aiproxy.config.safe_regex import compile_text, text_bytes
 from aiproxy.governance.decoding import Decoder, decoder_for
-from aiproxy.governance.redact import Redactor, compile_detector
+from aiproxy.governance.redact import INVISIBLE, Redactor, compile_detector
+from aiproxy.llm.openai import body_model
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
@@ -73,15 +75,6 @@ FLAGS_HEADER = b"x-aiproxy-guard-flags"
 STREAMED_JSON = frozenset(("text/event-stream", "application/x-ndjson", "application/jsonl"))
 
 
-# Unicode's Default_Ignorable_Code_Point set (DerivedCoreProperties.txt): invisible
-# characters (zero-width, bidi controls, variation selectors, tags, fillers, ...) that a
-# reader (or a model's tokenizer) reads past.
-_IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160),
-              (0x17B4, 0x17B5), (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E),
-              (0x2060, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
-              (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
-              (0xE0000, 0xE0FFF))
-_INVISIBLE = dict.fromkeys(cp for lo, hi in _IGNORABLE for cp in range(lo, hi + 1))
 _SPACES = re.compile(r"\s+")
 _LEADING_WS = re.compile(rb"[ \t\r\n]*")
 _LEADING_SPACE = re.compile(r"[ \t\r\n]*")
@@ -92,6 +85,10 @@ _ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|x([0-9a-fA-F]{2})|(.))", re.DOTALL
 _ESCAPED = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "0": "\0"}
 # Each string of a (valid) JSON text; group 1 is set for a key.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"([ \t\r\n]*:)?')
+# Each string of a loosely read document: double-quoted or JSON5's single-quoted, read
+# from left to right (a quote inside the other kind of string starts none).
+_LOOSE_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"' rb"|'[^'\\]*(?:\\.[^'\\]*)*'",
+                           re.DOTALL)
 
 
 def json_text(body: bytes) -> str | None:
@@ -191,12 +188,12 @@ def readings(media: str, charsets: list[str], body: bytes) -> list[bytes]:
 def loose_json_text(body: bytes) -> str:
     """A document that looks like JSON but no strict parser takes (a trailing comma, a
     comment, single quotes: what lenient parsers read): the body as text, and each of
-    its double-quoted strings, keys too, decoded (escapes would hide a keyword in the
+    its strings, double- or single-quoted (JSON5), keys too, decoded (escapes would hide a keyword in the
     raw text): bytes that are not UTF-8 replaced, not the string skipped, and an escape
     JSON does not have read as lenient parsers read it (JSON5's \\x41; \\q is q)."""
     out = [body.decode("utf-8", "replace")]
-    for m in _STRING.finditer(body):
-        literal = m.group(0).rstrip(b" \t\r\n:")  # a key's without its colon
+    for m in _LOOSE_STRING.finditer(body):
+        literal = m.group(0)
         if b"\\" in literal:
             text = _ESCAPE.sub(_unescaped, literal[1:-1].decode("utf-8", "replace"))
             out.append(valid_text(text))  # surrogate pairs joined, lone ones U+FFFD
@@ -281,8 +278,17 @@ def _reading_text(content_type: bytes, media: str, body: bytes, json_fields: tup
 def reader_text(text: str) -> str:
     """The text as a reader sees it, for keywords: NFKC, no zero-width characters, each
     run of whitespace one space, case-folded."""
-    text = unicodedata.normalize("NFKC", text).translate(_INVISIBLE)
+    text = unicodedata.normalize("NFKC", text).translate(INVISIBLE)
     return _SPACES.sub(" ", text).casefold()
+
+
+def normalized(text: str) -> str | None:
+    """The text NFKC-normalized without invisible characters, for regexes; None where
+    that is the text itself (all ASCII is)."""
+    if text.isascii():
+        return None
+    norm = unicodedata.normalize("NFKC", text).translate(INVISIBLE)
+    return norm if norm != text else None
 
 
 class PromptGuard:
@@ -312,9 +318,13 @@ class PromptGuard:
                 for rid in ids:
                     hits[rid] = None
         if self.patterns:
-            data = text_bytes(text)
+            # Each regex sees the text as sent (a pattern may be written for look-alikes
+            # or fullwidth forms) and as a reader sees it (fullwidth "ＡＫＩＡ" is "AKIA").
+            norm = normalized(text)
+            datas = [text_bytes(text)] if norm is None else [text_bytes(text),
+                                                            text_bytes(norm)]
             for rid, pattern in self.patterns:
-                if rid not in hits and pattern.search(data):
+                if rid not in hits and any(pattern.search(d) for d in datas):
                     hits[rid] = None
         return list(hits)
 
@@ -375,6 +385,9 @@ class GuardFilter(Filter):
             counts[key] = counts.get(key, 0) + 1
         ex.gov["guard"] = {"hits": hits, "blocked": blocked[0] if blocked else None}
         if blocked:
+            # The LLM filter, which names the model for the audit record, never sees it.
+            if ex.gov.get("model") is None:
+                ex.gov["model"] = body_model(body)
             return LocalReply(403, "guard_blocked", f"blocked by guard rule {blocked[0]}",
                               [(b"x-aiproxy-guard", blocked[0].encode("latin-1"))])
         self.flags = hits
@@ -412,7 +425,8 @@ class GuardFilter(Filter):
             self.decoder = decoder
             self._count("decoded")
             resp = _decoded_head(resp)
-        mode = ("sse" if ctype == "text/event-stream" else
+        mode = ("auto" if ctype == "" else
+                "sse" if ctype == "text/event-stream" else
                 "ndjson" if ctype in STREAMED_JSON else
                 "json" if "json" in ctype else "text")
         self.redactor = Redactor(detector, mode)

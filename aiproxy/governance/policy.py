@@ -746,6 +746,8 @@ class PolicyFilter(Filter):
         body = ex.request_body()
         whole = ex.request_body_whole(body)
         req = request_of(ex, policy.uses_model, policy.uses_intent, whole)
+        if req.model is not None:  # for the audit record, also of a request denied here
+            ex.gov["model"] = wirejson.valid_text(req.model[:200])
         if (not whole and policy.uses_model and not ex.grpc and not state.dry_run
                 and model_matters(policy, req)):
             # Read past the limit, the model would be a guess the client controls.

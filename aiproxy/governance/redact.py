@@ -6,7 +6,11 @@ Masks replace ASCII letters and digits with "*", so a body keeps its length (and
 Content-Length) and JSON stays JSON: only the insides of JSON strings are searched
 (never numbers or keys' syntax). An escape sequence is read as the character it stands
 for (`\u0040` is "@", `\u00a0` a space), and one that stands for a masked character is
-masked whole (`\u0034` becomes `******`).
+masked whole (`\u0034` becomes `******`). Text is read as a reader sees it: a
+non-ASCII character whose NFKC form is ASCII as that form (a fullwidth "４" is "4", "＠"
+is "@", a no-break space a space), an invisible one (zero-width space, soft hyphen, BOM,
+...: Unicode's default-ignorable code points) as nothing; a masked character's bytes are
+all masked ("４" becomes "***"), the rest of the text is left as it was.
 
 Streams: a token stream's text arrives split over events (OpenAI-style deltas) or
 lines (NDJSON, as Ollama streams), so the string values of content keys ("content",
@@ -26,7 +30,9 @@ once. Nothing else waits.
 
 from __future__ import annotations
 
+import unicodedata
 from bisect import bisect_right
+from functools import lru_cache
 from operator import attrgetter
 from typing import Any
 
@@ -56,18 +62,41 @@ _ALNUM = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456
 _ESCAPE = regex.compile(rb"\\(?:u[0-9a-fA-F]{4}|[^u])")
 _SIMPLE_ESCAPES = {ord("n"): b"\n", ord("t"): b"\t", ord("r"): b"\r", ord("b"): b" ",
                    ord("f"): b" ", ord("/"): b"/", ord("\\"): b"\\", ord('"'): b'"'}
-_SPACE_LIKE = frozenset((0xA0, 0x2007, 0x2009, 0x202F, 0x3000))
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")  # how an event stream starts
 _PRC_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
+_NON_ASCII = regex.compile(rb"[\x80-\xff]+")
+
+# Unicode's Default_Ignorable_Code_Point set (DerivedCoreProperties.txt): invisible
+# characters (zero-width, bidi controls, variation selectors, tags, fillers, ...) that a
+# reader (or a model's tokenizer) reads past.
+_IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160),
+              (0x17B4, 0x17B5), (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E),
+              (0x2060, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
+              (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
+              (0xE0000, 0xE0FFF))
+INVISIBLE = dict.fromkeys(cp for lo, hi in _IGNORABLE for cp in range(lo, hi + 1))
+
+
+@lru_cache(maxsize=4096)
+def fold(ch: str) -> bytes | None:
+    """What a non-ASCII character reads as: nothing (invisible), its NFKC form where
+    that is ASCII (fullwidth "４" is "4", a no-break space a space), else None (itself:
+    no pattern matches it)."""
+    if ord(ch) in INVISIBLE:
+        return b""
+    norm = unicodedata.normalize("NFKC", ch)
+    return norm.encode("ascii") if norm.isascii() else None
 
 
 def _unescape(seq: bytes) -> bytes:
-    """The one byte a JSON escape reads as here: its ASCII character, a space for the
-    space-like ones (a card written with no-break spaces), else NUL (matches nothing)."""
+    """What a JSON escape reads as here: its ASCII character, a non-ASCII one folded
+    (fold), else NUL (matches nothing)."""
     if seq[1] == 0x75:  # \uXXXX
         cp = int(seq[2:6], 16)
         if cp < 0x80:
             return bytes((cp,))
-        return b" " if cp in _SPACE_LIKE else b"\x00"
+        folded = fold(chr(cp))
+        return b"\x00" if folded is None else folded
     return _SIMPLE_ESCAPES.get(seq[1], b"\x00")
 
 
@@ -148,7 +177,8 @@ class Redactor:
     """One response body. mode: "json" (every string by itself), "ndjson" (content
     strings as running texts across lines), "sse" (an event stream: the same across
     events for data: lines holding JSON; data: lines holding anything else are text),
-    "text" (the whole body is text)."""
+    "text" (the whole body is text), "auto" (one of json, sse and text, as the first
+    bytes tell: a response with no Content-Type)."""
 
     __slots__ = ("pattern", "names", "mode", "buf", "counts", "ctx", *_STATE)
 
@@ -172,10 +202,29 @@ class Redactor:
         self.counts: dict[str, int] = {}
 
     def feed(self, data: bytes) -> bytes:
+        if self.mode == "auto" and not self._sniff(self.buf + data, False):
+            return b""
         return self._run(self.buf + data, False)
 
     def end(self) -> bytes:
+        if self.mode == "auto":
+            self._sniff(self.buf, True)
         return self._run(self.buf, True) if self.buf else b""
+
+    def _sniff(self, data: bytes, final: bool) -> bool:
+        """Mode "auto" (a response with no Content-Type): the mode its first bytes
+        tell, JSON, an event stream or text; False (data held) while they cannot yet."""
+        start = data.lstrip(b" \t\r\n")
+        mode = "json" if start[:1] in (b"{", b"[", b'"') else "text"
+        for field in _SSE_FIELDS:
+            if start.startswith(field):
+                mode = "sse"
+            elif field.startswith(start) and not final:
+                self.buf = data
+                return False
+        self.mode = mode
+        self.in_str = self.content = mode == "text"
+        return True
 
     # -- scanning ---------------------------------------------------------------------------
 
@@ -381,9 +430,12 @@ class Redactor:
                   hold: int) -> None:
         """Keep the channel's last character sent (before hold): a rescan that starts
         inside the channel's text reads it as what came before (for lookbehinds)."""
-        for vs, bs, be, escaped in reversed(runs):
+        for j in range(len(runs) - 1, -1, -1):
+            vs, bs, be, atomic = runs[j]
             if bs < hold:
-                at = vs if escaped else vs + min(be, hold) - bs - 1
+                # An atomic run's text ends where the next run's starts.
+                at = ((runs[j + 1][0] if j + 1 < len(runs) else len(text)) - 1 if atomic
+                      else vs + min(be, hold) - bs - 1)
                 last = text[at:at + 1]
                 ctx = self.ctx
                 ctx.pop(key, None)
@@ -397,10 +449,12 @@ class Redactor:
         """Mask the complete matches of one channel (ctx: the character before its
         text, already sent); (the buffer position to hold from, its text, its runs)."""
         pieces = [ctx]
-        # Runs of the text searched: (text offset, buffer start, buffer end, escape). A
-        # plain run maps byte for byte; an escape is one text byte for its whole sequence.
+        # Runs of the text searched: (text offset, buffer start, buffer end, atomic). A
+        # plain run maps byte for byte; an atomic one (an escape, a folded character)
+        # stands for its whole sequence, whatever text it reads as.
         runs: list[tuple[int, int, int, bool]] = []
         base = v = len(ctx)
+        cut = len(buf)  # where a character cut short by the end of buf starts
         for s, e in segs:
             if e == VIRTUAL_NL:
                 pieces.append(b"\n")
@@ -412,28 +466,26 @@ class Redactor:
                 for m in _ESCAPE.finditer(buf, s, e):
                     ms, me = m.span()
                     if ms > i:
-                        pieces.append(buf[i:ms])
-                        runs.append((v, i, ms, False))
-                        v += ms - i
-                    pieces.append(_unescape(m.group()))
-                    runs.append((v, ms, me, True))
-                    v += 1
+                        v, cut = _plain(buf, i, ms, pieces, runs, v, cut)
+                    folded = _unescape(m.group())
+                    if folded:
+                        pieces.append(folded)
+                        runs.append((v, ms, me, True))
+                        v += len(folded)
                     i = me
             if e > i:
-                pieces.append(buf[i:e])
-                runs.append((v, i, e, False))
-                v += e - i
+                v, cut = _plain(buf, i, e, pieces, runs, v, cut)
         text = b"".join(pieces)
         if len(text) == base:
-            return len(buf), text, runs
+            return (cut if open_ else len(buf)), text, runs
         starts = [r[0] for r in runs]
 
         def run_of(vi: int) -> tuple[int, int, int, bool]:
             return runs[max(0, bisect_right(starts, vi) - 1)]
 
         def pos(vi: int) -> int:
-            vs, bs, _, escaped = run_of(vi)
-            return bs if escaped else bs + vi - vs
+            vs, bs, _, atomic = run_of(vi)
+            return bs if atomic else bs + vi - vs
 
         end = len(text)
         hold_v = end
@@ -456,12 +508,58 @@ class Redactor:
             self.counts[kind] = self.counts.get(kind, 0) + 1
             alnum = [i for i in range(m.start(), m.end()) if text[i] in _ALNUM]
             for i in alnum[:-4]:
-                vs, bs, be, escaped = run_of(i)
-                if escaped:
+                vs, bs, be, atomic = run_of(i)
+                if atomic:
                     out[bs:be] = b"*" * (be - bs)
                 else:
                     out[bs + i - vs] = 0x2A  # "*"
-        return (len(buf) if hold_v >= end else pos(hold_v)), text, runs
+        held = len(buf) if hold_v >= end else pos(hold_v)
+        return (min(held, cut) if open_ else held), text, runs
+
+
+def _plain(buf: bytes, i: int, e: int, pieces: list[bytes],
+           runs: list[tuple[int, int, int, bool]], v: int, cut: int) -> tuple[int, int]:
+    """Add buf[i:e], unescaped bytes, to the text at offset v: ASCII byte for byte, a
+    non-ASCII character as fold reads it. (The text's new end, and cut: the start of a
+    character the end of buf cuts short, which is left out of the text.)"""
+    m = _NON_ASCII.search(buf, i, e)
+    if m is None:  # ASCII: already NFKC, nothing invisible
+        pieces.append(buf[i:e])
+        runs.append((v, i, e, False))
+        return v + e - i, cut
+    n = len(buf)
+    p = i  # start of the bytes not yet added
+    while m is not None:
+        k, me = m.span()
+        while k < me:
+            b0 = buf[k]
+            size = 2 if 0xC2 <= b0 <= 0xDF else 3 if 0xE0 <= b0 <= 0xEF else \
+                4 if 0xF0 <= b0 <= 0xF4 else 1
+            if k + size > me and me == n:
+                cut = k  # the rest of the character is still to come
+                e = k
+                break
+            try:
+                folded = fold(buf[k:k + size].decode("utf-8"))
+            except UnicodeDecodeError:
+                folded, size = None, 1  # not UTF-8: a byte that matches nothing
+            if folded is not None:
+                if k > p:
+                    pieces.append(buf[p:k])
+                    runs.append((v, p, k, False))
+                    v += k - p
+                if folded:
+                    pieces.append(folded)
+                    runs.append((v, k, k + size, True))
+                    v += len(folded)
+                p = k + size
+            k += size
+        m = _NON_ASCII.search(buf, me, e) if me < e else None
+    if e > p:
+        pieces.append(buf[p:e])
+        runs.append((v, p, e, False))
+        v += e - p
+    return v, cut
 
 
 def redact_text(data: bytes, kinds: tuple[str, ...] = ORDER, mode: str = "text"

@@ -34,6 +34,8 @@ ENDPOINTS = {
 CACHE_FIELDS = ("cache_creation_input_tokens", "cache_read_input_tokens")
 
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,200})"')
+# A "model" in a body no strict parser takes (escapes included: decoded as JSON's).
+_MODEL_ESCAPED = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
 _STREAM = re.compile(rb'"stream"\s*:\s*(true|false)')
 _MAX = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:\s*(\d{1,9})')
 _USAGE_FIELD = re.compile(
@@ -365,3 +367,20 @@ class JsonReader:
             return None, self.size
         cached = sum(int(found.get(k.encode(), 0)) for k in CACHE_FIELDS)
         return (int(prompt) + cached, int(completion)), self.size
+
+
+def body_model(body: bytes) -> str | None:
+    """The "model" a request body names, for a record of a request no LLM filter read
+    (one the guard refused): a JSON object's, else what a body that is no JSON seems to
+    name. Valid text, at most 200 characters (it goes to logs)."""
+    try:
+        doc = wirejson.loads(body)
+    except ValueError:
+        m = _MODEL_ESCAPED.search(body)
+        try:
+            model = json.loads(b'"' + m.group(1) + b'"') if m is not None else None
+        except ValueError:
+            return None
+    else:
+        model = doc.get("model") if isinstance(doc, dict) else None
+    return wirejson.valid_text(model[:200]) if isinstance(model, str) else None
