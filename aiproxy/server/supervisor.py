@@ -150,7 +150,9 @@ class Supervisor:
             self.startup.cancel()  # asked to stop before every worker was up
         elif code != 0:
             log.error("a worker failed to start; stopping")
-            await self.stop_workers(0)
+            # The others are told to stop (SIGTERM) and, having nothing to drain, do so
+            # at once; SIGKILL only for one that does not.
+            await self.stop_workers(STOP_MARGIN)
             await self._release_kernel()
             await self._stop_admin()
             return code
@@ -271,7 +273,8 @@ class Supervisor:
         if not any(s.running for s in self.slots):
             self.all_exited.set()
         if self.stopping:
-            level = logging.INFO if code == 0 else logging.WARNING
+            # -SIGTERM: one still starting, before its handler, died of the SIGTERM we sent
+            level = logging.INFO if code in (0, -signal.SIGTERM) else logging.WARNING
             log.log(level, "worker %d (pid %s) %s", slot.index, pid, exit_reason(code))
             return
         if self.startup is not None and not self.startup.done():
