@@ -185,6 +185,25 @@ async def _same_origin(request: web.Request, handler: Any) -> web.StreamResponse
     return await handler(request)
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    # aiohttp answers an unknown path or method in plain text; the admin API's other
+    # errors are JSON {"error": {"code", "message"}}.
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return web.json_response(
+            {"error": {"code": "method_not_allowed",
+                       "message": f"{request.method} is not allowed here (allowed: "
+                                  f"{allowed})"}},
+            status=405, headers={"Allow": allowed})
+    except web.HTTPNotFound:
+        return web.json_response(
+            {"error": {"code": "not_found", "message": "no such admin endpoint"}},
+            status=404)
+
+
 def _known_host(loopback: bool) -> Any:
     @web.middleware
     async def known_host(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -230,7 +249,8 @@ class AdminServer:
         self.runner: web.AppRunner | None = None
         admin = backend.config.admin
         loopback = admin is not None and loopback_name(admin.host)
-        app = web.Application(middlewares=[_known_host(loopback), _same_origin, self._auth])
+        app = web.Application(middlewares=[_known_host(loopback), _same_origin, self._auth,
+                                          _json_errors])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
