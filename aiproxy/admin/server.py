@@ -24,8 +24,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from aiproxy.config import Config
+from aiproxy.config import Config, Problem, read_config_text
 from aiproxy.config.address import loopback_name
+from aiproxy.config.locate import Locator
 from aiproxy.governance.tracing import build_graph, trace_spans
 from aiproxy.protocols import fields
 from aiproxy.server.sockets import bound_sockets
@@ -241,6 +242,19 @@ class _HandlerLog(logging.LoggerAdapter):
             log.info("bad request from %s: %d %s", remote, exc_info.code, reason[:200])
             return
         self.logger.error(msg, *args, exc_info=exc_info, **kwargs)
+
+
+def bind_problem(config: Config, exc: OSError) -> Problem:
+    """Why the admin API's address cannot be bound, naming the file, line and key."""
+    admin = config.admin
+    address = admin.address if admin is not None else "?"
+    try:
+        line = Locator(read_config_text(config.source)).line(("admin", "address"))
+    except Exception:  # noqa: BLE001 - a config given as text: no lines to name
+        line = 0
+    why = exc.strerror or str(exc)
+    return Problem(config.source, line, "admin.address",
+                   f"cannot bind the admin API ([admin] address) on {address}: {why}")
 
 
 class AdminServer:

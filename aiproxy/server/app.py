@@ -15,7 +15,7 @@ from typing import Any
 
 import uvloop
 
-from aiproxy.admin.server import AdminServer, LocalBackend
+from aiproxy.admin.server import AdminServer, LocalBackend, bind_problem
 from aiproxy.config import Config, ConfigError, ListenerConfig, load_config, load_config_text
 from aiproxy.config.insecure import insecure_settings
 from aiproxy.config.model_check import load_checked_model
@@ -46,6 +46,10 @@ DRAIN_IDLE_SECONDS = 1.0
 
 class ListenerError(Exception):
     """A listener that cannot start; the message names it."""
+
+
+class AdminBindError(Exception):
+    """The admin API's address cannot be bound; the message names file, line and key."""
 
 
 def worker_config(config: Config, slot: int | None) -> Config:
@@ -112,7 +116,10 @@ class ProxyServer(ServerCore):
         admin = self.config.admin
         if admin is not None and serve_admin:
             self.admin = AdminServer(LocalBackend(self))
-            await self.admin.start(admin.host, admin.port)
+            try:
+                await self.admin.start(admin.host, admin.port)
+            except OSError as exc:  # socket.gaierror too
+                raise AdminBindError(str(bind_problem(self.config, exc))) from exc
             log.info("admin API on %s", admin.address)
 
     async def reload(self, text: str | None = None) -> tuple[bool, str]:
@@ -426,8 +433,8 @@ async def start_server(config: Config, setup: Callable[[ProxyServer], None] | No
     except ListenerError as exc:
         log.error("%s: %s", config.source, exc)
         code = 1
-    except OSError as exc:  # the admin API's address
-        log.error("%s: cannot bind: %s", config.source, exc)
+    except AdminBindError as exc:
+        log.error("%s", exc)
         code = 1
     else:
         return server

@@ -126,13 +126,13 @@ class Supervisor:
         if admin is not None:
             # aiohttp only when there is an admin listener: it is most of this process's
             # import time, and the workers' start waits for it
-            from aiproxy.admin.server import AdminServer
+            from aiproxy.admin.server import AdminServer, bind_problem
 
             self.admin = AdminServer(self)
             try:
                 await self.admin.start(admin.host, admin.port)
             except OSError as exc:
-                log.error("cannot bind admin listener: %s", exc)
+                log.error("%s", bind_problem(self.config, exc))
                 await self.admin.stop()
                 return 1
             log.info("admin API on %s", admin.address)
