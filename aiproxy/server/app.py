@@ -28,7 +28,7 @@ from aiproxy.protocols.proxy_protocol import ProxyHeaderReader
 from aiproxy.protocols.tcp_proxy import TcpProxyConnection
 from aiproxy.routing.cluster import finish_checks
 from aiproxy.semantic.classifier import ModelError
-from aiproxy.server import STOP_SIGNALS, sd_notify
+from aiproxy.server import HURRY_SIGNALS, STOP_SIGNALS, sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.server.tls import AlertingSSLObject, ListenerTls, Stamp, restart_shape
@@ -70,6 +70,7 @@ class ProxyServer(ServerCore):
         self.connections: set[Any] = set()
         self.draining = False
         self.drain_expired = False
+        self.hurried = False  # a second stop signal: end the drain now (hurry())
         self.servers: list[asyncio.Server] = []
         self.metrics = Metrics()
         path = resolve_log_path(config.access_log.path, config.source)
@@ -254,10 +255,11 @@ class ProxyServer(ServerCore):
         for conn in list(self.connections):
             conn.drain(idle_grace)
         deadline = self.loop.time() + timeout
-        while self.connections and self.loop.time() < deadline:
+        while self.connections and self.loop.time() < deadline and not self.hurried:
             await asyncio.sleep(0.05)
         if self.connections:
-            log.warning("drain timeout: closing %d connections", len(self.connections))
+            why = "stopping now" if self.hurried else "drain timeout"
+            log.warning("%s: closing %d connections", why, len(self.connections))
             self.drain_expired = True
             for conn in list(self.connections):
                 if conn.transport is not None:
@@ -274,6 +276,13 @@ class ProxyServer(ServerCore):
         await self._maybe_in_thread(self.kernel.cfg.enabled, self.kernel.stop)
         if self.access_log is not None:
             self.access_log.close()
+
+    def hurry(self) -> None:
+        """End a drain under way at once: what is still open is closed as at the drain
+        timeout (nginx's fast shutdown, on a second SIGTERM/SIGINT)."""
+        if self.draining and not self.hurried:
+            log.warning("asked again to stop: ending the drain now")
+        self.hurried = True
 
     async def _maybe_in_thread(self, blocks: bool, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the default executor's thread if it `blocks`, else right here, so
@@ -487,6 +496,8 @@ async def serve(config: Config) -> int:
     sd_notify.notify("READY=1")
     await stop.wait()
     sd_notify.notify("STOPPING=1")
+    for sig in HURRY_SIGNALS:  # a second one: stop draining (SIGQUIT stays graceful)
+        loop.add_signal_handler(sig, server.hurry)
     drain = server.config.server.drain_timeout_ms
     log.info("stopping: draining for up to %d ms", drain)
     await server.stop(drain / 1000)

@@ -33,7 +33,7 @@ from aiproxy.config import (
     load_config_text,
     read_config_text,
 )
-from aiproxy.server import STOP_SIGNALS, forkserver, sd_notify
+from aiproxy.server import HURRY_SIGNALS, STOP_SIGNALS, forkserver, sd_notify
 from aiproxy.server.channel import Channel
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.server.tls import restart_shape
@@ -172,6 +172,8 @@ class Supervisor:
             sd_notify.notify("READY=1")
         await stopped
         sd_notify.notify("STOPPING=1")
+        for sig in HURRY_SIGNALS:  # a second one: the workers stop draining
+            loop.add_signal_handler(sig, self.hurry_workers)
         drain = self.config.server.drain_timeout_ms / 1000
         log.info("stopping: workers drain for up to %.0f ms", drain * 1000)
         await self.stop_workers(drain + STOP_MARGIN)
@@ -300,6 +302,12 @@ class Supervisor:
             if slot.pid is not None and slot.running:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(slot.pid, sig)
+
+    def hurry_workers(self) -> None:
+        log.warning("asked again to stop: workers end their drain now")
+        for slot in self.slots:
+            if slot.channel is not None:
+                slot.channel.send({"op": "hurry"})  # no reply awaited
 
     async def stop_workers(self, timeout: float) -> None:
         """SIGTERM (each worker drains), then SIGKILL whoever is left after `timeout`."""

@@ -84,8 +84,11 @@ async def serve_worker(config: Config, sock: socket.socket, slot: int,
         return trace_spans(server.runtime, trace_id)
 
     channel = await Channel.open(sock)
+    async def hurry() -> None:
+        server.hurry()
+
     handlers = {"reload": reload, "metrics": metrics, "routes": routes, "clusters": clusters,
-                "spans": spans}
+                "spans": spans, "hurry": hurry}
     serving = loop.create_task(channel.serve(handlers))
     # EOF on the channel means the supervisor is gone: stop rather than serve unsupervised.
     serving.add_done_callback(lambda _: stop.set())
