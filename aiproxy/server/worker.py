@@ -83,10 +83,10 @@ async def serve_worker(config: Config, sock: socket.socket, slot: int,
     async def spans(trace_id: str) -> list | None:
         return trace_spans(server.runtime, trace_id)
 
-    channel = await Channel.open(sock)
-    async def hurry() -> None:
+    async def hurry() -> None:  # a second stop signal to the supervisor
         server.hurry()
 
+    channel = await Channel.open(sock)
     handlers = {"reload": reload, "metrics": metrics, "routes": routes, "clusters": clusters,
                 "spans": spans, "hurry": hurry}
     serving = loop.create_task(channel.serve(handlers))
