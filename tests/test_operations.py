@@ -223,7 +223,7 @@ def test_config_view_hides_url_passwords():
     from aiproxy.admin.server import effective_config
     from aiproxy.config.loader import load_config_text
 
-    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:1"\n' + simple_config(1) + """
+    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:1"\n' + simple_config(2) + """
 [[ratelimits]]
 name = "shared"
 requests_per_second = 10
