@@ -402,6 +402,26 @@ def test_run_names_the_listener_that_cannot_bind(tmp_path: Path) -> None:
             "Address already in use") in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_run_names_the_admin_address_that_cannot_bind(tmp_path: Path, workers: int) -> None:
+    """An admin address already taken is a problem with the config's [admin] address:
+    FILE:LINE: admin.address, the address, exit 1, no traceback (with workers, the
+    supervisor binds it)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        text = (f"[server]\nworkers = {workers}\n" + valid_config(free_port())
+                + f'\n[admin]\naddress = "127.0.0.1:{port}"\n')
+        path = write(tmp_path, text)
+        res = aiproxy_cli("-c", str(path), timeout=60)
+    assert res.returncode == 1, res.stderr
+    line = line_of(text, f"127.0.0.1:{port}")
+    assert (f"{path}:{line}: admin.address: cannot bind the admin API ([admin] address) "
+            f"on 127.0.0.1:{port}: Address already in use") in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_unreadable_upstream_identity_secret_file(tmp_path: Path) -> None:
     """An [auth.upstream_identity] secret_file that exists but cannot be read was opened
     without a guard: `check` and `run` died with a Python traceback (exit 1).

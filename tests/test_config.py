@@ -1011,3 +1011,50 @@ def test_admin_token_a_client_cannot_send(tmp_path, token):
         "(no client could send it)"]
     text = BASE + '\n[admin]\naddress = "127.0.0.1:9901"\ntoken = " s3cr3t with\tspace/+="\n'
     assert load_config(write(tmp_path, text)).admin.token == " s3cr3t with\tspace/+="
+
+
+def test_duplicate_listener_protocol(tmp_path):
+    text = BASE.replace('8080"', '8080"\nprotocols = ["http1", "h2c", "http1"]')
+    assert problems(tmp_path, text) == ["4: listeners[0].protocols[2]: duplicate protocol 'http1'"]
+
+
+def test_semantic_threshold_needs_a_semantic_section(tmp_path):
+    """Without [semantic] there are no embeddings to compare: the threshold would do
+    nothing, silently."""
+    text = BASE + "\n[cache]\nsemantic_threshold = 0.9\n"
+    assert problems(tmp_path, text) == [
+        "10: cache.semantic_threshold: needs a [semantic] section"]
+
+
+@pytest.mark.parametrize("listener, endpoint", [
+    ("127.0.0.1:8080", "127.0.0.1:8080"),
+    ("0.0.0.0:8080", "127.0.0.1:8080"),
+    ("0.0.0.0:8080", "127.0.0.5:8080"),
+    ("0.0.0.0:8080", "localhost:8080"),
+    ("127.0.0.1:8080", "localhost:8080"),
+    ("[::]:8080", "[::1]:8080"),
+    ("localhost:8080", "127.0.0.1:8080"),
+])
+def test_cluster_endpoint_that_is_an_own_listener_is_a_loop(tmp_path, listener, endpoint):
+    """Proxying to the listener the request came in on sends it round until its headers
+    outgrow the limit (431 after ~100 hops): refused at load. Another port of the
+    proxy, or a non-loopback address (maybe another host), stays allowed."""
+    text = BASE.replace('"127.0.0.1:8080"', f'"{listener}"').replace(
+        '"127.0.0.1:9000"', f'"127.0.0.1:9000", "{endpoint}"')
+    assert problems(tmp_path, text) == [
+        f"7: clusters[0].endpoints[1]: endpoint '{endpoint}' is this proxy's own listener "
+        f"'public' ({listener}): requests would loop back into it"]
+
+
+@pytest.mark.parametrize("listener, endpoint", [
+    ("127.0.0.1:8080", "127.0.0.1:8081"),
+    ("127.0.0.1:8080", "127.0.0.2:8080"),
+    ("0.0.0.0:8080", "192.0.2.7:8080"),
+    ("0.0.0.0:8080", "[::1]:8080"),
+    ("0.0.0.0:8080", "upstream.example:8080"),
+])
+def test_cluster_endpoint_beside_an_own_listener_is_allowed(tmp_path, listener, endpoint):
+    text = BASE.replace('"127.0.0.1:8080"', f'"{listener}"').replace(
+        '"127.0.0.1:9000"', f'"{endpoint}"')
+    assert load_config_text(textwrap.dedent(text), "x.toml").clusters[0].endpoints[0].port \
+        == int(endpoint.rsplit(":", 1)[1])

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from hyperframe.frame import GoAwayFrame
 
 from tests.conftest import simple_config
 from tests.h2_support import FrameClient
+from tests.support import StreamServerThread
 
 DRAIN = "[server]\nworkers = {workers}\ndrain_timeout_ms = 3000\n"
 REQUEST = b"GET /delay/1 HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -128,3 +130,46 @@ def test_h2_stream_crossing_the_drain_goaway_is_served(start_proxy, demo_upstrea
         (2**31 - 1, 0), (3, 0)]
     assert client.eof
     assert proxy.proc.wait(10) == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_second_sigterm_ends_the_drain_at_once(start_proxy, workers):
+    """SIGTERM drains (here for up to 10 minutes, a request held by its upstream); a
+    second SIGTERM while draining cuts what is left and exits (nginx's fast stop). With
+    workers the supervisor passes it on: a worker does not take its own second signal
+    for one, as it also gets the group's SIGINT or systemd's SIGTERM."""
+    arrived = threading.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        arrived.set()
+        await asyncio.sleep(3600)  # never answers
+
+    upstream = StreamServerThread(silent)
+    try:
+        proxy = start_proxy(
+            f"[server]\nworkers = {workers}\ndrain_timeout_ms = 600000\n"
+            + simple_config(upstream.port).replace('cluster = "up"',
+                                                   'cluster = "up"\ntimeout_ms = 600000'))
+        if workers > 1:
+            wait_for_log(proxy, "aiproxy ready")
+        client = socket.create_connection(("127.0.0.1", proxy.port))
+        client.sendall(b"GET /held HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert arrived.wait(30), "the request did not reach the upstream"
+        proxy.proc.send_signal(signal.SIGTERM)
+        wait_for_log(proxy, "stopping:")
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert proxy.proc.wait(120) == 0  # the drain alone would last 10 minutes
+        log = proxy.log()
+        assert "asked again to stop" in log, log
+        assert "stopping now: closing 1 connections" in log, log
+        client.close()
+    finally:
+        upstream.close()
+
+
+def wait_for_log(proxy, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proxy.log():
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{proxy.log()}"
+        time.sleep(0.05)

@@ -101,6 +101,27 @@ def test_admin_token_that_is_not_utf8_is_refused_not_a_crash(start_proxy, demo_u
     assert "Traceback" not in proxy.log(), proxy.log()
 
 
+def test_admin_unknown_path_and_method_answer_json_errors(start_proxy, demo_upstream):
+    """404 and 405 come in the admin API's JSON error shape, as its other errors do,
+    not aiohttp's plain text; a 405 names the allowed methods in Allow."""
+    admin = free_port()
+    start_proxy(simple_config(demo_upstream) + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    base = f"http://127.0.0.1:{admin}"
+    r = httpx.get(f"{base}/nope")
+    assert r.status_code == 404
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["code"] == "not_found"
+    r = httpx.post(f"{base}/healthz")
+    assert r.status_code == 405
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    assert set(r.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+    r = httpx.get(f"{base}/config/reload")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+    assert r.json()["error"]["message"] == "GET is not allowed here (allowed: POST)"
+
+
 def test_admin_refuses_cross_site_browser_posts(start_proxy, demo_upstream):
     """Without [admin] token, a page the operator visits could make the browser POST to
     the loopback admin port: a "simple" request (text/plain, a form) needs no CORS
@@ -202,7 +223,7 @@ def test_config_view_hides_url_passwords():
     from aiproxy.admin.server import effective_config
     from aiproxy.config.loader import load_config_text
 
-    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:1"\n' + simple_config(1) + """
+    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:1"\n' + simple_config(2) + """
 [[ratelimits]]
 name = "shared"
 requests_per_second = 10

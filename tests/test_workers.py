@@ -575,3 +575,24 @@ def test_sigusr1_while_workers_start_does_not_kill_them(tmp_path: Path, demo_ups
     finally:
         log = stop_process(proc, timeout=15)
     assert "killed by signal" not in log, log
+
+
+def test_failed_start_stops_the_other_workers_without_a_false_sigkill(tmp_path: Path,
+                                                                      demo_upstream):
+    """Worker 0 cannot attach [kernel] (no such interface), worker 1 starts fine: the
+    supervisor stops worker 1 with SIGTERM and waits for it, rather than logging a
+    SIGKILL "after 0.0 s" while the worker is already stopping."""
+    port = free_port()
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(WORKERS + f'[[listeners]]\nname = "l"\naddress = "127.0.0.1:{port}"\n'
+                   + simple_config(demo_upstream) + '\n[kernel]\ninterfaces = ["nosuchif0"]\n')
+    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(cfg)])
+    try:
+        assert proc.wait(60) == 2
+    finally:
+        log = stop_process(proc)
+    assert "a worker failed to start; stopping" in log, log
+    assert "SIGKILL" not in log, log
+    pid = dict(started(log))[1]
+    assert (f"worker 1 (pid {pid}) exited with code 0" in log
+            or f"worker 1 (pid {pid}) killed by signal SIGTERM" in log), log

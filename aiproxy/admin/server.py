@@ -24,8 +24,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from aiproxy.config import Config
+from aiproxy.config import Config, Problem, read_config_text
 from aiproxy.config.address import loopback_name
+from aiproxy.config.locate import Locator
 from aiproxy.governance.tracing import build_graph, trace_spans
 from aiproxy.protocols import fields
 from aiproxy.server.sockets import bound_sockets
@@ -185,6 +186,25 @@ async def _same_origin(request: web.Request, handler: Any) -> web.StreamResponse
     return await handler(request)
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    # aiohttp answers an unknown path or method in plain text; the admin API's other
+    # errors are JSON {"error": {"code", "message"}}.
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return web.json_response(
+            {"error": {"code": "method_not_allowed",
+                       "message": f"{request.method} is not allowed here (allowed: "
+                                  f"{allowed})"}},
+            status=405, headers={"Allow": allowed})
+    except web.HTTPNotFound:
+        return web.json_response(
+            {"error": {"code": "not_found", "message": "no such admin endpoint"}},
+            status=404)
+
+
 def _known_host(loopback: bool) -> Any:
     @web.middleware
     async def known_host(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -224,13 +244,27 @@ class _HandlerLog(logging.LoggerAdapter):
         self.logger.error(msg, *args, exc_info=exc_info, **kwargs)
 
 
+def bind_problem(config: Config, exc: OSError) -> Problem:
+    """Why the admin API's address cannot be bound, naming the file, line and key."""
+    admin = config.admin
+    address = admin.address if admin is not None else "?"
+    try:
+        line = Locator(read_config_text(config.source)).line(("admin", "address"))
+    except Exception:  # noqa: BLE001 - a config given as text: no lines to name
+        line = 0
+    why = exc.strerror or str(exc)
+    return Problem(config.source, line, "admin.address",
+                   f"cannot bind the admin API ([admin] address) on {address}: {why}")
+
+
 class AdminServer:
     def __init__(self, backend: AdminBackend) -> None:
         self.backend = backend
         self.runner: web.AppRunner | None = None
         admin = backend.config.admin
         loopback = admin is not None and loopback_name(admin.host)
-        app = web.Application(middlewares=[_known_host(loopback), _same_origin, self._auth])
+        app = web.Application(middlewares=[_known_host(loopback), _same_origin, self._auth,
+                                          _json_errors])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)

@@ -135,6 +135,10 @@ def cache(ck: _Checker, data: dict[str, Any]) -> CacheConfig | None:
         t = table["semantic_threshold"]
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= 1:
             ck.error(path + ("semantic_threshold",), "expected a number in (0, 1]")
+        elif "semantic" not in data:
+            # the threshold compares the [semantic] model's embeddings: without it the
+            # setting would do nothing (as matching on an intent needs the model)
+            ck.error(path + ("semantic_threshold",), "needs a [semantic] section")
         else:
             values["semantic_threshold"] = float(t)
     backend = _choice(ck, table, path, "backend", BACKENDS)

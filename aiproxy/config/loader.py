@@ -205,6 +205,27 @@ def _bind_addresses(host: str) -> set[tuple[int, str]]:
     return {(ip.version, "*" if ip.is_unspecified else ip.compressed)}
 
 
+def _own_listener(endpoint: Endpoint,
+                  listeners: tuple[ListenerConfig, ...]) -> ListenerConfig | None:
+    """The listener a connection to `endpoint` would reach in this very proxy, as far as
+    the config can tell: the same port on the same address, or a loopback (or
+    unspecified) endpoint address under a wildcard listener of its IP version. Another
+    listener of the proxy (another port) is a legitimate next hop, and a non-loopback
+    address may be another host."""
+    mine = _bind_addresses(endpoint.host)
+    for listener in listeners:
+        if listener.port != endpoint.port:
+            continue
+        theirs = _bind_addresses(listener.host)
+        if mine & theirs:
+            return listener
+        for version, address in mine:
+            if version and (version, "*") in theirs and (
+                    address == "*" or ipaddress.ip_address(address).is_loopback):
+                return listener
+    return None
+
+
 def _bind_overlap(a: set[tuple[int, str]], b: set[tuple[int, str]]) -> bool:
     return any(x == y or (x[0] == y[0] != 0 and "*" in (x[1], y[1])) for x in a for y in b)
 
@@ -243,6 +264,7 @@ class _Checker:
         self.filename = filename
         self.locator = locator
         self.problems: list[Problem] = []
+        self.bound: tuple[ListenerConfig, ...] = ()  # listeners, once read
 
     def base_dir(self) -> str:
         """Where relative paths in the file start from: the file's directory."""
@@ -374,6 +396,7 @@ class _Checker:
         self.check_keys(data, (), _TOP_KEYS)
         http = self.section(data, "http", _field_names(HttpConfig))
         listeners = self.listeners(data)
+        self.bound = listeners  # endpoints that are one of these would loop
         clusters, cluster_names = self.clusters(data)
         self.tcp_listener_clusters(listeners, clusters, cluster_names)
         return Config(
@@ -512,7 +535,9 @@ class _Checker:
                 self.error(path + (index,), f"expected string, got {_kind(value)}")
             elif value not in PROTOCOLS:
                 self.error(path + (index,), f"unknown protocol '{value}' (allowed: {allowed})")
-            elif value not in result:
+            elif value in result:
+                self.error(path + (index,), f"duplicate protocol '{value}'")
+            else:
                 result.append(value)
         return tuple(result)
 
@@ -912,6 +937,11 @@ class _Checker:
             key = (endpoint.host.lower(), endpoint.port)
             if key in seen:
                 self.error(path + (index,), f"duplicate endpoint '{endpoint.address}'")
+            own = _own_listener(endpoint, self.bound)
+            if own is not None:
+                self.error(path + (index,), f"endpoint '{endpoint.address}' is this proxy's "
+                           f"own listener '{own.name}' ({own.address}): requests would loop "
+                           "back into it")
             seen.add(key)
             endpoints.append(endpoint)
         return tuple(endpoints)

@@ -15,7 +15,7 @@ from typing import Any
 
 import uvloop
 
-from aiproxy.admin.server import AdminServer, LocalBackend
+from aiproxy.admin.server import AdminServer, LocalBackend, bind_problem
 from aiproxy.config import Config, ConfigError, ListenerConfig, load_config, load_config_text
 from aiproxy.config.insecure import insecure_settings
 from aiproxy.config.model_check import load_checked_model
@@ -28,7 +28,7 @@ from aiproxy.protocols.proxy_protocol import ProxyHeaderReader
 from aiproxy.protocols.tcp_proxy import TcpProxyConnection
 from aiproxy.routing.cluster import finish_checks
 from aiproxy.semantic.classifier import ModelError
-from aiproxy.server import STOP_SIGNALS, sd_notify
+from aiproxy.server import HURRY_SIGNALS, STOP_SIGNALS, sd_notify
 from aiproxy.server.runtime import Runtime, load_intent_model
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.server.tls import AlertingSSLObject, ListenerTls, Stamp, restart_shape
@@ -46,6 +46,10 @@ DRAIN_IDLE_SECONDS = 1.0
 
 class ListenerError(Exception):
     """A listener that cannot start; the message names it."""
+
+
+class AdminBindError(Exception):
+    """The admin API's address cannot be bound; the message names file, line and key."""
 
 
 def worker_config(config: Config, slot: int | None) -> Config:
@@ -66,6 +70,7 @@ class ProxyServer(ServerCore):
         self.connections: set[Any] = set()
         self.draining = False
         self.drain_expired = False
+        self.hurried = False  # a second stop signal: end the drain now (hurry())
         self.servers: list[asyncio.Server] = []
         self.metrics = Metrics()
         path = resolve_log_path(config.access_log.path, config.source)
@@ -112,7 +117,10 @@ class ProxyServer(ServerCore):
         admin = self.config.admin
         if admin is not None and serve_admin:
             self.admin = AdminServer(LocalBackend(self))
-            await self.admin.start(admin.host, admin.port)
+            try:
+                await self.admin.start(admin.host, admin.port)
+            except OSError as exc:  # socket.gaierror too
+                raise AdminBindError(str(bind_problem(self.config, exc))) from exc
             log.info("admin API on %s", admin.address)
 
     async def reload(self, text: str | None = None) -> tuple[bool, str]:
@@ -247,10 +255,11 @@ class ProxyServer(ServerCore):
         for conn in list(self.connections):
             conn.drain(idle_grace)
         deadline = self.loop.time() + timeout
-        while self.connections and self.loop.time() < deadline:
+        while self.connections and self.loop.time() < deadline and not self.hurried:
             await asyncio.sleep(0.05)
         if self.connections:
-            log.warning("drain timeout: closing %d connections", len(self.connections))
+            why = "stopping now" if self.hurried else "drain timeout"
+            log.warning("%s: closing %d connections", why, len(self.connections))
             self.drain_expired = True
             for conn in list(self.connections):
                 if conn.transport is not None:
@@ -267,6 +276,13 @@ class ProxyServer(ServerCore):
         await self._maybe_in_thread(self.kernel.cfg.enabled, self.kernel.stop)
         if self.access_log is not None:
             self.access_log.close()
+
+    def hurry(self) -> None:
+        """End a drain under way at once: what is still open is closed as at the drain
+        timeout (nginx's fast shutdown, on a second SIGTERM/SIGINT)."""
+        if self.draining and not self.hurried:
+            log.warning("asked again to stop: ending the drain now")
+        self.hurried = True
 
     async def _maybe_in_thread(self, blocks: bool, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the default executor's thread if it `blocks`, else right here, so
@@ -426,8 +442,8 @@ async def start_server(config: Config, setup: Callable[[ProxyServer], None] | No
     except ListenerError as exc:
         log.error("%s: %s", config.source, exc)
         code = 1
-    except OSError as exc:  # the admin API's address
-        log.error("%s: cannot bind: %s", config.source, exc)
+    except AdminBindError as exc:
+        log.error("%s", exc)
         code = 1
     else:
         return server
@@ -480,6 +496,8 @@ async def serve(config: Config) -> int:
     sd_notify.notify("READY=1")
     await stop.wait()
     sd_notify.notify("STOPPING=1")
+    for sig in HURRY_SIGNALS:  # a second one: stop draining (SIGQUIT stays graceful)
+        loop.add_signal_handler(sig, server.hurry)
     drain = server.config.server.drain_timeout_ms
     log.info("stopping: draining for up to %d ms", drain)
     await server.stop(drain / 1000)

@@ -33,7 +33,7 @@ from aiproxy.config import (
     load_config_text,
     read_config_text,
 )
-from aiproxy.server import STOP_SIGNALS, forkserver, sd_notify
+from aiproxy.server import HURRY_SIGNALS, STOP_SIGNALS, forkserver, sd_notify
 from aiproxy.server.channel import Channel
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.server.tls import restart_shape
@@ -126,13 +126,13 @@ class Supervisor:
         if admin is not None:
             # aiohttp only when there is an admin listener: it is most of this process's
             # import time, and the workers' start waits for it
-            from aiproxy.admin.server import AdminServer
+            from aiproxy.admin.server import AdminServer, bind_problem
 
             self.admin = AdminServer(self)
             try:
                 await self.admin.start(admin.host, admin.port)
             except OSError as exc:
-                log.error("cannot bind admin listener: %s", exc)
+                log.error("%s", bind_problem(self.config, exc))
                 await self.admin.stop()
                 return 1
             log.info("admin API on %s", admin.address)
@@ -150,7 +150,9 @@ class Supervisor:
             self.startup.cancel()  # asked to stop before every worker was up
         elif code != 0:
             log.error("a worker failed to start; stopping")
-            await self.stop_workers(0)
+            # The others are told to stop (SIGTERM) and, having nothing to drain, do so
+            # at once; SIGKILL only for one that does not.
+            await self.stop_workers(STOP_MARGIN)
             await self._release_kernel()
             await self._stop_admin()
             return code
@@ -170,6 +172,8 @@ class Supervisor:
             sd_notify.notify("READY=1")
         await stopped
         sd_notify.notify("STOPPING=1")
+        for sig in HURRY_SIGNALS:  # a second one: the workers stop draining
+            loop.add_signal_handler(sig, self.hurry_workers)
         drain = self.config.server.drain_timeout_ms / 1000
         log.info("stopping: workers drain for up to %.0f ms", drain * 1000)
         await self.stop_workers(drain + STOP_MARGIN)
@@ -271,7 +275,8 @@ class Supervisor:
         if not any(s.running for s in self.slots):
             self.all_exited.set()
         if self.stopping:
-            level = logging.INFO if code == 0 else logging.WARNING
+            # -SIGTERM: one still starting, before its handler, died of the SIGTERM we sent
+            level = logging.INFO if code in (0, -signal.SIGTERM) else logging.WARNING
             log.log(level, "worker %d (pid %s) %s", slot.index, pid, exit_reason(code))
             return
         if self.startup is not None and not self.startup.done():
@@ -297,6 +302,12 @@ class Supervisor:
             if slot.pid is not None and slot.running:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(slot.pid, sig)
+
+    def hurry_workers(self) -> None:
+        log.warning("asked again to stop: workers end their drain now")
+        for slot in self.slots:
+            if slot.channel is not None:
+                slot.channel.send({"op": "hurry"})  # no reply awaited
 
     async def stop_workers(self, timeout: float) -> None:
         """SIGTERM (each worker drains), then SIGKILL whoever is left after `timeout`."""

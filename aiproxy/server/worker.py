@@ -83,9 +83,12 @@ async def serve_worker(config: Config, sock: socket.socket, slot: int,
     async def spans(trace_id: str) -> list | None:
         return trace_spans(server.runtime, trace_id)
 
+    async def hurry() -> None:  # a second stop signal to the supervisor
+        server.hurry()
+
     channel = await Channel.open(sock)
     handlers = {"reload": reload, "metrics": metrics, "routes": routes, "clusters": clusters,
-                "spans": spans}
+                "spans": spans, "hurry": hurry}
     serving = loop.create_task(channel.serve(handlers))
     # EOF on the channel means the supervisor is gone: stop rather than serve unsupervised.
     serving.add_done_callback(lambda _: stop.set())
