@@ -37,6 +37,7 @@ from hpack import NeverIndexedHeaderTuple
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
+from hyperframe.exceptions import InvalidPaddingError
 from hyperframe.frame import ExtensionFrame, RstStreamFrame, WindowUpdateFrame
 
 from aiproxy.protocols.fields import CREDENTIAL_FIELDS, same_authority
@@ -68,6 +69,22 @@ def _flags_init(self: hyperframe.flags.Flags, defined_flags: Any) -> None:
 
 
 hyperframe.flags.Flags.__init__ = _flags_init
+
+
+def _headers_parse_body(self: hyperframe.frame.HeadersFrame, data: memoryview) -> None:
+    """hyperframe's HeadersFrame.parse_body with RFC 9113 6.2's padding rule: padding
+    may take all of the field block fragment (an empty one, the block in CONTINUATION)
+    but not more. hyperframe compared it with the payload, the priority fields
+    included: it refused an empty fragment and let padding run over the priority."""
+    data = data[self.parse_padding_data(data):]
+    prio = self.parse_priority_data(data) if "PRIORITY" in self.flags else 0
+    self.body_len = len(data)
+    if self.pad_length > self.body_len - prio:
+        raise InvalidPaddingError("Padding is too long.")
+    self.data = data[prio:self.body_len - self.pad_length].tobytes()
+
+
+hyperframe.frame.HeadersFrame.parse_body = _headers_parse_body
 
 _huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 _STATIC: dict[tuple[bytes, bytes], int] = {}
