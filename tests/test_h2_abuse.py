@@ -1334,6 +1334,22 @@ def test_stream_reset_behind_its_headers_after_client_goaway(port: int) -> None:
         assert c.response(1).status == 200
 
 
+def test_client_goaway_names_no_stream_it_drops(port: int) -> None:
+    """RFC 9113 6.8: the last stream id of a GOAWAY is the highest the proxy may act on.
+    A request behind the client's GOAWAY in the same read is dropped as the connection
+    closes: the GOAWAY named it (h2's highest stream id), so the client could not know
+    it was never processed (nor safely retry it)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(GoAwayFrame(0, last_stream_id=0, error_code=0), c.request(1, "/echo"))
+        frames = c.frames_until(lambda f: False, 5)
+        assert c.eof
+        goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
+        answered = [f for f in frames if f.stream_id == 1]
+        assert len(goaways) == 1 and goaways[0].error_code == 0, goaways
+        assert answered or goaways[0].last_stream_id == 0, frames
+
+
 @pytest.mark.parametrize("kind,flags", [(PING, 0), (DATA, 0), (HEADERS, 0x4)])
 def test_frame_longer_than_max_frame_size_refused_at_its_header(port: int, kind: int,
                                                                  flags: int) -> None:

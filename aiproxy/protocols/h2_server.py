@@ -552,8 +552,11 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _goaway(self, code: int, close: bool, last: int | None = None) -> None:
         if close:
+            # RFC 9113 6.8: the last stream taken, not h2's highest: a request parsed
+            # in the same read as what ends the connection is dropped unanswered.
             try:
-                self.h2.close_connection(error_code=code)
+                self.h2.close_connection(error_code=code, last_stream_id=(
+                    self.last_request if last is None else last))
             except h2.exceptions.ProtocolError:
                 pass
             self.goaway_sent = True
