@@ -703,6 +703,15 @@ def _provoked_reset(c: FrameClient, sid: int, kind: str) -> list:
     if kind == "data_past_content_length":
         return [c.request(sid, "/delay/1000", "POST", [("content-length", "1")],
                           end_stream=False), raw_frame(DATA, 0x1, sid, b"12")]
+    if kind == "window_update_overflow":
+        return [c.request(sid, "/delay/1000"),
+                raw_frame(WINDOW_UPDATE, 0, sid, (2**31 - 1).to_bytes(4, "big"))]
+    if kind == "data_on_half_closed":
+        return [c.request(sid, "/delay/1000"), raw_frame(DATA, 0x1, sid, b"x")]
+    if kind == "headers_on_half_closed":
+        return [c.request(sid, "/delay/1000"), c.headers(sid, [("x-trailer", "1")])]
+    if kind == "priority_wrong_length":
+        return [c.request(sid, "/delay/1000"), raw_frame(PRIORITY, 0, sid, bytes(4))]
     assert kind == "short_of_content_length"
     return [c.request(sid, "/delay/1000", "POST", [("content-length", "10")],
                       end_stream=False), raw_frame(DATA, 0, sid, b"1"),
@@ -733,7 +742,9 @@ def _burst_until_goaway(proxy: ProxyProc, frames_for) -> GoAwayFrame | None:
 
 @pytest.mark.parametrize("kind", ["window_update_zero", "priority_on_itself",
                                   "malformed_request", "data_past_content_length",
-                                  "short_of_content_length"])
+                                  "short_of_content_length", "window_update_overflow",
+                                  "data_on_half_closed", "headers_on_half_closed",
+                                  "priority_wrong_length"])
 def test_resets_the_client_provokes_get_enhance_your_calm(wide_proxy: ProxyProc,
                                                           kind: str) -> None:
     """CVE-2025-8671 (MadeYouReset): rapid reset without RST_STREAM from the client; a
