@@ -1013,6 +1013,20 @@ def test_continuation_flood(proxy: ProxyProc, port: int) -> None:
     assert rss.growth < 32 * MiB, rss.describe()
 
 
+def test_header_block_cut_as_it_passes_the_hard_limit(port: int) -> None:
+    """CVE-2024-27316: a header block still waiting for its END_HEADERS is cut as soon
+    as it is longer than the decoder would take (HEADER_LIST_HARD_FACTOR times
+    max_header_bytes), not after h2's 64 CONTINUATION frames (1 MiB held for each
+    connection at the default frame size)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(PingFrame(0, opaque_data=b"settled!"))  # the server's SETTINGS ACKed first:
+        c.frames_until(lambda f: isinstance(f, PingFrame) and "ACK" in f.flags)  # no frame
+        c.send(raw_frame(HEADERS, END_STREAM, 1, block(c)),  # may come inside the block
+               *[raw_frame(CONTINUATION, 0, 1, b"\x00\x05x-pad\x7f\x81\x3e" + b"a" * 8000)] * 3)
+        expect_goaway(c, ErrorCodes.ENHANCE_YOUR_CALM)
+
+
 def test_empty_continuation_flood(port: int) -> None:
     with FrameClient(port) as c:
         c.handshake()

@@ -188,6 +188,7 @@ class H2ServerConnection(asyncio.Protocol):
         })
         conn.decoder.max_header_list_size = http.max_header_bytes
         conn.decoder.hard_limit = HEADER_LIST_HARD_FACTOR * http.max_header_bytes
+        conn.incoming_buffer.block_limit = conn.decoder.hard_limit
         self.h2 = conn
         h2_fast.quiet_hpack_logging()
         self.idle_since = self.reset_at = self.control_at = self.idle_at = self.loop.time()
