@@ -703,6 +703,15 @@ def _provoked_reset(c: FrameClient, sid: int, kind: str) -> list:
     if kind == "data_past_content_length":
         return [c.request(sid, "/delay/1000", "POST", [("content-length", "1")],
                           end_stream=False), raw_frame(DATA, 0x1, sid, b"12")]
+    if kind == "window_update_overflow":
+        return [c.request(sid, "/delay/1000"),
+                raw_frame(WINDOW_UPDATE, 0, sid, (2**31 - 1).to_bytes(4, "big"))]
+    if kind == "data_on_half_closed":
+        return [c.request(sid, "/delay/1000"), raw_frame(DATA, 0x1, sid, b"x")]
+    if kind == "headers_on_half_closed":
+        return [c.request(sid, "/delay/1000"), c.headers(sid, [("x-trailer", "1")])]
+    if kind == "priority_wrong_length":
+        return [c.request(sid, "/delay/1000"), raw_frame(PRIORITY, 0, sid, bytes(4))]
     assert kind == "short_of_content_length"
     return [c.request(sid, "/delay/1000", "POST", [("content-length", "10")],
                       end_stream=False), raw_frame(DATA, 0, sid, b"1"),
@@ -733,7 +742,9 @@ def _burst_until_goaway(proxy: ProxyProc, frames_for) -> GoAwayFrame | None:
 
 @pytest.mark.parametrize("kind", ["window_update_zero", "priority_on_itself",
                                   "malformed_request", "data_past_content_length",
-                                  "short_of_content_length"])
+                                  "short_of_content_length", "window_update_overflow",
+                                  "data_on_half_closed", "headers_on_half_closed",
+                                  "priority_wrong_length"])
 def test_resets_the_client_provokes_get_enhance_your_calm(wide_proxy: ProxyProc,
                                                           kind: str) -> None:
     """CVE-2025-8671 (MadeYouReset): rapid reset without RST_STREAM from the client; a
@@ -1000,6 +1011,20 @@ def test_continuation_flood(proxy: ProxyProc, port: int) -> None:
     assert cut, f"still connected after {sent / MiB:.1f} MiB of CONTINUATION frames"
     assert sent < 16 * MiB, f"accepted {sent / MiB:.1f} MiB of one header block"
     assert rss.growth < 32 * MiB, rss.describe()
+
+
+def test_header_block_cut_as_it_passes_the_hard_limit(port: int) -> None:
+    """CVE-2024-27316: a header block still waiting for its END_HEADERS is cut as soon
+    as it is longer than the decoder would take (HEADER_LIST_HARD_FACTOR times
+    max_header_bytes), not after h2's 64 CONTINUATION frames (1 MiB held for each
+    connection at the default frame size)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(PingFrame(0, opaque_data=b"settled!"))  # the server's SETTINGS ACKed first:
+        c.frames_until(lambda f: isinstance(f, PingFrame) and "ACK" in f.flags)  # no frame
+        c.send(raw_frame(HEADERS, END_STREAM, 1, block(c)),  # may come inside the block
+               *[raw_frame(CONTINUATION, 0, 1, b"\x00\x05x-pad\x7f\x81\x3e" + b"a" * 8000)] * 3)
+        expect_goaway(c, ErrorCodes.ENHANCE_YOUR_CALM)
 
 
 def test_empty_continuation_flood(port: int) -> None:
@@ -1332,6 +1357,22 @@ def test_stream_reset_behind_its_headers_after_client_goaway(port: int) -> None:
         c.send(c.request(1, "/delay/300"), GoAwayFrame(0, last_stream_id=0, error_code=0),
                c.request(3, "/echo"), raw_frame(RST_STREAM, 0, 3, (8).to_bytes(4, "big")))
         assert c.response(1).status == 200
+
+
+def test_client_goaway_names_no_stream_it_drops(port: int) -> None:
+    """RFC 9113 6.8: the last stream id of a GOAWAY is the highest the proxy may act on.
+    A request behind the client's GOAWAY in the same read is dropped as the connection
+    closes: the GOAWAY named it (h2's highest stream id), so the client could not know
+    it was never processed (nor safely retry it)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(GoAwayFrame(0, last_stream_id=0, error_code=0), c.request(1, "/echo"))
+        frames = c.frames_until(lambda f: False, 5)
+        assert c.eof
+        goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
+        answered = [f for f in frames if f.stream_id == 1]
+        assert len(goaways) == 1 and goaways[0].error_code == 0, goaways
+        assert answered or goaways[0].last_stream_id == 0, frames
 
 
 @pytest.mark.parametrize("kind,flags", [(PING, 0), (DATA, 0), (HEADERS, 0x4)])

@@ -279,6 +279,20 @@ CASES: dict[str, tuple[str, Callable[[FrameClient], list], tuple]] = {
                                              b"\x03" + blk(c) + bytes(3))], OK),
     "6.2/priority_flag": ("", lambda c: [raw_frame(HEADERS, ES | EH | PRIO, 1,
                                                    PRIO_PAYLOAD + blk(c))], OK),
+    # Padding may take all of the fragment (a CONTINUATION carries the block), not more:
+    # not the priority fields (hyperframe refused the first and allowed the second).
+    "6.2/padding_is_all_of_the_fragment": ("", lambda c: [
+        raw_frame(HEADERS, ES | PAD, 1, b"\x03" + bytes(3)), raw_frame(CONT, EH, 1, blk(c))],
+        OK),
+    "6.2/padding_is_all_of_the_fragment_with_priority": ("", lambda c: [
+        raw_frame(HEADERS, ES | PAD | PRIO, 1, b"\x03" + PRIO_PAYLOAD + bytes(3)),
+        raw_frame(CONT, EH, 1, blk(c))], OK),
+    "6.2/padding_over_the_priority_fields": ("open", lambda c: [
+        raw_frame(HEADERS, ES | PAD | PRIO, 1, b"\x03" + PRIO_PAYLOAD),
+        raw_frame(CONT, EH, 1, blk(c))], GO(E.PROTOCOL_ERROR)),
+    "6.2/padding_over_the_priority_fields_and_fragment": ("", lambda c: [
+        (lambda b: raw_frame(HEADERS, ES | EH | PAD | PRIO, 1, bytes([len(b) + 2])
+                             + PRIO_PAYLOAD + b))(blk(c))], GO(E.PROTOCOL_ERROR)),
     "6.2/priority_flag_too_short": ("", lambda c: [raw_frame(HEADERS, ES | EH | PRIO, 1,
                                                              b"\0\0")],
                                     GO(E.FRAME_SIZE_ERROR)),

@@ -37,6 +37,7 @@ from hpack import NeverIndexedHeaderTuple
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
+from hyperframe.exceptions import InvalidPaddingError
 from hyperframe.frame import ExtensionFrame, RstStreamFrame, WindowUpdateFrame
 
 from aiproxy.protocols.fields import CREDENTIAL_FIELDS, same_authority
@@ -68,6 +69,22 @@ def _flags_init(self: hyperframe.flags.Flags, defined_flags: Any) -> None:
 
 
 hyperframe.flags.Flags.__init__ = _flags_init
+
+
+def _headers_parse_body(self: hyperframe.frame.HeadersFrame, data: memoryview) -> None:
+    """hyperframe's HeadersFrame.parse_body with RFC 9113 6.2's padding rule: padding
+    may take all of the field block fragment (an empty one, the block in CONTINUATION)
+    but not more. hyperframe compared it with the payload, the priority fields
+    included: it refused an empty fragment and let padding run over the priority."""
+    data = data[self.parse_padding_data(data):]
+    prio = self.parse_priority_data(data) if "PRIORITY" in self.flags else 0
+    self.body_len = len(data)
+    if self.pad_length > self.body_len - prio:
+        raise InvalidPaddingError("Padding is too long.")
+    self.data = data[prio:self.body_len - self.pad_length].tobytes()
+
+
+hyperframe.frame.HeadersFrame.parse_body = _headers_parse_body
 
 _huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 _STATIC: dict[tuple[bytes, bytes], int] = {}
@@ -508,6 +525,7 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
       part of the increment, which is then out of range);
     - a frame longer than SETTINGS_MAX_FRAME_SIZE is a FRAME_SIZE_ERROR when its header
       arrives (h2 checks once the whole frame is buffered: up to 16 MiB a connection);
+    - a header block held for its CONTINUATION frames is cut at `block_limit` bytes;
     - a WINDOW_UPDATE or PRIORITY frame that is a stream error (_stream_error_code) is
       passed on as a STREAM_ERROR_FRAME (hyperframe would refuse it, a connection error);
     - the frames of most requests (plain_frame: HEADERS in one frame, DATA unpadded) are
@@ -518,6 +536,7 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
       read of 9-byte HEADERS frames, 7,000 of them, before any budget is looked at)."""
 
     stream_errors = 0
+    block_limit = 0  # the longest header block held for its CONTINUATIONs (0: h2's backlog)
     taken = 0      # frames parsed since the last add_data
     more = False   # frames left in the buffer when a pass stopped at FRAMES_PER_PASS
 
@@ -525,6 +544,17 @@ class _FrameBuffer(h2.frame_buffer.FrameBuffer):
         self.taken = 0
         self.more = False
         super().add_data(data)
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        """CVE-2024-27316: a header block is held until its END_HEADERS; h2 bounds it at
+        64 CONTINUATION frames (1 MiB at the default frame size). Past `block_limit` it
+        is the decoder's "header block far beyond any limit" as soon as it arrives."""
+        f = super()._update_header_buffer(f)
+        held = self._headers_buffer
+        if held and self.block_limit and sum(len(x.data) for x in held) > self.block_limit:
+            raise h2.exceptions.DenialOfServiceError(
+                f"A header block of more than {self.block_limit} bytes is arriving")
+        return f
 
     def partial(self) -> bool:
         """Whether part of a frame, of a header block (CONTINUATION to come) or of the

@@ -188,6 +188,7 @@ class H2ServerConnection(asyncio.Protocol):
         })
         conn.decoder.max_header_list_size = http.max_header_bytes
         conn.decoder.hard_limit = HEADER_LIST_HARD_FACTOR * http.max_header_bytes
+        conn.incoming_buffer.block_limit = conn.decoder.hard_limit
         self.h2 = conn
         h2_fast.quiet_hpack_logging()
         self.idle_since = self.reset_at = self.control_at = self.idle_at = self.loop.time()
@@ -552,8 +553,11 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _goaway(self, code: int, close: bool, last: int | None = None) -> None:
         if close:
+            # RFC 9113 6.8: the last stream taken, not h2's highest: a request parsed
+            # in the same read as what ends the connection is dropped unanswered.
             try:
-                self.h2.close_connection(error_code=code)
+                self.h2.close_connection(error_code=code, last_stream_id=(
+                    self.last_request if last is None else last))
             except h2.exceptions.ProtocolError:
                 pass
             self.goaway_sent = True
