@@ -160,3 +160,70 @@ cluster = "up"
     finally:
         log = stop_process(proc, timeout=15)
     assert not [m for m in CRASH_MARKERS if m in log], log
+
+
+def mtls_status(port: int, pki, cert: tuple[Path, Path]) -> int | str:
+    """The status of a request made with this client certificate, or how the handshake
+    (or the first read, in TLS 1.3) was refused."""
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    ctx.load_cert_chain(*cert)
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+    try:
+        conn.connect()
+        return get(conn)
+    except (ssl.SSLError, ConnectionError) as exc:
+        return type(exc).__name__
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_ca_dropped_from_the_bundle_is_no_longer_trusted_after_a_reload(
+        tmp_path: Path, demo_upstream, workers: int):
+    """Rotating the client CA bundle (mTLS) and reloading: certificates of the CA that
+    left the bundle are refused from the next handshake on (it stayed trusted until a
+    restart: OpenSSL adds to a context's store, never removes)."""
+    pki = make_pki(tmp_path / "pki")
+    ca2 = pki.ca.parent / "ca2.pem"
+    bundle = tmp_path / "clients-ca.pem"
+    shutil.copyfile(pki.ca, bundle)
+    port = free_port()
+    config = tmp_path / "aiproxy.toml"
+    config.write_text(f"""
+[server]
+workers = {workers}
+
+[[listeners]]
+name = "tls"
+address = "127.0.0.1:{port}"
+protocols = ["http1"]
+tls = {{ cert = "{pki.cert}", key = "{pki.key}", ca = "{bundle}" }}
+
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+
+[[routes]]
+name = "all"
+cluster = "up"
+""")
+    client = (pki.client_cert, pki.client_key)  # issued by ca
+    other = (pki.other_client_cert, pki.other_client_key)  # issued by ca2
+    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(config)])
+    reloaded = "config reloaded in" if workers > 1 else "config reloaded ("
+    try:
+        wait_port("127.0.0.1", port, timeout=60, proc=proc)
+        if workers > 1:
+            wait_log(proc, "is serving", workers, timeout=60)
+        assert mtls_status(port, pki, client) == 200
+        assert mtls_status(port, pki, other) != 200
+
+        install(ca2, bundle)  # ca out, ca2 in
+        proc.send_signal(signal.SIGHUP)
+        wait_log(proc, reloaded, 1)
+        for _ in range(6):  # whichever worker takes the handshake
+            assert mtls_status(port, pki, client) != 200
+            assert mtls_status(port, pki, other) == 200
+    finally:
+        log = stop_process(proc, timeout=15)
+    assert not [m for m in CRASH_MARKERS if m in log], log

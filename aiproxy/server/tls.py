@@ -108,23 +108,29 @@ class SniSelector:
     exactly or by a `*.` wildcard of one label. The listener's own certificate serves
     every other handshake, those without SNI among them. OpenSSL calls this before it
     picks the certificate and the ALPN protocol, and both come from the context set here;
-    each entry's context carries the listener's client CAs and ALPN list too."""
+    each entry's context carries the listener's client CAs and ALPN list too.
+    `default`, once a reload made one, serves the other handshakes in place of the
+    listener's first context (see ListenerTls.reload)."""
 
-    __slots__ = ("by_name",)
+    __slots__ = ("by_name", "default")
 
-    def __init__(self, by_name: dict[str, ssl.SSLContext]) -> None:
+    def __init__(self, by_name: dict[str, ssl.SSLContext],
+                 default: ssl.SSLContext | None = None) -> None:
         self.by_name = by_name
+        self.default = default
 
     def __call__(self, conn: Any, server_name: str | None, ctx: ssl.SSLContext) -> None:
-        if server_name is None:
-            return
-        by_name = self.by_name
-        name = server_name.lower()  # an A-label: Python hands IDNs over as "xn--..."
-        chosen = by_name.get(name)
+        chosen = None
+        if server_name is not None:
+            by_name = self.by_name
+            name = server_name.lower()  # an A-label: Python hands IDNs over as "xn--..."
+            chosen = by_name.get(name)
+            if chosen is None:
+                dot = name.find(".")
+                if dot > 0:
+                    chosen = by_name.get("*" + name[dot:])
         if chosen is None:
-            dot = name.find(".")
-            if dot > 0:
-                chosen = by_name.get("*" + name[dot:])
+            chosen = self.default
         if chosen is not None:
             conn.context = chosen
 
@@ -212,15 +218,14 @@ class ListenerTls:
                 for prefix, files, key, message in problems])
 
     def reload(self, new: ListenerConfig, stamp: Stamp) -> None:
-        """Load the new files into the live context (check() passed just before); the
-        `certificates` entries get new contexts, which the next handshakes pick."""
+        """New contexts from the new files (check() passed just before), which the next
+        handshakes switch to as they start (the listening socket keeps its first
+        context): loading into the live one would only add to its trusted client CAs,
+        so a CA dropped from the bundle would stay trusted."""
         tls = new.tls
         assert tls is not None
-        ctx = self.ctx
-        ctx.load_cert_chain(tls.cert, tls.key)
-        if tls.ca:
-            ctx.load_verify_locations(tls.ca)
-        ctx.sni_callback = SniSelector(sni_contexts(new)) if tls.certificates else None
+        fresh = server_context(new, tls.cert, tls.key)
+        self.ctx.sni_callback = SniSelector(sni_contexts(new), fresh)
         self.listener = new
         self.stamp = stamp
         log.info("listener %s: TLS certificate reloaded from %s", new.name, tls.cert)
