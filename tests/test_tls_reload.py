@@ -6,6 +6,7 @@ keeps serving. One process and `workers = 2` (real processes, real TLS clients).
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import shutil
 import signal
@@ -87,15 +88,13 @@ def wait_log(proc: subprocess.Popen, text: str, count: int, timeout: float = 30)
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sighup_reloads_a_renewed_certificate(tmp_path: Path, demo_upstream, workers: int):
-    pki = make_pki(tmp_path / "pki")
-    new_cert, new_key = renewed_cert(pki.ca.parent)
-    live = tmp_path / "live"
-    live.mkdir()
-    cert, key = live / "cert.pem", live / "key.pem"
-    shutil.copyfile(pki.cert, cert)
-    shutil.copyfile(pki.key, key)
+RELOADED = ("config reloaded (", "config reloaded in")  # one process, workers
+
+
+def start_tls_proxy(tmp_path: Path, upstream: int, workers: int, protocols: list[str],
+                    tls: str) -> tuple[subprocess.Popen, int]:
+    """A proxy process with one TLS listener (`tls`: its inline table) in front of
+    `upstream`, serving in every worker; (process, port)."""
     port = free_port()
     config = tmp_path / "aiproxy.toml"
     config.write_text(f"""
@@ -106,23 +105,41 @@ drain_timeout_ms = 2000
 [[listeners]]
 name = "tls"
 address = "127.0.0.1:{port}"
-protocols = ["h2", "http1"]
-tls = {{ cert = "{cert}", key = "{key}" }}
+protocols = {json.dumps(protocols)}
+tls = {tls}
 
 [[clusters]]
 name = "up"
-endpoints = ["127.0.0.1:{demo_upstream}"]
+endpoints = ["127.0.0.1:{upstream}"]
 
 [[routes]]
 name = "all"
 cluster = "up"
 """)
     proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(config)])
-    reloaded = "config reloaded in" if workers > 1 else "config reloaded ("
     try:
         wait_port("127.0.0.1", port, timeout=60, proc=proc)
         if workers > 1:
             wait_log(proc, "is serving", workers, timeout=60)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, port
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_reloads_a_renewed_certificate(tmp_path: Path, demo_upstream, workers: int):
+    pki = make_pki(tmp_path / "pki")
+    new_cert, new_key = renewed_cert(pki.ca.parent)
+    live = tmp_path / "live"
+    live.mkdir()
+    cert, key = live / "cert.pem", live / "key.pem"
+    shutil.copyfile(pki.cert, cert)
+    shutil.copyfile(pki.key, key)
+    proc, port = start_tls_proxy(tmp_path, demo_upstream, workers, ["h2", "http1"],
+                                 f'{{ cert = "{cert}", key = "{key}" }}')
+    reloaded = RELOADED[workers > 1]
+    try:
         old = der(pki.cert)
         assert served_cert(port, pki.ca) == old
         kept = connect(port, pki.ca)  # up across the reload
@@ -187,34 +204,12 @@ def test_a_ca_dropped_from_the_bundle_is_no_longer_trusted_after_a_reload(
     ca2 = pki.ca.parent / "ca2.pem"
     bundle = tmp_path / "clients-ca.pem"
     shutil.copyfile(pki.ca, bundle)
-    port = free_port()
-    config = tmp_path / "aiproxy.toml"
-    config.write_text(f"""
-[server]
-workers = {workers}
-
-[[listeners]]
-name = "tls"
-address = "127.0.0.1:{port}"
-protocols = ["http1"]
-tls = {{ cert = "{pki.cert}", key = "{pki.key}", ca = "{bundle}" }}
-
-[[clusters]]
-name = "up"
-endpoints = ["127.0.0.1:{demo_upstream}"]
-
-[[routes]]
-name = "all"
-cluster = "up"
-""")
     client = (pki.client_cert, pki.client_key)  # issued by ca
     other = (pki.other_client_cert, pki.other_client_key)  # issued by ca2
-    proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(config)])
-    reloaded = "config reloaded in" if workers > 1 else "config reloaded ("
+    proc, port = start_tls_proxy(tmp_path, demo_upstream, workers, ["http1"],
+                                 f'{{ cert = "{pki.cert}", key = "{pki.key}", ca = "{bundle}" }}')
+    reloaded = RELOADED[workers > 1]
     try:
-        wait_port("127.0.0.1", port, timeout=60, proc=proc)
-        if workers > 1:
-            wait_log(proc, "is serving", workers, timeout=60)
         assert mtls_status(port, pki, client) == 200
         assert mtls_status(port, pki, other) != 200
 
