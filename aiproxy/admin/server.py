@@ -292,8 +292,11 @@ class AdminServer:
         if token and request.path not in OPEN_PATHS:
             # aiohttp keeps bytes that are not UTF-8 as lone surrogates: surrogatepass
             # encodes any str, and never to the bytes of a (valid UTF-8) token.
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
-            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+            # The scheme name is case-insensitive (RFC 9110 11.1): "bearer" is "Bearer".
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            given_token = given.lstrip(" ").encode("utf-8", "surrogatepass")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given_token,
+                                                                      token.encode()):
                 return web.json_response(
                     {"error": {"code": "unauthorized", "message": "bearer token required"}},
                     status=401, headers={"WWW-Authenticate": 'Bearer realm="aiproxy-admin"'})
