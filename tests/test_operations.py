@@ -87,6 +87,22 @@ def test_admin_token_and_redacted_config(start_proxy, demo_upstream):
     assert proxy.proc.poll() is None
 
 
+def test_admin_token_scheme_name_is_case_insensitive(start_proxy, demo_upstream):
+    """RFC 9110 11.1: the auth scheme is a case-insensitive token, so `bearer TOKEN`
+    (as some clients and proxies write it) is the token; anything else still is not."""
+    admin = free_port()
+    start_proxy(simple_config(demo_upstream) + admin_block(admin, "s3cret"))
+    wait_port("127.0.0.1", admin)
+    base = f"http://127.0.0.1:{admin}"
+    for good in ("Bearer s3cret", "bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):
+        r = httpx.get(base + "/config", headers={"Authorization": good})
+        assert r.status_code == 200, (good, r.text)
+    for bad in ("Bearer s3cre", "Basic s3cret", "Bearers3cret", "s3cret", "Bearer",
+                "Bearer s3cret x", "Bearer S3CRET"):
+        r = httpx.get(base + "/config", headers={"Authorization": bad})
+        assert r.status_code == 401, (bad, r.text)
+
+
 def test_admin_token_that_is_not_utf8_is_refused_not_a_crash(start_proxy, demo_upstream):
     """An Authorization field with bytes that are not UTF-8 is a wrong token: 401,
     every time, with no traceback in the log."""

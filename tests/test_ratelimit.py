@@ -676,3 +676,30 @@ openai_headers = true
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_redis_password_stays_out_of_the_backend_error_log(start_proxy, demo_upstream):
+    # /config redacts a redis_url's password; the line logged when Redis cannot be
+    # reached named the URL whole, so anyone who reads the log read the password.
+    dead = free_port()
+    url = f"redis://:hunter2pw@127.0.0.1:{dead}/0"
+    proxy = start_proxy(ONE_PROCESS + simple_config(demo_upstream) + f"""
+[cache]
+shared = true
+backend = "redis"
+redis_url = "{url}"
+redis_timeout_ms = 200
+
+[[ratelimits]]
+name = "shared"
+backend = "redis"
+redis_url = "{url}"
+redis_timeout_ms = 200
+requests_per_second = 100
+""")
+    r = httpx.post(f"{proxy.url}/v1/chat/completions", json=_chat(3), timeout=10)
+    assert r.status_code == 200, r.text  # on_backend_error = "open", the cache a miss
+    log = proxy.log()
+    assert f"backend redis://:<redacted>@127.0.0.1:{dead}/0 failed" in log, log
+    assert f"at redis://:<redacted>@127.0.0.1:{dead}/0 failed" in log, log
+    assert "hunter2pw" not in log

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
-import re
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -25,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from aiproxy.config import Config, Problem, read_config_text
-from aiproxy.config.address import loopback_name
+from aiproxy.config.address import loopback_name, without_password
 from aiproxy.config.locate import Locator
 from aiproxy.governance.tracing import build_graph, trace_spans
 from aiproxy.protocols import fields
@@ -58,7 +57,6 @@ SECRET_KEYS = frozenset(("token", "upstream_secret", "salt", "digest", "password
 HEADER_LISTS = frozenset(("headers", "header_rules", "request_headers_add",
                           "response_headers_add"))
 CREDENTIAL_FIELDS = frozenset(name.decode() for name in fields.CREDENTIAL_FIELDS)
-_URL_PASSWORD = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/@:]*:)[^/@]*@")
 
 
 def _header_entry(entry: Any) -> Any:
@@ -78,7 +76,7 @@ def _redacted(value: Any) -> Any:
     if isinstance(value, list):
         return [_redacted(v) for v in value]
     if isinstance(value, str):
-        return _URL_PASSWORD.sub(r"\1<redacted>@", value)
+        return without_password(value)
     return value
 
 
@@ -294,8 +292,11 @@ class AdminServer:
         if token and request.path not in OPEN_PATHS:
             # aiohttp keeps bytes that are not UTF-8 as lone surrogates: surrogatepass
             # encodes any str, and never to the bytes of a (valid UTF-8) token.
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
-            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+            # The scheme name is case-insensitive (RFC 9110 11.1): "bearer" is "Bearer".
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            given_token = given.lstrip(" ").encode("utf-8", "surrogatepass")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given_token,
+                                                                      token.encode()):
                 return web.json_response(
                     {"error": {"code": "unauthorized", "message": "bearer token required"}},
                     status=401, headers={"WWW-Authenticate": 'Bearer realm="aiproxy-admin"'})

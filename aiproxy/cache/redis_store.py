@@ -11,6 +11,8 @@ import struct
 import time
 from typing import Any
 
+from aiproxy.config.address import without_password
+
 log = logging.getLogger("aiproxy.cache")
 LOG_INTERVAL = 5.0
 _HEAD = struct.Struct("!HdHI")  # status, created (epoch s), field count, chunk count
@@ -59,7 +61,7 @@ class RedisCache:
         if now - self.logged_at >= LOG_INTERVAL:
             self.logged_at = now
             log.error("prompt cache %s at %s failed (%s); serving without the cache",
-                      what, self.url, exc or type(exc).__name__)
+                      what, without_password(self.url), exc or type(exc).__name__)
 
     async def get(self, key: str) -> Any:
         """(status, created, items, chunks) or None (absent, or Redis failed)."""

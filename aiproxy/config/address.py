@@ -93,3 +93,12 @@ def split_authority(authority: bytes) -> tuple[bytes, bytes | None]:
     if colon and port.isdigit():
         return host, port
     return authority.rstrip(b":"), None
+
+
+_URL_PASSWORD = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/@:]*:)[^/@]*@")
+
+
+def without_password(text: str) -> str:
+    """`text` with the password of a URL at its start (redis://:PASSWORD@host) replaced
+    by <redacted>: for logs and the admin API's /config."""
+    return _URL_PASSWORD.sub(r"\1<redacted>@", text)

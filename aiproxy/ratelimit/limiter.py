@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from aiproxy.config.address import without_password
 from aiproxy.llm.accounting import llm_config, tenant_of
 from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply, ResponseHead
 from aiproxy.protocols.fields import F_HOP
@@ -96,7 +97,7 @@ class Limiter:
         if now - self.logged_at >= ERROR_LOG_INTERVAL:
             self.logged_at = now
             log.error("rate limit %r: backend %s failed (%s); failing %s", self.name,
-                      self.cfg.redis_url, exc or type(exc).__name__,
+                      without_password(self.cfg.redis_url), exc or type(exc).__name__,
                       "closed" if closed else "open")
         if not closed:
             return None

@@ -20,6 +20,7 @@ import math
 import uuid
 from typing import Any
 
+from aiproxy.config.address import without_password
 from aiproxy.ratelimit.bucket import Spec
 
 log = logging.getLogger("aiproxy.ratelimit")
@@ -179,7 +180,8 @@ class RedisStore:
                 self._charge(keys=[key], args=[spec[0], spec[1], spec[3], amount]),
                 self.timeout)
         except Exception as exc:  # the budget drifts; requests go on
-            log.warning("rate limit settlement to %s failed: %s", self.url, exc)
+            log.warning("rate limit settlement to %s failed: %s", without_password(self.url),
+                        exc)
 
     async def close(self) -> None:
         await self.client.aclose()
