@@ -445,3 +445,65 @@ def test_event_stream_without_blank_lines_is_not_buffered(start_proxy):
             got = sum(len(b) for b in r.iter_raw())
     assert got == 128 * len(chunk) + len(tail)
     assert rss.growth < 48 * 2**20, rss.describe()
+
+
+CR_EVENTS = [b'data: {"choices":[{"index":0,"delta":{"content":"hello"}}]}\r\r',
+             b'data: {"choices":[{"index":0,"delta":{"content":" world"}}]}\r\n\r\n',
+             b': keep-alive\r\r',
+             b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\r\r',
+             b"data: [DONE]\r\r"]
+
+
+def test_sse_reader_takes_a_lone_cr_as_end_of_line():
+    """An event stream may end its lines in CR alone (WHATWG HTML, event stream
+    end-of-line = CRLF / CR / LF): the reader saw one endless line and counted none
+    of it (no usage, no text). A CRLF split across pieces is still one line end."""
+    stream = b"".join(CR_EVENTS)
+    for cut in range(1, len(stream)):
+        r = SseReader()
+        n = r.feed(stream[:cut]) + r.feed(stream[cut:])
+        assert (n, r.usage, r.done, r.text_bytes, r.events) == (2, (7, 2), True, 11, 4), cut
+    r = SseReader()
+    assert [r.feed(e) for e in CR_EVENTS] == [1, 1, 0, 0, 0]
+    r = SseReader()
+    assert sum(r.feed(stream[i:i + 1]) for i in range(len(stream))) == 2
+    assert r.usage == (7, 2) and r.events == 4
+
+
+def test_cr_terminated_stream_is_counted_through_the_proxy(start_proxy, tmp_path):
+    """The openai client reads a CR-terminated stream; the proxy's accounting must
+    read the usage that stream reported (it logged 0 completion tokens, estimated)."""
+    from aiohttp import web
+
+    from tests.support import serve_aiohttp
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in CR_EVENTS:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    log = tmp_path / "a.log"
+    with serve_aiohttp(app) as port:
+        proxy = start_proxy(
+            "[server]\nworkers = 1\n" + simple_config(port)
+            + f'\n[access_log]\npath = "{log}"\nflush_interval_ms = 20\n[llm]\n',
+            listener_extra='protocols = ["http1", "h2c"]')
+        for http2 in (False, True):
+            client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0,
+                                   http_client=httpx.Client(http1=not http2, http2=http2))
+            chunks = list(client.chat.completions.create(
+                model="m", messages=MESSAGES, stream=True,
+                stream_options={"include_usage": True}))
+            assert "".join(c.choices[0].delta.content for c in chunks if c.choices) == "hello world"
+            assert chunks[-1].usage.completion_tokens == 2
+        recs = _records(log, 2)
+    for rec in recs:
+        llm = rec["llm"]
+        assert (llm["prompt_tokens"], llm["completion_tokens"], llm["estimated"]) == (7, 2, False)
+        assert llm["ttft_ms"] is not None

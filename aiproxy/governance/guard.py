@@ -357,6 +357,12 @@ class GuardFilter(Filter):
             return LocalReply(413, "guard_body_too_large", "the prompt guard reads at most "
                               f"{self.inspect_bytes} bytes of a request body "
                               "([guard] inspect_bytes)")
+        if ex.grpc and not whole and 5 <= len(body) < 5 + int.from_bytes(body[1:5], "big"):
+            # Held at inspect_bytes before its first message was whole: read, that part
+            # would fit the budget and the rest of the message go upstream unread.
+            return LocalReply(413, "guard_body_too_large", "the prompt guard reads a gRPC "
+                              f"call's first message whole, at most {self.inspect_bytes} "
+                              "bytes ([guard] inspect_bytes)")
         size = head.content_length if head.content_length >= 0 else None
         try:
             text, unread = body_text(head.get(b"content-type") or b"", body,

@@ -227,11 +227,12 @@ class SseReader:
     Anthropic's usage comes in parts: `prompt` from message_start (or a message_delta
     that repeats it), the output from message_delta; `usage` is set once both came."""
 
-    __slots__ = ("partial", "data", "size", "usage", "text_bytes", "done", "events",
+    __slots__ = ("partial", "cr", "data", "size", "usage", "text_bytes", "done", "events",
                  "prompt", "output")
 
     def __init__(self) -> None:
         self.partial = b""
+        self.cr = False  # the last piece ended in CR: an LF opening the next one is its pair
         self.data: list[bytes] = []
         self.size = 0  # bytes in data; -1: the event outgrew JSON_LIMIT and is skipped
         self.usage: tuple[int, int] | None = None
@@ -243,17 +244,30 @@ class SseReader:
 
     def feed(self, chunk: bytes) -> int:
         """Returns how many events carrying generated text ended in this chunk."""
+        if self.cr and chunk:
+            self.cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
         buf = self.partial + chunk if self.partial else chunk
         start = 0
         texty = 0
+        # A line ends in CRLF, LF or a CR alone (WHATWG event stream: end-of-line).
+        has_cr = b"\r" in buf
         while True:
-            nl = buf.find(b"\n", start)
-            if nl < 0:
+            end = buf.find(b"\n", start)
+            if has_cr:
+                cr = buf.find(b"\r", start, len(buf) if end < 0 else end)
+                if cr >= 0:
+                    end = cr
+            if end < 0:
                 break
-            line = buf[start:nl]
-            start = nl + 1
-            if line[-1:] == b"\r":
-                line = line[:-1]
+            line = buf[start:end]
+            start = end + 1
+            if buf[end] == 0x0D:
+                if start == len(buf):
+                    self.cr = True
+                elif buf[start] == 0x0A:
+                    start += 1
             if not line:
                 if self.data:
                     texty += self._event(b"\n".join(self.data))
