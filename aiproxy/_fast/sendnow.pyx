@@ -42,7 +42,8 @@ cdef extern from "<sys/socket.h>" nogil:
         int msg_flags
     ssize_t send(int fd, const void *buf, size_t n, int flags)
     ssize_t sendmsg(int fd, const msghdr *msg, int flags)
-    int MSG_NOSIGNAL, MSG_DONTWAIT
+    ssize_t recv(int fd, void *buf, size_t n, int flags)
+    int MSG_NOSIGNAL, MSG_DONTWAIT, MSG_PEEK
 
 cdef extern from "<errno.h>" nogil:
     int EWOULDBLOCK
@@ -77,6 +78,21 @@ cdef inline Py_ssize_t _send(int fd, const char *p, Py_ssize_t n):
         if errno == EAGAIN or errno == EWOULDBLOCK:
             return 0
         return -1
+
+
+def unread(int fd) -> bool:
+    """True if the socket fd has bytes, an EOF or an error waiting (one non-blocking
+    MSG_PEEK). An idle keep-alive connection in that state must not carry a request:
+    the peer's FIN may sit in the socket while the loop, running the other callbacks of
+    the same pass, has not yet called the connection's eof_received()."""
+    cdef char b
+    cdef ssize_t r
+    while True:
+        r = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT)
+        if r >= 0:
+            return True
+        if errno != EINTR:
+            return not (errno == EAGAIN or errno == EWOULDBLOCK)
 
 
 cdef class Sender:

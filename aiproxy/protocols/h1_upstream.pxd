@@ -27,12 +27,15 @@ cdef class H1UpstreamCore(Upstream):
     cdef public bint no_body, keep_alive, broken, received, reading_paused, chunked, viewed
     cdef public double idle_since
     cdef public Py_ssize_t max_head, max_headers  # the pool's, read per response
+    cdef public int fd
+    cdef public double ka_idle
 
     @cython.locals(ex=ExchangeBase)
     cpdef start(self, exchange)
     cpdef send_body(self, pieces)
     cpdef end_body(self)
     cpdef usable(self)
+    cpdef reusable(self, double now)
     cpdef park(self, double now)
     cpdef pause(self)
     cpdef resume(self)

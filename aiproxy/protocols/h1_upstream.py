@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.clock import event_begin, event_end
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, chunk_size_line, parse_response
-from aiproxy._fast.sendnow import Sender
+from aiproxy._fast.sendnow import Sender, unread
 from aiproxy.pipeline.ends import (
     BODY_CHUNKED,
     BODY_LENGTH,
@@ -49,6 +49,23 @@ _CLOSED = 4
 SMALL_COPY = 2048
 
 
+def keep_alive_hint(value: bytes) -> tuple[float, int]:
+    """(timeout seconds, max requests) of a `Keep-Alive: timeout=5, max=100` response
+    field, -1 for a parameter absent or not a number."""
+    timeout = -1.0
+    left = -1
+    for part in value.split(b","):
+        name, _, arg = part.partition(b"=")
+        name = name.strip().lower()
+        arg = arg.strip()
+        if arg.isdigit():
+            if name == b"timeout":
+                timeout = float(arg)
+            elif name == b"max":
+                left = int(arg)
+    return timeout, left
+
+
 class H1UpstreamCore(Upstream):
     """The protocol (compiled as a C class: h1_upstream.pxd). uvloop, and its TLS layer,
     take any protocol with get_buffer() that is not an asyncio.Protocol as a buffered one."""
@@ -56,7 +73,7 @@ class H1UpstreamCore(Upstream):
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
                  "received", "reading_paused", "chunked", "slab", "views_to", "viewed",
-                 "max_head", "max_headers", "tx", "tx_closing")
+                 "max_head", "max_headers", "tx", "tx_closing", "fd", "ka_idle")
 
     # send_body() hands what it gets to the transport at once and keeps no reference:
     # the client connection may pass views of its read slab.
@@ -85,6 +102,10 @@ class H1UpstreamCore(Upstream):
         self.viewed = False  # whether _head passed on a view of the slab it parsed
         self.max_head = pool.max_head
         self.max_headers = pool.max_headers
+        self.fd = -1  # the socket's, for reusable()'s peek; -1 once it is gone
+        # Idle seconds after which the upstream's Keep-Alive field says not to reuse
+        # this connection (-1: it said nothing).
+        self.ka_idle = -1.0
 
     # -- driven by the exchange -------------------------------------------------
 
@@ -134,6 +155,16 @@ class H1UpstreamCore(Upstream):
         return (self.state == _IDLE and not self.broken and self.keep_alive
                 and t is not None and not self.tx_closing())
 
+    def reusable(self, now: float) -> bool:
+        """usable(), and the upstream has not closed it unseen: no EOF (or byte) is
+        waiting in the socket, and it has not been idle past the Keep-Alive timeout
+        the upstream announced."""
+        if not self.usable():
+            return False
+        if self.ka_idle >= 0 and now - self.idle_since >= self.ka_idle:
+            return False
+        return self.fd < 0 or not unread(self.fd)
+
     def park(self, now: float) -> None:
         self.exchange = None
         self.views_to = None  # an idle connection keeps no client transport alive
@@ -170,6 +201,9 @@ class H1UpstreamCore(Upstream):
         # Request bytes go to the socket at once when nothing is queued (sendnow.pyx).
         self.tx = Sender(transport)
         self.tx_closing = transport.is_closing  # bound once: usable() runs per request
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.fd = sock.fileno()
         self.pool.open_count += 1
 
     def get_buffer(self, sizehint: int) -> bytearray:
@@ -230,6 +264,7 @@ class H1UpstreamCore(Upstream):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.tx is not None:
             self.tx.detach()  # uvloop closes the socket when this returns
+        self.fd = -1
         if self.slab is not None:  # get_buffer without buffer_updated: a failed read
             POOL.put(self.slab)
             self.slab = None
@@ -324,6 +359,10 @@ class H1UpstreamCore(Upstream):
         # response ends at its head (RFC 9112 6.3), but the upstream may send the body it
         # declared, which the next request on this connection would read as its response.
         self.keep_alive = resp.keep_alive and not declared_body
+        if self.keep_alive:
+            hint = resp.get(b"keep-alive")
+            if hint is not None:
+                self._keep_alive_hint(hint)
         if status == 101:
             mode = BODY_TUNNEL
         elif self.no_body or status == 204 or status == 304:
@@ -369,6 +408,17 @@ class H1UpstreamCore(Upstream):
             self._body(rest)
         if self.exchange is ex:
             ex.flush()
+
+    def _keep_alive_hint(self, value: bytes) -> None:
+        # Keep-Alive (RFC 2068 19.7.1.1, gone from RFC 9112 but still sent by Apache,
+        # Node and others) says when the upstream will close an idle connection. A
+        # request sent as it does is lost, and a POST cannot be replayed: retire the
+        # connection 1 s before (half the timeout when it is under 2 s; undici's rule).
+        timeout, left = keep_alive_hint(value)
+        if timeout >= 0:
+            self.ka_idle = timeout - min(1.0, timeout / 2)
+        if left == 0:  # no more requests on this connection
+            self.keep_alive = False
 
     def _body(self, data: bytes) -> None:
         mode = self.mode

@@ -169,9 +169,10 @@ class Pool(EndpointPool):
 
     def take(self) -> H1UpstreamConnection | None:
         idle = self.idle
+        now = event_now()
         while idle:
             c = idle.pop()
-            if c.usable():
+            if c.reusable(now):
                 self.reused += 1
                 return c
             c.close()
