@@ -79,10 +79,21 @@ async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protoc
     tls = cfg.tls
     alpn = "h2" if cfg.protocol == "h2" else "http/1.1"
     extra = tls_connect_args(pool, alpn)
+    made: list[asyncio.Protocol] = []
+
+    def factory() -> asyncio.Protocol:
+        made.append(protocol(pool))
+        return made[0]
+
     try:
-        async with asyncio.timeout(timeout):
-            transport, conn = await pool.loop.create_connection(
-                lambda: protocol(pool), pool.host, pool.port, **extra)
+        try:
+            async with asyncio.timeout(timeout):
+                transport, conn = await pool.loop.create_connection(
+                    factory, pool.host, pool.port, **extra)
+        except BaseException:
+            if tls is None:  # over TLS the closing handshake reports the loss
+                _lost_unreported(made)
+            raise
     except TimeoutError:
         raise UpstreamConnectError(True, f"connect to {address} timed out") from None
     except ssl.SSLError as exc:
@@ -104,6 +115,22 @@ async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protoc
             raise UpstreamConnectError(
                 False, f"{address} did not agree to {alpn} (ALPN: {chosen or 'none'})")
     return conn
+
+
+def _lost_unreported(made: list) -> None:
+    """uvloop's create_connection(), cancelled (the request abandoned, or connect_timeout_ms)
+    after connection_made() ran but before it returned, closes the socket without ever
+    calling connection_lost(): call it, as asyncio's own loop does, or open_count (and the
+    max_connections breaker that reads it) keeps a connection that is gone."""
+    if not made:
+        return
+    conn = made[0]
+    transport = conn.transport
+    if transport is not None and transport.get_protocol() is conn:
+        conn.connection_lost(None)
+        settings = getattr(conn, "settings_received", None)  # HTTP/2: no one waits for it now
+        if settings is not None and settings.done() and not settings.cancelled():
+            settings.exception()
 
 
 class EndpointPool:
