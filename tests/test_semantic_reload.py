@@ -167,7 +167,7 @@ def test_a_model_replaced_while_it_loads_is_loaded_again(tmp_path, second_model,
 
     model = tmp_path / "intent.onnx"
     shutil.copyfile(BUILTINS["clinc150"], model)
-    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:1"\n' + _config(model, 1, 2, 3)
+    text = '[[listeners]]\nname = "l"\naddress = "127.0.0.1:9"\n' + _config(model, 1, 2, 3)
     cfg = load_config_text(text, str(tmp_path / "aiproxy.toml")).semantic
     real = router_mod.IntentModel
 
