@@ -261,3 +261,30 @@ def test_every_buffer_kind_arrives_whole(kind: str) -> None:
         assert await read_exactly(client, 3 * len(data)) == data * 3
 
     run(body)
+
+
+def test_writes_to_a_closing_tls_transport_are_dropped_quietly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """uvloop's TLS transport drops what is written once it is closing, and from the
+    sixth such write on logs "SSL connection is closed" for each: Sender drops it
+    first (a response streamed to a client that left filled the log with them)."""
+    pki = make_pki(tmp_path / "pki")
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(pki.cert, pki.key)
+    client = ssl.create_default_context(cafile=str(pki.ca))
+    client.check_hostname = False
+
+    async def body(proto: Recorder, sock: socket.socket) -> None:
+        t = proto.transport
+        tx = Sender(t)
+        tx.write(b"sealed")
+        t.close()
+        assert t.is_closing()
+        for _ in range(20):
+            tx.write(b"late")
+            tx.writelines((b"late", b"r"))
+        assert await read_exactly(sock, 100) == b"sealed"
+
+    with caplog.at_level("WARNING", logger="asyncio"):
+        run(body, server_ssl=server, client_ssl=client)
+    assert "SSL connection is closed" not in caplog.text

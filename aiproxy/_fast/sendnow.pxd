@@ -2,6 +2,7 @@
 
 cdef class Sender:
     cdef int fd
+    cdef bint tls
     cdef object _write, _writelines, _queued, _closing
     cdef readonly unsigned long long sent_now, sent_queued
 

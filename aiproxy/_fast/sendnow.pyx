@@ -107,6 +107,10 @@ cdef class Sender:
         self._writelines = transport.writelines
         self._queued = transport.get_write_buffer_size
         self._closing = transport.is_closing
+        # uvloop's TLS transport drops what is written once it is closing (the client's
+        # close_notify, its socket lost, close()), and past the fifth such write logs
+        # "SSL connection is closed" each time: drop it here, without the log.
+        self.tls = transport.get_extra_info("sslcontext") is not None
 
     @property
     def direct(self) -> bool:
@@ -121,6 +125,8 @@ cdef class Sender:
         cdef Py_buffer view
         cdef Py_ssize_t n, sent
         if self.fd < 0 or self._queued() or self._closing():
+            if self.tls and self._closing():
+                return
             self.sent_queued += 1
             self._write(data)
             return
@@ -154,6 +160,8 @@ cdef class Sender:
         cdef Py_ssize_t total = 0, sent, k
         cdef int count = 0, i
         if self.fd < 0 or len(pieces) > MAX_PIECES or self._queued() or self._closing():
+            if self.tls and self._closing():
+                return
             self.sent_queued += 1
             self._writelines(pieces)
             return

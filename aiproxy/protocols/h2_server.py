@@ -538,7 +538,10 @@ class H2ServerConnection(asyncio.Protocol):
         if self.closed:
             return
         data = self.h2.data_to_send()
-        if data:
+        # A TLS transport closes by itself (the client's close_notify, or its socket
+        # lost) before connection_lost() reaches us: uvloop drops what is written then
+        # and logs "SSL connection is closed" for each write past the fifth.
+        if data and not self.transport.is_closing():
             self.transport.write(data)
             if self.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
                 log.warning("client %s does not read its socket: closing", self.peer.decode())
