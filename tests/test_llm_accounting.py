@@ -327,6 +327,22 @@ def test_stream_cut_by_its_upstream_is_logged_as_an_upstream_error(start_proxy, 
     assert all("client_closed" not in r for r in recs)
 
 
+def event_stream(events: list[bytes]):  # noqa: ANN201
+    """An aiohttp handler that reads the request and answers with these SSE events."""
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in events:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
 def _responses_stream(words: list[str], completed: bool) -> list[bytes]:
     """A Responses API event stream as OpenAI sends it: the text arrives once in
     output_text.delta events, and again whole in output_text.done, content_part.done and
@@ -368,17 +384,9 @@ def test_responses_stream_text_is_estimated_once(start_proxy, tmp_path):
 
     words = ["alpha"] * 40
 
-    async def responses(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
-        for event in _responses_stream(words, completed=False):
-            await resp.write(event)
-        await resp.write_eof()
-        return resp
-
     app = web.Application()
-    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/responses",
+                        event_stream(_responses_stream(words, completed=False)))
     log = tmp_path / "a.log"
     # 200 tokens, refilling 1 a minute. The cut stream costs 1 (prompt "hi") + 60 (its
     # 239 bytes of text): 139 stay, enough for a second request reserving 1 + 100.
@@ -477,17 +485,8 @@ def test_cr_terminated_stream_is_counted_through_the_proxy(start_proxy, tmp_path
 
     from tests.support import serve_aiohttp
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
-        for event in CR_EVENTS:
-            await resp.write(event)
-        await resp.write_eof()
-        return resp
-
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions", event_stream(CR_EVENTS))
     log = tmp_path / "a.log"
     with serve_aiohttp(app) as port:
         proxy = start_proxy(

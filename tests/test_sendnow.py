@@ -230,12 +230,18 @@ def test_a_send_error_closes_the_connection_the_transport_way() -> None:
     run(body)
 
 
-def test_tls_transports_are_never_written_directly(tmp_path: Path) -> None:
+def tls_contexts(tmp_path: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context and a client context that trusts it (no host name check)."""
     pki = make_pki(tmp_path / "pki")
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(pki.cert, pki.key)
     client = ssl.create_default_context(cafile=str(pki.ca))
     client.check_hostname = False
+    return server, client
+
+
+def test_tls_transports_are_never_written_directly(tmp_path: Path) -> None:
+    server, client = tls_contexts(tmp_path)
 
     async def body(proto: Recorder, sock: socket.socket) -> None:
         tx = Sender(proto.transport)
@@ -268,11 +274,7 @@ def test_writes_to_a_closing_tls_transport_are_dropped_quietly(
     """uvloop's TLS transport drops what is written once it is closing, and from the
     sixth such write on logs "SSL connection is closed" for each: Sender drops it
     first (a response streamed to a client that left filled the log with them)."""
-    pki = make_pki(tmp_path / "pki")
-    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server.load_cert_chain(pki.cert, pki.key)
-    client = ssl.create_default_context(cafile=str(pki.ca))
-    client.check_hostname = False
+    server, client = tls_contexts(tmp_path)
 
     async def body(proto: Recorder, sock: socket.socket) -> None:
         t = proto.transport
