@@ -275,20 +275,22 @@ def _reading_text(content_type: bytes, media: str, body: bytes, json_fields: tup
     return text, None
 
 
+def visible_nfkc(text: str) -> str:
+    """The text NFKC-normalized without invisible characters (ASCII text is that
+    already, and comes back as it is)."""
+    if text.isascii():
+        return text
+    return unicodedata.normalize("NFKC", text).translate(INVISIBLE)
+
+
 def reader_text(text: str) -> str:
     """The text as a reader sees it, for keywords: NFKC, no zero-width characters, each
     run of whitespace one space, case-folded."""
-    text = unicodedata.normalize("NFKC", text).translate(INVISIBLE)
-    return _SPACES.sub(" ", text).casefold()
+    return _keyword_text(visible_nfkc(text))
 
 
-def normalized(text: str) -> str | None:
-    """The text NFKC-normalized without invisible characters, for regexes; None where
-    that is the text itself (all ASCII is)."""
-    if text.isascii():
-        return None
-    norm = unicodedata.normalize("NFKC", text).translate(INVISIBLE)
-    return norm if norm != text else None
+def _keyword_text(norm: str) -> str:
+    return _SPACES.sub(" ", norm).casefold()
 
 
 class PromptGuard:
@@ -313,15 +315,15 @@ class PromptGuard:
         """Ids of the rules the text hits: keyword rules in the order the text hits them,
         then regex rules in config order."""
         hits: dict[str, None] = {}
+        norm = visible_nfkc(text)  # once, for keywords and regexes both
         if self.automaton is not None:
-            for _, ids in self.automaton.iter(reader_text(text)):
+            for _, ids in self.automaton.iter(_keyword_text(norm)):
                 for rid in ids:
                     hits[rid] = None
         if self.patterns:
             # Each regex sees the text as sent (a pattern may be written for look-alikes
             # or fullwidth forms) and as a reader sees it (fullwidth "ＡＫＩＡ" is "AKIA").
-            norm = normalized(text)
-            datas = [text_bytes(text)] if norm is None else [text_bytes(text),
+            datas = [text_bytes(text)] if norm == text else [text_bytes(text),
                                                             text_bytes(norm)]
             for rid, pattern in self.patterns:
                 if rid not in hits and any(pattern.search(d) for d in datas):
