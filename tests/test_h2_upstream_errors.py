@@ -78,7 +78,8 @@ async def ends_in_headers(proto, sid: int, path: str, head: dict, body: bytes) -
         conn.send_data(sid, b"abc")
         conn.send_headers(sid, [(b"x-checksum", b"abc"), (b"content-length", b"99"),
                                 (b"content-type", b"text/html"), (b"set-cookie", b"a=b"),
-                                (b"x-aiproxy-cache", b"hit"), (b"traceparent", TRACEPARENT)],
+                                (b"x-aiproxy-cache", b"hit"), (b"x_aiproxy_route", b"r"),
+                                (b"traceparent", TRACEPARENT)],
                           end_stream=True)
     elif path == "/short-head":
         conn.send_headers(sid, [(b":status", b"200"), (b"content-length", b"5")],

@@ -55,6 +55,8 @@ def trailer_fields(fields: list[tuple[bytes, bytes]] | None,
     return [(n, v) for n, v in fields if _trailer_allowed(n, owned) and valid_field_line(n, v)]
 
 
+_OWN_PREFIXES = (b"x-aiproxy-", b"x_aiproxy_")  # names the proxy sets; see F_OWN
+
 # RFC 9110 6.5.1 for a response's trailer section: framing, routing, content metadata and
 # cookies stay out, and so do the fields the proxy states on responses (x-aiproxy-*).
 # Tracing and lineage fields pass: they say nothing the proxy relies on in a response.
@@ -71,7 +73,7 @@ def response_trailer_fields(fields: list[tuple[bytes, bytes]] | None
         return []
     return [(n, v) for n, v in fields
             if n not in _NOT_IN_RESPONSE_TRAILERS and n[:1] != b":"
-            and n[:10] != b"x-aiproxy-" and valid_field_line(n, v)]
+            and n[:10] not in _OWN_PREFIXES and valid_field_line(n, v)]
 
 
 def _trailer_allowed(name: bytes, owned: frozenset[bytes]) -> bool:
@@ -90,7 +92,6 @@ _NAME_FLAGS = {**_FLAGS, **dict.fromkeys(_HOP, F_HOP)}
 # alike (CGI/WSGI environ names) read them as the fields the proxy frames and sets; not
 # forwarded, as for HTTP/1.1 (_ieq_us in h1.pyx).
 _ALIASED = {b"content-length", b"transfer-encoding", b"x-forwarded-for", b"x-forwarded-proto"}
-_OWN_PREFIXES = (b"x-aiproxy-", b"x_aiproxy_")  # names the proxy sets; see F_OWN
 _SCHEME_CHARS = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-."
 
 
