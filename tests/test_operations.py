@@ -366,7 +366,7 @@ def test_access_log_lines_and_reopen(start_proxy, demo_upstream, tmp_path: Path)
     assert r.status_code == 200
     assert "upstream_ttfb;dur=" in r.headers["server-timing"]
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not log.exists() or not log.read_text():
+    while time.monotonic() < deadline and (not log.exists() or not log.read_text()):
         time.sleep(0.05)
     record = json.loads(log.read_text().splitlines()[0])
     assert record["method"] == "GET" and record["path"] == "/echo" and record["status"] == 200
@@ -378,7 +378,9 @@ def test_access_log_lines_and_reopen(start_proxy, demo_upstream, tmp_path: Path)
     rotated = tmp_path / "access.log.1"
     log.rename(rotated)
     proxy.proc.send_signal(signal.SIGUSR1)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not log.exists():  # the reopen creates it
+        time.sleep(0.02)
     httpx.get(proxy.url + "/echo")
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (not log.exists() or not log.read_text()):
