@@ -286,6 +286,46 @@ request_headers_remove = ["authorization", "cookie"]
     assert route["request_headers_remove"] == ["authorization", "cookie"]
 
 
+def test_config_view_hides_whatever_looks_like_a_secret(start_proxy, demo_upstream):
+    """GET /config hides the value of any name that looks like a secret (a header or
+    query parameter named *token*, *secret*, *password*, *api_key*, *_key, ...), not
+    only the known credential fields, and every URL's password (one with an "@" in it
+    too); names that merely look alike (tokens_per_minute, hash_key, api_key_header)
+    keep their values."""
+    admin = free_port()
+    start_proxy(f"""
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+balancer = "ring_hash"
+hash_key = "header:x-user"
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/", query = {{ api_key = "Q-SECRET", page = "1" }}, headers = {{ "X-Client-Secret" = "H-SECRET" }} }}
+cluster = "up"
+request_headers_add = {{ "X-Service-Token" = "T-SECRET", "X-DB-Password" = "P-SECRET", "X-Signing-Key" = "K-SECRET", "X-Team" = "blue" }}
+
+[[ratelimits]]
+name = "shared"
+tokens_per_minute = 1000
+backend = "redis"
+redis_url = "redis://u:p@ss-SECRET@127.0.0.1:1/0"
+""" + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    view = httpx.get(f"http://127.0.0.1:{admin}/config").json()
+    assert "SECRET" not in json.dumps(view), view
+    route = view["routes"][0]
+    assert route["request_headers_add"] == [
+        ["x-service-token", "<redacted>"], ["x-db-password", "<redacted>"],
+        ["x-signing-key", "<redacted>"], ["x-team", "blue"]]
+    assert ["page", "1"] in route["match"]["query"]
+    assert view["ratelimits"][0]["redis_url"] == "redis://u:<redacted>@127.0.0.1:1/0"
+    assert view["ratelimits"][0]["tokens_per_minute"] == 1000
+    assert view["clusters"][0]["hash_key"] == "header:x-user"
+    assert view["ratelimits"][0]["on_backend_error"] == "open"
+
+
 def test_reload_under_load_drops_nothing(start_proxy, demo_upstream):
     admin = free_port()
     base_cfg = simple_config(demo_upstream) + admin_block(admin)
