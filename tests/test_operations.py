@@ -379,6 +379,55 @@ cluster = "up"
     assert samples[("aiproxy_config_reloads_total", ())] == 20
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_reload_says_what_waits_for_a_restart(start_proxy, demo_upstream, workers):
+    """A new admin token applies at once; a new listener address only on restart. The
+    reload's answer says which is which, and /config shows the address still bound and
+    lists the change that waits; a reload back to it clears the list. An [admin] section
+    removed leaves the API serving with its token until the restart."""
+    admin = free_port()
+    proxy = start_proxy(f"[server]\nworkers = {workers}\n" + simple_config(demo_upstream)
+                        + admin_block(admin, "old-token"))
+    wait_port("127.0.0.1", admin)
+    base = f"http://127.0.0.1:{admin}"
+    old, new = {"Authorization": "Bearer old-token"}, {"Authorization": "Bearer new-token"}
+    first = proxy.config_path.read_text()
+    bound = f"127.0.0.1:{proxy.port}"
+    moved = f"127.0.0.1:{free_port()}"
+    assert bound in first
+    proxy.config_path.write_text(first.replace(bound, moved).replace("old-token", "new-token"))
+    r = httpx.post(base + "/config/reload", headers=old)
+    assert r.status_code == 200, r.text
+    message = r.json()["message"]
+    assert "listeners.test" in message and moved in message and bound in message, message
+    assert "admin" not in message, message  # the token is no restart's business
+    assert httpx.get(base + "/config", headers=old).status_code == 401
+    view = httpx.get(base + "/config", headers=new).json()
+    assert view["listeners"][0]["address"] == bound
+    [pending] = view["pending_restart"]
+    assert "listeners.test" in pending and moved in pending, pending
+    assert httpx.get(proxy.url + "/echo").status_code == 200  # still on the bound port
+
+    # SIGHUP back to the bound address: nothing waits any more
+    proxy.config_path.write_text(first.replace("old-token", "new-token"))
+    proxy.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while httpx.get(base + "/config", headers=new).json()["pending_restart"]:
+        assert time.monotonic() < deadline, proxy.log()
+        time.sleep(0.05)
+
+    # no [admin] any more: the API still serves until a restart, and still wants a token
+    proxy.config_path.write_text(first.split("[admin]")[0])
+    r = httpx.post(base + "/config/reload", headers=new)
+    assert r.status_code == 200, r.text
+    assert "admin" in r.json()["message"]
+    assert httpx.get(base + "/config").status_code == 401
+    view = httpx.get(base + "/config", headers=new).json()
+    assert view["admin"]["address"] == f"127.0.0.1:{admin}"
+    assert view["admin"]["token"] == "<redacted>"
+    assert len(view["pending_restart"]) == 1 and "admin" in view["pending_restart"][0]
+
+
 def test_bad_reload_keeps_running_config(start_proxy, demo_upstream):
     admin = free_port()
     proxy = start_proxy(simple_config(demo_upstream) + admin_block(admin))

@@ -29,6 +29,7 @@ from aiproxy.config.address import loopback_name, without_password
 from aiproxy.config.locate import Locator
 from aiproxy.governance.tracing import build_graph, trace_spans
 from aiproxy.protocols import fields
+from aiproxy.server.pending import pending_restart, served_config
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.telemetry.metrics import registry_for
 
@@ -129,6 +130,7 @@ class AdminBackend(Protocol):
     """What the admin API reads and drives."""
 
     config: Config
+    served: Config  # what is served of what only a restart changes (server/pending.py)
     registry: CollectorRegistry
 
     def problems(self) -> list[str]:
@@ -157,6 +159,10 @@ class LocalBackend:
     @property
     def config(self) -> Config:
         return self.server.config
+
+    @property
+    def served(self) -> Config:
+        return self.server.served
 
     def problems(self) -> list[str]:
         server = self.server
@@ -317,7 +323,8 @@ class AdminServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        admin = self.backend.config.admin
+        # [admin] removed by a reload: the API serves until a restart, with its token
+        admin = self.backend.config.admin or self.backend.served.admin
         token = admin.token if admin is not None else None
         if token and request.path not in OPEN_PATHS:
             # aiohttp keeps bytes that are not UTF-8 as lone surrogates: surrogatepass
@@ -347,7 +354,10 @@ class AdminServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def config(self, request: web.Request) -> web.Response:
-        return web.json_response(effective_config(self.backend.config))
+        backend = self.backend
+        view = effective_config(served_config(backend.served, backend.config))
+        view["pending_restart"] = pending_restart(backend.served, backend.config)
+        return web.json_response(view)
 
     async def routes(self, request: web.Request) -> web.Response:
         return web.json_response(await self.backend.routes())
