@@ -112,6 +112,23 @@ class Supervisor:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def model_loads(self) -> bool:
+        """Whether the [semantic] model loads, checked in a process of the forkserver
+        (the supervisor never imports the model runtime) before anything is bound, as a
+        single process checks it; the process logs why not."""
+        if self.config.semantic is None:
+            return True
+        check = self.mp.Process(target=_check_model, name="aiproxy-model-check",
+                                args=(self.text, self.config.source, self.log_level))
+        check.start()
+        check.join()
+        if check.exitcode == 0:
+            return True
+        if check.exitcode != 2:
+            log.error("%s: the [semantic] model check ended with %s", self.config.source,
+                      exit_reason(check.exitcode))
+        return False
+
     async def main(self) -> int:
         loop = self.loop = asyncio.get_running_loop()
         busy = ports_in_use(self.config)
@@ -527,6 +544,12 @@ def _worker_main(*args: Any) -> None:
     main(*args)
 
 
+def _check_model(*args: Any) -> None:
+    from aiproxy.server.worker import check_model
+
+    check_model(*args)
+
+
 def run(config: Config, log_level: int | None = None) -> int:
     try:
         text = read_config_text(config.source)
@@ -536,4 +559,7 @@ def run(config: Config, log_level: int | None = None) -> int:
         log.error("%s", exc)
         return 2
     level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-    return uvloop.run(Supervisor(config, text, level).main())
+    supervisor = Supervisor(config, text, level)
+    if not supervisor.model_loads():
+        return 2
+    return uvloop.run(supervisor.main())
