@@ -390,6 +390,29 @@ def test_check_warns_of_route_intents_the_model_does_not_predict(tmp_path: Path)
         "builtin:clinc15: no builtin model 'clinc15' (have: clinc150)")
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_run_with_a_bad_model_exits_2_before_binding(tmp_path: Path, workers: int) -> None:
+    """An ONNX model that does not load is a problem with [semantic] model, found before
+    any socket is bound (with workers too, whose supervisor binds the admin API and
+    checks the ports first): with the listener's and the admin's ports taken, exit 2
+    naming FILE:LINE: semantic.model shows neither bind was tried."""
+    (tmp_path / "intent.onnx").write_bytes(b"not an onnx model\n")
+    with socket.socket() as holder, socket.socket() as admin_holder:
+        for sock in (holder, admin_holder):
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(1)
+        port, admin = holder.getsockname()[1], admin_holder.getsockname()[1]
+        text = (f"[server]\nworkers = {workers}\n" + valid_config(port)
+                + f'\n[admin]\naddress = "127.0.0.1:{admin}"\n'
+                + '\n[semantic]\nmodel = "intent.onnx"\n')
+        path = write(tmp_path, text)
+        res = aiproxy_cli("-c", str(path), timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "cannot bind" not in res.stderr, res.stderr
+    assert f"{path}:{line_of(text, 'intent.onnx')}: semantic.model: " in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+
+
 def test_run_names_the_listener_that_cannot_bind(tmp_path: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

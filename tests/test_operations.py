@@ -286,6 +286,46 @@ request_headers_remove = ["authorization", "cookie"]
     assert route["request_headers_remove"] == ["authorization", "cookie"]
 
 
+def test_config_view_hides_whatever_looks_like_a_secret(start_proxy, demo_upstream):
+    """GET /config hides the value of any name that looks like a secret (a header or
+    query parameter named *token*, *secret*, *password*, *api_key*, *_key, ...), not
+    only the known credential fields, and every URL's password (one with an "@" in it
+    too); names that merely look alike (tokens_per_minute, hash_key, api_key_header)
+    keep their values."""
+    admin = free_port()
+    start_proxy(f"""
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+balancer = "ring_hash"
+hash_key = "header:x-user"
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/", query = {{ api_key = "Q-SECRET", page = "1" }}, headers = {{ "X-Client-Secret" = "H-SECRET" }} }}
+cluster = "up"
+request_headers_add = {{ "X-Service-Token" = "T-SECRET", "X-DB-Password" = "P-SECRET", "X-Signing-Key" = "K-SECRET", "X-Team" = "blue" }}
+
+[[ratelimits]]
+name = "shared"
+tokens_per_minute = 1000
+backend = "redis"
+redis_url = "redis://u:p@ss-SECRET@127.0.0.1:1/0"
+""" + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    view = httpx.get(f"http://127.0.0.1:{admin}/config").json()
+    assert "SECRET" not in json.dumps(view), view
+    route = view["routes"][0]
+    assert route["request_headers_add"] == [
+        ["x-service-token", "<redacted>"], ["x-db-password", "<redacted>"],
+        ["x-signing-key", "<redacted>"], ["x-team", "blue"]]
+    assert ["page", "1"] in route["match"]["query"]
+    assert view["ratelimits"][0]["redis_url"] == "redis://u:<redacted>@127.0.0.1:1/0"
+    assert view["ratelimits"][0]["tokens_per_minute"] == 1000
+    assert view["clusters"][0]["hash_key"] == "header:x-user"
+    assert view["ratelimits"][0]["on_backend_error"] == "open"
+
+
 def test_reload_under_load_drops_nothing(start_proxy, demo_upstream):
     admin = free_port()
     base_cfg = simple_config(demo_upstream) + admin_block(admin)
@@ -337,6 +377,55 @@ cluster = "up"
     assert results and set(results) == {200}, set(results)
     samples = scrape(admin)
     assert samples[("aiproxy_config_reloads_total", ())] == 20
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_reload_says_what_waits_for_a_restart(start_proxy, demo_upstream, workers):
+    """A new admin token applies at once; a new listener address only on restart. The
+    reload's answer says which is which, and /config shows the address still bound and
+    lists the change that waits; a reload back to it clears the list. An [admin] section
+    removed leaves the API serving with its token until the restart."""
+    admin = free_port()
+    proxy = start_proxy(f"[server]\nworkers = {workers}\n" + simple_config(demo_upstream)
+                        + admin_block(admin, "old-token"))
+    wait_port("127.0.0.1", admin)
+    base = f"http://127.0.0.1:{admin}"
+    old, new = {"Authorization": "Bearer old-token"}, {"Authorization": "Bearer new-token"}
+    first = proxy.config_path.read_text()
+    bound = f"127.0.0.1:{proxy.port}"
+    moved = f"127.0.0.1:{free_port()}"
+    assert bound in first
+    proxy.config_path.write_text(first.replace(bound, moved).replace("old-token", "new-token"))
+    r = httpx.post(base + "/config/reload", headers=old)
+    assert r.status_code == 200, r.text
+    message = r.json()["message"]
+    assert "listeners.test" in message and moved in message and bound in message, message
+    assert "admin" not in message, message  # the token is no restart's business
+    assert httpx.get(base + "/config", headers=old).status_code == 401
+    view = httpx.get(base + "/config", headers=new).json()
+    assert view["listeners"][0]["address"] == bound
+    [pending] = view["pending_restart"]
+    assert "listeners.test" in pending and moved in pending, pending
+    assert httpx.get(proxy.url + "/echo").status_code == 200  # still on the bound port
+
+    # SIGHUP back to the bound address: nothing waits any more
+    proxy.config_path.write_text(first.replace("old-token", "new-token"))
+    proxy.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while httpx.get(base + "/config", headers=new).json()["pending_restart"]:
+        assert time.monotonic() < deadline, proxy.log()
+        time.sleep(0.05)
+
+    # no [admin] any more: the API still serves until a restart, and still wants a token
+    proxy.config_path.write_text(first.split("[admin]")[0])
+    r = httpx.post(base + "/config/reload", headers=new)
+    assert r.status_code == 200, r.text
+    assert "admin" in r.json()["message"]
+    assert httpx.get(base + "/config").status_code == 401
+    view = httpx.get(base + "/config", headers=new).json()
+    assert view["admin"]["address"] == f"127.0.0.1:{admin}"
+    assert view["admin"]["token"] == "<redacted>"
+    assert len(view["pending_restart"]) == 1 and "admin" in view["pending_restart"][0]
 
 
 def test_bad_reload_keeps_running_config(start_proxy, demo_upstream):

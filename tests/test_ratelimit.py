@@ -703,3 +703,31 @@ requests_per_second = 100
     assert f"backend redis://:<redacted>@127.0.0.1:{dead}/0 failed" in log, log
     assert f"at redis://:<redacted>@127.0.0.1:{dead}/0 failed" in log, log
     assert "hunter2pw" not in log
+
+
+@pytest.mark.parametrize("version", ["--http1.1", "--http2-prior-knowledge"])
+def test_proxy_errors_on_admitted_requests_carry_the_fields(start_proxy, version):
+    """An admitted request the proxy itself answers (here a 502: nothing listens on the
+    upstream's port) still tells the client what its budget holds, in both field sets."""
+    proxy = start_proxy(ONE_PROCESS + simple_config(free_port()) + """
+[[ratelimits]]
+name = "rps"
+requests_per_second = 0.01
+burst_requests = 2
+response_headers = true
+openai_headers = true
+""", 'protocols = ["http1", "h2c"]')
+    args = [version, "-H", "content-type: application/json",
+            "--data-binary", json.dumps(_chat(2)), f"{proxy.url}/v1/chat/completions"]
+    seen = [_curl_head(*args) for _ in range(3)]
+    for left, (status, fields) in zip((1, 0), seen, strict=False):
+        assert status in (502, 503), (status, fields)
+        assert _sf_list(", ".join(fields["ratelimit-policy"])) == [("rps", {"q": 2, "w": 200})]
+        [(name, params)] = _sf_list(", ".join(fields["ratelimit"]))
+        assert (name, params["r"]) == ("rps", left)
+        assert fields["x-ratelimit-limit-requests"] == ["2"]
+        assert fields["x-ratelimit-remaining-requests"] == [str(left)]
+    status, fields = seen[2]
+    assert status == 429
+    # one of each: the refusal's own fields, not the admitted ones added again
+    assert len(fields["ratelimit"]) == 1 and len(fields["x-ratelimit-remaining-requests"]) == 1

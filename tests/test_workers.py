@@ -474,7 +474,8 @@ def test_worker_restarted_after_a_listener_change_binds_what_its_siblings_bind(
     proxy.config_path.write_text(text.replace(f"127.0.0.1:{proxy.port}", f"127.0.0.1:{moved}"))
     proxy.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: "config reloaded in 2 workers" in proxy.log(), what="the reload")
-    assert "listener, admin and workers changes take effect on restart" in proxy.log()
+    assert (f"reload: waiting for a restart; listeners.test: address changed 127.0.0.1:{moved} "
+            f"(serving 127.0.0.1:{proxy.port})") in proxy.log()
     (victim,) = [p for w, p in started(proxy.log()) if w == 1]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: any(serving(proxy.log(), p) for w, p in started(proxy.log())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -28,6 +29,7 @@ from aiproxy.config.address import loopback_name, without_password
 from aiproxy.config.locate import Locator
 from aiproxy.governance.tracing import build_graph, trace_spans
 from aiproxy.protocols import fields
+from aiproxy.server.pending import pending_restart, served_config
 from aiproxy.server.sockets import bound_sockets
 from aiproxy.telemetry.metrics import registry_for
 
@@ -50,27 +52,56 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# Names (config keys, header fields, query parameters) whose values are secrets: the
+# known ones, and any that looks like one ("-" read as "_").
 SECRET_KEYS = frozenset(("token", "upstream_secret", "salt", "digest", "password", "secret"))
-# Header fields that carry credentials: a route that adds one (an upstream API key) or
-# matches on one holds a secret in the entries of these lists of [name, value] (or
-# [name, op, value]).
-HEADER_LISTS = frozenset(("headers", "header_rules", "request_headers_add",
-                          "response_headers_add"))
+SECRET_NAME = re.compile(r"passw(?:or)?d|secret|credential|private|api_?key|token(?!s)|_key$")
+# Config keys that look like secrets and are not: what a balancer hashes on, and the
+# header an API key is read from.
+NOT_SECRET = frozenset(("hash_key", "api_key_header"))
+# Lists of [name, value] (or [name, op, value]) entries: a route that adds a credential
+# field (an upstream API key) or matches on one (or on a query parameter like api_key)
+# holds a secret in the entry's value.
+NAMED_LISTS = frozenset(("headers", "header_rules", "request_headers_add",
+                         "response_headers_add", "query"))
 CREDENTIAL_FIELDS = frozenset(name.decode() for name in fields.CREDENTIAL_FIELDS)
 
 
-def _header_entry(entry: Any) -> Any:
-    if isinstance(entry, list) and entry and str(entry[0]).lower() in CREDENTIAL_FIELDS:
+def secret_name(name: str) -> bool:
+    """Whether a config key, header field or query parameter name holds a secret."""
+    name = name.lower()
+    if name in SECRET_KEYS or name in CREDENTIAL_FIELDS:
+        return True
+    name = name.replace("-", "_")
+    return name not in NOT_SECRET and SECRET_NAME.search(name) is not None
+
+
+def _named_entry(entry: Any) -> Any:
+    if (isinstance(entry, list) and len(entry) > 1 and entry[-1] is not None
+            and secret_name(str(entry[0]))):
         return [*entry[:-1], "<redacted>"]
     return _redacted(entry)
 
 
-def _redacted(value: Any) -> Any:
-    """Secrets out of a config tree: values of SECRET_KEYS, values of credential header
-    fields, and the password of any URL (redis://:PASSWORD@host) wherever it is."""
+def _secret(value: Any) -> Any:
+    """The value of a secret name: its text hidden; tables in it (API key entries)
+    still show what is not secret in them."""
     if isinstance(value, dict):
-        return {k: "<redacted>" if k in SECRET_KEYS and v
-                else [_header_entry(e) for e in v] if k in HEADER_LISTS and isinstance(v, list)
+        return _redacted(value)
+    if isinstance(value, list):
+        return [_secret(v) for v in value]
+    if not value or isinstance(value, bool):
+        return value
+    return "<redacted>"
+
+
+def _redacted(value: Any) -> Any:
+    """Secrets out of a config tree: values of names that look like secrets (config
+    keys, header fields, query parameters), and the password of any URL
+    (redis://:PASSWORD@host) wherever it is."""
+    if isinstance(value, dict):
+        return {k: _secret(v) if secret_name(k)
+                else [_named_entry(e) for e in v] if k in NAMED_LISTS and isinstance(v, list)
                 else _redacted(v)
                 for k, v in value.items()}
     if isinstance(value, list):
@@ -99,6 +130,7 @@ class AdminBackend(Protocol):
     """What the admin API reads and drives."""
 
     config: Config
+    served: Config  # what is served of what only a restart changes (server/pending.py)
     registry: CollectorRegistry
 
     def problems(self) -> list[str]:
@@ -127,6 +159,10 @@ class LocalBackend:
     @property
     def config(self) -> Config:
         return self.server.config
+
+    @property
+    def served(self) -> Config:
+        return self.server.served
 
     def problems(self) -> list[str]:
         server = self.server
@@ -287,7 +323,8 @@ class AdminServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        admin = self.backend.config.admin
+        # [admin] removed by a reload: the API serves until a restart, with its token
+        admin = self.backend.config.admin or self.backend.served.admin
         token = admin.token if admin is not None else None
         if token and request.path not in OPEN_PATHS:
             # aiohttp keeps bytes that are not UTF-8 as lone surrogates: surrogatepass
@@ -317,7 +354,10 @@ class AdminServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def config(self, request: web.Request) -> web.Response:
-        return web.json_response(effective_config(self.backend.config))
+        backend = self.backend
+        view = effective_config(served_config(backend.served, backend.config))
+        view["pending_restart"] = pending_restart(backend.served, backend.config)
+        return web.json_response(view)
 
     async def routes(self, request: web.Request) -> web.Response:
         return web.json_response(await self.backend.routes())

@@ -95,10 +95,12 @@ def split_authority(authority: bytes) -> tuple[bytes, bytes | None]:
     return authority.rstrip(b":"), None
 
 
-_URL_PASSWORD = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://[^/@:]*:)[^/@]*@")
+# The userinfo of a URL ends at the authority's last "@" (as urllib and redis-py split
+# it): a password with a raw "@" in it is hidden whole.
+_URL_PASSWORD = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://[^/?#@:\s]*:)[^/?#\s]*@")
 
 
 def without_password(text: str) -> str:
-    """`text` with the password of a URL at its start (redis://:PASSWORD@host) replaced
-    by <redacted>: for logs and the admin API's /config."""
+    """`text` with the password of every URL in it (redis://:PASSWORD@host) replaced by
+    <redacted>: for logs and the admin API's /config."""
     return _URL_PASSWORD.sub(r"\1<redacted>@", text)

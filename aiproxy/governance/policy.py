@@ -55,6 +55,7 @@ from aiproxy.config.locate import KeyPath, Locator
 from aiproxy.config.locate import format_path as _format_path
 from aiproxy.governance.auth import AUTH_CHALLENGE, BEARER_CHALLENGE
 from aiproxy.governance.watch import FileWatch
+from aiproxy.llm.openai import model_text
 from aiproxy.pipeline.filters import Filter, FilterFactory, LocalReply
 
 if TYPE_CHECKING:
@@ -747,7 +748,7 @@ class PolicyFilter(Filter):
         whole = ex.request_body_whole(body)
         req = request_of(ex, policy.uses_model, policy.uses_intent, whole)
         if req.model is not None:  # for the audit record, also of a request denied here
-            ex.gov["model"] = wirejson.valid_text(req.model[:200])
+            ex.gov["model"] = model_text(req.model)
         if (not whole and policy.uses_model and not ex.grpc and not state.dry_run
                 and model_matters(policy, req)):
             # Read past the limit, the model would be a guess the client controls.

@@ -33,7 +33,9 @@ ENDPOINTS = {
 # Anthropic's usage: input apart from the tokens written to and read from its cache.
 CACHE_FIELDS = ("cache_creation_input_tokens", "cache_read_input_tokens")
 
-_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,200})"')
+# A model name is kept to this many characters (it goes to logs and metric labels).
+MODEL_CHARS = 200
+_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,%d})"' % MODEL_CHARS)
 # A "model" in a body no strict parser takes (escapes included: decoded as JSON's).
 _MODEL_ESCAPED = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
 _STREAM = re.compile(rb'"stream"\s*:\s*(true|false)')
@@ -109,10 +111,9 @@ def read_request(kind: str, body: bytes, complete: bool, length: int) -> Request
         info.prompt_tokens = tokens_of_bytes(max(length, len(body)))
         return info
     info.body = data
-    model = data.get("model")
-    if isinstance(model, str):
-        # A \ud800 escape is JSON but no UTF-8: the model goes to logs and metric labels.
-        info.model = wirejson.valid_text(model[:200])
+    model = model_text(data.get("model"))
+    if model is not None:
+        info.model = model
     info.stream = data.get("stream") is True
     opts = data.get("stream_options")
     info.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
@@ -397,4 +398,10 @@ def body_model(body: bytes) -> str | None:
             return None
     else:
         model = doc.get("model") if isinstance(doc, dict) else None
-    return wirejson.valid_text(model[:200]) if isinstance(model, str) else None
+    return model_text(model)
+
+
+def model_text(model: object) -> str | None:
+    """A request's "model" as the proxy keeps it: a string's first MODEL_CHARS
+    characters as valid text (a \\ud800 escape is JSON but no UTF-8), else None."""
+    return wirejson.valid_text(model[:MODEL_CHARS]) if isinstance(model, str) else None

@@ -1731,6 +1731,8 @@ class Exchange(ExchangeBase):
                            else len(error_body(status, code, message)))
         if not self.filters and self.done_filters is None and self.rt.unrouted_filters:
             self._start_unrouted()
+        if self.filters:
+            headers = self._reply_fields(headers)
         if self.filters or self.done_filters:
             gate = self._finishing()
             if gate is not None:
@@ -1741,6 +1743,20 @@ class Exchange(ExchangeBase):
         keep = self.down.send_error(self, status, message, code, headers)
         self._drop_upstream()
         self._finish(keep)
+
+    def _reply_fields(self, headers: list[tuple[bytes, bytes]] | None
+                      ) -> list[tuple[bytes, bytes]] | None:
+        """headers plus what the filters that let the request through add to an error
+        reply (the rate limiter's budget fields)."""
+        for f in self.filters:
+            try:
+                extra = f.reply_fields(self)
+            except Exception:
+                log.exception("filter %s failed", type(f).__name__)
+                continue
+            if extra:
+                headers = [*(headers or ()), *extra]
+        return headers
 
     def _start_unrouted(self) -> None:
         """No route's chain started (no route matched, the request was refused before

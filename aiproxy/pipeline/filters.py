@@ -175,6 +175,11 @@ class Filter:
     def finishing(self, ex: Exchange) -> Awaitable[None] | None:
         return None
 
+    def reply_fields(self, ex: Exchange) -> list[tuple[bytes, bytes]]:
+        """Fields for the proxy's own reply (an error) to a request this filter let
+        through; a filter that answered the request itself is not asked."""
+        return []
+
     def done(self, ex: Exchange) -> None:
         return None
 

@@ -170,7 +170,7 @@ def _kind_snaps(snaps: dict[Limiter, Snap] | None, tok_snaps: dict[Limiter, Snap
 
 
 class RateLimitFilter(Filter):
-    __slots__ = ("factory", "grants", "counted", "ended", "snaps", "tok_snaps")
+    __slots__ = ("factory", "grants", "counted", "ended", "snaps", "tok_snaps", "admitted")
 
     def __init__(self, factory: RateLimitFactory) -> None:
         self.factory = factory
@@ -182,6 +182,7 @@ class RateLimitFilter(Filter):
         self.snaps: dict[Limiter, Snap] | None = None
         # Token buckets likewise, kept for limiters with openai_headers only.
         self.tok_snaps: dict[Limiter, Snap] | None = None
+        self.admitted = False  # every limiter let the request through
 
     def request(self, ex: Exchange) -> Any:
         factory = self.factory
@@ -190,6 +191,7 @@ class RateLimitFilter(Filter):
             return self._admit_async(ex, load)
         failed = self._take(ex, load)
         if failed is None:
+            self.admitted = True
             return None
         return self._refuse_or_wait(ex, load, *failed)
 
@@ -267,7 +269,10 @@ class RateLimitFilter(Filter):
                 await asyncio.sleep(max(0.001, min(wait, deadline - time.monotonic())))
                 load = cluster_load(ex.cluster, ex.loop.time())
                 failed = await self._take_any(ex, load)
-                if failed is None or isinstance(failed, LocalReply):
+                if failed is None:
+                    self.admitted = True
+                    return None
+                if isinstance(failed, LocalReply):
                     return failed
                 lim2, reason, wait = failed
                 left = deadline - time.monotonic()
@@ -321,7 +326,10 @@ class RateLimitFilter(Filter):
 
     async def _admit_async(self, ex: Exchange, load: float | None) -> LocalReply | None:
         failed = await self._take_shared(ex, load)
-        if failed is None or isinstance(failed, LocalReply):
+        if failed is None:
+            self.admitted = True
+            return None
+        if isinstance(failed, LocalReply):
             return failed
         result = self._refuse_or_wait(ex, load, *failed)
         if asyncio.iscoroutine(result):
@@ -341,22 +349,35 @@ class RateLimitFilter(Filter):
                     except ValueError:
                         pass
                     break
-        extra = []
+        extra, ours = self._fields()
+        if ours:
+            # The upstream's own figures (an OpenAI key's, shared by every tenant)
+            # give way to this tenant's for the kinds reported here.
+            names = {name for name, _ in ours}
+            kept = [f for f in resp.fields(F_HOP) if f[0].lower() not in names]
+            return ResponseHead(resp.status, [*kept, *extra, *ours])
+        if extra:
+            resp = ResponseHead.derived(resp, extra=tuple(extra))
+        return resp
+
+    def _fields(self) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, bytes]]]:
+        """The RateLimit fields (of limiters with response_headers) and the OpenAI ones
+        (of those with openai_headers), as of the request's admission."""
+        extra: list[tuple[bytes, bytes]] = []
         if self.snaps and self.factory.show:
             extra = ratelimit_fields((lim.name, spec, level)
                                      for lim, (spec, level) in self.snaps.items()
                                      if lim.cfg.response_headers)
-        if self.factory.openai:
-            ours = openai_fields(_kind_snaps(self.snaps, self.tok_snaps))
-            if ours:
-                # The upstream's own figures (an OpenAI key's, shared by every tenant)
-                # give way to this tenant's for the kinds reported here.
-                names = {name for name, _ in ours}
-                kept = [f for f in resp.fields(F_HOP) if f[0].lower() not in names]
-                return ResponseHead(resp.status, [*kept, *extra, *ours])
-        if extra:
-            resp = ResponseHead.derived(resp, extra=tuple(extra))
-        return resp
+        ours = openai_fields(_kind_snaps(self.snaps, self.tok_snaps)) if self.factory.openai else []
+        return extra, ours
+
+    def reply_fields(self, ex: Exchange) -> list[tuple[bytes, bytes]]:
+        """An admitted request the proxy answers itself (a 502/503/504, a later filter's
+        refusal) still tells the client its budget; a refusal (429) carries its own."""
+        if not self.admitted:
+            return []
+        extra, ours = self._fields()
+        return [*extra, *ours]
 
     def response_body(self, ex: Exchange, data: bytes) -> bytes:
         llm = ex.llm

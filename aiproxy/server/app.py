@@ -29,9 +29,10 @@ from aiproxy.protocols.tcp_proxy import TcpProxyConnection
 from aiproxy.routing.cluster import finish_checks
 from aiproxy.semantic.classifier import ModelError
 from aiproxy.server import HURRY_SIGNALS, STOP_SIGNALS, sd_notify
+from aiproxy.server.pending import pending_restart, served_config
 from aiproxy.server.runtime import Runtime, load_intent_model
 from aiproxy.server.sockets import bound_sockets
-from aiproxy.server.tls import AlertingSSLObject, ListenerTls, Stamp, restart_shape
+from aiproxy.server.tls import AlertingSSLObject, ListenerTls, Stamp
 from aiproxy.telemetry.access_log import AccessLog
 from aiproxy.telemetry.access_log import resolve as resolve_log_path
 from aiproxy.telemetry.metrics import Metrics
@@ -66,6 +67,8 @@ class ProxyServer(ServerCore):
                  model: Any = None) -> None:
         self.loop = loop
         self.config = config
+        # What it serves of what only a restart changes (aiproxy/server/pending.py)
+        self.served = config
         self.runtime = Runtime(config, loop, model=model)
         self.connections: set[Any] = set()
         self.draining = False
@@ -160,13 +163,14 @@ class ProxyServer(ServerCore):
             if tls:
                 notes.append("TLS certificates reloaded: "
                              + ", ".join(listener.name for _, listener, _ in tls))
-            if (restart_shape(config.listeners) != restart_shape(self.config.listeners)
-                    or config.admin != self.config.admin):
-                notes.append("listener and admin changes take effect on restart")
-                log.warning("reload: %s", notes[-1])
+            waiting = pending_restart(self.served, config)
+            if waiting:
+                notes += ["waiting for a restart", *waiting]
+                log.warning("reload: %s", "; ".join(waiting))
             old = self.runtime
             self.runtime = Runtime(config, self.loop, previous=old, model=model)
             self.config = config
+            self.served = served_config(self.served, config)
             old.retire(self.runtime)
             self._watch_policy()
             self.metrics.reloads += 1

@@ -29,14 +29,13 @@ from prometheus_client.registry import CollectorRegistry
 from aiproxy.config import (
     Config,
     ConfigError,
-    ListenerConfig,
     load_config_text,
     read_config_text,
 )
 from aiproxy.server import HURRY_SIGNALS, STOP_SIGNALS, forkserver, sd_notify
 from aiproxy.server.channel import Channel
+from aiproxy.server.pending import pending_restart, served_config
 from aiproxy.server.sockets import bound_sockets
-from aiproxy.server.tls import restart_shape
 from aiproxy.telemetry.aggregate import WorkerMetrics, merge, to_metrics
 
 if TYPE_CHECKING:
@@ -91,9 +90,9 @@ class Supervisor:
     def __init__(self, config: Config, text: str, log_level: int = logging.INFO) -> None:
         self.config = config
         self.text = text
-        # What every worker binds: listener changes take effect on restart of the proxy,
-        # so a worker replaced after such a reload binds what its siblings do.
-        self.listeners = config.listeners
+        # What this proxy serves of what only a restart changes (pending.py): a worker
+        # replaced after a reload that changed listeners binds what its siblings do.
+        self.served = config
         self.log_level = log_level
         self.slots = [WorkerSlot(i) for i in range(config.server.workers)]
         # every [kernel] interface worker 0 may have attached to (union over reloads)
@@ -112,6 +111,23 @@ class Supervisor:
         self.registry.register(WorkersCollector(self))
 
     # -- lifecycle ---------------------------------------------------------------------
+
+    def model_loads(self) -> bool:
+        """Whether the [semantic] model loads, checked in a process of the forkserver
+        (the supervisor never imports the model runtime) before anything is bound, as a
+        single process checks it; the process logs why not."""
+        if self.config.semantic is None:
+            return True
+        check = self.mp.Process(target=_check_model, name="aiproxy-model-check",
+                                args=(self.text, self.config.source, self.log_level))
+        check.start()
+        check.join()
+        if check.exitcode == 0:
+            return True
+        if check.exitcode != 2:
+            log.error("%s: the [semantic] model check ended with %s", self.config.source,
+                      exit_reason(check.exitcode))
+        return False
 
     async def main(self) -> int:
         loop = self.loop = asyncio.get_running_loop()
@@ -208,7 +224,7 @@ class Supervisor:
         process = self.mp.Process(
             target=_worker_main, name=f"aiproxy-worker-{slot.index}", daemon=False,
             args=(slot.index, theirs, self.text, self.config.source, self.log_level,
-                  os.getpid(), self.listeners))
+                  os.getpid(), self.served.listeners))
         try:
             process.start()
         except OSError as exc:
@@ -362,15 +378,13 @@ class Supervisor:
                 # reject what the others took.
                 await self._undo_reload([s for s in live if s.text == text != self.text])
                 return self._reload_failed(problems[0])
-            notes = []
             # (each worker re-reads its TLS listeners' changed certificate and key files)
-            if (restart_shape(config.listeners) != restart_shape(self.config.listeners)
-                    or config.admin != self.config.admin
-                    or config.server.workers != self.config.server.workers):
-                notes.append("listener, admin and workers changes take effect on restart")
-                log.warning("reload: %s", notes[-1])
+            notes = pending_restart(self.served, config)
+            if notes:
+                notes.insert(0, "waiting for a restart")
+                log.warning("reload: %s", "; ".join(notes))
             self.config = config
-            self.listeners = bound_listeners(self.listeners, config.listeners)
+            self.served = served_config(self.served, config)
             self.kernel_interfaces |= set(config.kernel.interfaces)
             self.text = text
             self.reloads += 1
@@ -510,16 +524,6 @@ class WorkersCollector:
         yield requests
 
 
-def bound_listeners(bound: tuple[ListenerConfig, ...],
-                    new: tuple[ListenerConfig, ...]) -> tuple[ListenerConfig, ...]:
-    """The listeners workers bind after a reload to `new`: the bound ones, each replaced
-    by its namesake in `new` when only TLS file paths differ (the workers load those)."""
-    fresh = {listener.name: listener for listener in new}
-    return tuple(fresh[lst.name] if lst.name in fresh
-                 and restart_shape([fresh[lst.name]]) == restart_shape([lst]) else lst
-                 for lst in bound)
-
-
 def ports_in_use(config: Config) -> str | None:
     """Workers bind with SO_REUSEPORT, which would quietly share a port with another
     aiproxy (same user) already on it; a plain bind here catches that first."""
@@ -540,6 +544,12 @@ def _worker_main(*args: Any) -> None:
     main(*args)
 
 
+def _check_model(*args: Any) -> None:
+    from aiproxy.server.worker import check_model
+
+    check_model(*args)
+
+
 def run(config: Config, log_level: int | None = None) -> int:
     try:
         text = read_config_text(config.source)
@@ -549,4 +559,7 @@ def run(config: Config, log_level: int | None = None) -> int:
         log.error("%s", exc)
         return 2
     level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-    return uvloop.run(Supervisor(config, text, level).main())
+    supervisor = Supervisor(config, text, level)
+    if not supervisor.model_loads():
+        return 2
+    return uvloop.run(supervisor.main())

@@ -47,6 +47,23 @@ def main(slot: int, sock: socket.socket, text: str, source: str, log_level: int,
     sys.exit(uvloop.run(serve_worker(config, sock, slot, owner_pid)))
 
 
+def check_model(text: str, source: str, log_level: int) -> None:
+    """multiprocessing target: load the [semantic] model of the text the supervisor is
+    about to start workers on, before anything binds; exit 2, naming FILE:LINE:
+    semantic.model, when it does not load (a worker would find it only after the
+    supervisor bound the admin API)."""
+    from aiproxy.config.model_check import load_checked_model
+
+    for name in SYSTEMD_VARS:
+        os.environ.pop(name, None)
+    logging.basicConfig(level=log_level, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _, problems, _ = load_checked_model(load_config_text(text, source))
+    for problem in problems:
+        log.error("%s", problem)
+    sys.exit(2 if problems else 0)
+
+
 async def serve_worker(config: Config, sock: socket.socket, slot: int,
                        owner_pid: int | None = None) -> int:
     loop = asyncio.get_running_loop()
