@@ -1375,6 +1375,24 @@ def test_client_goaway_names_no_stream_it_drops(port: int) -> None:
         assert answered or goaways[0].last_stream_id == 0, frames
 
 
+def test_connection_error_names_the_last_stream_taken(port: int) -> None:
+    """RFC 9113 6.8: a GOAWAY for a connection error h2 raises names the last stream
+    the proxy took, not h2's highest: a request in the same read as the bad frame is
+    dropped unanswered, and the GOAWAY used to name it (the client could not retry)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/echo"))
+        assert c.response(1).status == 200
+        c.send(c.request(3, "/echo"), raw_frame(DATA, 0, 0, b"x"))  # DATA on stream 0
+        frames = c.frames_until(lambda f: False, 5)
+        assert c.eof
+        goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
+        answered = [f for f in frames if f.stream_id == 3]
+        assert len(goaways) == 1, frames
+        assert goaways[0].error_code == ErrorCodes.PROTOCOL_ERROR, goaways
+        assert goaways[0].last_stream_id == (3 if answered else 1), frames
+
+
 @pytest.mark.parametrize("kind,flags", [(PING, 0), (DATA, 0), (HEADERS, 0x4)])
 def test_frame_longer_than_max_frame_size_refused_at_its_header(port: int, kind: int,
                                                                  flags: int) -> None:

@@ -88,10 +88,19 @@ class _ServerH2(h2_fast.FastReceive, h2.connection.H2Connection):
     - RFC 9113 4.3: a field block that cannot be decoded is COMPRESSION_ERROR (h2 says
       PROTOCOL_ERROR).
     - RFC 9113 6.8: a GOAWAY from the client stops new streams, not the ones in flight
-      (h2 would refuse to send another frame)."""
+      (h2 would refuse to send another frame).
+    - RFC 9113 6.8: the GOAWAY of a connection error names the last stream the proxy
+      took (`last_request`), not h2's highest: the streams of the read that raised were
+      never handled."""
 
     refuse_excess = True
     settings_seen = False
+    last_request = 0  # the id of the last stream the proxy started a request on
+
+    def _terminate_connection(self, error_code: Any) -> None:
+        self.state_machine.process_input(h2.connection.ConnectionInputs.SEND_GOAWAY)
+        self._prepare_for_sending([GoAwayFrame(0, last_stream_id=self.last_request,
+                                               error_code=error_code)])
 
     def _receive_frame(self, frame: Any) -> list:
         if not self.settings_seen:
@@ -155,8 +164,8 @@ class H2ServerConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.partial_since = 0.0     # since when part of a frame waits for the rest
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
-        self.requests = 0            # streams opened, for [http] h2_max_requests ...
-        self.last_request = 0        # ... and the id of the last
+        self.requests = 0            # streams opened, for [http] h2_max_requests (the id
+                                     # of the last: self.h2.last_request)
         # Settled at the end of data_received.
         self.budgets = FrameBudgets(SMALL_DATA_CLIENT, SMALL_WINDOW_CLIENT)
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
@@ -201,7 +210,7 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self._arm_at(self.loop.time() + self.server.runtime.min_timeout)
         if self.upgrade is not None:
-            self.requests = self.last_request = 1
+            self.requests = conn.last_request = 1
             self._start_stream(1, self.upgrade[0], True)
             self.upgrade = None
             self._flush()
@@ -314,11 +323,11 @@ class H2ServerConnection(asyncio.Protocol):
             if not self.goaway_sent:
                 # Past h2_max_requests while streams are in flight: GOAWAY now, as
                 # nginx's keepalive_requests, naming the last stream served.
-                self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
+                self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.h2.last_request)
             self._reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
         self.requests += 1
-        self.last_request = ev.stream_id
+        self.h2.last_request = ev.stream_id
         try:
             head = h2_request_head(ev.headers, bool(ev.stream_ended))
         except MalformedHead as exc:
@@ -560,7 +569,7 @@ class H2ServerConnection(asyncio.Protocol):
             # in the same read as what ends the connection is dropped unanswered.
             try:
                 self.h2.close_connection(error_code=code, last_stream_id=(
-                    self.last_request if last is None else last))
+                    self.h2.last_request if last is None else last))
             except h2.exceptions.ProtocolError:
                 pass
             self.goaway_sent = True
@@ -598,7 +607,7 @@ class H2ServerConnection(asyncio.Protocol):
         no stream is in flight, the GOAWAY is the last frame: a client that takes no
         frame after one (python h2, hence httpx) has its responses whole."""
         if not self.goaway_sent:
-            self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
+            self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.h2.last_request)
         self.close()
 
     def drain(self, idle_grace: float = 0.0) -> None:
