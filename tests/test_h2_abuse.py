@@ -456,6 +456,21 @@ def test_preface_must_be_followed_by_settings(port: int) -> None:
         expect_goaway(c, ErrorCodes.PROTOCOL_ERROR)
 
 
+@pytest.mark.parametrize("data", [b"GET / HTTP/1.1\r\nHost: test\r\n\r\n",
+                                  b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\r"])
+def test_invalid_preface_gets_goaway(port: int, data: bytes) -> None:
+    """RFC 9113 3.4: an invalid client preface is a PROTOCOL_ERROR connection error;
+    the GOAWAY (which it MAY omit, it used to) follows the server's SETTINGS."""
+    with FrameClient(port) as c:
+        c.send(data)
+        frames = c.frames_until(lambda f: isinstance(f, GoAwayFrame))
+        assert frames and isinstance(frames[0], SettingsFrame), frames
+        assert isinstance(frames[-1], GoAwayFrame), f"no GOAWAY: {frames} (eof={c.eof})"
+        assert frames[-1].error_code == ErrorCodes.PROTOCOL_ERROR, frames[-1]
+        assert frames[-1].last_stream_id == 0, frames[-1]
+        assert c.closed_after(3)
+
+
 def test_window_update_reserved_bit_is_ignored(port: int) -> None:
     """RFC 9113 6.9: the increment is 31 bits; the reserved bit must be ignored."""
     with FrameClient(port) as c:

@@ -556,9 +556,14 @@ class H2ServerConnection(asyncio.Protocol):
                 log.warning("client %s does not read its socket: closing", self.peer.decode())
                 self.abort()
 
-    def _connection_error(self, exc: Exception) -> None:
-        # h2 has already queued GOAWAY with the error's code (receive_data does that).
+    def _connection_error(self, exc: h2.exceptions.ProtocolError) -> None:
+        # h2 has already queued GOAWAY with the error's code (receive_data does that),
+        # except for an invalid client preface, checked before: RFC 9113 3.4 lets that
+        # GOAWAY be omitted, but it is cheap and tells the client why.
         log.info("HTTP/2 connection error from %s: %s", self.peer.decode(), exc)
+        conn = self.h2
+        if conn.state_machine.state is not h2.connection.ConnectionState.CLOSED:
+            conn._terminate_connection(exc.error_code)
         self.goaway_sent = True
         self._flush()
         self.close()
