@@ -944,6 +944,36 @@ def test_part_of_a_frame_waits_header_timeout_ms_at_most(demo_upstream: int, tmp
         proxy.stop()
 
 
+def test_settings_never_acknowledged_gets_settings_timeout(demo_upstream: int,
+                                                          tmp_path: Path) -> None:
+    """RFC 9113 6.5.3: a client that never acknowledges the proxy's SETTINGS gets
+    GOAWAY(SETTINGS_TIMEOUT) (within header_timeout_ms, 10 s at most) instead of being
+    held until keep-alive runs out; one that acknowledges keeps its connection."""
+    proxy = _proxy_with(demo_upstream, tmp_path,
+                        "keepalive_timeout_ms = 60000\nheader_timeout_ms = 500")
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/echo"))
+            frames: list = []
+            while not c.eof and not any(isinstance(f, GoAwayFrame) for f in frames):
+                frame = c.recv(10, auto_ack=False)
+                if frame is None:
+                    break
+                frames.append(frame)
+            goaway = frames[-1] if frames else None
+            assert isinstance(goaway, GoAwayFrame), f"no GOAWAY: {frames} (eof={c.eof})"
+            assert goaway.error_code == ErrorCodes.SETTINGS_TIMEOUT, goaway
+            assert goaway.last_stream_id == 1, goaway
+            assert any(f.stream_id == 1 and "END_STREAM" in f.flags for f in frames), frames
+            assert c.closed_after(3)
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            assert not c.closed_after(3)  # acknowledged: keep-alive applies
+    finally:
+        proxy.stop()
+
+
 # -- floods from a client that does not read -----------------------------------------------------
 
 

@@ -71,6 +71,10 @@ WRITE_BUFFER_LIMIT = 8 * 1024 * 1024
 RESET_BUDGET = 200.0        # client stream resets (and refused streams) allowed in a burst ...
 RESET_REFILL = 100.0        # ... and per second after it (CVE-2023-44487)
 SETTINGS_NO_RFC7540_PRIORITIES = 0x9  # RFC 9218 2.1: 0 or 1, else PROTOCOL_ERROR
+# RFC 9113 6.5.3: how long the client has to acknowledge our SETTINGS (capped by
+# header_timeout_ms, the rest of its handshake's limit), as nghttpx's
+# --frontend-http2-settings-timeout (10 s).
+SETTINGS_ACK_SECONDS = 10.0
 LINGER_SECONDS = 2.0        # how long a closing connection may take to flush its output
 EARLY_RESET_SECONDS = 5.0   # a stream answered early is reset this long after at the latest
 EARLY_PING = 0xA1 << 56     # PING opaque data: this tag | stream id (see end_early)
@@ -163,6 +167,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.timer_at = INFINITY
         self.idle_since = 0.0
         self.partial_since = 0.0     # since when part of a frame waits for the rest
+        self.settings_due = 0.0      # when our SETTINGS must be acknowledged by; 0: they are
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
         self.requests = 0            # streams opened, for [http] h2_max_requests (the id
                                      # of the last: self.h2.last_request)
@@ -208,6 +213,8 @@ class H2ServerConnection(asyncio.Protocol):
             conn.initiate_connection()
         conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()
+        self.settings_due = self.idle_since + min(SETTINGS_ACK_SECONDS,
+                                                  http.header_timeout_ms / 1000)
         self._arm_at(self.loop.time() + self.server.runtime.min_timeout)
         if self.upgrade is not None:
             self.requests = conn.last_request = 1
@@ -494,6 +501,10 @@ class H2ServerConnection(asyncio.Protocol):
     def _on_idle_frame(self, ev: Any) -> None:
         self.budgets.idle_frames += 1
 
+    def _on_settings_ack(self, ev: h2.events.SettingsAcknowledged) -> None:
+        self.settings_due = 0.0  # only one SETTINGS frame is sent, at the start
+        self.budgets.idle_frames += 1
+
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
         self.budgets.window_updates += 1
         if ev.stream_id == 0:
@@ -673,6 +684,14 @@ class H2ServerConnection(asyncio.Protocol):
         http = rt.http
         now = self.loop.time()
         left = rt.min_timeout
+        due = self.settings_due
+        if due and self.h2.settings_seen:
+            # Before the client's preface is in, header_timeout_ms applies (below).
+            if now >= due:
+                log.info("client %s did not acknowledge SETTINGS: GOAWAY", self.peer.decode())
+                self._goaway(ErrorCodes.SETTINGS_TIMEOUT, close=True)
+                return
+            left = min(left, due - now)
         send_timeout = http.send_timeout_ms / 1000
         for stream in list(self.streams.values()):
             if stream.stalled(now) >= send_timeout:
@@ -725,7 +744,7 @@ _HANDLERS = {
     h2_fast.MalformedStream: H2ServerConnection._on_malformed,
     h2.events.PriorityUpdated: H2ServerConnection._on_idle_frame,
     h2.events.UnknownFrameReceived: H2ServerConnection._on_idle_frame,
-    h2.events.SettingsAcknowledged: H2ServerConnection._on_idle_frame,
+    h2.events.SettingsAcknowledged: H2ServerConnection._on_settings_ack,
 }
 
 
