@@ -30,6 +30,7 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from aiproxy.protocols.h2_budgets import CONTROL_BUDGET, UNSENT_ACKS_LIMIT
 from aiproxy.protocols.h2_fast import FRAMES_PER_PASS
 from aiproxy.protocols.h2_output import SILLY_WINDOW
 from aiproxy.protocols.h2_server import RESET_BUDGET
@@ -1039,6 +1040,28 @@ def test_control_frame_flood_from_client_that_never_reads(proxy: ProxyProc, port
             cut = _peek_closed(c, 5)
     assert cut, f"still connected after sending {sent / MiB:.1f} MiB of {kind} frames"
     assert rss.growth < 32 * MiB, rss.describe()
+
+
+def test_acks_a_client_does_not_read_are_capped(proxy: ProxyProc, port: int) -> None:
+    """CVE-2019-9512/9515 under the PING/SETTINGS budget: a client that does not read
+    (here a download fills the socket) and sends fewer PINGs than the budget allows
+    still cannot have their ACKs queue up without bound: past UNSENT_ACKS_LIMIT of them
+    waiting in the proxy's output it gets GOAWAY(ENHANCE_YOUR_CALM). The ACKs used to
+    pile up until the 8 MiB write buffer bound, for as long as it kept a stream open."""
+    ping = PingFrame(0, opaque_data=b"12345678").serialize()
+    sent, cut = 0, False
+    with FrameClient(port, rcvbuf=4096) as c:
+        c.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: 2**31 - 1}, window=2**31 - 1 - 65535)
+        c.send(c.request(1, "/bytes/2147483648"))
+        # Paced, and below CONTROL_BUDGET in all: the rate budget never runs out.
+        while sent + 16 <= CONTROL_BUDGET - 100 and not cut:
+            cut = not c.try_send(ping * 16)
+            sent += 16
+            time.sleep(0.05)
+        cut = cut or _peek_closed(c, 5)
+    assert cut, f"still connected after {sent} PINGs it did not read the ACKs of"
+    assert sent > UNSENT_ACKS_LIMIT
+    assert "does not read the ACKs" in proxy.log()
 
 
 def test_continuation_flood(proxy: ProxyProc, port: int) -> None:

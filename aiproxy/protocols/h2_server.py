@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections import deque
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -44,6 +45,7 @@ from aiproxy.protocols.h2_budgets import (
     IDLE_PER_REQUEST,
     SMALL_DATA_CLIENT,
     SMALL_WINDOW_CLIENT,
+    UNSENT_ACKS_LIMIT,
     FrameBudgets,
 )
 from aiproxy.protocols.h2_output import (
@@ -168,6 +170,12 @@ class H2ServerConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.partial_since = 0.0     # since when part of a frame waits for the rest
         self.settings_due = 0.0      # when our SETTINGS must be acknowledged by; 0: they are
+        # PING/SETTINGS ACKs queued since the last flush, and those written that are still
+        # in the transport's buffer: (bytes written up to their end, how many), their sum.
+        self.acks_queued = 0
+        self.unsent_acks: deque[tuple[int, int]] = deque()
+        self.unsent_count = 0
+        self.out_total = 0           # bytes written to the transport
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
         self.requests = 0            # streams opened, for [http] h2_max_requests (the id
                                      # of the last: self.h2.last_request)
@@ -454,6 +462,7 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_control(self, ev: Any) -> None:
         """A PING or SETTINGS frame, which h2 has already answered with an ACK."""
+        self.acks_queued += 1
         if not self.budgets.control.spend(1, self.loop.time()):
             log.warning("client %s floods PING/SETTINGS frames: GOAWAY", self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
@@ -563,9 +572,33 @@ class H2ServerConnection(asyncio.Protocol):
         # and logs "SSL connection is closed" for each write past the fifth.
         if data and not self.transport.is_closing():
             self.transport.write(data)
-            if self.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+            self.out_total += len(data)
+            size = self.transport.get_write_buffer_size()
+            if size > WRITE_BUFFER_LIMIT:
                 log.warning("client %s does not read its socket: closing", self.peer.decode())
                 self.abort()
+            elif (self.acks_queued or self.unsent_count) and self._acks_over(size):
+                log.warning("client %s does not read the ACKs of its PING/SETTINGS frames: "
+                            "GOAWAY", self.peer.decode())
+                self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
+
+    def _acks_over(self, size: int) -> bool:
+        """Counts the ACKs just written and drops those the transport has sent (its
+        buffer is FIFO); True when more than UNSENT_ACKS_LIMIT are left in it."""
+        sent = self.out_total - size
+        unsent = self.unsent_acks
+        while unsent and unsent[0][0] <= sent:
+            self.unsent_count -= unsent.popleft()[1]
+        if self.acks_queued:
+            if size:
+                unsent.append((self.out_total, self.acks_queued))
+                self.unsent_count += self.acks_queued
+            self.acks_queued = 0
+        if self.unsent_count > UNSENT_ACKS_LIMIT:
+            unsent.clear()
+            self.unsent_count = 0
+            return True
+        return False
 
     def _connection_error(self, exc: h2.exceptions.ProtocolError) -> None:
         # h2 has already queued GOAWAY with the error's code (receive_data does that),
@@ -599,8 +632,9 @@ class H2ServerConnection(asyncio.Protocol):
         if not self.closed:
             if last is None:
                 last = self.h2.highest_inbound_stream_id
-            self.transport.write(GoAwayFrame(0, last_stream_id=last,
-                                             error_code=code).serialize())
+            frame = GoAwayFrame(0, last_stream_id=last, error_code=code).serialize()
+            self.transport.write(frame)
+            self.out_total += len(frame)
 
     def stream_done(self, stream: H2Stream) -> None:
         self.streams.pop(stream.sid, None)
@@ -637,8 +671,10 @@ class H2ServerConnection(asyncio.Protocol):
             return
         self.drain_ping = True
         self._flush()
-        self.transport.write(GoAwayFrame(0, last_stream_id=MAX_STREAM_ID,
-                                         error_code=ErrorCodes.NO_ERROR).serialize())
+        frame = GoAwayFrame(0, last_stream_id=MAX_STREAM_ID,
+                            error_code=ErrorCodes.NO_ERROR).serialize()
+        self.transport.write(frame)
+        self.out_total += len(frame)
         try:
             self.h2.ping(DRAIN_PING)
         except h2.exceptions.ProtocolError:
