@@ -1461,6 +1461,23 @@ def test_connection_error_names_the_last_stream_taken(port: int) -> None:
         assert goaways[0].last_stream_id == (3 if answered else 1), frames
 
 
+def test_client_goaway_with_a_stream_in_flight_names_no_stream_it_refuses(port: int) -> None:
+    """RFC 9113 6.8, as above with a stream in flight (the GOAWAY that lets it finish):
+    a request behind the client's GOAWAY in the same read is refused, and the GOAWAY
+    used to name it all the same (h2's highest stream id)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/delay/300"))
+        c.send(GoAwayFrame(0, last_stream_id=0, error_code=0), c.request(3, "/echo"))
+        frames = c.frames_until(lambda f: False, 5)
+        assert c.eof
+        goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
+        refused = [f for f in frames if isinstance(f, RstStreamFrame) and f.stream_id == 3]
+        assert any(f.stream_id == 1 and "END_STREAM" in f.flags for f in frames), frames
+        assert len(goaways) == 1 and goaways[0].error_code == 0, goaways
+        assert goaways[0].last_stream_id == (1 if refused else 3), frames
+
+
 @pytest.mark.parametrize("kind,flags", [(PING, 0), (DATA, 0), (HEADERS, 0x4)])
 def test_frame_longer_than_max_frame_size_refused_at_its_header(port: int, kind: int,
                                                                  flags: int) -> None:

@@ -338,7 +338,7 @@ class H2ServerConnection(asyncio.Protocol):
             if not self.goaway_sent:
                 # Past h2_max_requests while streams are in flight: GOAWAY now, as
                 # nginx's keepalive_requests, naming the last stream served.
-                self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.h2.last_request)
+                self._goaway(ErrorCodes.NO_ERROR, close=False)
             self._reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
         self.requests += 1
@@ -612,13 +612,14 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.close()
 
-    def _goaway(self, code: int, close: bool, last: int | None = None) -> None:
+    def _goaway(self, code: int, close: bool) -> None:
+        # RFC 9113 6.8: the last stream taken, not h2's highest: a request parsed in the
+        # same read as what ends the connection is dropped unanswered, one behind the
+        # client's GOAWAY is refused, and neither may be named.
+        last = self.h2.last_request
         if close:
-            # RFC 9113 6.8: the last stream taken, not h2's highest: a request parsed
-            # in the same read as what ends the connection is dropped unanswered.
             try:
-                self.h2.close_connection(error_code=code, last_stream_id=(
-                    self.h2.last_request if last is None else last))
+                self.h2.close_connection(error_code=code, last_stream_id=last)
             except h2.exceptions.ProtocolError:
                 pass
             self.goaway_sent = True
@@ -630,8 +631,6 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.goaway_sent = True
         if not self.closed:
-            if last is None:
-                last = self.h2.highest_inbound_stream_id
             frame = GoAwayFrame(0, last_stream_id=last, error_code=code).serialize()
             self.transport.write(frame)
             self.out_total += len(frame)
@@ -657,7 +656,7 @@ class H2ServerConnection(asyncio.Protocol):
         no stream is in flight, the GOAWAY is the last frame: a client that takes no
         frame after one (python h2, hence httpx) has its responses whole."""
         if not self.goaway_sent:
-            self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.h2.last_request)
+            self._goaway(ErrorCodes.NO_ERROR, close=False)
         self.close()
 
     def drain(self, idle_grace: float = 0.0) -> None:
