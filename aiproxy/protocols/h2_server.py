@@ -182,9 +182,12 @@ class H2ServerConnection(asyncio.Protocol):
         # Settled at the end of data_received.
         self.budgets = FrameBudgets(SMALL_DATA_CLIENT, SMALL_WINDOW_CLIENT)
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
-        # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
-        # some clients (curl 7.x) cannot take more than a small buffer's worth of bytes
-        # arriving right behind the 101 response.
+        # After `Upgrade: h2c`, response DATA waits for the client's connection preface.
+        # RFC 7540 3.2 would let it go right behind our SETTINGS, but curl 7.88 keeps
+        # what arrives behind the 101 in a 32 KiB buffer and fails past it ("curl: (16)
+        # connection buffer size is too small ... following HTTP Upgrade response
+        # header"), seen with MiB responses when this wait was taken out. HEADERS do
+        # not wait.
         self.await_preface = upgrade is not None
 
     # -- asyncio.Protocol -------------------------------------------------------------
