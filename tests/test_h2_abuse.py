@@ -30,6 +30,7 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
+from aiproxy.protocols.h2_budgets import CONTROL_BUDGET, UNSENT_ACKS_LIMIT
 from aiproxy.protocols.h2_fast import FRAMES_PER_PASS
 from aiproxy.protocols.h2_output import SILLY_WINDOW
 from aiproxy.protocols.h2_server import RESET_BUDGET
@@ -454,6 +455,21 @@ def test_preface_must_be_followed_by_settings(port: int) -> None:
     with FrameClient(port) as c:
         c.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", PingFrame(0, opaque_data=b"12345678"))
         expect_goaway(c, ErrorCodes.PROTOCOL_ERROR)
+
+
+@pytest.mark.parametrize("data", [b"GET / HTTP/1.1\r\nHost: test\r\n\r\n",
+                                  b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\r"])
+def test_invalid_preface_gets_goaway(port: int, data: bytes) -> None:
+    """RFC 9113 3.4: an invalid client preface is a PROTOCOL_ERROR connection error;
+    the GOAWAY (which it MAY omit, it used to) follows the server's SETTINGS."""
+    with FrameClient(port) as c:
+        c.send(data)
+        frames = c.frames_until(lambda f: isinstance(f, GoAwayFrame))
+        assert frames and isinstance(frames[0], SettingsFrame), frames
+        assert isinstance(frames[-1], GoAwayFrame), f"no GOAWAY: {frames} (eof={c.eof})"
+        assert frames[-1].error_code == ErrorCodes.PROTOCOL_ERROR, frames[-1]
+        assert frames[-1].last_stream_id == 0, frames[-1]
+        assert c.closed_after(3)
 
 
 def test_window_update_reserved_bit_is_ignored(port: int) -> None:
@@ -929,6 +945,36 @@ def test_part_of_a_frame_waits_header_timeout_ms_at_most(demo_upstream: int, tmp
         proxy.stop()
 
 
+def test_settings_never_acknowledged_gets_settings_timeout(demo_upstream: int,
+                                                          tmp_path: Path) -> None:
+    """RFC 9113 6.5.3: a client that never acknowledges the proxy's SETTINGS gets
+    GOAWAY(SETTINGS_TIMEOUT) (within header_timeout_ms, 10 s at most) instead of being
+    held until keep-alive runs out; one that acknowledges keeps its connection."""
+    proxy = _proxy_with(demo_upstream, tmp_path,
+                        "keepalive_timeout_ms = 60000\nheader_timeout_ms = 500")
+    try:
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            c.send(c.request(1, "/echo"))
+            frames: list = []
+            while not c.eof and not any(isinstance(f, GoAwayFrame) for f in frames):
+                frame = c.recv(10, auto_ack=False)
+                if frame is None:
+                    break
+                frames.append(frame)
+            goaway = frames[-1] if frames else None
+            assert isinstance(goaway, GoAwayFrame), f"no GOAWAY: {frames} (eof={c.eof})"
+            assert goaway.error_code == ErrorCodes.SETTINGS_TIMEOUT, goaway
+            assert goaway.last_stream_id == 1, goaway
+            assert any(f.stream_id == 1 and "END_STREAM" in f.flags for f in frames), frames
+            assert c.closed_after(3)
+        with FrameClient(proxy.ports["port"]) as c:
+            c.handshake()
+            assert not c.closed_after(3)  # acknowledged: keep-alive applies
+    finally:
+        proxy.stop()
+
+
 # -- floods from a client that does not read -----------------------------------------------------
 
 
@@ -994,6 +1040,28 @@ def test_control_frame_flood_from_client_that_never_reads(proxy: ProxyProc, port
             cut = _peek_closed(c, 5)
     assert cut, f"still connected after sending {sent / MiB:.1f} MiB of {kind} frames"
     assert rss.growth < 32 * MiB, rss.describe()
+
+
+def test_acks_a_client_does_not_read_are_capped(proxy: ProxyProc, port: int) -> None:
+    """CVE-2019-9512/9515 under the PING/SETTINGS budget: a client that does not read
+    (here a download fills the socket) and sends fewer PINGs than the budget allows
+    still cannot have their ACKs queue up without bound: past UNSENT_ACKS_LIMIT of them
+    waiting in the proxy's output it gets GOAWAY(ENHANCE_YOUR_CALM). The ACKs used to
+    pile up until the 8 MiB write buffer bound, for as long as it kept a stream open."""
+    ping = PingFrame(0, opaque_data=b"12345678").serialize()
+    sent, cut = 0, False
+    with FrameClient(port, rcvbuf=4096) as c:
+        c.handshake({SettingsFrame.INITIAL_WINDOW_SIZE: 2**31 - 1}, window=2**31 - 1 - 65535)
+        c.send(c.request(1, "/bytes/2147483648"))
+        # Paced, and below CONTROL_BUDGET in all: the rate budget never runs out.
+        while sent + 16 <= CONTROL_BUDGET - 100 and not cut:
+            cut = not c.try_send(ping * 16)
+            sent += 16
+            time.sleep(0.05)
+        cut = cut or _peek_closed(c, 5)
+    assert cut, f"still connected after {sent} PINGs it did not read the ACKs of"
+    assert sent > UNSENT_ACKS_LIMIT
+    assert "does not read the ACKs" in proxy.log()
 
 
 def test_continuation_flood(proxy: ProxyProc, port: int) -> None:
@@ -1373,6 +1441,41 @@ def test_client_goaway_names_no_stream_it_drops(port: int) -> None:
         answered = [f for f in frames if f.stream_id == 1]
         assert len(goaways) == 1 and goaways[0].error_code == 0, goaways
         assert answered or goaways[0].last_stream_id == 0, frames
+
+
+def test_connection_error_names_the_last_stream_taken(port: int) -> None:
+    """RFC 9113 6.8: a GOAWAY for a connection error h2 raises names the last stream
+    the proxy took, not h2's highest: a request in the same read as the bad frame is
+    dropped unanswered, and the GOAWAY used to name it (the client could not retry)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/echo"))
+        assert c.response(1).status == 200
+        c.send(c.request(3, "/echo"), raw_frame(DATA, 0, 0, b"x"))  # DATA on stream 0
+        frames = c.frames_until(lambda f: False, 5)
+        assert c.eof
+        goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
+        answered = [f for f in frames if f.stream_id == 3]
+        assert len(goaways) == 1, frames
+        assert goaways[0].error_code == ErrorCodes.PROTOCOL_ERROR, goaways
+        assert goaways[0].last_stream_id == (3 if answered else 1), frames
+
+
+def test_client_goaway_with_a_stream_in_flight_names_no_stream_it_refuses(port: int) -> None:
+    """RFC 9113 6.8, as above with a stream in flight (the GOAWAY that lets it finish):
+    a request behind the client's GOAWAY in the same read is refused, and the GOAWAY
+    used to name it all the same (h2's highest stream id)."""
+    with FrameClient(port) as c:
+        c.handshake()
+        c.send(c.request(1, "/delay/300"))
+        c.send(GoAwayFrame(0, last_stream_id=0, error_code=0), c.request(3, "/echo"))
+        frames = c.frames_until(lambda f: False, 5)
+        assert c.eof
+        goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
+        refused = [f for f in frames if isinstance(f, RstStreamFrame) and f.stream_id == 3]
+        assert any(f.stream_id == 1 and "END_STREAM" in f.flags for f in frames), frames
+        assert len(goaways) == 1 and goaways[0].error_code == 0, goaways
+        assert goaways[0].last_stream_id == (1 if refused else 3), frames
 
 
 @pytest.mark.parametrize("kind,flags", [(PING, 0), (DATA, 0), (HEADERS, 0x4)])

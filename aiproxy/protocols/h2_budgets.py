@@ -28,6 +28,11 @@ from aiproxy.ratelimit.bucket import Budget
 
 CONTROL_BUDGET = 1000.0     # PING and SETTINGS frames allowed in a burst ...
 CONTROL_REFILL = 100.0      # ... and per second after it
+# ACKs of PING and SETTINGS written but still in the connection's output buffer behind
+# what a client does not read: under the budget's refill they would pile up for as long
+# as it keeps a stream open (nghttp2's max_outbound_ack, Envoy's
+# max_outbound_control_frames: 1000). Below CONTROL_BUDGET, so a burst trips it too.
+UNSENT_ACKS_LIMIT = 256
 IDLE_BUDGET = 2000.0
 IDLE_REFILL = 500.0
 IDLE_PER_REQUEST = 8.0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections import deque
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -44,6 +45,7 @@ from aiproxy.protocols.h2_budgets import (
     IDLE_PER_REQUEST,
     SMALL_DATA_CLIENT,
     SMALL_WINDOW_CLIENT,
+    UNSENT_ACKS_LIMIT,
     FrameBudgets,
 )
 from aiproxy.protocols.h2_output import (
@@ -71,6 +73,10 @@ WRITE_BUFFER_LIMIT = 8 * 1024 * 1024
 RESET_BUDGET = 200.0        # client stream resets (and refused streams) allowed in a burst ...
 RESET_REFILL = 100.0        # ... and per second after it (CVE-2023-44487)
 SETTINGS_NO_RFC7540_PRIORITIES = 0x9  # RFC 9218 2.1: 0 or 1, else PROTOCOL_ERROR
+# RFC 9113 6.5.3: how long the client has to acknowledge our SETTINGS (capped by
+# header_timeout_ms, the rest of its handshake's limit), as nghttpx's
+# --frontend-http2-settings-timeout (10 s).
+SETTINGS_ACK_SECONDS = 10.0
 LINGER_SECONDS = 2.0        # how long a closing connection may take to flush its output
 EARLY_RESET_SECONDS = 5.0   # a stream answered early is reset this long after at the latest
 EARLY_PING = 0xA1 << 56     # PING opaque data: this tag | stream id (see end_early)
@@ -88,10 +94,19 @@ class _ServerH2(h2_fast.FastReceive, h2.connection.H2Connection):
     - RFC 9113 4.3: a field block that cannot be decoded is COMPRESSION_ERROR (h2 says
       PROTOCOL_ERROR).
     - RFC 9113 6.8: a GOAWAY from the client stops new streams, not the ones in flight
-      (h2 would refuse to send another frame)."""
+      (h2 would refuse to send another frame).
+    - RFC 9113 6.8: the GOAWAY of a connection error names the last stream the proxy
+      took (`last_request`), not h2's highest: the streams of the read that raised were
+      never handled."""
 
     refuse_excess = True
     settings_seen = False
+    last_request = 0  # the id of the last stream the proxy started a request on
+
+    def _terminate_connection(self, error_code: Any) -> None:
+        self.state_machine.process_input(h2.connection.ConnectionInputs.SEND_GOAWAY)
+        self._prepare_for_sending([GoAwayFrame(0, last_stream_id=self.last_request,
+                                               error_code=error_code)])
 
     def _receive_frame(self, frame: Any) -> list:
         if not self.settings_seen:
@@ -154,15 +169,25 @@ class H2ServerConnection(asyncio.Protocol):
         self.timer_at = INFINITY
         self.idle_since = 0.0
         self.partial_since = 0.0     # since when part of a frame waits for the rest
+        self.settings_due = 0.0      # when our SETTINGS must be acknowledged by; 0: they are
+        # PING/SETTINGS ACKs queued since the last flush, and those written that are still
+        # in the transport's buffer: (bytes written up to their end, how many), their sum.
+        self.acks_queued = 0
+        self.unsent_acks: deque[tuple[int, int]] = deque()
+        self.unsent_count = 0
+        self.out_total = 0           # bytes written to the transport
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
-        self.requests = 0            # streams opened, for [http] h2_max_requests ...
-        self.last_request = 0        # ... and the id of the last
+        self.requests = 0            # streams opened, for [http] h2_max_requests (the id
+                                     # of the last: self.h2.last_request)
         # Settled at the end of data_received.
         self.budgets = FrameBudgets(SMALL_DATA_CLIENT, SMALL_WINDOW_CLIENT)
         self.early: dict[int, asyncio.TimerHandle] = {}  # streams answered early, see end_early
-        # After `Upgrade: h2c`, response DATA waits for the client's connection preface:
-        # some clients (curl 7.x) cannot take more than a small buffer's worth of bytes
-        # arriving right behind the 101 response.
+        # After `Upgrade: h2c`, response DATA waits for the client's connection preface.
+        # RFC 7540 3.2 would let it go right behind our SETTINGS, but curl 7.88 keeps
+        # what arrives behind the 101 in a 32 KiB buffer and fails past it ("curl: (16)
+        # connection buffer size is too small ... following HTTP Upgrade response
+        # header"), seen with MiB responses when this wait was taken out. HEADERS do
+        # not wait.
         self.await_preface = upgrade is not None
 
     # -- asyncio.Protocol -------------------------------------------------------------
@@ -199,9 +224,11 @@ class H2ServerConnection(asyncio.Protocol):
             conn.initiate_connection()
         conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self._flush()
+        self.settings_due = self.idle_since + min(SETTINGS_ACK_SECONDS,
+                                                  http.header_timeout_ms / 1000)
         self._arm_at(self.loop.time() + self.server.runtime.min_timeout)
         if self.upgrade is not None:
-            self.requests = self.last_request = 1
+            self.requests = conn.last_request = 1
             self._start_stream(1, self.upgrade[0], True)
             self.upgrade = None
             self._flush()
@@ -314,11 +341,11 @@ class H2ServerConnection(asyncio.Protocol):
             if not self.goaway_sent:
                 # Past h2_max_requests while streams are in flight: GOAWAY now, as
                 # nginx's keepalive_requests, naming the last stream served.
-                self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
+                self._goaway(ErrorCodes.NO_ERROR, close=False)
             self._reset_stream(ev.stream_id, ErrorCodes.REFUSED_STREAM)
             return
         self.requests += 1
-        self.last_request = ev.stream_id
+        self.h2.last_request = ev.stream_id
         try:
             head = h2_request_head(ev.headers, bool(ev.stream_ended))
         except MalformedHead as exc:
@@ -438,6 +465,7 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_control(self, ev: Any) -> None:
         """A PING or SETTINGS frame, which h2 has already answered with an ACK."""
+        self.acks_queued += 1
         if not self.budgets.control.spend(1, self.loop.time()):
             log.warning("client %s floods PING/SETTINGS frames: GOAWAY", self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
@@ -483,6 +511,10 @@ class H2ServerConnection(asyncio.Protocol):
         self.want_flush()
 
     def _on_idle_frame(self, ev: Any) -> None:
+        self.budgets.idle_frames += 1
+
+    def _on_settings_ack(self, ev: h2.events.SettingsAcknowledged) -> None:
+        self.settings_due = 0.0  # only one SETTINGS frame is sent, at the start
         self.budgets.idle_frames += 1
 
     def _on_window(self, ev: h2.events.WindowUpdated) -> None:
@@ -543,24 +575,54 @@ class H2ServerConnection(asyncio.Protocol):
         # and logs "SSL connection is closed" for each write past the fifth.
         if data and not self.transport.is_closing():
             self.transport.write(data)
-            if self.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+            self.out_total += len(data)
+            size = self.transport.get_write_buffer_size()
+            if size > WRITE_BUFFER_LIMIT:
                 log.warning("client %s does not read its socket: closing", self.peer.decode())
                 self.abort()
+            elif (self.acks_queued or self.unsent_count) and self._acks_over(size):
+                log.warning("client %s does not read the ACKs of its PING/SETTINGS frames: "
+                            "GOAWAY", self.peer.decode())
+                self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
 
-    def _connection_error(self, exc: Exception) -> None:
-        # h2 has already queued GOAWAY with the error's code (receive_data does that).
+    def _acks_over(self, size: int) -> bool:
+        """Counts the ACKs just written and drops those the transport has sent (its
+        buffer is FIFO); True when more than UNSENT_ACKS_LIMIT are left in it."""
+        sent = self.out_total - size
+        unsent = self.unsent_acks
+        while unsent and unsent[0][0] <= sent:
+            self.unsent_count -= unsent.popleft()[1]
+        if self.acks_queued:
+            if size:
+                unsent.append((self.out_total, self.acks_queued))
+                self.unsent_count += self.acks_queued
+            self.acks_queued = 0
+        if self.unsent_count > UNSENT_ACKS_LIMIT:
+            unsent.clear()
+            self.unsent_count = 0
+            return True
+        return False
+
+    def _connection_error(self, exc: h2.exceptions.ProtocolError) -> None:
+        # h2 has already queued GOAWAY with the error's code (receive_data does that),
+        # except for an invalid client preface, checked before: RFC 9113 3.4 lets that
+        # GOAWAY be omitted, but it is cheap and tells the client why.
         log.info("HTTP/2 connection error from %s: %s", self.peer.decode(), exc)
+        conn = self.h2
+        if conn.state_machine.state is not h2.connection.ConnectionState.CLOSED:
+            conn._terminate_connection(exc.error_code)
         self.goaway_sent = True
         self._flush()
         self.close()
 
-    def _goaway(self, code: int, close: bool, last: int | None = None) -> None:
+    def _goaway(self, code: int, close: bool) -> None:
+        # RFC 9113 6.8: the last stream taken, not h2's highest: a request parsed in the
+        # same read as what ends the connection is dropped unanswered, one behind the
+        # client's GOAWAY is refused, and neither may be named.
+        last = self.h2.last_request
         if close:
-            # RFC 9113 6.8: the last stream taken, not h2's highest: a request parsed
-            # in the same read as what ends the connection is dropped unanswered.
             try:
-                self.h2.close_connection(error_code=code, last_stream_id=(
-                    self.last_request if last is None else last))
+                self.h2.close_connection(error_code=code, last_stream_id=last)
             except h2.exceptions.ProtocolError:
                 pass
             self.goaway_sent = True
@@ -572,10 +634,9 @@ class H2ServerConnection(asyncio.Protocol):
         self._flush()
         self.goaway_sent = True
         if not self.closed:
-            if last is None:
-                last = self.h2.highest_inbound_stream_id
-            self.transport.write(GoAwayFrame(0, last_stream_id=last,
-                                             error_code=code).serialize())
+            frame = GoAwayFrame(0, last_stream_id=last, error_code=code).serialize()
+            self.transport.write(frame)
+            self.out_total += len(frame)
 
     def stream_done(self, stream: H2Stream) -> None:
         self.streams.pop(stream.sid, None)
@@ -598,7 +659,7 @@ class H2ServerConnection(asyncio.Protocol):
         no stream is in flight, the GOAWAY is the last frame: a client that takes no
         frame after one (python h2, hence httpx) has its responses whole."""
         if not self.goaway_sent:
-            self._goaway(ErrorCodes.NO_ERROR, close=False, last=self.last_request)
+            self._goaway(ErrorCodes.NO_ERROR, close=False)
         self.close()
 
     def drain(self, idle_grace: float = 0.0) -> None:
@@ -612,8 +673,10 @@ class H2ServerConnection(asyncio.Protocol):
             return
         self.drain_ping = True
         self._flush()
-        self.transport.write(GoAwayFrame(0, last_stream_id=MAX_STREAM_ID,
-                                         error_code=ErrorCodes.NO_ERROR).serialize())
+        frame = GoAwayFrame(0, last_stream_id=MAX_STREAM_ID,
+                            error_code=ErrorCodes.NO_ERROR).serialize()
+        self.transport.write(frame)
+        self.out_total += len(frame)
         try:
             self.h2.ping(DRAIN_PING)
         except h2.exceptions.ProtocolError:
@@ -659,6 +722,14 @@ class H2ServerConnection(asyncio.Protocol):
         http = rt.http
         now = self.loop.time()
         left = rt.min_timeout
+        due = self.settings_due
+        if due and self.h2.settings_seen:
+            # Before the client's preface is in, header_timeout_ms applies (below).
+            if now >= due:
+                log.info("client %s did not acknowledge SETTINGS: GOAWAY", self.peer.decode())
+                self._goaway(ErrorCodes.SETTINGS_TIMEOUT, close=True)
+                return
+            left = min(left, due - now)
         send_timeout = http.send_timeout_ms / 1000
         for stream in list(self.streams.values()):
             if stream.stalled(now) >= send_timeout:
@@ -711,7 +782,7 @@ _HANDLERS = {
     h2_fast.MalformedStream: H2ServerConnection._on_malformed,
     h2.events.PriorityUpdated: H2ServerConnection._on_idle_frame,
     h2.events.UnknownFrameReceived: H2ServerConnection._on_idle_frame,
-    h2.events.SettingsAcknowledged: H2ServerConnection._on_idle_frame,
+    h2.events.SettingsAcknowledged: H2ServerConnection._on_settings_ack,
 }
 
 
