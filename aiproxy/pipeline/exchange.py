@@ -49,7 +49,6 @@ from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.pipeline.redirect import location
 from aiproxy.protocols.fields import trailer_fields
 from aiproxy.protocols.replies import error_body, grpc_status_for, grpc_status_value
-from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
 from aiproxy.routing.table import ANY_INTENT, Route
@@ -87,11 +86,10 @@ REPLAY_LIMIT = 64 * 1024
 CRLF = b"\r\n"
 INFINITY = float("inf")
 NO_INTENT = (None, None)  # the route table's `sem` for a request without an intent
-# 1xx responses one request may get: a burst, then one a second (a 102 Processing
-# every few seconds through a long operation is fine; thousands a second are a flood
-# the client would otherwise be sent until the request times out).
-INFORMATIONAL_BURST = 32.0
-INFORMATIONAL_REFILL = 1.0
+# 1xx responses one request may get before its final response; one more is a 502. Go's
+# client stops at 5; 103 Early Hints come one or two to a response. Without a cap an
+# upstream could send 1xx until the request times out, each passed to the client.
+MAX_INFORMATIONAL = 16
 NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 # Methods start() looks at before anything else; a plain request pays one set lookup.
@@ -158,7 +156,7 @@ class Exchange(ExchangeBase):
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
-        "info_budget", "upstream_error", "no_intent", "grpc_status",
+        "info_count", "upstream_error", "no_intent", "grpc_status",
         "stream_error", "drained", "tunnel_ended", "close_after", "tracer",
     )
 
@@ -1342,19 +1340,24 @@ class Exchange(ExchangeBase):
     # -- upstream callbacks ---------------------------------------------------------
 
     def on_upstream_informational(self, resp: Any) -> None:
-        budget = self.info_budget
-        if budget is None:
-            budget = self.info_budget = Budget(INFORMATIONAL_BURST, INFORMATIONAL_REFILL)
-        if not budget.spend(1, monotonic()):
-            log.warning("upstream sent informational responses too fast on route %s",
-                        self.route.name)
+        """A 1xx (not 101) before the final response: passed on (RFC 9110 15.2; the
+        downstream leaves out HTTP/1.0 clients). A 100 goes to a client that has not had
+        one: the proxy answers an Expect: 100-continue itself (Expect is not forwarded),
+        and a second 100 would tell the client nothing."""
+        self.info_count += 1
+        if self.info_count > MAX_INFORMATIONAL:
+            log.warning("upstream sent more than %d informational responses on route %s",
+                        MAX_INFORMATIONAL, self.route.name)
             self.cluster.record(self.pool, True)  # as a garbled head would be
             self._drop_upstream()
             self.fail(502, "upstream_bad_response",
                       "upstream sent too many informational (1xx) responses")
             return
-        if resp.status != 100:
-            self.down.send_informational(resp)
+        if resp.status == 100:
+            if self.continued:
+                return
+            self.continued = True  # no 100 of the proxy's own after this one
+        self.down.send_informational(resp)
 
     def on_upstream_head(self, resp: Any, mode: int) -> None:
         if type(resp) is ResponseHead:  # from an HTTP/1.1 upstream: read in C
