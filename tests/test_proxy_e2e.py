@@ -1734,6 +1734,11 @@ def test_truncated_response_is_incomplete_not_hung(
         (b"GET /echo HTTP/2.0\r\nHost: t\r\n\r\n", 505, None),
         (b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n", 431, None),
         (b"GET /" + b"a" * 10000 + b" HTTP/1.1\r\nHost: t\r\n\r\n", 414, None),
+        (b"A" * 10000 + b" /echo HTTP/1.1\r\nHost: t\r\n\r\n", 501, None),
+        (b"GET /echo?q={} HTTP/1.1\r\nHost: t\r\n\r\n", 400, None),
+        (b"GET /a\\b HTTP/1.1\r\nHost: t\r\n\r\n", 400, None),
+        (b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+         b"0\r\n" + b"X-T: v\r\n" * 101 + b"\r\n", 431, None),
         (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
          b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400, None),
         (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2048\r\n\r\n", 413,
@@ -1741,7 +1746,8 @@ def test_truncated_response_is_incomplete_not_hung(
         (b"GET /echo HTTP/1.1\r\nHost: t\r\nExpect: teapot\r\n\r\n", 417, "expectation_failed"),
         (b"CONNECT 127.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1:443\r\n\r\n", 501, None),
     ],
-    ids=["bad-header", "no-host", "http2", "header-too-large", "uri-too-long", "cl-and-te",
+    ids=["bad-header", "no-host", "http2", "header-too-large", "uri-too-long",
+         "method-too-long", "target-brace", "target-backslash", "trailer-count", "cl-and-te",
          "body-too-large", "expect-unknown", "connect"],
 )
 def test_proxy_generated_errors(
@@ -1757,6 +1763,23 @@ def test_proxy_generated_errors(
             assert c.closed_within(5)
     with httpx.Client(timeout=10) as client:
         assert client.get(proxy.url + "/echo").status_code == 200  # the proxy is fine
+
+
+def test_target_characters_rfc3986_forbids_are_400_and_close(
+    start_proxy: StartProxy, demo_upstream: int
+) -> None:
+    """RFC 9112 3.2: a request-target with a character RFC 3986 does not allow (in the
+    path or the query) makes the request-line invalid: 400, and the connection closes
+    cleanly after it (what follows cannot be trusted to start a request)."""
+    proxy = start_proxy(simple_config(demo_upstream))
+    for c in b'"<>\\^`{|}':
+        for target in (b"/a%cb" % c, b"/echo?q=%c" % c):
+            with RawConn(proxy.port) as conn:
+                conn.send(b"GET " + target + b" HTTP/1.1\r\nHost: t\r\n\r\n")
+                r = conn.read_response()
+                raw_error(r, 400)
+                assert r.header("connection") == "close", target
+                assert conn.closed_within(5), target
 
 
 # == timeouts =================================================================================

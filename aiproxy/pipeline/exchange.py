@@ -34,7 +34,14 @@ from urllib.parse import quote
 
 from aiproxy import wirejson
 from aiproxy._fast.clock import event_now, monotonic
-from aiproxy._fast.h1 import ChunkedDecoder, ParseError, ResponseHead, find_query, valid_authority
+from aiproxy._fast.h1 import (
+    MAX_METHOD_BYTES,
+    ChunkedDecoder,
+    ParseError,
+    ResponseHead,
+    find_query,
+    valid_authority,
+)
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_TUNNEL, ExchangeBase, forwarded_lines
 from aiproxy.pipeline.filters import (
@@ -258,6 +265,9 @@ class Exchange(ExchangeBase):
             # The limits the HTTP/1.1 parser applies to a request line and field count
             # (the header list's size is SETTINGS_MAX_HEADER_LIST_SIZE's).
             rt = self.rt
+            if len(method) > MAX_METHOD_BYTES:  # as the HTTP/1.1 parser (h1.pyx)
+                self._framing()
+                return self.local_reply(501, "request method too long")
             if len(method) + 1 + len(target) > rt.max_request_line_bytes:
                 self._framing()
                 return self.local_reply(414, "request target too long")
@@ -814,7 +824,7 @@ class Exchange(ExchangeBase):
             return False
         if head.chunked:
             self.req_mode = REQ_CHUNKED
-            self.decoder = ChunkedDecoder(self.rt.max_header_bytes)
+            self.decoder = ChunkedDecoder(self.rt.max_header_bytes, self.rt.max_headers)
             self.reading_body = True
             self.up_chunked = True
         elif head.version == 20 and head.body_streamed:  # HTTP/2 DATA frames follow
