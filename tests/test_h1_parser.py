@@ -704,8 +704,9 @@ def test_request_line_limit():
     check_invalid_request(long_target + b" HTTP/1.1\r\nHost: a\r\n\r\n", 414, max_line=64)
     check_invalid_request(long_target + b" HTTP/1.1\r\n", 414, complete=False, max_line=64)
     check_invalid_request(long_target, 414, complete=False, max_line=64)
-    # a method that never ends
-    check_invalid_request(b"A" * 100, 414, complete=False, max_line=64)
+    # a method that never ends: longer than any (RFC 9112 3.1), whatever max_line
+    check_invalid_request(b"A" * 100, 501, complete=False, max_line=64)
+    check_invalid_request(b"A" * 100, 501, complete=False)
     # default limit
     exc = _raises(parse_request, b"GET /" + b"a" * 9000, {})
     assert exc.status == 414
@@ -1006,9 +1007,11 @@ def test_name_characters(c):
 
 @pytest.mark.parametrize("c", range(256))
 def test_target_characters(c):
-    """The request-target is visible ASCII only."""
+    """The request-target is visible ASCII that RFC 3986 allows in a URI (appendix A):
+    not '"', '<', '>', '\\', '^', '`', '{', '|', '}' (RFC 9112 3.2: an invalid
+    request-line is a 400)."""
     data = req(line=b"GET /x" + bytes([c]) + b"y HTTP/1.1")
-    if 0x21 <= c <= 0x7E:
+    if 0x21 <= c <= 0x7E and c not in b'"<>\\^`{|}':
         assert parse_request(data).target == b"/x" + bytes([c]) + b"y"
     else:
         with pytest.raises(ParseError) as info:
@@ -1018,8 +1021,17 @@ def test_target_characters(c):
 
 def test_every_method_token():
     for m in (b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS", b"TRACE",
-              b"PATCH", b"PROPFIND", b"MKCOL", b"BREW", b"A", b"x" * 100):
+              b"PATCH", b"PROPFIND", b"MKCOL", b"BREW", b"A", b"UPDATEREDIRECTREF", b"x" * 32):
         assert parse_request(req(line=m + b" / HTTP/1.1")).method == m
+
+
+@pytest.mark.parametrize("target", [b"/", b"/" + b"a" * 50])
+def test_method_longer_than_any_is_501(target: bytes) -> None:
+    """RFC 9112 3.1: a method longer than any the server implements SHOULD get 501 (not
+    414: the target may be short). The proxy passes any token on, up to 32 bytes."""
+    check_invalid_request(b"x" * 33 + b" " + target + b" HTTP/1.1\r\nHost: a\r\n\r\n", 501)
+    check_invalid_request(b"x" * 10000 + b" " + target + b" HTTP/1.1\r\nHost: a\r\n\r\n",
+                          501)
 
 
 def test_parse_error_is_an_exception_with_status():
@@ -1349,6 +1361,22 @@ def test_chunked_trailer_limit():
     # default limit, while still incomplete
     with pytest.raises(ParseError) as info:
         _decode_pieces([b"0\r\nX: " + b"v" * 40000])
+    assert info.value.status == 431
+
+
+def test_chunked_trailer_field_count_limit():
+    """Trailer fields are counted as header fields are (max_headers): 431 past the cap,
+    however few bytes they take."""
+    body = b"0\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(3)) + b"\r\n"
+    got, tr, end, d = _decode_pieces([body], max_fields=3)
+    assert d.done and tr.count(b"\r\n") == 3
+    for pieces in _all_splits(body):
+        with pytest.raises(ParseError) as info:
+            _decode_pieces(pieces, max_fields=2)
+        assert (info.value.status, info.value.message) == (431, "too many trailer fields")
+    # default cap (100, as max_headers), while still incomplete
+    with pytest.raises(ParseError) as info:
+        _decode_pieces([b"0\r\n" + b"A:\r\n" * 101])
     assert info.value.status == 431
     with pytest.raises(ParseError) as info:
         _decode_pieces([b"0\r\n" + b"X: 1\r\n" * 6000])

@@ -68,6 +68,8 @@ REJECTED = {
     "chunk-bad-ext": CHUNKED + b"5;\x01\r\nhello\r\n0\r\n\r\n",
     "chunk-17-hex-digits-behind-zeros": CHUNKED + b"0000" + b"1" + b"0" * 16 + b"\r\nhello\r\n",
     "chunk-size-line-of-zeros": CHUNKED + b"0" * 5000 + b"5\r\nhello\r\n0\r\n\r\n",
+    # Trailer fields are counted against max_headers (100) as header fields are.
+    "too-many-trailer-fields": CHUNKED + b"5\r\nhello\r\n0\r\n" + b"X-T: v\r\n" * 101 + b"\r\n",
     "trailer-folded": CHUNKED + b"5\r\nhello\r\n0\r\nX-A: 1\r\n folded\r\n\r\n",
     "obs-fold": b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 2\r\n\r\nok",
     "nul-in-value": b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 2\r\n\r\nok",

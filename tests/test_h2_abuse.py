@@ -301,6 +301,12 @@ BAD_PSEUDO = {
     "path_with_tab": {":path": "/a\tb"},
     "path_with_control_byte": {":path": "/a\x01b"},
     "path_with_del": {":path": "/a\x7fb"},
+    # Visible ASCII RFC 3986 does not allow in a URI: an HTTP/1.1 request line with them
+    # is a 400 (RFC 9112 3.2), and the same :path is malformed.
+    **{f"path_with_{name}": {":path": f"/a{c}b"} for name, c in (
+        ("quote", '"'), ("lt", "<"), ("gt", ">"), ("backslash", "\\"), ("caret", "^"),
+        ("backquote", "`"), ("lbrace", "{"), ("pipe", "|"), ("rbrace", "}"))},
+    "query_with_brace": {":path": "/echo?a={}"},
     "method_with_tab": {":method": "GE\tT"},
     "method_not_a_token": {":method": "G(T"},
     "authority_with_space": {":authority": "a b"},
@@ -508,7 +514,8 @@ def test_content_length_mismatch(port: int, shape: str) -> None:
 def test_http11_limits_on_field_count_and_target_length(demo_upstream: int,
                                                        tmp_path: Path) -> None:
     """[http] max_headers and max_request_line_bytes hold for an HTTP/2 request as for
-    an HTTP/1.1 one: 431 and 414, for that stream alone."""
+    an HTTP/1.1 one: 431 and 414, for that stream alone; and a method longer than any
+    (33 bytes) is a 501 (RFC 9112 3.1), as over HTTP/1.1."""
     text = (CONFIG % (MAX_STREAMS, 65536, demo_upstream)).replace(
         "max_header_bytes = 65536", "max_header_bytes = 65536\nmax_headers = 10\n"
         "max_request_line_bytes = 100")
@@ -521,6 +528,9 @@ def test_http11_limits_on_field_count_and_target_length(demo_upstream: int,
                    c.request(5, "/echo/" + "a" * (100 - len("GET /echo/"))),
                    c.request(7, "/echo/" + "a" * (101 - len("GET /echo/"))))
             assert [c.response(sid).status for sid in (1, 3, 5, 7)] == [200, 431, 200, 414]
+            c.send(c.request(9, "/echo", "X" * 32), c.request(11, "/echo", "X" * 33))
+            assert c.response(9).status != 501
+            assert c.response(11).status == 501
     finally:
         proxy.stop()
 

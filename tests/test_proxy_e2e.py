@@ -397,6 +397,9 @@ async def scripted_upstream(reader: asyncio.StreamReader, writer: asyncio.Stream
     /hints             103 Early Hints, then 200
     /hints-length      103 Early Hints with a Content-Length, then 200
     /hints-many/N      N 103 Early Hints in one write, then 200
+    /hints-hop         103 Early Hints with hop-by-hop fields, then 200
+    /continue-hints    100 Continue, 100 Continue, 103 Early Hints, then 200 (whether or
+                       not the request had Expect: 100-continue)
     /big-head          200 whose head is larger than any max_header_bytes default
     /no-content        204 with a Content-Length (RFC 9110 8.6 says it must not have one)
     /bad-chunked       200 chunked, whose first chunk size is not hex, in the head's write
@@ -483,6 +486,16 @@ async def scripted_upstream(reader: asyncio.StreamReader, writer: asyncio.Stream
         elif path.startswith("/hints-many/"):
             hint = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
             writer.write(hint * int(path[12:]) + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal")
+            await writer.drain()
+        elif path == "/hints-hop":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nConnection: X-Secret\r\nX-Secret: s\r\n"
+                         b"Keep-Alive: timeout=5\r\nLink: </a>; rel=preload\r\n\r\n"
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal")
+            await writer.drain()
+        elif path == "/continue-hints":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 100 Continue\r\n\r\n"
+                         b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal")
             await writer.drain()
         elif path == "/big-head":
             writer.write(b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 200_000
@@ -1236,13 +1249,75 @@ def test_early_hints_to_an_http2_client_carry_via(
     assert [h[b":status"] for h in heads] == [b"103", b"200"], heads
     assert heads[0][b"link"] == b"</style.css>; rel=preload"
     assert heads[0][b"via"] == heads[1][b"via"] == b"1.1 aiproxy"
+    with FrameClient(proxy.port) as c:  # an unsolicited 100, once, as to HTTP/1.1
+        c.handshake()
+        c.send(c.request(1, "/continue-hints"))
+        frames = c.frames_until(lambda f: "END_STREAM" in f.flags and f.stream_id == 1)
+    hframes = [f for f in frames if isinstance(f, HeadersFrame)]
+    heads = [dict(f.decoded) for f in hframes]
+    assert [h[b":status"] for h in heads] == [b"100", b"103", b"200"], heads
+    assert not any("END_STREAM" in f.flags for f in hframes[:2])
+
+
+@pytest.mark.parametrize("mode", ["--http1.1", "--http2-prior-knowledge"])
+def test_early_hints_reach_curl(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer], mode: str
+) -> None:
+    """curl, over HTTP/1.1 and h2c, sees the 103 with its Link field before the 200, and
+    none of the 103's hop-by-hop fields (RFC 9110 7.6.1)."""
+    up = serve(scripted_upstream)
+    proxy = start_proxy(simple_config(up.port), 'protocols = ["http1", "h2c"]')
+    for path in ("/hints", "/hints-hop"):
+        r = curl("-v", mode, proxy.url + path, timeout=10)
+        assert r.returncode == 0 and r.stdout == b"final", r.stderr.decode()[-2000:]
+        heads = [line[2:].strip() for line in r.stderr.decode().splitlines()
+                 if line.startswith("< ")]
+        statuses = [h.split()[1] for h in heads if h.startswith("HTTP/")]
+        assert statuses == ["103", "200"], heads
+        final_at = max(i for i, h in enumerate(heads) if h.startswith("HTTP/"))
+        hints = [h.lower() for h in heads[1:final_at]]
+        assert any(h.startswith("link: </") for h in hints), hints
+        assert not any(h.split(":")[0] in ("connection", "x-secret", "keep-alive")
+                       for h in hints), hints
+
+
+def test_unsolicited_100_is_forwarded_once(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
+) -> None:
+    """RFC 9110 15.2: a proxy MUST forward 1xx responses it did not ask for. The upstream
+    here sends two 100s and a 103: a client that sent no Expect gets one 100 (a second
+    says nothing more) and the 103. A client that sent Expect: 100-continue got the
+    proxy's own 100 (Expect is not forwarded) and gets no other; an HTTP/1.0 client
+    gets no 1xx at all (RFC 9110 15.2)."""
+    up = serve(scripted_upstream)
+    proxy = start_proxy(simple_config(up.port))
+    with RawConn(proxy.port) as c:
+        for _ in range(2):  # and the connection is kept
+            c.send(get("/continue-hints"))
+            assert c.read_response().status == 100
+            hints = c.read_response()
+            assert hints.status == 103 and hints.header("link") == "</a>; rel=preload"
+            final = c.read_response()
+            assert final.status == 200 and final.body == b"final"
+    with RawConn(proxy.port) as c:
+        c.send(b"POST /continue-hints HTTP/1.1\r\nHost: test\r\nContent-Length: 5\r\n"
+               b"Expect: 100-continue\r\n\r\n")
+        assert c.read_response().status == 100
+        c.send(b"hello")
+        assert c.read_response().status == 103
+        final = c.read_response()
+        assert final.status == 200 and final.body == b"final"
+    with RawConn(proxy.port) as c:
+        c.send(get("/continue-hints", version="1.0"))
+        final = c.read_response()
+        assert final.status == 200 and final.body == b"final"
 
 
 def test_flood_of_informational_responses_is_502(
     start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]
 ) -> None:
-    """20 Early Hints before a response are passed on; 5,000 (a flood the client would be
-    sent until the request timed out) end in a 502 after the first few dozen."""
+    """16 Early Hints before a response are passed on; a 17th (a flood the client would
+    otherwise be sent until the request timed out) ends the response in a 502."""
     up = serve(scripted_upstream)
     proxy = start_proxy(simple_config(up.port))
 
@@ -1254,10 +1329,11 @@ def test_flood_of_informational_responses_is_502(
                 hints += 1
             return hints, r
 
-    hints, final = responses("/hints-many/20")
-    assert hints == 20 and final.status == 200 and final.body == b"final"
-    hints, final = responses("/hints-many/5000")
-    assert 20 <= hints <= 40 and final.status == 502, (hints, final.status)
+    hints, final = responses("/hints-many/16")
+    assert hints == 16 and final.status == 200 and final.body == b"final"
+    for n in (17, 5000):
+        hints, final = responses(f"/hints-many/{n}")
+        assert hints == 16 and final.status == 502, (n, hints, final.status)
     assert json.loads(final.body)["error"]["message"] == \
         "upstream sent too many informational (1xx) responses"
 
@@ -1658,6 +1734,11 @@ def test_truncated_response_is_incomplete_not_hung(
         (b"GET /echo HTTP/2.0\r\nHost: t\r\n\r\n", 505, None),
         (b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n", 431, None),
         (b"GET /" + b"a" * 10000 + b" HTTP/1.1\r\nHost: t\r\n\r\n", 414, None),
+        (b"A" * 10000 + b" /echo HTTP/1.1\r\nHost: t\r\n\r\n", 501, None),
+        (b"GET /echo?q={} HTTP/1.1\r\nHost: t\r\n\r\n", 400, None),
+        (b"GET /a\\b HTTP/1.1\r\nHost: t\r\n\r\n", 400, None),
+        (b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+         b"0\r\n" + b"X-T: v\r\n" * 101 + b"\r\n", 431, None),
         (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
          b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400, None),
         (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2048\r\n\r\n", 413,
@@ -1665,7 +1746,8 @@ def test_truncated_response_is_incomplete_not_hung(
         (b"GET /echo HTTP/1.1\r\nHost: t\r\nExpect: teapot\r\n\r\n", 417, "expectation_failed"),
         (b"CONNECT 127.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1:443\r\n\r\n", 501, None),
     ],
-    ids=["bad-header", "no-host", "http2", "header-too-large", "uri-too-long", "cl-and-te",
+    ids=["bad-header", "no-host", "http2", "header-too-large", "uri-too-long",
+         "method-too-long", "target-brace", "target-backslash", "trailer-count", "cl-and-te",
          "body-too-large", "expect-unknown", "connect"],
 )
 def test_proxy_generated_errors(
@@ -1681,6 +1763,23 @@ def test_proxy_generated_errors(
             assert c.closed_within(5)
     with httpx.Client(timeout=10) as client:
         assert client.get(proxy.url + "/echo").status_code == 200  # the proxy is fine
+
+
+def test_target_characters_rfc3986_forbids_are_400_and_close(
+    start_proxy: StartProxy, demo_upstream: int
+) -> None:
+    """RFC 9112 3.2: a request-target with a character RFC 3986 does not allow (in the
+    path or the query) makes the request-line invalid: 400, and the connection closes
+    cleanly after it (what follows cannot be trusted to start a request)."""
+    proxy = start_proxy(simple_config(demo_upstream))
+    for c in b'"<>\\^`{|}':
+        for target in (b"/a%cb" % c, b"/echo?q=%c" % c):
+            with RawConn(proxy.port) as conn:
+                conn.send(b"GET " + target + b" HTTP/1.1\r\nHost: t\r\n\r\n")
+                r = conn.read_response()
+                raw_error(r, 400)
+                assert r.header("connection") == "close", target
+                assert conn.closed_within(5), target
 
 
 # == timeouts =================================================================================

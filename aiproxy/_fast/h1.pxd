@@ -79,6 +79,7 @@ cdef class ChunkedDecoder:
     cdef int ext_state  # where in the chunk-ext grammar (X_* in h1.pyx)
     cdef Py_ssize_t trailer_len
     cdef Py_ssize_t max_trailer
+    cdef Py_ssize_t fields, max_fields  # trailer fields seen, and allowed
     cdef bytearray _trailers
     cdef readonly bint done
     cdef readonly Py_ssize_t tail

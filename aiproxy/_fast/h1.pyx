@@ -91,6 +91,12 @@ cdef enum:
     MAX_CL_DIGITS = 18
     MAX_CHUNK_HEX = 16
     MAX_CHUNK_EXT = 4096
+    MAX_METHOD = 32
+
+# RFC 9112 3.1: a method longer than any the server implements SHOULD get 501. The
+# proxy forwards any token, so "implemented" is a length: the longest registered method
+# (UPDATEREDIRECTREF) has 17 bytes.
+MAX_METHOD_BYTES = MAX_METHOD
 
 cdef unsigned char TCHAR[256]
 cdef unsigned char FVCHAR[256]
@@ -132,6 +138,10 @@ cdef void _init_tables():
     for c in range(0x21, 0x7F):
         FVCHAR[c] = 1
         TARGET[c] = 1
+    # Visible ASCII RFC 3986 has no place for (3.2-3.5, appendix A): an invalid
+    # request-line (RFC 9112 3.2: 400) rather than a target to pass on.
+    for c in b'"<>\\^`{|}':
+        TARGET[c] = 0
     for c in range(0x80, 0x100):
         FVCHAR[c] = 1
     FVCHAR[0x20] = 1
@@ -936,6 +946,8 @@ cdef object _parse_request(const unsigned char *p, Py_ssize_t n, Py_ssize_t max_
     i = start
     while i < n and TCHAR[p[i]]:
         i += 1
+    if i - start > MAX_METHOD:
+        raise ParseError(501, "request method too long")
     if i >= n:
         if i - start > max_line:
             raise ParseError(414, "request line too long")
@@ -1226,9 +1238,10 @@ cdef class ChunkedDecoder:
     last fed buffer where the next message starts.
     """
 
-    def __init__(self, Py_ssize_t max_trailer=32768):
+    def __init__(self, Py_ssize_t max_trailer=32768, Py_ssize_t max_fields=100):
         self.state = C_SIZE
         self.max_trailer = max_trailer
+        self.max_fields = max_fields
         self._trailers = bytearray()
 
     @property
@@ -1379,6 +1392,11 @@ cdef class ChunkedDecoder:
                 if c == 13:
                     self.state = C_END_LF
                 elif TCHAR[c]:
+                    # Counted as header fields are (431 past max_headers): many tiny
+                    # fields cost more to pass on than their bytes say.
+                    self.fields += 1
+                    if self.fields > self.max_fields:
+                        raise ParseError(431, "too many trailer fields")
                     self.state = C_TRAILER_NAME
                     self._trailer_byte(c)
                 else:

@@ -34,7 +34,14 @@ from urllib.parse import quote
 
 from aiproxy import wirejson
 from aiproxy._fast.clock import event_now, monotonic
-from aiproxy._fast.h1 import ChunkedDecoder, ParseError, ResponseHead, find_query, valid_authority
+from aiproxy._fast.h1 import (
+    MAX_METHOD_BYTES,
+    ChunkedDecoder,
+    ParseError,
+    ResponseHead,
+    find_query,
+    valid_authority,
+)
 from aiproxy.kernel.tunnel import BOTH, DOWN_TO_UP, UP_TO_DOWN
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_TUNNEL, ExchangeBase, forwarded_lines
 from aiproxy.pipeline.filters import (
@@ -49,7 +56,6 @@ from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
 from aiproxy.pipeline.redirect import location
 from aiproxy.protocols.fields import trailer_fields
 from aiproxy.protocols.replies import error_body, grpc_status_for, grpc_status_value
-from aiproxy.ratelimit.bucket import Budget
 from aiproxy.routing.pool import UpstreamConnectError
 from aiproxy.routing.stats import LOAD_HEADERS
 from aiproxy.routing.table import ANY_INTENT, Route
@@ -87,11 +93,10 @@ REPLAY_LIMIT = 64 * 1024
 CRLF = b"\r\n"
 INFINITY = float("inf")
 NO_INTENT = (None, None)  # the route table's `sem` for a request without an intent
-# 1xx responses one request may get: a burst, then one a second (a 102 Processing
-# every few seconds through a long operation is fine; thousands a second are a flood
-# the client would otherwise be sent until the request times out).
-INFORMATIONAL_BURST = 32.0
-INFORMATIONAL_REFILL = 1.0
+# 1xx responses one request may get before its final response; one more is a 502. Go's
+# client stops at 5; 103 Early Hints come one or two to a response. Without a cap an
+# upstream could send 1xx until the request times out, each passed to the client.
+MAX_INFORMATIONAL = 16
 NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 # Methods start() looks at before anything else; a plain request pays one set lookup.
@@ -158,7 +163,7 @@ class Exchange(ExchangeBase):
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
-        "info_budget", "upstream_error", "no_intent", "grpc_status",
+        "info_count", "upstream_error", "no_intent", "grpc_status",
         "stream_error", "drained", "tunnel_ended", "close_after", "tracer",
     )
 
@@ -260,6 +265,9 @@ class Exchange(ExchangeBase):
             # The limits the HTTP/1.1 parser applies to a request line and field count
             # (the header list's size is SETTINGS_MAX_HEADER_LIST_SIZE's).
             rt = self.rt
+            if len(method) > MAX_METHOD_BYTES:  # as the HTTP/1.1 parser (h1.pyx)
+                self._framing()
+                return self.local_reply(501, "request method too long")
             if len(method) + 1 + len(target) > rt.max_request_line_bytes:
                 self._framing()
                 return self.local_reply(414, "request target too long")
@@ -816,7 +824,7 @@ class Exchange(ExchangeBase):
             return False
         if head.chunked:
             self.req_mode = REQ_CHUNKED
-            self.decoder = ChunkedDecoder(self.rt.max_header_bytes)
+            self.decoder = ChunkedDecoder(self.rt.max_header_bytes, self.rt.max_headers)
             self.reading_body = True
             self.up_chunked = True
         elif head.version == 20 and head.body_streamed:  # HTTP/2 DATA frames follow
@@ -1342,19 +1350,24 @@ class Exchange(ExchangeBase):
     # -- upstream callbacks ---------------------------------------------------------
 
     def on_upstream_informational(self, resp: Any) -> None:
-        budget = self.info_budget
-        if budget is None:
-            budget = self.info_budget = Budget(INFORMATIONAL_BURST, INFORMATIONAL_REFILL)
-        if not budget.spend(1, monotonic()):
-            log.warning("upstream sent informational responses too fast on route %s",
-                        self.route.name)
+        """A 1xx (not 101) before the final response: passed on (RFC 9110 15.2; the
+        downstream leaves out HTTP/1.0 clients). A 100 goes to a client that has not had
+        one: the proxy answers an Expect: 100-continue itself (Expect is not forwarded),
+        and a second 100 would tell the client nothing."""
+        self.info_count += 1
+        if self.info_count > MAX_INFORMATIONAL:
+            log.warning("upstream sent more than %d informational responses on route %s",
+                        MAX_INFORMATIONAL, self.route.name)
             self.cluster.record(self.pool, True)  # as a garbled head would be
             self._drop_upstream()
             self.fail(502, "upstream_bad_response",
                       "upstream sent too many informational (1xx) responses")
             return
-        if resp.status != 100:
-            self.down.send_informational(resp)
+        if resp.status == 100:
+            if self.continued:
+                return
+            self.continued = True  # no 100 of the proxy's own after this one
+        self.down.send_informational(resp)
 
     def on_upstream_head(self, resp: Any, mode: int) -> None:
         if type(resp) is ResponseHead:  # from an HTTP/1.1 upstream: read in C

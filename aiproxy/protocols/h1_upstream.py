@@ -369,7 +369,7 @@ class H1UpstreamCore(Upstream):
             mode = BODY_NONE
         elif resp.chunked:
             mode = BODY_CHUNKED
-            self.decoder = ChunkedDecoder(max_head)
+            self.decoder = ChunkedDecoder(max_head, self.max_headers)
         elif resp.content_length >= 0:
             mode = BODY_LENGTH
             self.remaining = resp.content_length
