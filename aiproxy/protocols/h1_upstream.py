@@ -369,10 +369,8 @@ class H1UpstreamCore(Upstream):
         # response ends at its head (RFC 9112 6.3), but the upstream may send the body it
         # declared, which the next request on this connection would read as its response.
         self.keep_alive = resp.keep_alive and not declared_body
-        if self.keep_alive:
-            hint = resp.get(b"keep-alive")
-            if hint is not None:
-                self._keep_alive_hint(hint)
+        if self.keep_alive and resp.keep_alive_field:  # no field scan when there is none
+            self._keep_alive_hint(resp.get(b"keep-alive"))
         if status == 101:
             mode = BODY_TUNNEL
         elif self.no_body or status == 204 or status == 304:
