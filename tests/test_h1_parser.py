@@ -1549,3 +1549,16 @@ def test_chunk_frame_decodes_to_its_data(size):
     assert frame == b"%x\r\n" % size + data + b"\r\n"
     dec = ChunkedDecoder()
     assert b"".join(dec.feed(frame + b"0\r\n\r\n")) == data and dec.done
+
+
+@pytest.mark.parametrize(("fields", "present"), [
+    (b"Content-Length: 0\r\n", False),
+    (b"Keep-Alive: timeout=5, max=100\r\nContent-Length: 0\r\n", True),
+    (b"Content-Length: 0\r\nKEEP-ALIVE: timeout=5\r\n", True),
+    (b"Keep-Alives: x\r\nContent-Length: 0\r\n", False),
+])
+def test_keep_alive_field_flag(fields: bytes, present: bool) -> None:
+    # h1_upstream reads the Keep-Alive hint only when the scan saw the field.
+    resp = parse_response(b"HTTP/1.1 200 OK\r\n" + fields + b"\r\n")
+    assert resp.keep_alive_field is present
+    assert (resp.get(b"keep-alive") is not None) is present

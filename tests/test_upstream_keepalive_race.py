@@ -9,9 +9,11 @@ The upstream's Keep-Alive hint (timeout, max) is honoured so the race is not run
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -209,3 +211,72 @@ def test_keep_alive_max_0_is_the_last_request(start_proxy) -> None:
         assert [n for _, _, n in up.seen] == [1, 2]
     finally:
         up.stop()
+
+
+def upstream_fd(pid: int, port: int) -> int:
+    """The proxy's descriptor of its one established connection to 127.0.0.1:port."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if int(fields[2].split(":")[1], 16) == port and int(fields[3], 16) == 1:
+                inodes.add(fields[9])
+    assert len(inodes) == 1, inodes
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target == f"socket:[{next(iter(inodes))}]":
+            return int(name)
+    raise AssertionError("no descriptor for the upstream connection")
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb")
+def test_request_whose_first_send_meets_a_reset_is_replayed(start_proxy, upstream: Upstream,
+                                                            tmp_path) -> None:
+    # The pooled connection passes the pool's peek; the upstream's RST lands after it,
+    # before the request's first send(), which fails with nothing sent: the POST never
+    # reached the upstream and goes on a fresh connection. The proxy is held (gdb
+    # breakpoint on send() to that descriptor) between the peek and the send.
+    proxy = start_proxy(SINGLE + simple_config(upstream.port))
+    pid = proxy.proc.pid
+    hit, go = tmp_path / "hit", tmp_path / "go"
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as c, \
+            c.makefile("rb") as r:
+        c.sendall(b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert read_response(r) == b"HTTP/1.1 200 OK ok"
+        fd = upstream_fd(pid, upstream.port)
+        gdb = subprocess.Popen(
+            ["gdb", "-p", str(pid), "-batch", "-nx",
+             "-ex", f"break send if $rdi == {fd}",
+             "-ex", f"shell touch {tmp_path / 'attached'}",
+             "-ex", "continue",
+             "-ex", f"shell touch {hit}",
+             "-ex", f"shell while [ ! -e {go} ]; do sleep 0.01; done",
+             "-ex", "delete", "-ex", "detach"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: (tmp_path / "attached").exists() or gdb.poll() is not None,
+                       "gdb did not attach")
+            if gdb.poll() is not None:
+                out = gdb.communicate()[0]
+                if b"Operation not permitted" in out:
+                    pytest.skip("gdb may not attach (ptrace)")
+                raise AssertionError(out)
+            c.sendall(b"POST /once HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\ndata")
+            wait_until(lambda: hit.exists(), "the proxy did not send the request")
+            upstream.close_idle(rst=True)
+            wait_until(lambda: not any(rp == upstream.port and st == 1
+                                       for _, rp, st, _ in tcp_sockets()),
+                       "the RST did not reach the proxy")
+        finally:
+            go.touch()
+            try:
+                out = gdb.communicate(timeout=30)[0]
+            except subprocess.TimeoutExpired:  # never hit: gdb's exit detaches it
+                gdb.kill()
+                out = gdb.communicate()[0]
+        assert read_response(r) == b"HTTP/1.1 200 OK ok", out
+    assert upstream.seen == [("GET", "/a", 1), ("POST", "/once", 2)]

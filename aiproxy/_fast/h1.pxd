@@ -35,6 +35,7 @@ cdef class Head:
     cdef readonly long long content_length
     cdef readonly bint chunked
     cdef readonly bint keep_alive
+    cdef readonly bint keep_alive_field  # a Keep-Alive field is present (seen by the scan)
     cdef readonly bint connection_upgrade
     cdef readonly object upgrade
     cdef readonly Py_ssize_t header_count

@@ -636,6 +636,7 @@ cdef struct FieldState:
     bint conn_close
     bint conn_keepalive
     bint conn_upgrade
+    bint keep_alive_field
     int ntok
     int host_count
     Py_ssize_t host_idx
@@ -780,6 +781,7 @@ cdef Py_ssize_t _scan_fields(const unsigned char *p, Py_ssize_t pos, Py_ssize_t 
                 _scan_list_tokens(p, vs, ve, st, 0)
             elif _ieq(name, 10, b"keep-alive", 10):
                 fl = F_HOP
+                st.keep_alive_field = 1
         elif nlen == 2:
             if _ieq(name, 2, b"te", 2):
                 fl = F_HOP
@@ -854,6 +856,7 @@ cdef inline void _init_state(FieldState *st) noexcept:
     st.conn_close = 0
     st.conn_keepalive = 0
     st.conn_upgrade = 0
+    st.keep_alive_field = 0
     st.ntok = 0
     st.host_count = 0
     st.host_idx = -1
@@ -1109,6 +1112,7 @@ cdef _finish_framing(Head h, FieldState *st, bint is_request):
         h.chunked = 1
     h.content_length = st.content_length
     h.connection_upgrade = st.conn_upgrade
+    h.keep_alive_field = st.keep_alive_field
     if h.version >= 11:
         h.keep_alive = not st.conn_close
     else:

@@ -5,6 +5,7 @@ cdef class Sender:
     cdef bint tls
     cdef object _write, _writelines, _queued, _closing
     cdef readonly unsigned long long sent_now, sent_queued
+    cdef readonly int reset
 
     cpdef detach(self)
     cpdef write(self, object data)

@@ -21,12 +21,15 @@ when that cannot change what the peer receives:
 What the kernel does not take goes to transport.write() and is queued as before, so
 flow control (pause_writing), and the buffer pool's lend() rule, see the same buffer
 sizes. A send error hands the bytes to transport.write() too: uvloop meets the error on
-its own send and closes the connection its usual way.
+its own send and closes the connection its usual way. A send that finds the connection
+gone (ECONNRESET, EPIPE: the kernel took none of it, nor will it take anything later) is
+kept in `reset`: if it was a request's first write, none of that request reached the
+peer, and the request is safe to send again on another connection.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_GET_SIZE
-from libc.errno cimport EAGAIN, EINTR, errno
+from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EPIPE, errno
 from libc.string cimport memset
 from posix.uio cimport iovec
 
@@ -67,7 +70,7 @@ cdef int _fd_of(object transport):
 
 
 cdef inline Py_ssize_t _send(int fd, const char *p, Py_ssize_t n):
-    """Bytes the kernel took (0 when it would block), or -1 on an error."""
+    """Bytes the kernel took (0 when it would block), or -errno on an error."""
     cdef Py_ssize_t r
     while True:
         r = send(fd, p, <size_t>n, MSG_NOSIGNAL | MSG_DONTWAIT)
@@ -77,7 +80,7 @@ cdef inline Py_ssize_t _send(int fd, const char *p, Py_ssize_t n):
             continue
         if errno == EAGAIN or errno == EWOULDBLOCK:
             return 0
-        return -1
+        return -errno
 
 
 def unread(int fd) -> bool:
@@ -99,7 +102,8 @@ cdef class Sender:
     """write()/writelines() for one transport (see the module docstring).
 
     Fields: sent_now, sent_queued: writes sent in full at once, and writes that went
-    (at least in part) through transport.write(): for tests and the curious."""
+    (at least in part) through transport.write(): for tests and the curious. reset: the
+    errno (ECONNRESET or EPIPE) of a send that found the connection gone, else 0."""
 
     def __init__(self, transport: object) -> None:
         self.fd = _fd_of(transport)
@@ -148,6 +152,8 @@ cdef class Sender:
             self.sent_now += 1
             return
         self.sent_queued += 1
+        if sent == -ECONNRESET or sent == -EPIPE:
+            self.reset = -sent
         if sent <= 0:
             self._write(data)  # would block, or an error for uvloop to meet
         else:
@@ -181,8 +187,11 @@ cdef class Sender:
                 sent = sendmsg(self.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
                 if sent >= 0 or errno != EINTR:
                     break
-            if sent < 0 and (errno == EAGAIN or errno == EWOULDBLOCK):
-                sent = 0
+            if sent < 0:
+                if errno == EAGAIN or errno == EWOULDBLOCK:
+                    sent = 0
+                elif errno == ECONNRESET or errno == EPIPE:
+                    self.reset = errno
         finally:
             for i in range(count):
                 PyBuffer_Release(&views[i])

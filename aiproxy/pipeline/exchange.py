@@ -97,7 +97,10 @@ NO_INTENT = (None, None)  # the route table's `sem` for a request without an int
 # client stops at 5; 103 Early Hints come one or two to a response. Without a cap an
 # upstream could send 1xx until the request times out, each passed to the client.
 MAX_INFORMATIONAL = 16
-NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway"))
+# Failures of a request the upstream never got: an HTTP/2 stream refused or past a
+# GOAWAY's last stream id (RFC 9113 8.7, 6.8), or an HTTP/1.1 request whose first
+# write found the connection already reset.
+NEVER_PROCESSED = frozenset(("upstream_refused_stream", "upstream_goaway", "upstream_not_sent"))
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 # Methods start() looks at before anything else; a plain request pays one set lookup.
 RARE_METHODS = frozenset((b"CONNECT", b"OPTIONS", b"TRACE", b"PRI"))
@@ -1533,7 +1536,8 @@ class Exchange(ExchangeBase):
             # Nothing of the response has reached the client (e.g. a malformed chunked
             # body in the same read as the head): it gets a 502, or a retry, instead.
             self.head_sent = False
-        # RFC 9113 8.7: a refused or GOAWAY'd stream was never processed: always safe.
+        # Never processed (a refused or GOAWAY'd stream, RFC 9113 8.7; an HTTP/1.1
+        # request none of which was sent): always safe.
         never_processed = code in NEVER_PROCESSED
         if self.replay is not None and not self.replayed and (never_processed or (
                 self.reused and up is not None and not up.received

@@ -25,6 +25,7 @@ cdef class H1UpstreamCore(Upstream):
     cdef public int state, mode
     cdef public long long remaining, requests
     cdef public bint no_body, keep_alive, broken, received, reading_paused, chunked, viewed
+    cdef public bint unsent  # the request's first write found the connection gone
     cdef public double idle_since
     cdef public Py_ssize_t max_head, max_headers  # the pool's, read per response
     cdef public int fd

@@ -73,7 +73,7 @@ class H1UpstreamCore(Upstream):
     __slots__ = ("pool", "transport", "exchange", "state", "buf", "mode", "remaining",
                  "decoder", "no_body", "keep_alive", "broken", "requests", "idle_since",
                  "received", "reading_paused", "chunked", "slab", "views_to", "viewed",
-                 "max_head", "max_headers", "tx", "tx_closing", "fd", "ka_idle")
+                 "max_head", "max_headers", "tx", "tx_closing", "fd", "ka_idle", "unsent")
 
     # send_body() hands what it gets to the transport at once and keeps no reference:
     # the client connection may pass views of its read slab.
@@ -94,6 +94,7 @@ class H1UpstreamCore(Upstream):
         self.requests = 0
         self.idle_since = 0.0
         self.received = False
+        self.unsent = False
         self.reading_paused = False
         self.chunked = False
         self.slab: bytearray | None = None
@@ -118,7 +119,11 @@ class H1UpstreamCore(Upstream):
         self.requests += 1
         down = ex.down
         self.views_to = down.views_to
-        self.tx.write(ex.h1_request_head(self.pool))
+        tx = self.tx
+        tx.write(ex.h1_request_head(self.pool))
+        # The connection was gone (an RST that came after the pool's peek) before any
+        # byte of this request went out: it never reached the upstream.
+        self.unsent = tx.reset != 0
 
     def send_body(self, pieces: tuple[bytes, ...] | list[bytes]) -> None:
         if not self.chunked:
@@ -291,6 +296,11 @@ class H1UpstreamCore(Upstream):
             if state == _TUNNEL:
                 ex.on_upstream_tunnel_closed()
                 return
+            if state == _HEAD and self.unsent:
+                # Safe to replay whatever the method (Exchange: NEVER_PROCESSED).
+                ex.on_upstream_failed(502, "upstream_not_sent",
+                                      f"upstream connection lost before the request was sent: {exc}")
+                return
             if truncated:
                 reason = ("upstream closed the TLS connection without close_notify: "
                           "the response body may be truncated")
@@ -359,10 +369,8 @@ class H1UpstreamCore(Upstream):
         # response ends at its head (RFC 9112 6.3), but the upstream may send the body it
         # declared, which the next request on this connection would read as its response.
         self.keep_alive = resp.keep_alive and not declared_body
-        if self.keep_alive:
-            hint = resp.get(b"keep-alive")
-            if hint is not None:
-                self._keep_alive_hint(hint)
+        if self.keep_alive and resp.keep_alive_field:  # no field scan when there is none
+            self._keep_alive_hint(resp.get(b"keep-alive"))
         if status == 101:
             mode = BODY_TUNNEL
         elif self.no_body or status == 204 or status == 304:

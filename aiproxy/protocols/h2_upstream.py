@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import h2.config
@@ -142,9 +143,13 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.unacked = 0             # DATA bytes not yet given back to the connection window
         # Done when the peer's first SETTINGS frame has arrived (its stream limit is known).
         self.settings_received: asyncio.Future[None] = pool.loop.create_future()
+        self.fd = -1  # the socket's (plain TCP only), for what is left unread at a reset
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and self.pool.cluster_cfg.tls is None:
+            self.fd = sock.fileno()
         self.pool.open_count += 1
         config = h2.config.H2Configuration(
             client_side=True, header_encoding=None, validate_inbound_headers=True,
@@ -361,6 +366,9 @@ class H2UpstreamConnection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None and not self.closed and self.fd >= 0:
+            self._read_left()
+        self.fd = -1
         self.pool.open_count -= 1
         self.closed = True
         if not self.settings_received.done():
@@ -369,6 +377,20 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.pool.discard(self)
         reason = "upstream closed the connection" if exc is None else f"upstream connection lost: {exc}"
         self._fail_all("upstream_reset", reason)
+
+    def _read_left(self) -> None:
+        """The connection failed (a write that met the upstream's RST) with frames the
+        loop has not read still in the socket: an upstream that sends GOAWAY and then
+        resets names in it the streams it never processed (RFC 9113 6.8), which are
+        then replayed instead of failed. The socket is still open until this returns."""
+        while not self.closed:
+            try:
+                data = os.read(self.fd, 1 << 18)
+            except OSError:  # EAGAIN: nothing left; or the error itself
+                return
+            if not data:
+                return
+            self.data_received(data)
 
     def _fail_all(self, code: str, message: str) -> None:
         for stream in list(self.streams.values()):
