@@ -91,6 +91,7 @@ if [ "$system_test" -eq 1 ]; then
     need bpftool have bpftool
     need iproute2 have ip
     need valgrind have callgrind_control  # bench/instr_per_request.py
+    need gdb have gdb  # tests/test_upstream_keepalive_race.py holds the proxy at a send()
 fi
 
 if [ "${#missing[@]}" -gt 0 ]; then
