@@ -1007,11 +1007,11 @@ def test_name_characters(c):
 
 @pytest.mark.parametrize("c", range(256))
 def test_target_characters(c):
-    """The request-target is visible ASCII that RFC 3986 allows in a URI (appendix A):
-    not '"', '<', '>', '\\', '^', '`', '{', '|', '}' (RFC 9112 3.2: an invalid
-    request-line is a 400)."""
+    """The request-target is visible ASCII, not '"', '<', '>' (RFC 3986 has no place for
+    them, and browsers and httpx always encode them; RFC 9112 3.2: an invalid request-line is a
+    400). '\\', '^', '`', '{', '|', '}' pass: curl, httpx and browsers send them."""
     data = req(line=b"GET /x" + bytes([c]) + b"y HTTP/1.1")
-    if 0x21 <= c <= 0x7E and c not in b'"<>\\^`{|}':
+    if 0x21 <= c <= 0x7E and c not in b'"<>':
         assert parse_request(data).target == b"/x" + bytes([c]) + b"y"
     else:
         with pytest.raises(ParseError) as info:

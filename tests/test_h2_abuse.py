@@ -301,12 +301,12 @@ BAD_PSEUDO = {
     "path_with_tab": {":path": "/a\tb"},
     "path_with_control_byte": {":path": "/a\x01b"},
     "path_with_del": {":path": "/a\x7fb"},
-    # Visible ASCII RFC 3986 does not allow in a URI: an HTTP/1.1 request line with them
-    # is a 400 (RFC 9112 3.2), and the same :path is malformed.
+    # Visible ASCII RFC 3986 does not allow in a URI and no browser or httpx sends
+    # unencoded: an HTTP/1.1 request line with them is a 400 (RFC 9112 3.2), and the same
+    # :path is malformed.
     **{f"path_with_{name}": {":path": f"/a{c}b"} for name, c in (
-        ("quote", '"'), ("lt", "<"), ("gt", ">"), ("backslash", "\\"), ("caret", "^"),
-        ("backquote", "`"), ("lbrace", "{"), ("pipe", "|"), ("rbrace", "}"))},
-    "query_with_brace": {":path": "/echo?a={}"},
+        ("quote", '"'), ("lt", "<"), ("gt", ">"))},
+    "query_with_lt": {":path": "/echo?a=<>"},
     "method_with_tab": {":method": "GE\tT"},
     "method_not_a_token": {":method": "G(T"},
     "authority_with_space": {":authority": "a b"},

@@ -138,9 +138,12 @@ cdef void _init_tables():
     for c in range(0x21, 0x7F):
         FVCHAR[c] = 1
         TARGET[c] = 1
-    # Visible ASCII RFC 3986 has no place for (3.2-3.5, appendix A): an invalid
-    # request-line (RFC 9112 3.2: 400) rather than a target to pass on.
-    for c in b'"<>\\^`{|}':
+    # Visible ASCII RFC 3986 has no place for (3.2-3.5, appendix A) and that browsers
+    # (the WHATWG URL parser) and httpx always encode, in path and query: an invalid
+    # request-line (RFC 9112 3.2: 400). '\\', '^', '`', '{', '|',
+    # '}' are just as foreign to RFC 3986, but curl, httpx (the openai client) and
+    # browsers' queries send them as they are: refusing them would refuse those clients.
+    for c in b'"<>':
         TARGET[c] = 0
     for c in range(0x80, 0x100):
         FVCHAR[c] = 1
