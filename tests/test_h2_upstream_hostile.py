@@ -199,7 +199,7 @@ def test_upstream_that_never_acks_our_settings_gets_goaway(
     start_proxy: Callable[..., Proxy]
 ) -> None:
     """RFC 9113 6.5.3: an upstream that never acknowledges the proxy's SETTINGS gets
-    GOAWAY(SETTINGS_TIMEOUT) within connect_timeout_ms (at most 10 s, nghttpx's
+    GOAWAY(SETTINGS_TIMEOUT) within read_timeout_ms (at most 10 s, nghttpx's
     backend settings timeout), and the request on it fails with a 502. It used to be
     kept (and its request held) for as long as it stayed silent."""
     seen: dict[str, object] = {}
@@ -212,7 +212,7 @@ def test_upstream_that_never_acks_our_settings_gets_goaway(
     up = RawUpstream(script)
     try:
         proxy = start_proxy(config(up.port).replace(
-            'protocol = "h2"', 'protocol = "h2"\nconnect_timeout_ms = 500'))
+            'protocol = "h2"', 'protocol = "h2"\nread_timeout_ms = 500'))
         r = httpx.get(proxy.url + "/x", timeout=20)
         assert r.status_code == 502, (r.status_code, r.text)
         assert "SETTINGS" in r.json()["error"]["message"], r.text

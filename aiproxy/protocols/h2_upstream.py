@@ -67,8 +67,9 @@ CONNECTION_UPDATE = CONNECTION_WINDOW // 4  # DATA bytes between connection WIND
 SWEEP_EVERY = 64
 NO_BOUND = 1 << 62  # out_high of an upstream connection: no bound but OUT_HIGH per stream
 # RFC 9113 6.5.3: how long the upstream has to acknowledge our SETTINGS (capped by the
-# cluster's connect_timeout_ms, the limit of the rest of the handshake), as nghttpx's
-# --backend-http2-settings-timeout (10 s).
+# cluster's read_timeout_ms: it has been silent to us that long), as nghttpx's
+# --backend-http2-settings-timeout (10 s). Not connect_timeout_ms (1 s by default): a
+# busy upstream may be slow to get round to a new connection's frames.
 SETTINGS_ACK_SECONDS = 10.0
 # Events of frames that carry no response (PING ACKs: the proxy sends no PING).
 _IDLE_EVENTS = frozenset((h2.events.PriorityUpdated, h2.events.UnknownFrameReceived,
@@ -175,7 +176,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.h2 = conn
         self.flush()
         self.settings_timer = self.pool.loop.call_later(
-            min(SETTINGS_ACK_SECONDS, self.pool.cluster_cfg.connect_timeout_ms / 1000),
+            min(SETTINGS_ACK_SECONDS, self.pool.cluster_cfg.read_timeout_ms / 1000),
             self._settings_timeout)
 
     # -- streams ---------------------------------------------------------------------
