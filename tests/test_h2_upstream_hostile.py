@@ -5,14 +5,17 @@ by real clients (httpx, aiohttp)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import aiohttp
 import httpx
 import pytest
-from hyperframe.frame import GoAwayFrame, RstStreamFrame
+from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame, WindowUpdateFrame
 
+from aiproxy.protocols.h2_budgets import CONTROL_BUDGET, UNSENT_ACKS_LIMIT
 from tests.conftest import Proxy
 from tests.h2_raw_upstream import RawConn, RawUpstream
 from tests.h2_support import wait_for
@@ -187,3 +190,102 @@ def test_request_body_left_unsent_after_a_complete_response_resets_the_stream(
         assert len(up.conns) == 1 and not up.errors, up.errors
     finally:
         up.stop()
+
+
+# -- RFC 9113 6.5.3 and CVE-2019-9512/9515: the proxy's own frames an upstream ignores ---------
+
+
+def test_upstream_that_never_acks_our_settings_gets_goaway(
+    start_proxy: Callable[..., Proxy]
+) -> None:
+    """RFC 9113 6.5.3: an upstream that never acknowledges the proxy's SETTINGS gets
+    GOAWAY(SETTINGS_TIMEOUT) within read_timeout_ms (at most 10 s, nghttpx's
+    backend settings timeout), and the request on it fails with a 502. It used to be
+    kept (and its request held) for as long as it stayed silent."""
+    seen: dict[str, object] = {}
+
+    def script(c: RawConn) -> None:
+        c.handshake(ack=False)
+        c.request()
+        seen["goaway"] = c.until(lambda f: isinstance(f, GoAwayFrame), 15)
+
+    up = RawUpstream(script)
+    try:
+        proxy = start_proxy(config(up.port).replace(
+            'protocol = "h2"', 'protocol = "h2"\nread_timeout_ms = 500'))
+        r = httpx.get(proxy.url + "/x", timeout=20)
+        assert r.status_code == 502, (r.status_code, r.text)
+        assert "SETTINGS" in r.json()["error"]["message"], r.text
+        wait_for(lambda: "goaway" in seen, 10)
+        goaway = seen["goaway"]
+        assert isinstance(goaway, GoAwayFrame) and goaway.error_code == 0x4, goaway
+        assert not up.errors, up.errors
+    finally:
+        up.stop()
+
+
+def test_ping_acks_an_upstream_does_not_read_are_capped(
+    start_proxy: Callable[..., Proxy]
+) -> None:
+    """CVE-2019-9512 from the upstream side: an upstream that stops reading (here an
+    upload it grants a huge window to fills the socket) and sends PINGs below the
+    PING/SETTINGS budget's rate could have their ACKs pile up in the proxy's output for
+    as long as the connection lived. Past UNSENT_ACKS_LIMIT ACKs waiting there the proxy
+    drops the connection (GOAWAY(ENHANCE_YOUR_CALM), which it cannot read either): the
+    upstream, reading again, comes to its end. Kept, it would get the rest of the upload
+    and then nothing, the connection open."""
+    ping = PingFrame(0, opaque_data=b"12345678").serialize()
+    seen: dict[str, int | bool] = {}
+
+    def script(c: RawConn) -> None:
+        c.handshake(settings={0x4: 2**31 - 1})
+        c.send(WindowUpdateFrame(0, window_increment=2**31 - 1 - 65535))
+        c.request()
+        time.sleep(1.0)  # the upload fills the socket buffers and the proxy's output
+        sent, cut = 0, False
+        while sent + 16 <= CONTROL_BUDGET - 100 and not cut:
+            cut = not c.send(ping * 16)
+            sent += 16
+            time.sleep(0.05)
+        seen.update(sent=sent, cut=cut or _reads_to_eof(c.sock, 10))
+
+    def body() -> Iterator[bytes]:
+        chunk = b"u" * (1 << 16)
+        for _ in range(2048):  # 128 MiB, far more than the socket buffers hold
+            yield chunk
+
+    up = RawUpstream(script)
+    try:
+        proxy = start_proxy(config(up.port))
+        t = threading.Thread(target=lambda: _post_ignoring_errors(proxy.url + "/up", body()),
+                             daemon=True)
+        t.start()
+        assert wait_for(lambda: "cut" in seen, 30), seen
+        assert seen["cut"], f"still connected after {seen['sent']} PINGs it did not read the ACKs of"
+        assert int(seen["sent"]) > UNSENT_ACKS_LIMIT
+        assert "does not read the ACKs" in proxy.log()
+        assert not up.errors, up.errors
+    finally:
+        up.stop()
+
+
+def _reads_to_eof(sock: socket.socket, timeout: float) -> bool:
+    """Whether the peer ends the connection (EOF or reset) within timeout, read raw."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(1 << 20):
+                return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+    return False
+
+
+def _post_ignoring_errors(url: str, content: Iterator[bytes]) -> None:
+    try:
+        httpx.post(url, content=content, timeout=30)
+    except httpx.HTTPError:
+        pass

@@ -21,6 +21,7 @@ them free than the DATA frames it got called for.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -108,3 +109,38 @@ class FrameBudgets:
         self.idle_frames = 0.0
         conn.closed_frames = 0
         return self.idle.spend(n, clock())
+
+
+class UnsentAcks:
+    """The ACKs of PING/SETTINGS frames a connection wrote that are still in its
+    transport's (FIFO) buffer, behind what its peer does not read: the caller adds to
+    `queued` for each ACK h2 queued, and calls wrote() after each write."""
+
+    __slots__ = ("queued", "written", "marks", "count")
+
+    def __init__(self) -> None:
+        self.queued = 0          # ACKs queued since the last write
+        self.written = 0         # bytes written to the transport
+        self.marks: deque[tuple[int, int]] = deque()  # (written up to their end, how many)
+        self.count = 0           # ACKs in the transport's buffer
+
+    def wrote(self, n: int, buffered: int) -> bool:
+        """n bytes just written, `buffered` now in the transport's buffer: True when
+        more than UNSENT_ACKS_LIMIT ACKs wait in it (and the count starts over)."""
+        self.written += n
+        if not (self.queued or self.count):
+            return False
+        sent = self.written - buffered
+        marks = self.marks
+        while marks and marks[0][0] <= sent:
+            self.count -= marks.popleft()[1]
+        if self.queued:
+            if buffered:
+                marks.append((self.written, self.queued))
+                self.count += self.queued
+            self.queued = 0
+        if self.count > UNSENT_ACKS_LIMIT:
+            marks.clear()
+            self.count = 0
+            return True
+        return False

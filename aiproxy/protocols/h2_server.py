@@ -879,10 +879,13 @@ class H2Stream(StreamOutput, Downstream):
     def send_response(self, ex: Exchange, resp: Any, mode: int) -> bool:
         # One content-length with one value (RFC 9113 8.1.1 and 9110 8.6): an HTTP/1.1
         # upstream's may be a list ("5, 5") or repeated, which an HTTP/2 client rejects
-        # as malformed. A 204 has none.
+        # as malformed. A 204 has none, nor does a gRPC response (PROTOCOL-HTTP2.md has
+        # none in Response-Headers): an upstream that cuts its body short leaves the proxy
+        # to end the call with grpc-status 14 trailers, which must not follow a body
+        # shorter than a content-length it passed on (RFC 9113 8.1.1).
         fields = [(b":status", b"%d" % resp.status), *resp.fields(F_HOP | F_CONTENT_LENGTH)]
         length = resp.content_length
-        if length >= 0 and resp.status != 204:
+        if length >= 0 and resp.status != 204 and not ex.grpc:
             fields.append((b"content-length", b"%d" % length))
         route = ex.route
         if route is not None and route.resp_edit:

@@ -40,6 +40,7 @@ from aiproxy.protocols.h2_budgets import (
     SMALL_DATA_UPSTREAM,
     SMALL_WINDOW_UPSTREAM,
     FrameBudgets,
+    UnsentAcks,
 )
 from aiproxy.protocols.h2_output import (
     FLUSH_NOW,
@@ -65,9 +66,14 @@ CONNECTION_WINDOW = 8 * 1024 * 1024
 CONNECTION_UPDATE = CONNECTION_WINDOW // 4  # DATA bytes between connection WINDOW_UPDATEs
 SWEEP_EVERY = 64
 NO_BOUND = 1 << 62  # out_high of an upstream connection: no bound but OUT_HIGH per stream
+# RFC 9113 6.5.3: how long the upstream has to acknowledge our SETTINGS (capped by the
+# cluster's read_timeout_ms: it has been silent to us that long), as nghttpx's
+# --backend-http2-settings-timeout (10 s). Not connect_timeout_ms (1 s by default): a
+# busy upstream may be slow to get round to a new connection's frames.
+SETTINGS_ACK_SECONDS = 10.0
 # Events of frames that carry no response (PING ACKs: the proxy sends no PING).
 _IDLE_EVENTS = frozenset((h2.events.PriorityUpdated, h2.events.UnknownFrameReceived,
-                          h2.events.PingAckReceived, h2.events.SettingsAcknowledged))
+                          h2.events.PingAckReceived))
 
 
 # An upstream's RST_STREAM code, as the proxy's error code (and so, for a gRPC caller,
@@ -144,6 +150,8 @@ class H2UpstreamConnection(asyncio.Protocol):
         # Done when the peer's first SETTINGS frame has arrived (its stream limit is known).
         self.settings_received: asyncio.Future[None] = pool.loop.create_future()
         self.fd = -1  # the socket's (plain TCP only), for what is left unread at a reset
+        self.settings_timer: asyncio.TimerHandle | None = None  # until our SETTINGS are acked
+        self.acks = UnsentAcks()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -167,6 +175,9 @@ class H2UpstreamConnection(asyncio.Protocol):
         conn.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         self.h2 = conn
         self.flush()
+        self.settings_timer = self.pool.loop.call_later(
+            min(SETTINGS_ACK_SECONDS, self.pool.cluster_cfg.read_timeout_ms / 1000),
+            self._settings_timeout)
 
     # -- streams ---------------------------------------------------------------------
 
@@ -198,10 +209,18 @@ class H2UpstreamConnection(asyncio.Protocol):
 
     def flush(self) -> None:
         self.flush_wanted = False
-        if not self.closed:
-            data = self.h2.data_to_send()
-            if data:
-                self.transport.write(data)
+        if self.closed:
+            return
+        data = self.h2.data_to_send()
+        # A transport that is closing (a TLS one closes by itself at the upstream's
+        # close_notify, before connection_lost) drops what is written to it.
+        transport = self.transport
+        if data and not transport.is_closing():
+            transport.write(data)
+            if self.acks.wrote(len(data), transport.get_write_buffer_size()):
+                self._connection_error(ErrorCodes.ENHANCE_YOUR_CALM,
+                                       "does not read the ACKs of its PING/SETTINGS frames",
+                                       abort=True)
 
     def stream_done(self, stream: H2UpstreamStream) -> None:
         self.streams.pop(stream.sid, None)
@@ -220,13 +239,28 @@ class H2UpstreamConnection(asyncio.Protocol):
             if self.goaway:
                 self.close()
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if not self.closed:
-            if self.flush_wanted:
+            if self.flush_wanted and not abort:
                 self.flush()
             self.closed = True
+            self._stop_settings_timer()
             if self.transport is not None:
-                self.transport.close()
+                if abort:
+                    self.transport.abort()
+                else:
+                    self.transport.close()
+
+    def _stop_settings_timer(self) -> None:
+        timer, self.settings_timer = self.settings_timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _settings_timeout(self) -> None:
+        self.settings_timer = None
+        if not self.closed:
+            self._connection_error(ErrorCodes.SETTINGS_TIMEOUT,
+                                   "did not acknowledge our SETTINGS (RFC 9113 6.5.3)")
 
     # -- asyncio.Protocol -----------------------------------------------------------
 
@@ -273,19 +307,25 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.close()
 
     def _flooded(self, what: str) -> None:
-        """The upstream overdrew a frame budget (h2_budgets.py): GOAWAY, and its streams
-        fail; the pool opens a new connection for the next request."""
+        """The upstream overdrew a frame budget (h2_budgets.py)."""
+        self._connection_error(ErrorCodes.ENHANCE_YOUR_CALM, f"floods {what}")
+
+    def _connection_error(self, code: int, what: str, abort: bool = False) -> None:
+        """GOAWAY(code), and the connection's streams fail; the pool opens a new
+        connection for the next request. With abort, the GOAWAY is not waited for: the
+        upstream does not read what it is sent."""
         address = self.pool.endpoint.address
-        log.warning("upstream %s floods %s: GOAWAY", address, what)
+        log.warning("upstream %s %s: GOAWAY", address, what)
         self.goaway = True
         self.pool.discard(self)
         try:
-            self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
+            self.h2.close_connection(code)
         except h2.exceptions.ProtocolError:
             pass
-        self.flush()
-        self._fail_all("upstream_bad_response", f"upstream {address} floods {what}")
-        self.close()
+        if not abort:
+            self.flush()
+        self._fail_all("upstream_bad_response", f"upstream {address} {what}")
+        self.close(abort)
 
     def _dispatch(self, events: list) -> None:
         budgets = self.budgets
@@ -331,6 +371,7 @@ class H2UpstreamConnection(asyncio.Protocol):
                 elif stream is not None:
                     stream.try_send()
             elif kind is h2.events.RemoteSettingsChanged:
+                self.acks.queued += 1
                 if not budgets.control.spend(1, self.pool.loop.time()):
                     return self._flooded("SETTINGS frames")
                 # Kept here: h2's Settings answer each read through collections.abc.
@@ -355,8 +396,12 @@ class H2UpstreamConnection(asyncio.Protocol):
                     # for good.
                     self.close()
             elif kind is h2.events.PingReceived:
+                self.acks.queued += 1
                 if not budgets.control.spend(1, self.pool.loop.time()):
                     return self._flooded("PING frames")
+            elif kind is h2.events.SettingsAcknowledged:
+                self._stop_settings_timer()  # only one SETTINGS frame is sent, at the start
+                budgets.idle_frames += 1
             elif kind in _IDLE_EVENTS:
                 budgets.idle_frames += 1
             if self.closed:
@@ -371,6 +416,7 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.fd = -1
         self.pool.open_count -= 1
         self.closed = True
+        self._stop_settings_timer()
         if not self.settings_received.done():
             self.settings_received.set_exception(
                 ConnectionError("connection closed before its HTTP/2 SETTINGS"))
