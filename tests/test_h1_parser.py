@@ -654,6 +654,8 @@ def test_serialize_drop_by_mask():
         h.compose(b"S\r\n", None, [b"E: 1\r\n"], 0)  # a tuple of slots, not a list
     with pytest.raises(TypeError):
         h.compose(None, None, (), 0)
+    with pytest.raises(TypeError):
+        h.compose(b"S\r\n", None, None, 0)  # no tuple at all: an error, not a crash
 
 
 def test_serialize_without_fields():

@@ -4,7 +4,8 @@
 cdef class BufferPool:
     cdef readonly Py_ssize_t slab_size
     cdef readonly Py_ssize_t max_free
-    cdef list _free
+    cdef list _free          # max_free slots; the first _nfree hold slabs
+    cdef Py_ssize_t _nfree
     cdef list _held          # [slab, transport, slab, transport, ...]
     cdef readonly Py_ssize_t in_use     # handed out, not yet back (parked included)
     cdef readonly unsigned long long gets

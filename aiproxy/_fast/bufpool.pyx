@@ -36,11 +36,16 @@ cdef class BufferPool:
             raise ValueError("slab_size must be positive and max_free not negative")
         self.slab_size = slab_size
         self.max_free = max_free
-        self._free = []
+        # A stack of max_free slots, _nfree of them filled: it never resizes. A list
+        # used with append()/pop() reallocated on every get and put while it swung
+        # between 0 and 1 slabs (all but one in use), ~0.9K instructions a request.
+        self._free = [None] * max_free
+        self._nfree = 0
         self._held = []
 
     cpdef bytearray get(self):
         """A slab for one read; back with put() or lend()."""
+        cdef bytearray slab
         self.gets += 1
         self.in_use += 1
         if self._held:
@@ -51,16 +56,20 @@ cdef class BufferPool:
             else:
                 self.reclaim()
                 self._skip = len(self._held) >> 1
-        if self._free:
-            return <bytearray>self._free.pop()
+        if self._nfree:
+            self._nfree -= 1
+            slab = <bytearray>self._free[self._nfree]
+            self._free[self._nfree] = None
+            return slab
         self.misses += 1
         return bytearray(self.slab_size)
 
     cpdef put(self, bytearray slab):
         """A slab nothing else refers to any more."""
         self.in_use -= 1
-        if len(self._free) < self.max_free and len(slab) == self.slab_size:
-            self._free.append(slab)
+        if self._nfree < self.max_free and len(slab) == self.slab_size:
+            self._free[self._nfree] = slab
+            self._nfree += 1
         else:
             self.dropped += 1
 
@@ -93,7 +102,7 @@ cdef class BufferPool:
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self._nfree
 
     @property
     def held(self) -> int:
@@ -101,7 +110,7 @@ cdef class BufferPool:
         return len(self._held) >> 1
 
     def stats(self) -> dict:
-        return {"slab_size": self.slab_size, "in_use": self.in_use, "free": len(self._free),
+        return {"slab_size": self.slab_size, "in_use": self.in_use, "free": self._nfree,
                 "held": len(self._held) >> 1, "gets": self.gets, "misses": self.misses,
                 "parked": self.parked, "dropped": self.dropped}
 

@@ -13,6 +13,17 @@ cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.object cimport PyObject
+
+# Borrowed tuple items and their bytes, with no reference counting: compose() walks
+# its `extra` tuple twice per head.
+cdef extern from "Python.h":
+    PyObject *_tuple_item "PyTuple_GET_ITEM"(object t, Py_ssize_t i)
+    Py_ssize_t _tuple_size "PyTuple_GET_SIZE"(object t)
+    bint _is_bytes "PyBytes_Check"(PyObject *o)
+    Py_ssize_t _bytes_size "PyBytes_GET_SIZE"(PyObject *o)
+    char *_bytes_str "PyBytes_AS_STRING"(PyObject *o)
+    PyObject *_Py_None "Py_None"
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
@@ -413,13 +424,19 @@ cdef class Head:
         to send behind the head."""
         if start is None:
             raise TypeError("compose() needs a start line")
+        if extra is None:
+            raise TypeError("compose() needs a tuple of added lines")
         cdef Py_ssize_t total = _kept_size(self, drop_mask) + 2 + len(start)
         if target is not None:
             total += 1 + len(target) + 11  # SP target, then " HTTP/1.1" CRLF
-        cdef object piece
-        for piece in extra:
-            if piece is not None:
-                total += len(<bytes?>piece)
+        cdef Py_ssize_t i, nextra = _tuple_size(extra)
+        cdef PyObject *piece
+        for i in range(nextra):
+            piece = _tuple_item(extra, i)
+            if piece != _Py_None:
+                if not _is_bytes(piece):
+                    raise TypeError(f"Expected bytes, got {type(<object>piece).__name__}")
+                total += _bytes_size(piece)
         cdef char *dst
         cdef Py_buffer view
         view.len = 0
@@ -439,9 +456,11 @@ cdef class Head:
                 memcpy(dst, b" HTTP/1.1\r\n", 11)
                 dst += 11
             dst = _copy_kept(self, dst, drop_mask)
-            for piece in extra:
-                if piece is not None:
-                    dst = _put(dst, <bytes>piece)
+            for i in range(nextra):
+                piece = _tuple_item(extra, i)
+                if piece != _Py_None:
+                    memcpy(dst, _bytes_str(piece), _bytes_size(piece))
+                    dst += _bytes_size(piece)
             dst[0] = 13
             dst[1] = 10
             if view.len:

@@ -1,5 +1,9 @@
 # cimport this for C calls to Sender; sendnow.pyx says when a write goes out at once.
 
+# C calls from h1_upstream (the pool checks each idle connection before reuse).
+cpdef bint unread(int fd) noexcept
+
+
 cdef class Sender:
     cdef int fd
     cdef bint tls

@@ -83,7 +83,7 @@ cdef inline Py_ssize_t _send(int fd, const char *p, Py_ssize_t n):
         return -errno
 
 
-def unread(int fd) -> bool:
+cpdef bint unread(int fd) noexcept:
     """True if the socket fd has bytes, an EOF or an error waiting (one non-blocking
     MSG_PEEK). An idle keep-alive connection in that state must not carry a request:
     the peer's FIN may sit in the socket while the loop, running the other callbacks of

@@ -893,7 +893,7 @@ class Exchange(ExchangeBase):
             added = set_lines if added is None else added + set_lines
             names = frozenset([n for n, _ in up_headers])
             remove = remove | names if remove else names
-        extra = (host, fwd, rt.via_lines.get(head.version), decision, framing, upgrade_lines, added)
+        extra = (host, fwd, rt.via_line(head.version), decision, framing, upgrade_lines, added)
         if remove:
             start_line = self.method + b" " + self.up_target + b" HTTP/1.1\r\n"
             return serialize_without(head, start_line, joined(extra), drop, remove)

@@ -508,7 +508,7 @@ class H1ConnectionCore(Downstream):
             status_line = STATUS_200
         else:
             status_line = b"HTTP/1.1 %d %s\r\n" % (status, reason)
-        via = rt.via_lines.get(e.resp_version)
+        via = rt.via_line(e.resp_version)
         route = e.route
         if route is not None and route.resp_edit:
             extra = (via, framing, timing, conn, route.resp_add_lines)

@@ -11,7 +11,8 @@ from aiproxy.routing.table import Route, RouteTable
 
 
 class Runtime:
-    __slots__ = ("config", "http", "clusters", "table", "via_lines", "via_fields", "max_body", "min_timeout",
+    __slots__ = ("config", "http", "clusters", "table", "via_lines", "via_fields", "via_10", "via_11", "via_20",
+                 "max_body", "min_timeout",
                  "semantic", "filter_states", "decision_cache", "unrouted_filters",
                  "max_header_bytes", "max_request_line_bytes", "max_headers",
                  "keepalive_timeout_ms", "max_keepalive_requests", "x_forwarded",
@@ -56,6 +57,10 @@ class Runtime:
         received = {10: b"1.0", 11: b"1.1", 20: b"2"} if config.http.via else {}
         self.via_lines = {v: b"Via: %s aiproxy\r\n" % p for v, p in received.items()}
         self.via_fields = {v: (b"via", p + b" aiproxy") for v, p in received.items()}
+        # The same lines as C fields, for via_line() on every HTTP/1.1 message.
+        self.via_10 = self.via_lines.get(10)
+        self.via_11 = self.via_lines.get(11)
+        self.via_20 = self.via_lines.get(20)
         self.max_body = config.http.max_body_bytes
         http = config.http
         # [http] settings read on every request, as C fields (runtime.pxd).
@@ -76,6 +81,16 @@ class Runtime:
         timeouts += [r.timeout_ms for r in config.routes if r.timeout_ms]
         # The connection timer's period: no deadline is shorter than this.
         self.min_timeout = min(timeouts) / 1000
+
+    def via_line(self, version: int) -> bytes | None:
+        """via_lines.get(version), read from C fields: no dict lookup per message."""
+        if version == 11:
+            return self.via_11
+        if version == 10:
+            return self.via_10
+        if version == 20:
+            return self.via_20
+        return None
 
     def pools_by_endpoint(self) -> dict[tuple, object]:
         return {pool_key(c.cfg, p.endpoint): p
