@@ -178,8 +178,9 @@ def veth(bpf_ok) -> Iterator[VethPair]:
 # VM's kernel (6.18): one loopback segment (65,483 bytes) delivered twice by the spliced
 # relay (16 MiB test), and WebSocket streams whose bytes arrived out of frame (100 MiB
 # test; in the CI run of 2026-12-03 the damaged direction, upstream to client, was
-# carried by the kernel's redirect alone: the proxy copied no tunnel bytes). Hundreds of
-# runs were clean in between. The cause is not shown to be ours and not found; README
+# carried by the kernel's redirect alone: the proxy copied no tunnel bytes), and again one
+# 65,483-byte segment delivered twice in a raw TCP 100 MiB transfer (CI run of
+# 2026-12-04, session 33). Hundreds of runs were clean in between. The cause is not shown to be ours and not found; README
 # (`splice_tunnels`) says so. These long-stream checks of the spliced path are expected
 # failures until it is found: they run every time, and pytest reports XPASS or XFAIL.
 SPLICE_DAMAGE = pytest.mark.xfail(

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.kernel.conftest import SPLICE_DAMAGE
 from tests.kernel.test_tunnel_splice import (
     open_fds,
     splice_reason,
@@ -143,7 +144,9 @@ class HashingServer(ThreadServer):
 
 
 @pytest.mark.timeout(300)
-def test_tcp_100mib_both_ways(start_proxy, mode, record_property):
+def test_tcp_100mib_both_ways(start_proxy, mode, record_property, request):
+    if mode == "spliced":
+        request.applymarker(SPLICE_DAMAGE)
     go = threading.Event()
     server = HashingServer(BIG, go=go)
     try:
