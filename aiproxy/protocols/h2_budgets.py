@@ -130,6 +130,11 @@ class UnsentAcks:
         self.written += n
         if not (self.queued or self.count):
             return False
+        return self.over(buffered)
+
+    def over(self, buffered: int) -> bool:
+        """wrote() once `written` is counted and there are ACKs to follow (a caller on
+        a hot path tests `queued or count` itself and skips the call)."""
         sent = self.written - buffered
         marks = self.marks
         while marks and marks[0][0] <= sent:

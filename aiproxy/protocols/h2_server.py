@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections import deque
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -45,8 +44,8 @@ from aiproxy.protocols.h2_budgets import (
     IDLE_PER_REQUEST,
     SMALL_DATA_CLIENT,
     SMALL_WINDOW_CLIENT,
-    UNSENT_ACKS_LIMIT,
     FrameBudgets,
+    UnsentAcks,
 )
 from aiproxy.protocols.h2_output import (
     CONN_OUT_HIGH,
@@ -170,12 +169,7 @@ class H2ServerConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.partial_since = 0.0     # since when part of a frame waits for the rest
         self.settings_due = 0.0      # when our SETTINGS must be acknowledged by; 0: they are
-        # PING/SETTINGS ACKs queued since the last flush, and those written that are still
-        # in the transport's buffer: (bytes written up to their end, how many), their sum.
-        self.acks_queued = 0
-        self.unsent_acks: deque[tuple[int, int]] = deque()
-        self.unsent_count = 0
-        self.out_total = 0           # bytes written to the transport
+        self.acks = UnsentAcks()     # PING/SETTINGS ACKs the client has not read yet
         self.resets = Budget(RESET_BUDGET, RESET_REFILL)
         self.requests = 0            # streams opened, for [http] h2_max_requests (the id
                                      # of the last: self.h2.last_request)
@@ -465,7 +459,7 @@ class H2ServerConnection(asyncio.Protocol):
 
     def _on_control(self, ev: Any) -> None:
         """A PING or SETTINGS frame, which h2 has already answered with an ACK."""
-        self.acks_queued += 1
+        self.acks.queued += 1
         if not self.budgets.control.spend(1, self.loop.time()):
             log.warning("client %s floods PING/SETTINGS frames: GOAWAY", self.peer.decode())
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
@@ -575,33 +569,16 @@ class H2ServerConnection(asyncio.Protocol):
         # and logs "SSL connection is closed" for each write past the fifth.
         if data and not self.transport.is_closing():
             self.transport.write(data)
-            self.out_total += len(data)
+            acks = self.acks
+            acks.written += len(data)
             size = self.transport.get_write_buffer_size()
             if size > WRITE_BUFFER_LIMIT:
                 log.warning("client %s does not read its socket: closing", self.peer.decode())
                 self.abort()
-            elif (self.acks_queued or self.unsent_count) and self._acks_over(size):
+            elif (acks.queued or acks.count) and acks.over(size):
                 log.warning("client %s does not read the ACKs of its PING/SETTINGS frames: "
                             "GOAWAY", self.peer.decode())
                 self._goaway(ErrorCodes.ENHANCE_YOUR_CALM, close=True)
-
-    def _acks_over(self, size: int) -> bool:
-        """Counts the ACKs just written and drops those the transport has sent (its
-        buffer is FIFO); True when more than UNSENT_ACKS_LIMIT are left in it."""
-        sent = self.out_total - size
-        unsent = self.unsent_acks
-        while unsent and unsent[0][0] <= sent:
-            self.unsent_count -= unsent.popleft()[1]
-        if self.acks_queued:
-            if size:
-                unsent.append((self.out_total, self.acks_queued))
-                self.unsent_count += self.acks_queued
-            self.acks_queued = 0
-        if self.unsent_count > UNSENT_ACKS_LIMIT:
-            unsent.clear()
-            self.unsent_count = 0
-            return True
-        return False
 
     def _connection_error(self, exc: h2.exceptions.ProtocolError) -> None:
         # h2 has already queued GOAWAY with the error's code (receive_data does that),
@@ -636,7 +613,7 @@ class H2ServerConnection(asyncio.Protocol):
         if not self.closed:
             frame = GoAwayFrame(0, last_stream_id=last, error_code=code).serialize()
             self.transport.write(frame)
-            self.out_total += len(frame)
+            self.acks.written += len(frame)
 
     def stream_done(self, stream: H2Stream) -> None:
         self.streams.pop(stream.sid, None)
@@ -676,7 +653,7 @@ class H2ServerConnection(asyncio.Protocol):
         frame = GoAwayFrame(0, last_stream_id=MAX_STREAM_ID,
                             error_code=ErrorCodes.NO_ERROR).serialize()
         self.transport.write(frame)
-        self.out_total += len(frame)
+        self.acks.written += len(frame)
         try:
             self.h2.ping(DRAIN_PING)
         except h2.exceptions.ProtocolError:
