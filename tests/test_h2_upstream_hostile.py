@@ -215,7 +215,9 @@ def test_upstream_that_never_acks_our_settings_gets_goaway(
             'protocol = "h2"', 'protocol = "h2"\nread_timeout_ms = 500'))
         r = httpx.get(proxy.url + "/x", timeout=20)
         assert r.status_code == 502, (r.status_code, r.text)
-        assert "SETTINGS" in r.json()["error"]["message"], r.text
+        message = r.json()["error"]["message"]
+        assert "SETTINGS" in message and str(up.port) not in message, r.text  # log only
+        assert f"127.0.0.1:{up.port} did not acknowledge our SETTINGS" in proxy.log()
         wait_for(lambda: "goaway" in seen, 10)
         goaway = seen["goaway"]
         assert isinstance(goaway, GoAwayFrame) and goaway.error_code == 0x4, goaway

@@ -198,7 +198,7 @@ def test_unknown_ca_is_a_502(proxy: ProxyProc) -> None:
     assert r.status_code == 502
     doc = r.json()
     assert doc["error"]["code"] == "upstream_connect_failed"
-    assert "TLS handshake" in doc["error"]["message"]
+    assert doc["error"]["message"].startswith("TLS handshake with the upstream failed:")
 
 
 def test_upstream_without_h2_alpn_is_a_502(proxy: ProxyProc) -> None:

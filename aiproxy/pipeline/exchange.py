@@ -1183,7 +1183,7 @@ class Exchange(ExchangeBase):
         if self.tracer is not None:
             self.tracer.attempt_end(exc.code, str(exc))
         if exc.code == "upstream_overflow":  # a breaker said no: not the endpoint's doing
-            return self.fail(exc.status, exc.code, str(exc))
+            return self.fail(exc.status, exc.code, exc.public, str(exc))
         self.tried += (pool,)
         cluster = self.cluster
         cluster.record(pool, True)
@@ -1201,7 +1201,7 @@ class Exchange(ExchangeBase):
                 self._replay_pending()
                 self._use(nxt)
                 return
-        self.fail(exc.status, exc.code, str(exc))
+        self.fail(exc.status, exc.code, exc.public, str(exc))
 
     def _may_retry(self, policy: RetryPolicy) -> bool:
         """Another attempt is allowed: attempts left, the body can be replayed (an
@@ -1728,10 +1728,13 @@ class Exchange(ExchangeBase):
 
     # -- endings --------------------------------------------------------------------
 
-    def fail(self, status: int, code: str, message: str) -> None:
-        log.info("%d %s: %s", status, code, message)
+    def fail(self, status: int, code: str, message: str, detail: str | None = None) -> None:
+        """The proxy's error reply: `message` for the client; `detail` (default: the
+        message) for the log and the trace, e.g. with the endpoint's address."""
+        detail = message if detail is None else detail
+        log.info("%d %s: %s", status, code, detail)
         if self.tracer is not None:  # the attempt in flight (if any) ends with the exchange
-            self.tracer.attempt_end(code, message)
+            self.tracer.attempt_end(code, detail)
         self.local_reply(status, message, code)
 
     def local_reply(self, status: int, message: str, code: str | None = None,

@@ -324,7 +324,7 @@ class H2UpstreamConnection(asyncio.Protocol):
             pass
         if not abort:
             self.flush()
-        self._fail_all("upstream_bad_response", f"upstream {address} {what}")
+        self._fail_all("upstream_bad_response", f"upstream {what}")  # the log has the address
         self.close(abort)
 
     def _dispatch(self, events: list) -> None:

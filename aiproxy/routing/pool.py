@@ -22,10 +22,14 @@ if TYPE_CHECKING:
 
 class UpstreamConnectError(Exception):
     """No connection (or stream) for a request: 504 upstream_connect_timeout for a
-    timeout, 502 upstream_connect_failed otherwise, unless `status` and `code` say."""
+    timeout, 502 upstream_connect_failed otherwise, unless `status` and `code` say.
+    str() is for the log and the trace; `public`, what the client is told, leaves out
+    the endpoint's address (as nginx and Envoy keep the upstream's address from clients)."""
 
-    def __init__(self, timeout: bool, message: str, status: int = 0, code: str = "") -> None:
+    def __init__(self, timeout: bool, message: str, status: int = 0, code: str = "",
+                 public: str | None = None) -> None:
         super().__init__(message)
+        self.public = message if public is None else public
         self.timeout = timeout
         self.status = status or (504 if timeout else 502)
         self.code = code or ("upstream_connect_timeout" if timeout
@@ -95,7 +99,8 @@ async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protoc
                 _lost_unreported(made)
             raise
     except TimeoutError:
-        raise UpstreamConnectError(True, f"connect to {address} timed out") from None
+        raise UpstreamConnectError(True, f"connect to {address} timed out",
+                                   public="connecting to the upstream timed out") from None
     except ssl.SSLError as exc:
         text = str(getattr(exc, "reason", None) or exc)
         why = getattr(exc, "verify_message", None)
@@ -103,17 +108,22 @@ async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protoc
             text = f"{text} ({why})"
         if "no application protocol" in text.replace("_", " ").lower():
             raise UpstreamConnectError(
-                False, f"{address} did not agree to {alpn} (ALPN)") from None
-        raise UpstreamConnectError(False, f"TLS handshake with {address} failed: {text}") from None
+                False, f"{address} did not agree to {alpn} (ALPN)",
+                public=f"the upstream did not agree to {alpn} (ALPN)") from None
+        raise UpstreamConnectError(False, f"TLS handshake with {address} failed: {text}",
+                                   public=f"TLS handshake with the upstream failed: {text}"
+                                   ) from None
     except OSError as exc:
-        raise UpstreamConnectError(
-            False, f"connect to {address} failed: {exc.strerror or exc}") from None
+        why = exc.strerror or exc
+        raise UpstreamConnectError(False, f"connect to {address} failed: {why}",
+                                   public=f"connecting to the upstream failed: {why}") from None
     if tls is not None:
         chosen = transport.get_extra_info("ssl_object").selected_alpn_protocol()
         if chosen not in (alpn, None) or (chosen is None and alpn == "h2"):
             transport.abort()
-            raise UpstreamConnectError(
-                False, f"{address} did not agree to {alpn} (ALPN: {chosen or 'none'})")
+            agreed = f"did not agree to {alpn} (ALPN: {chosen or 'none'})"
+            raise UpstreamConnectError(False, f"{address} {agreed}",
+                                       public=f"the upstream {agreed}")
     return conn
 
 
@@ -312,11 +322,13 @@ class H2Pool(EndpointPool):
             stalled = self._closed_for_streams()
             if left <= 0:
                 if stalled is not None:
+                    why = "allows no HTTP/2 streams (SETTINGS_MAX_CONCURRENT_STREAMS = 0)"
                     raise UpstreamConnectError(
-                        False, f"{self.endpoint.address} allows no HTTP/2 streams "
-                        "(SETTINGS_MAX_CONCURRENT_STREAMS = 0)", 503, "upstream_no_streams")
+                        False, f"{self.endpoint.address} {why}", 503, "upstream_no_streams",
+                        public=f"the upstream {why}")
                 raise UpstreamConnectError(
-                    True, f"{self.endpoint.address}: no HTTP/2 stream capacity")
+                    True, f"{self.endpoint.address}: no HTTP/2 stream capacity",
+                    public="no HTTP/2 stream capacity on the upstream")
             if stalled is not None:
                 waiter = self.capacity
                 if waiter is None:
@@ -354,9 +366,12 @@ class H2Pool(EndpointPool):
         except TimeoutError:
             conn.close()
             raise UpstreamConnectError(
-                True, f"{self.endpoint.address} sent no HTTP/2 SETTINGS") from None
+                True, f"{self.endpoint.address} sent no HTTP/2 SETTINGS",
+                public="the upstream sent no HTTP/2 SETTINGS") from None
         except ConnectionError as exc:
-            raise UpstreamConnectError(False, f"{self.endpoint.address}: {exc}") from None
+            raise UpstreamConnectError(False, f"{self.endpoint.address}: {exc}",
+                                       public=f"the upstream connection failed: {exc}"
+                                       ) from None
         if self.closed:
             conn.close()
             raise UpstreamConnectError(False, "cluster closed")
