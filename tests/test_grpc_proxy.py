@@ -602,9 +602,12 @@ cluster = "up"
 # -- a dying upstream ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def killable(tmp_path: Path, grpc_modules: tuple[ModuleType, ModuleType]) -> Iterator[Any]:  # noqa: F811
-    """A grpcio server in its own process, and a proxy in front of it."""
+@pytest.fixture(params=["h2c", "mixed"])
+def killable(request: pytest.FixtureRequest, tmp_path: Path,
+             grpc_modules: tuple[ModuleType, ModuleType]) -> Iterator[Any]:  # noqa: F811
+    """A grpcio server in its own process, and a proxy in front of it; the client's
+    channel goes to the h2c-only listener or to the mixed one (HTTP/1.1 and h2c prior
+    knowledge on one port): a call must end the same way on both."""
     port = free_port()
     server = start_process([sys.executable, "-m", "tests.grpc_support", "--gen",
                             str(tmp_path / "gen"), "--port", str(port), "--name", "doomed"])
@@ -622,7 +625,8 @@ name = "all"
 cluster = "doomed"
 """
         proxy = ProxyProc(tmp_path, config, ("h2c", "mixed"))
-        ch = grpc.insecure_channel(f"127.0.0.1:{proxy.ports['h2c']}", options=GRPC_OPTIONS)
+        ch = grpc.insecure_channel(f"127.0.0.1:{proxy.ports[request.param]}",
+                                   options=GRPC_OPTIONS)
         yield server, grpc_modules[1].PredictorStub(ch), proxy
         ch.close()
     finally:

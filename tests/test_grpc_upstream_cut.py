@@ -62,6 +62,11 @@ name = "h2c"
 address = "127.0.0.1:{{h2c}}"
 protocols = ["h2c"]
 
+[[listeners]]
+name = "mixed"
+address = "127.0.0.1:{{mixed}}"
+protocols = ["http1", "h2c"]
+
 [[clusters]]
 name = "h1"
 endpoints = ["127.0.0.1:{h1.port}"]
@@ -81,7 +86,7 @@ name = "h2"
 match = {{ grpc_service = "cut.H2" }}
 cluster = "h2"
 """
-    p = ProxyProc(tmp_path_factory.mktemp("grpc-cut"), config, ("h2c",))
+    p = ProxyProc(tmp_path_factory.mktemp("grpc-cut"), config, ("h2c", "mixed"))
     yield p
     p.stop()
     h1.close()
@@ -89,24 +94,29 @@ cluster = "h2"
 
 
 CASES = ["/cut.H1/None", "/cut.H1/Early", "/cut.H1/Late", "/cut.H2/Early", "/cut.H2/Late"]
+# "h2c" serves HTTP/2 only; "mixed" serves HTTP/1.1 and takes HTTP/2 prior knowledge on
+# the same port: a gRPC call must end the same way on both.
+LISTENERS = ["h2c", "mixed"]
 
 
+@pytest.mark.parametrize("listener", LISTENERS)
 @pytest.mark.parametrize("path", CASES)
-def test_grpcio_client_gets_unavailable(proxy: ProxyProc, path: str) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{proxy.ports['h2c']}") as ch:
+def test_grpcio_client_gets_unavailable(proxy: ProxyProc, path: str, listener: str) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.ports[listener]}") as ch:
         call = ch.unary_unary(path, request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as info:
             call(b"\x0a\x01x", timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
 
 
+@pytest.mark.parametrize("listener", LISTENERS)
 @pytest.mark.parametrize("path", CASES)
-def test_wire_form(proxy: ProxyProc, path: str) -> None:
+def test_wire_form(proxy: ProxyProc, path: str, listener: str) -> None:
     """No content-length goes on with a gRPC response the proxy may have to end
     itself; the call ends with grpc-status 14 and a grpc-message in trailers once the
     response headers went out (the HEADERS frame cannot be taken back: HPACK state), as
     one trailers-only HEADERS frame when no response came at all."""
-    with FrameClient(proxy.ports["h2c"]) as c:
+    with FrameClient(proxy.ports[listener]) as c:
         c.handshake()
         head = c.request(1, path, "POST", [("content-type", "application/grpc"),
                                             ("te", "trailers")], end_stream=False)

@@ -13,6 +13,7 @@ import platform
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import threading
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import simple_config
+from tests.h2_support import make_pki
 
 SINGLE = "\n[server]\nworkers = 1\n"
 
@@ -31,8 +33,9 @@ class Upstream:
     connection number) per request; close_idle() closes every connection (FIN, or RST
     with rst=True) from its own thread, as a keep-alive timeout would."""
 
-    def __init__(self, extra: bytes = b"") -> None:
+    def __init__(self, extra: bytes = b"", tls: ssl.SSLContext | None = None) -> None:
         self.extra = extra
+        self.tls = tls  # HTTP/1.1 over TLS with this server context
         self.seen: list[tuple[str, str, int]] = []
         self.conns: list[tuple[threading.Event, threading.Event]] = []
         self.rst = False
@@ -58,6 +61,9 @@ class Upstream:
 
     def _serve(self, sock: socket.socket, n: int, stop: threading.Event,
                closed: threading.Event) -> None:
+        if self.tls is not None:
+            sock.settimeout(10)
+            sock = self.tls.wrap_socket(sock, server_side=True)
         sock.settimeout(0.02)
         buf = b""
         while not stop.is_set():
@@ -238,13 +244,34 @@ def upstream_fd(pid: int, port: int) -> int:
                     "--test installs it)")
 @pytest.mark.skipif(platform.machine() != "x86_64",
                     reason="the breakpoint reads send()'s descriptor from x86-64's rdi")
-def test_request_whose_first_send_meets_a_reset_is_replayed(start_proxy, upstream: Upstream,
-                                                            tmp_path) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_request_whose_first_send_meets_a_reset_is_replayed(start_proxy, tmp_path,
+                                                            tls: bool) -> None:
     # The pooled connection passes the pool's peek; the upstream's RST lands after it,
     # before the request's first send(), which fails with nothing sent: the POST never
     # reached the upstream and goes on a fresh connection. The proxy is held (gdb
-    # breakpoint on send() to that descriptor) between the peek and the send.
-    proxy = start_proxy(SINGLE + simple_config(upstream.port))
+    # breakpoint on send() to that descriptor; over TLS uvloop's write()) between the
+    # peek and the send.
+    extra = ""
+    server_ctx = None
+    if tls:
+        if shutil.which("openssl") is None:
+            pytest.skip("needs openssl")
+        pki = make_pki(tmp_path / "pki")
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(pki.cert, pki.key)
+        extra = f'tls = {{ ca = "{pki.ca}" }}'
+    upstream = Upstream(tls=server_ctx)
+    try:
+        _first_send_meets_reset(start_proxy, upstream, tmp_path, extra,
+                                "write" if tls else "send")
+    finally:
+        upstream.stop()
+
+
+def _first_send_meets_reset(start_proxy, upstream: Upstream, tmp_path, cluster_extra: str,
+                            call: str) -> None:  # noqa: ANN001
+    proxy = start_proxy(SINGLE + simple_config(upstream.port, cluster_extra=cluster_extra))
     pid = proxy.proc.pid
     hit, go = tmp_path / "hit", tmp_path / "go"
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as c, \
@@ -254,7 +281,7 @@ def test_request_whose_first_send_meets_a_reset_is_replayed(start_proxy, upstrea
         fd = upstream_fd(pid, upstream.port)
         gdb = subprocess.Popen(
             ["gdb", "-p", str(pid), "-batch", "-nx",
-             "-ex", f"break send if $rdi == {fd}",
+             "-ex", f"break {call} if $rdi == {fd}",
              "-ex", f"shell touch {tmp_path / 'attached'}",
              "-ex", "continue",
              "-ex", f"shell touch {hit}",

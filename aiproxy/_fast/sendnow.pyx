@@ -30,7 +30,8 @@ peer, and the request is safe to send again on another connection.
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_GET_SIZE
 from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EPIPE, errno
-from libc.string cimport memset
+from libc.stdint cimport uint64_t
+from libc.string cimport memcpy, memset
 from posix.uio cimport iovec
 
 cdef extern from "<sys/socket.h>" nogil:
@@ -47,6 +48,13 @@ cdef extern from "<sys/socket.h>" nogil:
     ssize_t sendmsg(int fd, const msghdr *msg, int flags)
     ssize_t recv(int fd, void *buf, size_t n, int flags)
     int MSG_NOSIGNAL, MSG_DONTWAIT, MSG_PEEK
+    int getsockopt(int fd, int level, int name, void *value, socklen_t *length)
+
+cdef extern from "<netinet/in.h>" nogil:
+    int IPPROTO_TCP
+
+cdef extern from "<netinet/tcp.h>" nogil:
+    int TCP_INFO
 
 cdef extern from "<errno.h>" nogil:
     int EWOULDBLOCK
@@ -96,6 +104,41 @@ cpdef bint unread(int fd) noexcept:
             return True
         if errno != EINTR:
             return not (errno == EAGAIN or errno == EWOULDBLOCK)
+
+
+# struct tcp_info (linux/tcp.h): tcpi_state is its first byte, tcpi_bytes_sent (Linux
+# 4.19+: data bytes sent, retransmissions included) the u64 at this offset.
+cdef enum:
+    TCPI_BYTES_SENT = 200
+    TCPI_SIZE = 256
+    TCP_CLOSE_STATE = 7
+
+
+cpdef long long sent_mark(int fd) noexcept:
+    """The TCP socket fd's count of data bytes sent (tcpi_bytes_sent), or -1 where the
+    kernel does not report it."""
+    cdef unsigned char info[TCPI_SIZE]
+    cdef socklen_t n = TCPI_SIZE
+    cdef uint64_t sent
+    if fd < 0 or getsockopt(fd, IPPROTO_TCP, TCP_INFO, info, &n) != 0 \
+            or n < TCPI_BYTES_SENT + 8:
+        return -1
+    memcpy(&sent, info + TCPI_BYTES_SENT, 8)
+    return <long long>sent
+
+
+cpdef bint closed_unsent(int fd, long long mark) noexcept:
+    """True if the socket fd is closed (TCP_CLOSE: a reset came in, nothing more will go
+    out) and has sent no data byte since sent_mark() returned `mark`: nothing written to
+    it after the mark reached the peer."""
+    cdef unsigned char info[TCPI_SIZE]
+    cdef socklen_t n = TCPI_SIZE
+    cdef uint64_t sent
+    if mark < 0 or fd < 0 or getsockopt(fd, IPPROTO_TCP, TCP_INFO, info, &n) != 0 \
+            or n < TCPI_BYTES_SENT + 8:
+        return False
+    memcpy(&sent, info + TCPI_BYTES_SENT, 8)
+    return info[0] == TCP_CLOSE_STATE and <long long>sent == mark
 
 
 cdef class Sender:

@@ -6,7 +6,7 @@ cimport cython
 from aiproxy._fast.bufpool cimport BufferPool, copy_out
 from aiproxy._fast.clock cimport event_begin, event_end
 from aiproxy._fast.h1 cimport ChunkedDecoder, ResponseHead, chunk_size_line, parse_response
-from aiproxy._fast.sendnow cimport Sender, unread
+from aiproxy._fast.sendnow cimport Sender, closed_unsent, sent_mark, unread
 from aiproxy.pipeline.ends cimport ExchangeBase, Upstream
 
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aiproxy._fast.bufpool import POOL, copy_out
 from aiproxy._fast.clock import event_begin, event_end
 from aiproxy._fast.h1 import ChunkedDecoder, ParseError, chunk_size_line, parse_response
-from aiproxy._fast.sendnow import Sender, unread
+from aiproxy._fast.sendnow import Sender, closed_unsent, sent_mark, unread
 from aiproxy.pipeline.ends import (
     BODY_CHUNKED,
     BODY_LENGTH,
@@ -120,6 +120,15 @@ class H1UpstreamCore(Upstream):
         down = ex.down
         self.views_to = down.views_to
         tx = self.tx
+        if tx.tls and self.fd >= 0:
+            # The TLS layer writes through its own TCP transport, not tx's send(): the
+            # proof that none of the request left comes from the kernel instead. The
+            # socket's count of bytes sent did not move across the write and the socket
+            # is closed (an RST came in): nothing written now, nor after, reached the peer.
+            mark = sent_mark(self.fd)
+            tx.write(ex.h1_request_head(self.pool))
+            self.unsent = closed_unsent(self.fd, mark)
+            return
         tx.write(ex.h1_request_head(self.pool))
         # The connection was gone (an RST that came after the pool's peek) before any
         # byte of this request went out: it never reached the upstream.
