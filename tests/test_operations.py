@@ -290,8 +290,8 @@ def test_config_view_hides_whatever_looks_like_a_secret(start_proxy, demo_upstre
     """GET /config hides the value of any name that looks like a secret (a header or
     query parameter named *token*, *secret*, *password*, *api_key*, *_key, ...), not
     only the known credential fields, and every URL's password (one with an "@" in it
-    too); names that merely look alike (tokens_per_minute, hash_key, api_key_header)
-    keep their values."""
+    too); names that merely look alike (tokens_per_minute, hash_key, api_key_header) or
+    say where a secret is or how long it lasts (*_file, *_path, *_ttl) keep their values."""
     admin = free_port()
     start_proxy(f"""
 [[clusters]]
@@ -304,7 +304,7 @@ hash_key = "header:x-user"
 name = "all"
 match = {{ path_prefix = "/", query = {{ api_key = "Q-SECRET", page = "1" }}, headers = {{ "X-Client-Secret" = "H-SECRET" }} }}
 cluster = "up"
-request_headers_add = {{ "X-Service-Token" = "T-SECRET", "X-DB-Password" = "P-SECRET", "X-Signing-Key" = "K-SECRET", "X-Team" = "blue" }}
+request_headers_add = {{ "X-Service-Token" = "T-SECRET", "X-DB-Password" = "P-SECRET", "X-Signing-Key" = "K-SECRET", "X-Team" = "blue", "X-Private-Key" = "PK-SECRET", "X-Token-TTL" = "3600", "X-Private-Key-File" = "/etc/keys/signing.pem", "X-Secret-Path" = "/run/secrets/db" }}
 
 [[ratelimits]]
 name = "shared"
@@ -316,9 +316,12 @@ redis_url = "redis://u:p@ss-SECRET@127.0.0.1:1/0"
     view = httpx.get(f"http://127.0.0.1:{admin}/config").json()
     assert "SECRET" not in json.dumps(view), view
     route = view["routes"][0]
+    # ... but a name that says where a secret is or how long it lasts keeps its value
     assert route["request_headers_add"] == [
         ["x-service-token", "<redacted>"], ["x-db-password", "<redacted>"],
-        ["x-signing-key", "<redacted>"], ["x-team", "blue"]]
+        ["x-signing-key", "<redacted>"], ["x-team", "blue"], ["x-private-key", "<redacted>"],
+        ["x-token-ttl", "3600"], ["x-private-key-file", "/etc/keys/signing.pem"],
+        ["x-secret-path", "/run/secrets/db"]]
     assert ["page", "1"] in route["match"]["query"]
     assert view["ratelimits"][0]["redis_url"] == "redis://u:<redacted>@127.0.0.1:1/0"
     assert view["ratelimits"][0]["tokens_per_minute"] == 1000
