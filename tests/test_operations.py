@@ -608,3 +608,28 @@ cluster = "a"
     assert set(probes) == {1}  # the very first request after the reload saw the new route
     samples = scrape(admin)
     assert samples[("aiproxy_config_reloads_total", ())] == 20
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_access_log_path_waits_for_a_restart(start_proxy, demo_upstream, tmp_path, workers):
+    """The access log is opened at start: a reload to another path keeps writing the
+    first file, and the reload's answer and /config say the new path waits."""
+    admin = free_port()
+    first, second = tmp_path / "first.log", tmp_path / "second.log"
+    proxy = start_proxy(f"[server]\nworkers = {workers}\n" + simple_config(demo_upstream)
+                        + admin_block(admin) + f'\n[access_log]\npath = "{first}"\n')
+    wait_port("127.0.0.1", admin)
+    base = f"http://127.0.0.1:{admin}"
+    proxy.config_path.write_text(proxy.config_path.read_text().replace(str(first), str(second)))
+    r = httpx.post(base + "/config/reload")
+    assert r.status_code == 200, r.text
+    assert f"access_log.path: {second} (serving {first})" in r.json()["message"], r.text
+    view = httpx.get(base + "/config").json()
+    assert view["access_log"]["path"] == str(first)
+    assert view["pending_restart"] == [f"access_log.path: {second} (serving {first})"]
+    assert httpx.get(proxy.url + "/echo", headers={"x-mark": "after"}).status_code == 200
+    deadline = time.monotonic() + 10
+    while '"/echo"' not in (first.read_text() if first.exists() else ""):
+        assert time.monotonic() < deadline, proxy.log()
+        time.sleep(0.05)
+    assert not second.exists()
