@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import (
+    UNSTOPPED,
     free_port,
     process_log,
     start_demo_upstream,
@@ -42,6 +43,20 @@ def pytest_configure(config: pytest.Config) -> None:
     if stale:
         pytest.exit("compiled modules older than their source (run `python setup.py "
                     "build_ext --inplace` or `make test`): " + ", ".join(stale), returncode=4)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # A process started with start_process and never given to stop_process leaves its log
+    # in /tmp (and may still run): stop it here and name the test that started it.
+    leaked = list(UNSTOPPED.items())
+    for proc, _ in leaked:
+        stop_process(proc)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if leaked and reporter is not None:
+        reporter.write_line(f"\n{len(leaked)} process(es) not ended with stop_process "
+                            "(log removed at session end):", yellow=True)
+        for _, started_by in leaked:
+            reporter.write_line(f"  started by {started_by}", yellow=True)
 
 
 CALL_REPORT = pytest.StashKey["pytest.TestReport"]()

@@ -114,6 +114,11 @@ def wait_ready(admin_port: int, timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
+# Processes start_process started whose log stop_process has not removed yet, with the
+# test that started each (tests/conftest.py stops and reports what a session leaves).
+UNSTOPPED: dict[subprocess.Popen, str] = {}
+
+
 def start_process(
     args: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
 ) -> subprocess.Popen:
@@ -146,6 +151,7 @@ def start_process(
     finally:
         log.close()  # the child has its own descriptor
     proc.log_path = log.name  # type: ignore[attr-defined]
+    UNSTOPPED[proc] = os.environ.get("PYTEST_CURRENT_TEST", "") or " ".join(args)
     return proc
 
 
@@ -161,7 +167,9 @@ def process_log(proc: subprocess.Popen) -> str:
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 5) -> str:
-    """SIGTERM, then SIGKILL after ``timeout`` seconds; removes the log and returns its text."""
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; removes the log and returns its text.
+
+    Call it for a process that exited by itself too: it is what removes the log."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -173,6 +181,7 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5) -> str:
     path = getattr(proc, "log_path", None)
     if path is not None:
         Path(path).unlink(missing_ok=True)
+    UNSTOPPED.pop(proc, None)
     return log
 
 

@@ -210,8 +210,6 @@ def test_sigkill_under_load_loses_no_answered_record(start_proxy, demo_upstream,
     assert not missing, missing[:5]
     res = _cli("verify", str(log))
     assert res.returncode == 0, res.stdout
-    proxy.proc = subprocess.Popen(["true"])  # the fixture's teardown has nothing to stop
-    proxy.proc.wait()
 
 
 def test_query_over_drifting_schemas(tmp_path):

@@ -81,17 +81,27 @@ class Lab:
         n, size = int(md.get("x-n", "10")), int(md.get("x-size", "1024"))
         delay = int(md.get("x-delay-ms", "0")) / 1000
         block = b"c" * size
+        done = False
+
+        def ended() -> None:
+            if not done:
+                self.rec.add("cancelled:count", tag)
+
+        # At the call's end, not after the loop: grpcio stops taking messages from this
+        # generator once the call is cancelled while a message is still being sent, and
+        # the code below the loop never runs (seen on a loaded machine).
+        if not context.add_callback(ended):
+            ended()
         for i in range(n):
             if delay and self._watch(context, delay):
-                break
+                return
             if not context.is_active():
-                break
+                return
             self.produced[tag] = i + 1
             yield block
         if context.is_active():
+            done = True
             self.rec.add("done:count", tag)
-        else:
-            self.rec.add("cancelled:count", tag)
 
     def early(self, request: bytes, context: Any) -> Iterator[bytes]:
         """Initial metadata at once, the only message a second later."""

@@ -1564,3 +1564,43 @@ def test_keep_alive_field_flag(fields: bytes, present: bool) -> None:
     resp = parse_response(b"HTTP/1.1 200 OK\r\n" + fields + b"\r\n")
     assert resp.keep_alive_field is present
     assert (resp.get(b"keep-alive") is not None) is present
+
+
+# --------------------------------------------------------------------------
+# Connection: keep-alive as the whole value takes a fast path in the scanner: it must
+# record exactly what the general list splitter records for the same token.
+
+_KA_SPELLINGS = [b"keep-alive", b"Keep-Alive", b"KEEP-ALIVE", b"  keep-alive \t"]
+
+
+def _ka_summary(h, response):
+    d = response_summary(h) if response else request_summary(h)
+    for key in ("raw", "consumed", "headers", "target"):
+        d.pop(key, None)
+    return d
+
+
+@pytest.mark.parametrize("response", [False, True], ids=["request", "response"])
+@pytest.mark.parametrize("version", [b"1.0", b"1.1"])
+@pytest.mark.parametrize("value", _KA_SPELLINGS)
+def test_connection_keep_alive_fast_path_matches_list_split(response, version, value):
+    if response:
+        start, fields = b"HTTP/" + version + b" 200 OK\r\n", b"Content-Length: 0\r\n"
+        parse = parse_response
+    else:
+        start, fields = b"GET / HTTP/" + version + b"\r\n", b"Host: a\r\n"
+        parse = parse_request
+    rest = b"Keep-Alive: timeout=5\r\nX-A: 1\r\n\r\n"
+    fast = parse(start + fields + b"Connection: " + value + b"\r\n" + rest)
+    # A trailing empty list element sends the same token through the general splitter.
+    general = parse(start + fields + b"Connection: " + value.strip() + b",\r\n" + rest)
+    assert _ka_summary(fast, response) == _ka_summary(general, response)
+    assert fast.header_flags()[2] == NAMED  # the Keep-Alive field it names
+
+
+def test_connection_keep_alive_fast_path_counts_toward_the_token_limit():
+    many = b"".join(b"Connection: x%d\r\n" % i for i in range(32))
+    for last in (b"keep-alive", b"keep-alive,"):
+        exc = _raises(parse_request, b"GET / HTTP/1.1\r\nHost: a\r\n" + many
+                      + b"Connection: " + last + b"\r\n\r\n", {})
+        assert (exc.status, exc.message) == (400, "too many Connection options")

@@ -507,3 +507,11 @@ def test_curl_http10_sees_a_cut_body_as_an_error(proxy: Proxy, upstream: Scripte
             curl.wait()
     assert out == b""
     assert curl.returncode == 56, err  # CURLE_RECV_ERROR: "Connection reset by peer"
+
+
+@pytest.mark.parametrize("n", [0, 2, 1023, 1024, 4096, 10**12])
+def test_content_length_line_each_size_range(n):
+    # Below 1024 from a table made at import, above it from the bounded cache or made.
+    from aiproxy.protocols.http1 import content_length_line
+    assert content_length_line(n) == b"Content-Length: %d\r\n" % n
+    assert content_length_line(n) == b"Content-Length: %d\r\n" % n  # a cached one too

@@ -290,8 +290,8 @@ def test_config_view_hides_whatever_looks_like_a_secret(start_proxy, demo_upstre
     """GET /config hides the value of any name that looks like a secret (a header or
     query parameter named *token*, *secret*, *password*, *api_key*, *_key, ...), not
     only the known credential fields, and every URL's password (one with an "@" in it
-    too); names that merely look alike (tokens_per_minute, hash_key, api_key_header)
-    keep their values."""
+    too); names that merely look alike (tokens_per_minute, hash_key, api_key_header) or
+    say where a secret is or how long it lasts (*_file, *_path, *_ttl) keep their values."""
     admin = free_port()
     start_proxy(f"""
 [[clusters]]
@@ -304,7 +304,7 @@ hash_key = "header:x-user"
 name = "all"
 match = {{ path_prefix = "/", query = {{ api_key = "Q-SECRET", page = "1" }}, headers = {{ "X-Client-Secret" = "H-SECRET" }} }}
 cluster = "up"
-request_headers_add = {{ "X-Service-Token" = "T-SECRET", "X-DB-Password" = "P-SECRET", "X-Signing-Key" = "K-SECRET", "X-Team" = "blue" }}
+request_headers_add = {{ "X-Service-Token" = "T-SECRET", "X-DB-Password" = "P-SECRET", "X-Signing-Key" = "K-SECRET", "X-Team" = "blue", "X-Private-Key" = "PK-SECRET", "X-Token-TTL" = "3600", "X-Private-Key-File" = "/etc/keys/signing.pem", "X-Secret-Path" = "/run/secrets/db" }}
 
 [[ratelimits]]
 name = "shared"
@@ -316,9 +316,12 @@ redis_url = "redis://u:p@ss-SECRET@127.0.0.1:1/0"
     view = httpx.get(f"http://127.0.0.1:{admin}/config").json()
     assert "SECRET" not in json.dumps(view), view
     route = view["routes"][0]
+    # ... but a name that says where a secret is or how long it lasts keeps its value
     assert route["request_headers_add"] == [
         ["x-service-token", "<redacted>"], ["x-db-password", "<redacted>"],
-        ["x-signing-key", "<redacted>"], ["x-team", "blue"]]
+        ["x-signing-key", "<redacted>"], ["x-team", "blue"], ["x-private-key", "<redacted>"],
+        ["x-token-ttl", "3600"], ["x-private-key-file", "/etc/keys/signing.pem"],
+        ["x-secret-path", "/run/secrets/db"]]
     assert ["page", "1"] in route["match"]["query"]
     assert view["ratelimits"][0]["redis_url"] == "redis://u:<redacted>@127.0.0.1:1/0"
     assert view["ratelimits"][0]["tokens_per_minute"] == 1000
@@ -605,3 +608,28 @@ cluster = "a"
     assert set(probes) == {1}  # the very first request after the reload saw the new route
     samples = scrape(admin)
     assert samples[("aiproxy_config_reloads_total", ())] == 20
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_access_log_path_waits_for_a_restart(start_proxy, demo_upstream, tmp_path, workers):
+    """The access log is opened at start: a reload to another path keeps writing the
+    first file, and the reload's answer and /config say the new path waits."""
+    admin = free_port()
+    first, second = tmp_path / "first.log", tmp_path / "second.log"
+    proxy = start_proxy(f"[server]\nworkers = {workers}\n" + simple_config(demo_upstream)
+                        + admin_block(admin) + f'\n[access_log]\npath = "{first}"\n')
+    wait_port("127.0.0.1", admin)
+    base = f"http://127.0.0.1:{admin}"
+    proxy.config_path.write_text(proxy.config_path.read_text().replace(str(first), str(second)))
+    r = httpx.post(base + "/config/reload")
+    assert r.status_code == 200, r.text
+    assert f"access_log.path: {second} (serving {first})" in r.json()["message"], r.text
+    view = httpx.get(base + "/config").json()
+    assert view["access_log"]["path"] == str(first)
+    assert view["pending_restart"] == [f"access_log.path: {second} (serving {first})"]
+    assert httpx.get(proxy.url + "/echo", headers={"x-mark": "after"}).status_code == 200
+    deadline = time.monotonic() + 10
+    while '"/echo"' not in (first.read_text() if first.exists() else ""):
+        assert time.monotonic() < deadline, proxy.log()
+        time.sleep(0.05)
+    assert not second.exists()

@@ -59,6 +59,10 @@ SECRET_NAME = re.compile(r"passw(?:or)?d|secret|credential|private|api_?key|toke
 # Config keys that look like secrets and are not: what a balancer hashes on, and the
 # header an API key is read from.
 NOT_SECRET = frozenset(("hash_key", "api_key_header"))
+# Names that say their value is about a secret, not the secret: where it is (a file, a
+# path, the header it comes in) or a duration or size (token_ttl, private_key_file).
+ABOUT_A_SECRET = re.compile(r"_(?:file|path|dir|header|ttl|ms|s|seconds|bytes|size|len"
+                            r"|length)$")
 # Lists of [name, value] (or [name, op, value]) entries: a route that adds a credential
 # field (an upstream API key) or matches on one (or on a query parameter like api_key)
 # holds a secret in the entry's value.
@@ -73,7 +77,8 @@ def secret_name(name: str) -> bool:
     if name in SECRET_KEYS or name in CREDENTIAL_FIELDS:
         return True
     name = name.replace("-", "_")
-    return name not in NOT_SECRET and SECRET_NAME.search(name) is not None
+    return (name not in NOT_SECRET and ABOUT_A_SECRET.search(name) is None
+            and SECRET_NAME.search(name) is not None)
 
 
 def _named_entry(entry: Any) -> Any:

@@ -14,8 +14,11 @@ from aiproxy.server.runtime cimport Runtime
 cdef unsigned int F_HOP, F_CONTENT_LENGTH, F_HOST, F_NAMED_BY_CONNECTION  # the module's constants, as C values
 cdef bytes CRLF, LAST_CHUNK, STATUS_200
 cdef int P_PIPELINE, BODY_NONE
-cdef Py_ssize_t SMALL_BODY, CONTENT_LENGTH_CACHE
+cdef Py_ssize_t SMALL_BODY, CONTENT_LENGTH_CACHE, SMALL_LENGTHS
 cdef dict CONTENT_LENGTH_LINES
+cdef tuple CONTENT_LENGTH_SMALL
+
+cpdef bytes content_length_line(long long n)
 cdef BufferPool POOL  # the process's read slabs (bufpool.pyx), called in C
 
 

@@ -61,12 +61,20 @@ STATUS_200 = b"HTTP/1.1 200 OK\r\n"
 # response than the lookup.
 CONTENT_LENGTH_LINES: dict[int, bytes] = {}
 CONTENT_LENGTH_CACHE = 4096
+# The lines for 0..SMALL_LENGTHS-1, made once: an index, not a PyLong and a dict lookup.
+SMALL_LENGTHS = 1024
+CONTENT_LENGTH_SMALL: tuple = tuple(b"Content-Length: %d\r\n" % n for n in range(SMALL_LENGTHS))
 
 
 def content_length_line(n: int) -> bytes:
-    line = b"Content-Length: %d\r\n" % n
-    if len(CONTENT_LENGTH_LINES) < CONTENT_LENGTH_CACHE:
-        CONTENT_LENGTH_LINES[n] = line
+    """The Content-Length field line for a length n >= 0."""
+    if n < SMALL_LENGTHS:
+        return CONTENT_LENGTH_SMALL[n]
+    line = CONTENT_LENGTH_LINES.get(n)
+    if line is None:
+        line = b"Content-Length: %d\r\n" % n
+        if len(CONTENT_LENGTH_LINES) < CONTENT_LENGTH_CACHE:
+            CONTENT_LENGTH_LINES[n] = line
     return line
 
 
@@ -485,13 +493,9 @@ class H1ConnectionCore(Downstream):
             # have: kept, as one field with one value (the upstream's may be a list or
             # repeated: RFC 9110 8.6). A 204 has none.
             if length >= 0 and status != 204:
-                framing = CONTENT_LENGTH_LINES.get(length)
-                if framing is None:
-                    framing = content_length_line(length)
-        elif length >= 0 and not chunked:
-            framing = CONTENT_LENGTH_LINES.get(length)
-            if framing is None:
                 framing = content_length_line(length)
+        elif length >= 0 and not chunked:
+            framing = content_length_line(length)
         elif head.version >= 11:
             self.chunked_out = True
             framing = b"Transfer-Encoding: chunked\r\n"

@@ -1,8 +1,9 @@
 """What a reload cannot apply: listener sockets and the admin API's address are bound at
-start, and the number of workers is fixed then. A reload applies the rest (the admin
-token included: every admin request reads the current one); these helpers say what
-waits for a restart and what the process still serves meanwhile, for the reload's
-answer and the admin API's /config."""
+start, the number of workers is fixed then, the access log is opened then, and XDP
+programs stay attached in the [kernel] xdp_mode they were attached in. A reload applies
+the rest (the admin token included: every admin request reads the current one); these
+helpers say what waits for a restart and what the process still serves meanwhile, for
+the reload's answer and the admin API's /config."""
 
 from __future__ import annotations
 
@@ -59,7 +60,22 @@ def pending_restart(started: Config, new: Config) -> list[str]:
         out.append(f"admin.address: {b.address} (serving {a.address})")
     if started.server.workers != new.server.workers:
         out.append(f"server.workers: {new.server.workers} (running {started.server.workers})")
+    # The access log is opened at start: a reload keeps writing the file it has.
+    for key in ("path", "flush_interval_ms"):
+        was_value, now_value = getattr(started.access_log, key), getattr(new.access_log, key)
+        if was_value != now_value:
+            out.append(f"access_log.{key}: {now_value} (serving {was_value})")
+    # XDP stays attached in the mode it was attached in; only an interface new to the
+    # config is attached in a new xdp_mode.
+    kept = _kept_interfaces(started, new)
+    if kept and started.kernel.xdp_mode != new.kernel.xdp_mode:
+        out.append(f"kernel.xdp_mode: {new.kernel.xdp_mode} ({', '.join(kept)} attached "
+                   f"with {started.kernel.xdp_mode})")
     return out
+
+
+def _kept_interfaces(started: Config, new: Config) -> list[str]:
+    return [name for name in new.kernel.interfaces if name in started.kernel.interfaces]
 
 
 def served_config(served: Config, config: Config) -> Config:
@@ -75,6 +91,10 @@ def served_config(served: Config, config: Config) -> Config:
     else:
         admin = dataclasses.replace(admin, address=served.admin.address,
                                     host=served.admin.host, port=served.admin.port)
+    kernel = config.kernel
+    if _kept_interfaces(served, config):
+        kernel = dataclasses.replace(kernel, xdp_mode=served.kernel.xdp_mode)
     return dataclasses.replace(
         config, listeners=bound_listeners(served.listeners, config.listeners), admin=admin,
-        server=dataclasses.replace(config.server, workers=served.server.workers))
+        server=dataclasses.replace(config.server, workers=served.server.workers),
+        access_log=served.access_log, kernel=kernel)

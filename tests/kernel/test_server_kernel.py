@@ -130,8 +130,7 @@ def proxy_in_netns(veth: VethPair, tmp_path: Path):
 
     yield _start
     for proc in procs:
-        if proc.poll() is None:
-            stop_process(proc)
+        stop_process(proc)  # also for one that exited: it removes the log
 
 
 @pytest.mark.timeout(90)
@@ -259,3 +258,23 @@ def test_verifier_rejection_names_program_and_log(veth, proxy_in_netns, tmp_path
     assert "invalid access to packet" in log, log
     state = interface_state("vsrv", veth.srv)
     assert state.xdp_prog_id is None and not state.tc_ingress, state
+
+
+@pytest.mark.timeout(60)
+def test_reload_leaves_xdp_mode_to_a_restart(veth, proxy_in_netns):
+    """An interface stays attached in the xdp_mode it was attached in: a reload that
+    changes xdp_mode does not move it, and /config says so (the mode served, and the
+    change in pending_restart)."""
+    proc, path = proxy_in_netns(config([]).replace("[kernel]\n", '[kernel]\nxdp_mode = "native"\n'))
+    assert proc.poll() is None, process_log(proc)
+    before = interface_state("vsrv", veth.srv)
+    assert before.xdp_prog_id, before
+    path.write_text(config([]).replace("[kernel]\n", '[kernel]\nxdp_mode = "generic"\n'))
+    proc.send_signal(signal.SIGHUP)
+    wait_reloaded(veth, "aiproxy_config_reloads_total", 1)
+    after = interface_state("vsrv", veth.srv)
+    assert (after.xdp_prog_id, after.xdp_mode) == (before.xdp_prog_id, before.xdp_mode), after
+    with in_netns(veth.srv):
+        view = httpx.get(f"http://127.0.0.1:{ADMIN}/config", timeout=5).json()
+    assert view["kernel"]["xdp_mode"] == "native", view["kernel"]
+    assert view["pending_restart"] == ["kernel.xdp_mode: generic (vsrv attached with native)"]

@@ -26,7 +26,7 @@ import pytest
 
 from aiproxy.kernel.attach import interface_state
 from aiproxy.kernel.lifecycle import proxy_pin_dir
-from tests.support import process_log
+from tests.support import process_log, stop_process
 
 from .conftest import VethPair
 from .test_server_kernel import config as one_worker_config
@@ -184,9 +184,7 @@ def test_workers_one_owner_restart_and_clean_stop(veth, tmp_path: Path, mount_ns
         assert proc.wait(30) == 0, process_log(proc)
         assert_clean(veth, pins, mnt)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.mark.timeout(90)
@@ -208,9 +206,7 @@ def test_workers_stop_while_worker0_is_dead(veth, tmp_path: Path, mount_ns):
         assert proc.wait(30) == 0, process_log(proc)
         assert_clean(veth, pins, mnt)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def bpf_status(path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -265,7 +261,5 @@ def test_bpf_status_reads_a_running_proxys_pins(veth, tmp_path: Path):
         res = bpf_status(path, "--netns", veth.srv)
         assert res.returncode == 0 and json.loads(res.stdout)["proxies"] == {}
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
