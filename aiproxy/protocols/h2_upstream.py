@@ -153,6 +153,9 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.fd = -1  # the socket's (plain TCP only), for what is left unread at a reset
         self.settings_timer: asyncio.TimerHandle | None = None  # until our SETTINGS are acked
         self.acks = UnsentAcks()
+        # The highest stream id whose HEADERS went to a write that did not fail at once:
+        # a stream above it, at a connection loss, never reached the upstream.
+        self.sent_to = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -227,6 +230,9 @@ class H2UpstreamConnection(asyncio.Protocol):
         transport = self.transport
         if data and not transport.is_closing():
             transport.write(data)
+            if transport.is_closing():
+                return  # the send failed at once (uvloop tries it now): none of it left
+            self.sent_to = self.h2.highest_outbound_stream_id
             if self.acks.wrote(len(data), transport.get_write_buffer_size()):
                 self._connection_error(ErrorCodes.ENHANCE_YOUR_CALM,
                                        "does not read the ACKs of its PING/SETTINGS frames",
@@ -432,7 +438,15 @@ class H2UpstreamConnection(asyncio.Protocol):
                 ConnectionError("connection closed before its HTTP/2 SETTINGS"))
         self.pool.discard(self)
         reason = "upstream closed the connection" if exc is None else f"upstream connection lost: {exc}"
-        self._fail_all("upstream_reset", reason)
+        sent_to = self.sent_to
+        for stream in list(self.streams.values()):
+            if stream.sid > sent_to:
+                # No byte of it was sent: safe to replay whatever the method
+                # (Exchange: NEVER_PROCESSED).
+                stream.fail(502, "upstream_not_sent",
+                            f"{reason} before the request was sent")
+            else:
+                stream.fail(502, "upstream_reset", reason)
 
     def _read_waiting(self) -> None:
         """What the socket holds, read now, ahead of the loop: frames (a PING, SETTINGS
