@@ -32,6 +32,7 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
+from aiproxy._fast.sendnow import unread
 from aiproxy.pipeline.ends import BODY_LENGTH, BODY_NONE, BODY_UNTIL_CLOSE, Upstream
 from aiproxy.protocols import h2_fast
 from aiproxy.protocols.fields import H2ResponseHead, MalformedHead, response_trailer_fields
@@ -152,6 +153,9 @@ class H2UpstreamConnection(asyncio.Protocol):
         self.fd = -1  # the socket's (plain TCP only), for what is left unread at a reset
         self.settings_timer: asyncio.TimerHandle | None = None  # until our SETTINGS are acked
         self.acks = UnsentAcks()
+        # The highest stream id whose HEADERS went to a write that did not fail at once:
+        # a stream above it, at a connection loss, never reached the upstream.
+        self.sent_to = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -184,7 +188,16 @@ class H2UpstreamConnection(asyncio.Protocol):
     def available(self) -> bool:
         if self.closed or self.goaway or self.transport is None or self.transport.is_closing():
             return False
-        return len(self.streams) < self.max_streams
+        streams = self.streams
+        if not streams and self.fd >= 0 and unread(self.fd):
+            # Idle, and something is in the socket the loop has not read yet: maybe the
+            # upstream's FIN, RST or GOAWAY, closing its idle connection as this request
+            # picks it (a stream opened now would be lost with it). Read it first. A
+            # connection with open streams is in use and skips this syscall.
+            self._read_waiting()
+            if self.closed or self.goaway or self.transport.is_closing():
+                return False
+        return len(streams) < self.max_streams
 
     def open_stream(self) -> H2UpstreamStream | None:
         if not self.available():
@@ -217,6 +230,9 @@ class H2UpstreamConnection(asyncio.Protocol):
         transport = self.transport
         if data and not transport.is_closing():
             transport.write(data)
+            if transport.is_closing():
+                return  # the send failed at once (uvloop tries it now): none of it left
+            self.sent_to = self.h2.highest_outbound_stream_id
             if self.acks.wrote(len(data), transport.get_write_buffer_size()):
                 self._connection_error(ErrorCodes.ENHANCE_YOUR_CALM,
                                        "does not read the ACKs of its PING/SETTINGS frames",
@@ -422,7 +438,37 @@ class H2UpstreamConnection(asyncio.Protocol):
                 ConnectionError("connection closed before its HTTP/2 SETTINGS"))
         self.pool.discard(self)
         reason = "upstream closed the connection" if exc is None else f"upstream connection lost: {exc}"
-        self._fail_all("upstream_reset", reason)
+        sent_to = self.sent_to
+        for stream in list(self.streams.values()):
+            if stream.sid > sent_to:
+                # No byte of it was sent: safe to replay whatever the method
+                # (Exchange: NEVER_PROCESSED).
+                stream.fail(502, "upstream_not_sent",
+                            f"{reason} before the request was sent")
+            else:
+                stream.fail(502, "upstream_reset", reason)
+
+    def _read_waiting(self) -> None:
+        """What the socket holds, read now, ahead of the loop: frames (a PING, SETTINGS
+        or GOAWAY) as data_received; an EOF or error ends the connection."""
+        for _ in range(16):  # bounded: an idle connection has only control frames
+            try:
+                data = os.read(self.fd, 1 << 18)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.goaway = True
+                self.pool.discard(self)
+                self.close(abort=True)
+                return
+            if not data:
+                self.goaway = True
+                self.pool.discard(self)
+                self.close()
+                return
+            self.data_received(data)
+            if self.closed:
+                return
 
     def _read_left(self) -> None:
         """The connection failed (a write that met the upstream's RST) with frames the

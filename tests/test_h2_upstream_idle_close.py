@@ -1,0 +1,200 @@
+"""An HTTP/2 upstream that closes its idle connection (a FIN, GOAWAY then FIN, or an
+RST) just as a request for it arrives at the proxy, with real sockets. The close is in
+the proxy's socket, not yet read, when the request picks the connection: the request
+(a POST too) must go on a fresh connection, never be failed with 502. A stream the
+upstream never saw is safe to send again whatever its method (RFC 9113 6.8, 8.7).
+
+The proxy is stopped (SIGSTOP) while the client's POST and then the upstream's close
+reach its sockets: resumed, it reads the POST first (epoll reports sockets in the order
+they became readable) and picks the pooled connection before its loop reads the close."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import threading
+from collections.abc import Callable
+
+import pytest
+from hyperframe.frame import DataFrame, HeadersFrame
+
+from tests.conftest import Proxy
+from tests.h2_raw_upstream import RawConn, RawUpstream
+from tests.h2_support import raw_frame
+from tests.test_h2_upstream_goaway import epoll_waiting
+from tests.test_upstream_keepalive_race import (
+    read_response,
+    state_of,
+    tcp_sockets,
+    upstream_fd,
+    wait_until,
+)
+
+GOAWAY = 0x7
+POST = b"POST /once HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\ndata"
+
+
+def h2_config(port: int) -> str:
+    return f"""
+[server]
+workers = 1
+
+[[clusters]]
+name = "up"
+protocol = "h2"
+endpoints = ["127.0.0.1:{port}"]
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "up"
+"""
+
+
+@pytest.mark.parametrize("close", ["fin", "goaway-fin", "rst"])
+def test_request_racing_an_idle_close_goes_on_a_fresh_connection(
+        start_proxy: Callable[..., Proxy], close: str) -> None:
+    go = threading.Event()
+    seen: list[tuple[int, bytes, bytes]] = []  # (connection number, method, path)
+
+    def script(conn: RawConn) -> None:
+        n = len(up.conns)
+        conn.handshake()
+        ok = [(b":status", b"200"), (b"content-length", b"2")]
+        heads: dict[int, dict[bytes, bytes]] = {}
+        while True:
+            f = conn.recv(timeout=30)
+            if f is None:
+                return
+            if hasattr(f, "decoded"):
+                heads[f.stream_id] = dict(f.decoded)
+            if "END_STREAM" in f.flags and isinstance(f, HeadersFrame | DataFrame):
+                head = heads[f.stream_id]
+                seen.append((n, head[b":method"], head[b":path"]))
+                conn.send(conn.headers(f.stream_id, ok), conn.data(f.stream_id, b"ok", True))
+                if n == 1:
+                    break
+        # The first connection, idle after its one response, is closed when told.
+        assert go.wait(30)
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if close == "goaway-fin":
+            conn.send(raw_frame(GOAWAY, 0, 0, struct.pack(">II", 1, 0)))
+        if close == "rst":
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.sock.close()
+
+    up = RawUpstream(script)
+    try:
+        proxy = start_proxy(h2_config(up.port))
+        pid = proxy.proc.pid
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as c, \
+                c.makefile("rb") as r:
+            c.sendall(b"GET /warm HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert read_response(r) == b"HTTP/1.1 200 OK ok"
+            port = c.getsockname()[1]
+            wait_until(lambda: epoll_waiting(pid), "proxy not idle")
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: state_of(pid) == "T", "proxy not stopped")
+                c.sendall(POST)
+                wait_until(lambda: sum(rx for lp, rp, _, rx in tcp_sockets()
+                                       if lp == proxy.port and rp == port) == len(POST),
+                           "the POST did not reach the proxy")
+                go.set()
+                # The proxy's side of the upstream connection: CLOSE_WAIT after a FIN,
+                # gone from the table after an RST.
+                wait_until(lambda: not any(rp == up.port and st == 1
+                                           for _, rp, st, _ in tcp_sockets()),
+                           "the close did not reach the proxy")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert read_response(r) == b"HTTP/1.1 200 OK ok"
+    finally:
+        up.stop()
+    assert seen == [(1, b"GET", b"/warm"), (2, b"POST", b"/once")], seen
+    assert not up.errors, up.errors
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb (scripts/bootstrap.sh "
+                    "--test installs it)")
+@pytest.mark.skipif(platform.machine() != "x86_64",
+                    reason="the breakpoint reads write()'s descriptor from x86-64's rdi")
+def test_stream_whose_first_write_meets_a_reset_is_replayed(
+        start_proxy: Callable[..., Proxy], tmp_path) -> None:  # noqa: ANN001
+    # The idle connection passes the peek; the upstream's RST lands after it, before the
+    # write carrying the POST's HEADERS, which fails with nothing sent: the stream never
+    # reached the upstream and goes on a fresh connection. The proxy is held (a gdb
+    # breakpoint on write() to that descriptor) between the peek and the write.
+    seen: list[tuple[int, bytes, bytes]] = []
+    reset = threading.Event()
+
+    def script(conn: RawConn) -> None:
+        n = len(up.conns)
+        conn.handshake()
+        ok = [(b":status", b"200"), (b"content-length", b"2")]
+        heads: dict[int, dict[bytes, bytes]] = {}
+        while not (n == 1 and seen):
+            f = conn.recv(timeout=30)
+            if f is None:
+                return
+            if hasattr(f, "decoded"):
+                heads[f.stream_id] = dict(f.decoded)
+            if "END_STREAM" in f.flags and isinstance(f, HeadersFrame | DataFrame):
+                head = heads[f.stream_id]
+                seen.append((n, head[b":method"], head[b":path"]))
+                conn.send(conn.headers(f.stream_id, ok), conn.data(f.stream_id, b"ok", True))
+        assert reset.wait(30)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.sock.close()
+
+    up = RawUpstream(script)
+    hit, go = tmp_path / "hit", tmp_path / "go"
+    try:
+        proxy = start_proxy(h2_config(up.port))
+        pid = proxy.proc.pid
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as c, \
+                c.makefile("rb") as r:
+            c.sendall(b"GET /warm HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert read_response(r) == b"HTTP/1.1 200 OK ok"
+            fd = upstream_fd(pid, up.port)
+            gdb = subprocess.Popen(
+                ["gdb", "-p", str(pid), "-batch", "-nx",
+                 "-ex", f"break write if $rdi == {fd}",
+                 "-ex", f"break writev if $rdi == {fd}",
+                 "-ex", f"shell touch {tmp_path / 'attached'}",
+                 "-ex", "continue",
+                 "-ex", f"shell touch {hit}",
+                 "-ex", f"shell while [ ! -e {go} ]; do sleep 0.01; done",
+                 "-ex", "delete", "-ex", "detach"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            try:
+                wait_until(lambda: (tmp_path / "attached").exists() or gdb.poll() is not None,
+                           "gdb did not attach")
+                if gdb.poll() is not None:
+                    out = gdb.communicate()[0]
+                    if b"Operation not permitted" in out:
+                        pytest.skip("gdb may not attach (ptrace)")
+                    raise AssertionError(out)
+                c.sendall(POST)
+                wait_until(lambda: hit.exists(), "the proxy did not write the request")
+                reset.set()
+                wait_until(lambda: not any(rp == up.port and st == 1
+                                           for _, rp, st, _ in tcp_sockets()),
+                           "the RST did not reach the proxy")
+            finally:
+                go.touch()
+                try:
+                    out = gdb.communicate(timeout=30)[0]
+                except subprocess.TimeoutExpired:  # never hit: gdb's exit detaches it
+                    gdb.kill()
+                    out = gdb.communicate()[0]
+            assert read_response(r) == b"HTTP/1.1 200 OK ok", out
+    finally:
+        up.stop()
+    assert seen == [(1, b"GET", b"/warm"), (2, b"POST", b"/once")], seen
+    assert not up.errors, up.errors
