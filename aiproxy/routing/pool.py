@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,9 @@ def _named_host(pool: EndpointPool) -> str:
     return name[1:-1] if name.startswith("[") else name
 
 
+# ssl's verify_message for a name mismatch: "... certificate is not valid for '<name>'."
+CHECKED_NAME = re.compile(r" for '[^']*'")
+
 _TLS_CONTEXTS: dict[tuple[int, str], tuple[UpstreamTlsConfig, ssl.SSLContext]] = {}
 
 
@@ -102,16 +106,18 @@ async def open_connection(pool: Pool | H2Pool, protocol: type) -> asyncio.Protoc
         raise UpstreamConnectError(True, f"connect to {address} timed out",
                                    public="connecting to the upstream timed out") from None
     except ssl.SSLError as exc:
-        text = str(getattr(exc, "reason", None) or exc)
+        text = public = str(getattr(exc, "reason", None) or exc)
         why = getattr(exc, "verify_message", None)
         if why:  # CERTIFICATE_VERIFY_FAILED alone does not say which check failed
             text = f"{text} ({why})"
+            # A name mismatch quotes the name checked: the endpoint's host (or its sni).
+            public = f"{public} ({CHECKED_NAME.sub(' for the upstream name', why)})"
         if "no application protocol" in text.replace("_", " ").lower():
             raise UpstreamConnectError(
                 False, f"{address} did not agree to {alpn} (ALPN)",
                 public=f"the upstream did not agree to {alpn} (ALPN)") from None
         raise UpstreamConnectError(False, f"TLS handshake with {address} failed: {text}",
-                                   public=f"TLS handshake with the upstream failed: {text}"
+                                   public=f"TLS handshake with the upstream failed: {public}"
                                    ) from None
     except OSError as exc:
         why = exc.strerror or exc
