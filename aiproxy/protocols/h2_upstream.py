@@ -189,11 +189,13 @@ class H2UpstreamConnection(asyncio.Protocol):
         if self.closed or self.goaway or self.transport is None or self.transport.is_closing():
             return False
         streams = self.streams
-        if not streams and self.fd >= 0 and unread(self.fd):
+        if not streams and not self.receiving and self.fd >= 0 and unread(self.fd):
             # Idle, and something is in the socket the loop has not read yet: maybe the
             # upstream's FIN, RST or GOAWAY, closing its idle connection as this request
             # picks it (a stream opened now would be lost with it). Read it first. A
-            # connection with open streams is in use and skips this syscall.
+            # connection with open streams is in use and skips this syscall; so does one
+            # inside its own data_received (a refused stream replayed onto it), whose
+            # events are not all dispatched yet: the next bytes would overtake them.
             self._read_waiting()
             if self.closed or self.goaway or self.transport.is_closing():
                 return False
