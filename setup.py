@@ -27,7 +27,7 @@ DEBUG = os.environ.get("AIPROXY_DEBUG") == "1"
 extra_compile_args = ["-O0", "-g"] if DEBUG else ["-O3"]
 
 FAST_MODULES = ["h1", "intent", "intent_head", "bufpool", "histogram", "chat_json", "clock",
-                "sendnow"]
+                "sendnow", "freelist"]
 
 NUMPY_MODULES = {"intent_head"}  # cimport numpy (its C API)
 

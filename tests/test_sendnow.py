@@ -5,6 +5,7 @@ and that no byte ever overtakes another."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import ssl
 import struct
@@ -140,6 +141,50 @@ def test_nothing_overtakes_bytes_the_transport_holds() -> None:
         assert await read_exactly(client, 5) == b"fifth"
 
     run(body)
+
+
+def test_bytes_written_through_the_transport_are_not_overtaken() -> None:
+    """The Sender asks the transport whether it holds bytes only after bytes went to
+    transport.write(): through() is that way for writes that must queue (an error
+    response, a 100 Continue). What a 4 KiB send buffer did not take of it goes out
+    before the Sender's later writes, which go at once again once it drained."""
+    big = bytes(range(256)) * 1024  # 256 KiB
+
+    async def body(proto: Recorder, client: socket.socket) -> None:
+        t = proto.transport
+        t.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        tx = Sender(t)
+        tx.write(b"first ")
+        assert (tx.sent_now, tx.sent_queued) == (1, 0)
+        tx.through(big)
+        assert t.get_write_buffer_size() > 0
+        tx.write(b"second ")
+        tx.writelines((b"third ", b"fourth "))
+        assert (tx.sent_now, tx.sent_queued) == (1, 2)
+        want = b"first " + big + b"second third fourth "
+        assert await read_exactly(client, len(want)) == want
+        for _ in range(1000):  # libuv's write callback runs in a later loop pass
+            if t.get_write_buffer_size() == 0:
+                break
+            await asyncio.sleep(0.001)
+        tx.write(b"fifth")
+        tx.writelines((b" sixth",))
+        assert (tx.sent_now, tx.sent_queued) == (3, 2)
+        assert await read_exactly(client, 11) == b"fifth sixth"
+
+    run(body)
+
+
+@pytest.mark.parametrize("module", ["http1.py", "h1_upstream.py"])
+def test_protocols_with_a_sender_write_only_through_it(module: str) -> None:
+    """A transport.write() the Sender does not see could leave bytes queued that its
+    next direct send would overtake: the protocols that own a Sender write through it."""
+    source = (Path(__file__).resolve().parent.parent / "aiproxy" / "protocols" / module)
+    text = source.read_text()
+    assert "Sender(" in text
+    raw = [line for line in text.splitlines()
+           if re.search(r"transport\.write(lines)?\b(?!_)", line.split("#", 1)[0])]
+    assert raw == []
 
 
 def test_what_the_kernel_does_not_take_waits_in_order() -> None:

@@ -13,7 +13,13 @@ when that cannot change what the peer receives:
   on it would skip the encryption;
 - only while the transport has nothing queued (get_write_buffer_size() == 0), so no
   byte overtakes one an earlier write() left behind, and is not closing (uvloop drops
-  what is written after close() or abort(); so does this);
+  what is written after close() or abort(); so does this). Only transport.write() and
+  writelines() fill that queue, so the Sender asks only while bytes it handed them (or
+  that were there when it was made) may still wait: every other write to a transport
+  with a Sender goes through Sender.through(), which hands the bytes to transport.write()
+  and notes it (tests/test_sendnow.py checks that http1.py and h1_upstream.py write no
+  other way). is_closing() is asked before every direct send: uvloop closes a transport
+  itself too (an error of its own write);
 - never after detach(). uvloop closes the socket right after protocol.connection_lost()
   returns (basetransport.pyx _call_connection_lost), and the descriptor number may then
   belong to another connection: connection_lost() calls detach() first.
@@ -28,6 +34,7 @@ peer, and the request is safe to send again on another connection.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.object cimport PyObject
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_GET_SIZE
 from libc.errno cimport EAGAIN, ECONNRESET, EINTR, EPIPE, errno
 from libc.stdint cimport uint64_t
@@ -59,6 +66,12 @@ cdef extern from "<netinet/tcp.h>" nogil:
 cdef extern from "<errno.h>" nogil:
     int EWOULDBLOCK
 
+cdef extern from "Python.h":
+    bint PyMethod_Check(object)
+    PyObject *PyMethod_GET_FUNCTION(object)
+    PyObject *PyMethod_GET_SELF(object)
+    vectorcallfunc PyVectorcall_Function(PyObject *callable)
+
 cdef enum:
     MAX_PIECES = 16  # writelines() with more pieces goes through the transport
 
@@ -66,6 +79,27 @@ try:
     from uvloop.loop import TCPTransport as _TCP
 except ImportError:  # pragma: no cover - uvloop is a dependency
     _TCP = None
+
+
+cdef void _bind(NoArgs *c, object method):
+    """Set c up to call `method` (a bound method of the transport, held elsewhere) with
+    no arguments. uvloop's are cyfunctions bound by a method object: their vectorcall
+    with the transport as first argument skips the generic call's dispatch (~60
+    instructions a call)."""
+    c.nargsf = 0
+    c.args[0] = NULL
+    c.callable = <PyObject *>method
+    if PyMethod_Check(method):
+        c.callable = PyMethod_GET_FUNCTION(method)
+        c.args[0] = PyMethod_GET_SELF(method)
+        c.nargsf = 1
+    c.vc = PyVectorcall_Function(c.callable)
+
+
+cdef inline object _call(NoArgs *c):
+    if c.vc is not NULL:
+        return c.vc(c.callable, c.args, c.nargsf, NULL)
+    return PyObject_Vectorcall(c.callable, c.args, c.nargsf, NULL)
 
 
 cdef int _fd_of(object transport):
@@ -154,6 +188,9 @@ cdef class Sender:
         self._writelines = transport.writelines
         self._queued = transport.get_write_buffer_size
         self._closing = transport.is_closing
+        _bind(&self._queued_c, self._queued)
+        _bind(&self._closing_c, self._closing)
+        self.pending = True  # what the transport holds from before is unknown
         # uvloop's TLS transport drops what is written once it is closing (the client's
         # close_notify, its socket lost, close()), and past the fifth such write logs
         # "SSL connection is closed" each time: drop it here, without the log.
@@ -168,13 +205,31 @@ cdef class Sender:
         """Never touch the socket again (call before the transport closes it)."""
         self.fd = -1
 
+    cpdef through(self, object data):
+        """transport.write(data), noting that the transport may now hold bytes: later
+        writes queue behind them. Every write that must not go to the socket at once
+        (and every write of code that holds the transport) goes this way, never to
+        transport.write() itself."""
+        self.pending = True
+        self._write(data)
+
+    cdef inline bint _must_queue(self) except -1:
+        if self.fd < 0:
+            return True
+        if self.pending:
+            if _call(&self._queued_c):
+                return True
+            self.pending = False  # drained: no need to ask again until the next queueing
+        return bool(_call(&self._closing_c))
+
     cpdef write(self, object data):
         cdef Py_buffer view
         cdef Py_ssize_t n, sent
-        if self.fd < 0 or self._queued() or self._closing():
+        if self._must_queue():
             if self.tls and self._closing():
                 return
             self.sent_queued += 1
+            self.pending = True
             self._write(data)
             return
         if PyBytes_CheckExact(data):
@@ -197,6 +252,7 @@ cdef class Sender:
         self.sent_queued += 1
         if sent == -ECONNRESET or sent == -EPIPE:
             self.reset = -sent
+        self.pending = True
         if sent <= 0:
             self._write(data)  # would block, or an error for uvloop to meet
         else:
@@ -208,10 +264,11 @@ cdef class Sender:
         cdef msghdr msg
         cdef Py_ssize_t total = 0, sent, k
         cdef int count = 0, i
-        if self.fd < 0 or len(pieces) > MAX_PIECES or self._queued() or self._closing():
+        if len(pieces) > MAX_PIECES or self._must_queue():
             if self.tls and self._closing():
                 return
             self.sent_queued += 1
+            self.pending = True
             self._writelines(pieces)
             return
         try:
@@ -242,6 +299,7 @@ cdef class Sender:
             self.sent_now += 1
             return
         self.sent_queued += 1
+        self.pending = True
         if sent <= 0:
             self._writelines(pieces)
             return

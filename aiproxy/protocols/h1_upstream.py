@@ -154,7 +154,7 @@ class H1UpstreamCore(Upstream):
 
     def tunnel_write(self, data: bytes) -> None:
         if self.transport is not None:
-            self.transport.write(data)
+            self.tx.through(data)
 
     def tunnel_eof(self) -> bool:
         """Half-close towards the upstream; False if that is not possible."""

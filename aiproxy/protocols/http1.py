@@ -364,8 +364,8 @@ class H1ConnectionCore(Downstream):
             h2head = h2_request_head(fields + head.fields(F_HOP | F_HOST), True)
         except MalformedHead:
             return False
-        self.transport.write(b"HTTP/1.1 101 Switching Protocols\r\n"
-                             b"Connection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+        self.tx.through(b"HTTP/1.1 101 Switching Protocols\r\n"
+                        b"Connection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
         self._switch(h2_server.H2ServerConnection(self.server, self.scheme,
                                                   upgrade=(h2head, settings)))
         return True
@@ -391,7 +391,7 @@ class H1ConnectionCore(Downstream):
         close."""
         log.info("rejecting request from %s: %d %s", self.peer.decode(), status, message)
         reply = replies.error_response(status, message)
-        self.transport.write(reply)
+        self.tx.through(reply)
         self.server.telemetry.rejected(self.peer, status, message, received, len(reply))
         self.linger()
 
@@ -456,7 +456,7 @@ class H1ConnectionCore(Downstream):
     # -- the downstream side of an Exchange: writing the response --------------------
 
     def send_continue(self) -> None:
-        self.transport.write(replies.CONTINUE_100)
+        self.tx.through(replies.CONTINUE_100)
 
     def send_informational(self, resp: Any) -> None:
         ex = self.exchange
@@ -464,7 +464,7 @@ class H1ConnectionCore(Downstream):
             # RFC 9110 8.6: no Content-Length in a 1xx or 204 response; 7.6.3: a Via
             # on every message forwarded.
             via = self.server.runtime.via_lines.get(response_version(resp))
-            self.transport.write(resp.serialize(
+            self.tx.through(resp.serialize(
                 b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason), via or b"",
                 F_HOP | F_CONTENT_LENGTH))
 
@@ -598,7 +598,7 @@ class H1ConnectionCore(Downstream):
         self.held = None
         self.chunked_out = False
         self.until_close_out = False
-        self.transport.write(replies.error_response(
+        self.tx.through(replies.error_response(
             status, message, code, close=not keep, head_only=ex.method == b"HEAD",
             keep_alive_10=keep and head.version < 11, headers=headers))
         return keep
@@ -632,7 +632,7 @@ class H1ConnectionCore(Downstream):
 
     def start_tunnel(self, resp: Any, upgrade: bytes) -> None:
         via = self.server.runtime.via_lines.get(response_version(resp))
-        self.transport.write(resp.serialize(
+        self.tx.through(resp.serialize(
             b"HTTP/1.1 %d %s\r\n" % (resp.status, resp.reason),
             (via or b"") + b"Connection: upgrade\r\nUpgrade: " + upgrade + CRLF,
             F_HOP | F_CONTENT_LENGTH))  # RFC 9110 8.6: no Content-Length on a 1xx
@@ -662,7 +662,7 @@ class H1ConnectionCore(Downstream):
         ex.tunnel_from_client(data)
 
     def tunnel_write(self, data: bytes) -> None:
-        self.transport.write(data)
+        self.tx.through(data)
 
     def tunnel_eof(self) -> bool:
         """Half-close towards the client; False if the client is done too or cannot."""
