@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import zlib
 
+from aiproxy.pipeline.filters import UpstreamBodyError
+
 # A bound on what one read of compressed data may expand to (deflate reaches ~1000:1):
 # a decompression bomb ends the response instead of filling memory.
 MAX_EXPANSION = 32 * 1024 * 1024
 
 
-class DecodeError(Exception):
-    pass
+class DecodeError(UpstreamBodyError):
+    """The upstream's body is not valid data of its content coding."""
 
 
 class Decoder:

@@ -51,6 +51,7 @@ from aiproxy.pipeline.filters import (
     LocalReply,
     ResponseRefused,
     StoredResponse,
+    UpstreamBodyError,
 )
 from aiproxy.pipeline.filters import ResponseHead as OwnResponseHead
 from aiproxy.pipeline.paths import BadPath, needs_normalizing, normalize_path
@@ -666,6 +667,8 @@ class Exchange(ExchangeBase):
         try:
             for f in reversed(self.filters):
                 data = f.response_body(self, data)
+        except UpstreamBodyError as exc:
+            return self._upstream_body_failed(f, exc)
         except Exception:
             return self._filter_failed(f)
         return data
@@ -677,9 +680,21 @@ class Exchange(ExchangeBase):
                 if out:
                     out = f.response_body(self, out)
                 out += f.response_end(self)
+        except UpstreamBodyError as exc:
+            return self._upstream_body_failed(f, exc)
         except Exception:
             return self._filter_failed(f)
         return out
+
+    def _upstream_body_failed(self, f: Filter, exc: Exception) -> None:
+        # The upstream sent a body its filter cannot read (bad gzip): an upstream
+        # failure, answered as one (a 502 while the head can still be taken back).
+        log.warning("upstream response body refused by filter %s: %s", type(f).__name__, exc)
+        if self.done_filters is None:
+            self.done_filters = self.filters
+        self.filters = ()
+        self._drop_upstream()
+        self.on_upstream_failed(502, "upstream_bad_response", str(exc))
 
     def _filter_failed(self, f: Filter) -> None:
         log.exception("response filter %s failed; ending the response", type(f).__name__)

@@ -106,6 +106,13 @@ class ResponseRefused(Exception):
         self.reply = reply
 
 
+class UpstreamBodyError(Exception):
+    """Raised by a response_body/response_end hook that cannot read the upstream's body
+    (a content coding that does not decode): the upstream failed, not the filter. The
+    client gets 502 upstream_bad_response if none of the response has gone out, a cut
+    response otherwise; the proxy logs a warning, not a traceback."""
+
+
 class ResponseHead(FieldsHead):
     """A response head built by a filter (a cached response) or derived from the
     upstream's (fields changed), with the interface of the protocol heads."""
