@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import struct
-import subprocess
 import threading
 from collections.abc import Callable
 
@@ -28,6 +27,7 @@ from tests.h2_raw_upstream import RawConn, RawUpstream
 from tests.h2_support import raw_frame
 from tests.test_h2_upstream_goaway import epoll_waiting
 from tests.test_upstream_keepalive_race import (
+    HeldAtCall,
     read_response,
     state_of,
     tcp_sockets,
@@ -153,7 +153,6 @@ def test_stream_whose_first_write_meets_a_reset_is_replayed(
         conn.sock.close()
 
     up = RawUpstream(script)
-    hit, go = tmp_path / "hit", tmp_path / "go"
     try:
         proxy = start_proxy(h2_config(up.port))
         pid = proxy.proc.pid
@@ -161,39 +160,15 @@ def test_stream_whose_first_write_meets_a_reset_is_replayed(
                 c.makefile("rb") as r:
             c.sendall(b"GET /warm HTTP/1.1\r\nHost: t\r\n\r\n")
             assert read_response(r) == b"HTTP/1.1 200 OK ok"
-            fd = upstream_fd(pid, up.port)
-            gdb = subprocess.Popen(
-                ["gdb", "-p", str(pid), "-batch", "-nx",
-                 "-ex", f"break write if $rdi == {fd}",
-                 "-ex", f"break writev if $rdi == {fd}",
-                 "-ex", f"shell touch {tmp_path / 'attached'}",
-                 "-ex", "continue",
-                 "-ex", f"shell touch {hit}",
-                 "-ex", f"shell while [ ! -e {go} ]; do sleep 0.01; done",
-                 "-ex", "delete", "-ex", "detach"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            try:
-                wait_until(lambda: (tmp_path / "attached").exists() or gdb.poll() is not None,
-                           "gdb did not attach")
-                if gdb.poll() is not None:
-                    out = gdb.communicate()[0]
-                    if b"Operation not permitted" in out:
-                        pytest.skip("gdb may not attach (ptrace)")
-                    raise AssertionError(out)
+            with HeldAtCall(pid, upstream_fd(pid, up.port), ("write", "writev"),
+                            tmp_path) as held:
                 c.sendall(POST)
-                wait_until(lambda: hit.exists(), "the proxy did not write the request")
+                held.wait_hit("the proxy did not write the request")
                 reset.set()
                 wait_until(lambda: not any(rp == up.port and st == 1
                                            for _, rp, st, _ in tcp_sockets()),
                            "the RST did not reach the proxy")
-            finally:
-                go.touch()
-                try:
-                    out = gdb.communicate(timeout=30)[0]
-                except subprocess.TimeoutExpired:  # never hit: gdb's exit detaches it
-                    gdb.kill()
-                    out = gdb.communicate()[0]
-            assert read_response(r) == b"HTTP/1.1 200 OK ok", out
+            assert read_response(r) == b"HTTP/1.1 200 OK ok", held.out
     finally:
         up.stop()
     assert seen == [(1, b"GET", b"/warm"), (2, b"POST", b"/once")], seen

@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -240,6 +241,48 @@ def upstream_fd(pid: int, port: int) -> int:
     raise AssertionError("no descriptor for the upstream connection")
 
 
+class HeldAtCall:
+    """Holds process `pid` (gdb breakpoints) at its first call of one of `calls` on
+    descriptor `fd` (x86-64: the first argument in rdi), from the moment it gets there
+    until the with block ends: what the test does in between happens before the kernel
+    sees that call. `out`: gdb's output, once the block has ended."""
+
+    def __init__(self, pid: int, fd: int, calls: tuple[str, ...], tmp_path: Path) -> None:
+        self.hit, self.go = tmp_path / "hit", tmp_path / "go"
+        attached = tmp_path / "attached"
+        breaks = [a for call in calls for a in ("-ex", f"break {call} if $rdi == {fd}")]
+        self.gdb = subprocess.Popen(
+            ["gdb", "-p", str(pid), "-batch", "-nx", *breaks,
+             "-ex", f"shell touch {attached}",
+             "-ex", "continue",
+             "-ex", f"shell touch {self.hit}",
+             "-ex", f"shell while [ ! -e {self.go} ]; do sleep 0.01; done",
+             "-ex", "delete", "-ex", "detach"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.out = b""
+        wait_until(lambda: attached.exists() or self.gdb.poll() is not None,
+                   "gdb did not attach")
+        if self.gdb.poll() is not None:
+            out = self.gdb.communicate()[0]
+            if b"Operation not permitted" in out:
+                pytest.skip("gdb may not attach (ptrace)")
+            raise AssertionError(out)
+
+    def __enter__(self) -> HeldAtCall:
+        return self
+
+    def wait_hit(self, what: str) -> None:
+        wait_until(self.hit.exists, what)
+
+    def __exit__(self, *exc: object) -> None:
+        self.go.touch()
+        try:
+            self.out = self.gdb.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:  # never hit: gdb's exit detaches it
+            self.gdb.kill()
+            self.out = self.gdb.communicate()[0]
+
+
 @pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb (scripts/bootstrap.sh "
                     "--test installs it)")
 @pytest.mark.skipif(platform.machine() != "x86_64",
@@ -273,41 +316,16 @@ def _first_send_meets_reset(start_proxy, upstream: Upstream, tmp_path, cluster_e
                             call: str) -> None:  # noqa: ANN001
     proxy = start_proxy(SINGLE + simple_config(upstream.port, cluster_extra=cluster_extra))
     pid = proxy.proc.pid
-    hit, go = tmp_path / "hit", tmp_path / "go"
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as c, \
             c.makefile("rb") as r:
         c.sendall(b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n")
         assert read_response(r) == b"HTTP/1.1 200 OK ok"
-        fd = upstream_fd(pid, upstream.port)
-        gdb = subprocess.Popen(
-            ["gdb", "-p", str(pid), "-batch", "-nx",
-             "-ex", f"break {call} if $rdi == {fd}",
-             "-ex", f"shell touch {tmp_path / 'attached'}",
-             "-ex", "continue",
-             "-ex", f"shell touch {hit}",
-             "-ex", f"shell while [ ! -e {go} ]; do sleep 0.01; done",
-             "-ex", "delete", "-ex", "detach"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        try:
-            wait_until(lambda: (tmp_path / "attached").exists() or gdb.poll() is not None,
-                       "gdb did not attach")
-            if gdb.poll() is not None:
-                out = gdb.communicate()[0]
-                if b"Operation not permitted" in out:
-                    pytest.skip("gdb may not attach (ptrace)")
-                raise AssertionError(out)
+        with HeldAtCall(pid, upstream_fd(pid, upstream.port), (call,), tmp_path) as held:
             c.sendall(b"POST /once HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\ndata")
-            wait_until(lambda: hit.exists(), "the proxy did not send the request")
+            held.wait_hit("the proxy did not send the request")
             upstream.close_idle(rst=True)
             wait_until(lambda: not any(rp == upstream.port and st == 1
                                        for _, rp, st, _ in tcp_sockets()),
                        "the RST did not reach the proxy")
-        finally:
-            go.touch()
-            try:
-                out = gdb.communicate(timeout=30)[0]
-            except subprocess.TimeoutExpired:  # never hit: gdb's exit detaches it
-                gdb.kill()
-                out = gdb.communicate()[0]
-        assert read_response(r) == b"HTTP/1.1 200 OK ok", out
+        assert read_response(r) == b"HTTP/1.1 200 OK ok", held.out
     assert upstream.seen == [("GET", "/a", 1), ("POST", "/once", 2)]
