@@ -669,6 +669,16 @@ cdef struct FieldState:
     bint has_xff
 
 
+cdef inline int _conn_token(FieldState *st, Py_ssize_t ts, Py_ssize_t te) except -1:
+    """Record a Connection option's span (the fields it names are hop-by-hop)."""
+    if st.ntok >= MAX_CONN_TOKENS:
+        raise ParseError(400, "too many Connection options")
+    _ctok[2 * st.ntok] = ts
+    _ctok[2 * st.ntok + 1] = te
+    st.ntok += 1
+    return 0
+
+
 cdef int _scan_list_tokens(const unsigned char *p, Py_ssize_t a, Py_ssize_t b,
                            FieldState *st, int which) except -1:
     """Split a field value on commas. which: 0 = Connection, 1 = Transfer-Encoding,
@@ -678,12 +688,7 @@ cdef int _scan_list_tokens(const unsigned char *p, Py_ssize_t a, Py_ssize_t b,
         # The common whole value (vs..ve carry no outer whitespace): what the loop
         # below records for it, without its byte-at-a-time comma scan.
         st.conn_keepalive = 1
-        if st.ntok >= MAX_CONN_TOKENS:
-            raise ParseError(400, "too many Connection options")
-        _ctok[2 * st.ntok] = a
-        _ctok[2 * st.ntok + 1] = b
-        st.ntok += 1
-        return 0
+        return _conn_token(st, a, b)
     while i <= b:
         while i < b and (p[i] == 32 or p[i] == 9):
             i += 1
@@ -703,11 +708,7 @@ cdef int _scan_list_tokens(const unsigned char *p, Py_ssize_t a, Py_ssize_t b,
                 st.conn_keepalive = 1
             elif _ieq(p + ts, te - ts, b"upgrade", 7):
                 st.conn_upgrade = 1
-            if st.ntok >= MAX_CONN_TOKENS:
-                raise ParseError(400, "too many Connection options")
-            _ctok[2 * st.ntok] = ts
-            _ctok[2 * st.ntok + 1] = te
-            st.ntok += 1
+            _conn_token(st, ts, te)
         elif which == 2:
             if _ieq(p + ts, te - ts, b"100-continue", 12):
                 st.expect_continue = 1
