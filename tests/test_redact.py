@@ -315,3 +315,18 @@ def test_auto_mode_reads_as_the_first_bytes_tell(data, mode):
     assert r.mode == mode and whole == _run(data, mode, [])[0] and whole != data
     for i in range(1, len(data)):
         assert _run(data, "auto", [i])[0] == whole, i
+
+
+@pytest.mark.parametrize("data, mode", [
+    (b"data:9\\uff20e.com mail bob\\u0040example.org\n\n", "sse"),
+    (b"mail bob\\u0040example.org or 4111\\u00201111 1111 1111", "text"),
+    (b"escaped \\\\ then bob\\u0040example.org", "text"),
+])
+def test_escape_in_plain_text_any_split_gives_the_same_result(data: bytes, mode: str) -> None:
+    """An escape outside JSON (a plain-text data: line, a text body) cut by a read (`\\`,
+    `\\u`, `\\u00` at the end) is held until whole, as in a JSON string: split anywhere,
+    the stream reads (and is masked) the same."""
+    whole, r, _ = _run(data, mode, [])
+    assert r.counts, whole
+    for i in range(1, len(data)):
+        assert _run(data, mode, [i])[0] == whole, (i, data[:i])

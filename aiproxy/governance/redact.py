@@ -60,6 +60,7 @@ PATTERNS: dict[str, bytes] = {
 ORDER = ("card", "iban", "prc_id", "us_ssn", "email", "phone")
 _ALNUM = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 _ESCAPE = regex.compile(rb"\\(?:u[0-9a-fA-F]{4}|[^u])")
+_ESCAPE_START = regex.compile(rb"\\(?:u[0-9a-fA-F]{0,3})?")  # what more bytes may complete
 _SIMPLE_ESCAPES = {ord("n"): b"\n", ord("t"): b"\t", ord("r"): b"\r", ord("b"): b" ",
                    ord("f"): b" ", ord("/"): b"/", ord("\\"): b"\\", ord('"'): b'"'}
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")  # how an event stream starts
@@ -454,7 +455,7 @@ class Redactor:
         # stands for its whole sequence, whatever text it reads as.
         runs: list[tuple[int, int, int, bool]] = []
         base = v = len(ctx)
-        cut = len(buf)  # where a character cut short by the end of buf starts
+        n = cut = len(buf)  # cut: where a character cut short by the end of buf starts
         for s, e in segs:
             if e == VIRTUAL_NL:
                 pieces.append(b"\n")
@@ -473,6 +474,13 @@ class Redactor:
                         runs.append((v, ms, me, True))
                         v += len(folded)
                     i = me
+                if open_ and e == n:
+                    # An escape the end of buf cuts short (`\`, `\u`, `\u00`; JSON
+                    # strings hold theirs in _strings): left out of the text and held,
+                    # as a character cut short is.
+                    k = buf.rfind(b"\\", max(i, e - 5), e)
+                    if k >= 0 and _ESCAPE_START.fullmatch(buf, k, e):
+                        e = cut = k
             if e > i:
                 v, cut = _plain(buf, i, e, pieces, runs, v, cut)
         text = b"".join(pieces)
