@@ -506,3 +506,53 @@ def test_cr_terminated_stream_is_counted_through_the_proxy(start_proxy, tmp_path
         llm = rec["llm"]
         assert (llm["prompt_tokens"], llm["completion_tokens"], llm["estimated"]) == (7, 2, False)
         assert llm["ttft_ms"] is not None
+
+
+def test_a_prefix_rewritten_api_is_accounted_cached_and_limited(start_proxy, demo_upstream,
+                                                                tmp_path):
+    # A route that serves the upstream's /v1/ under /openai/v1/ (prefix_rewrite): the
+    # body is the same OpenAI request, so accounting, the cache and a token budget apply
+    # as they do at /v1/ (they used to see no LLM endpoint and let it all pass).
+    log = tmp_path / "access.log"
+    proxy = start_proxy(f"""
+        [server]
+        workers = 1
+
+        [access_log]
+        path = "{log}"
+        flush_interval_ms = 20
+
+        [llm]
+
+        [cache]
+
+        [[ratelimits]]
+        name = "tokens"
+        tokens_per_minute = 100
+
+        [[clusters]]
+        name = "up"
+        endpoints = ["127.0.0.1:{demo_upstream}"]
+
+        [[routes]]
+        name = "openai"
+        match = {{ path_prefix = "/openai/" }}
+        prefix_rewrite = "/"
+        cluster = "up"
+        """)
+    client = openai.OpenAI(base_url=f"{proxy.url}/openai/v1", api_key="k", max_retries=0)
+    ask = {"model": "demo-model", "max_tokens": 20, "messages": MESSAGES}
+    first = client.chat.completions.with_raw_response.create(**ask)
+    again = client.chat.completions.with_raw_response.create(**ask)
+    assert first.headers["x-aiproxy-cache"] == "miss"
+    assert again.headers["x-aiproxy-cache"] == "hit"
+    assert again.parse().id == first.parse().id
+    recs = _records(log, 2)
+    usage = first.parse().usage
+    assert recs[0]["llm"]["prompt_tokens"] == usage.prompt_tokens
+    assert recs[0]["llm"]["completion_tokens"] == usage.completion_tokens
+    assert recs[1]["llm"]["cached"] is True
+    # The token bucket is charged: a request reserving more than 100 tokens is refused.
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(**{**ask, "max_tokens": 100})
+    assert refused.value.response.headers["x-aiproxy-backpressure"] == "tokens"

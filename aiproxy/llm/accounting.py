@@ -254,7 +254,14 @@ class LlmFactory(FilterFactory):
             return None
         kind = endpoint_of(ex.path)
         if kind is None:
-            return None
+            # A route that serves the upstream's /v1/ under another prefix (/openai/v1/
+            # with prefix_rewrite = "/") carries the same API: read the path sent on.
+            route = ex.route
+            if route.prefix_rewrite is None:
+                return None
+            kind = endpoint_of(route.prefix_rewrite + ex.path[len(route.path_prefix):])
+            if kind is None:
+                return None
         state = self.state
         facts = LlmFacts(kind, tenant_of(ex, state.header, state.apart))
         ex.llm = facts
