@@ -443,6 +443,46 @@ def test_grpc_timeout_after_response_headers(proxy: ProxyProc, servers: dict) ->
         hang.events
 
 
+@pytest.fixture(scope="module")
+def tracing_proxy(servers: dict[str, Any],
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
+    """[tracing] on (as in config/aiproxy.toml): every call has its trace filter."""
+    config = LISTENERS + f"""
+[tracing]
+
+[[clusters]]
+name = "hang"
+endpoints = ["127.0.0.1:{servers["hang"].port}"]
+protocol = "h2"
+
+[[routes]]
+name = "hang"
+match = {{ path_prefix = "/test.Hang/" }}
+cluster = "hang"
+"""
+    p = ProxyProc(tmp_path_factory.mktemp("grpc-tracing"), config, ("h2c", "mixed"))
+    yield p
+    p.stop()
+
+
+def test_grpc_timeout_after_response_headers_with_tracing(tracing_proxy: ProxyProc,
+                                                          servers: dict) -> None:
+    """As above with [tracing] on: its filter changes nothing of the response, so the
+    call still ends with grpc-status 4 trailers, not the RST_STREAM(INTERNAL_ERROR) that
+    grpcio callers read as INTERNAL "Received RST_STREAM with error code 2"."""
+    hang: H2Upstream = servers["hang"]
+    with FrameClient(tracing_proxy.ports["h2c"]) as c:
+        c.handshake()
+        start = time.monotonic()
+        c.send(*grpc_request(c, 1, "/test.Hang/Head", b"x", [("grpc-timeout", "700m")]))
+        resp = c.response(1, timeout=10)
+    assert resp.status == 200
+    assert resp.reset is None and resp.trailers is not None, resp
+    assert (b"grpc-status", b"4") in resp.trailers, resp
+    assert wait_for(lambda: any(ev[1] == "reset" for ev in hang.events if ev[0] >= start), 3), \
+        hang.events
+
+
 def test_cancel_server_stream_reaches_upstream(stub: Any, pb: ModuleType, servers: dict,
                                                request: pytest.FixtureRequest) -> None:
     tag = request.node.name

@@ -154,6 +154,18 @@ def grpc_timeout(value: bytes | None) -> float | None:
     return int(value[:-1]) * unit if unit is not None else None
 
 
+def body_untouched(filters: tuple) -> bool:
+    """No filter sees, holds back or replaces response body bytes (tracing, policy):
+    a gRPC call cut mid-response can end with its status in trailers straight away."""
+    for f in filters:
+        t = type(f)
+        if (t.response_body is not Filter.response_body
+                or t.response_end is not Filter.response_end
+                or t.finishing is not Filter.finishing):
+            return False
+    return True
+
+
 class Exchange(ExchangeBase):
     __slots__ = (
         "loop", "rt", "head", "route", "pool", "upstream", "connect_task",
@@ -1299,7 +1311,7 @@ class Exchange(ExchangeBase):
         if now >= self.deadline_at:
             if self.tracer is not None:
                 self.tracer.attempt_end("deadline_exceeded", "grpc-timeout expired")
-            if self.head_sent and self.grpc and self.head.version == 20 and not self.filters:
+            if self.head_sent and self.grpc and self.head.version == 20 and body_untouched(self.filters):
                 # A gRPC call's deadline is a status, also after its response headers
                 # (grpc-status 4 trailers): a reset would read as INTERNAL to a client
                 # without a deadline timer of its own.
@@ -1357,7 +1369,7 @@ class Exchange(ExchangeBase):
                                    "(read_timeout_ms)")
             if self.tracer is not None:
                 self.tracer.attempt_end("upstream_timeout", self.upstream_error)
-            if self.grpc and self.head.version == 20 and not self.filters:
+            if self.grpc and self.head.version == 20 and body_untouched(self.filters):
                 # As for the deadline: a status in trailers, not a reset read as INTERNAL.
                 self._drop_upstream()
                 self._end_grpc(504, "upstream_timeout", self.upstream_error)
@@ -1541,7 +1553,7 @@ class Exchange(ExchangeBase):
                 log.warning("upstream failed mid-response on route %s: %s",
                             self.route.name, message)
                 self.upstream_error = message
-                if self.grpc and self.head.version == 20 and not self.filters:
+                if self.grpc and self.head.version == 20 and body_untouched(self.filters):
                     # A gRPC call ends with a status, as the upstream's reset or loss
                     # maps to one (PROTOCOL-HTTP2.md): an RST_STREAM(INTERNAL_ERROR) of
                     # ours would read as INTERNAL whatever happened.
