@@ -173,6 +173,10 @@ class RawUpstream:
 
     def stop(self) -> None:
         self.stopped = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (a close does not)
+        except OSError:
+            pass
         self.sock.close()
         for c in self.conns:
             try:

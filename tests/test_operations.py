@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from aiproxy.governance.auth import hash_key
 from tests.conftest import simple_config
 from tests.support import (
     admin_block,
@@ -328,6 +329,56 @@ redis_url = "redis://u:p@ss-SECRET@127.0.0.1:1/0"
     assert view["clusters"][0]["hash_key"] == "header:x-user"
     assert view["ratelimits"][0]["on_backend_error"] == "open"
 
+
+
+def test_config_view_hides_signed_query_and_field_secrets(start_proxy, demo_upstream):
+    """The suffixes that mark a config key as about a secret (timeout_s, api_key_header)
+    say nothing of a header field or query parameter: X-Api-Key-S and X-Api-Key-Header
+    are hidden. So are a signed URL's parameters (X-Amz-Signature, sig, ...) in a match
+    table or in a path's query (a redirect's, a health check's)."""
+    admin = free_port()
+    start_proxy(f"""
+[[clusters]]
+name = "up"
+endpoints = ["127.0.0.1:{demo_upstream}"]
+health_check = {{ path = "/healthz?access_token=HC-SECRET&probe=1", interval_ms = 60000 }}
+
+[[routes]]
+name = "signed"
+match = {{ path_prefix = "/s", query = {{ "X-Amz-Signature" = "AS-SECRET", "X-Amz-Credential" = "AC-SECRET", "X-Amz-Security-Token" = "AT-SECRET", sig = "SG-SECRET", signature = "SN-SECRET", token = "TK-SECRET", access_token = "AX-SECRET", page = "1" }}, headers = {{ "X-Api-Key-S" = "HS-SECRET" }} }}
+redirect = {{ host = "bucket.example", path = "/obj?X-Amz-Date=20260101T000000Z&X-Amz-Signature=RS-SECRET&sig=RG-SECRET" }}
+
+[[routes]]
+name = "all"
+match = {{ path_prefix = "/" }}
+cluster = "up"
+request_headers_add = {{ "X-Api-Key-Header" = "KH-SECRET", "X-Token-S" = "TS-SECRET", "X-Token-TTL" = "3600" }}
+
+[auth]
+api_key_header = "x-client-key"
+
+[[auth.api_keys]]
+id = "k1"
+subject = "ci"
+hash = "{hash_key("client-key")}"
+""" + admin_block(admin))
+    wait_port("127.0.0.1", admin)
+    for path in ("/config", "/config/routes"):
+        view = httpx.get(f"http://127.0.0.1:{admin}{path}").text
+        assert "SECRET" not in view, (path, view)
+    view = httpx.get(f"http://127.0.0.1:{admin}/config").json()
+    signed, rest = view["routes"]
+    assert ["page", "1"] in signed["match"]["query"]
+    assert signed["match"]["headers"] == [["x-api-key-s", "<redacted>"]]
+    assert signed["redirect"]["path"] == \
+        "/obj?X-Amz-Date=20260101T000000Z&X-Amz-Signature=<redacted>&sig=<redacted>"
+    assert view["clusters"][0]["health_check"]["path"] == \
+        "/healthz?access_token=<redacted>&probe=1"
+    assert rest["request_headers_add"] == [["x-api-key-header", "<redacted>"],
+                                           ["x-token-s", "<redacted>"], ["x-token-ttl", "3600"]]
+    # The config keys keep their exceptions.
+    assert view["auth"]["api_key_header"] == "x-client-key"
+    assert view["clusters"][0]["health_check"]["interval_ms"] == 60000
 
 def test_reload_under_load_drops_nothing(start_proxy, demo_upstream):
     admin = free_port()

@@ -29,6 +29,8 @@ from websockets.sync.client import connect as ws_connect
 
 from aiproxy.demo.upstream import pattern
 from tests.conftest import Proxy, simple_config
+from tests.h2_raw_upstream import RawConn as H2RawConn
+from tests.h2_raw_upstream import RawUpstream
 from tests.h2_support import FrameClient, bytes_sha256
 from tests.support import (
     RssMonitor,
@@ -1363,6 +1365,61 @@ def test_flood_of_informational_responses_is_502(
     assert json.loads(final.body)["error"]["message"] == \
         "upstream sent too many informational (1xx) responses"
 
+
+
+@pytest.mark.parametrize("protocol", ["http1", "h2"])
+def test_processing_heartbeat_of_a_long_call_is_not_cut(
+    start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer], protocol: str
+) -> None:
+    """A 102 Processing heartbeat through a long call (here 20, a quarter of a second
+    apart) reaches the client and so does the response: the 1xx budget (16 at once)
+    refills by one a second. Each 102 is sent once the client has read the one before,
+    so however slow the proxy, it sees them at least that far apart."""
+    heartbeats = 20
+    read = threading.Semaphore(0)  # the client has read a 102
+
+    async def h1_upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          _: int) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for _ in range(heartbeats):
+            writer.write(b"HTTP/1.1 102 Processing\r\n\r\n")
+            assert await asyncio.to_thread(read.acquire, timeout=10)
+            await asyncio.sleep(0.25)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal")
+        await writer.drain()
+
+    def h2_upstream(conn: H2RawConn) -> None:
+        conn.handshake()
+        sid, _, _ = conn.request()
+        for _ in range(heartbeats):
+            conn.send(conn.headers(sid, [(b":status", b"102")]))
+            assert read.acquire(timeout=10)
+            time.sleep(0.25)
+        conn.send(conn.headers(sid, [(b":status", b"200"), (b"content-length", b"5")]),
+                  conn.data(sid, b"final", True))
+
+    h2_up = None
+    if protocol == "h2":
+        h2_up = RawUpstream(h2_upstream)
+        port = h2_up.port
+    else:
+        port = serve(h1_upstream).port
+    try:
+        proxy = start_proxy(simple_config(port, cluster_extra=f'protocol = "{protocol}"'))
+        with RawConn(proxy.port) as c:
+            c.send(get("/long"))
+            for i in range(heartbeats):
+                r = c.read_response()
+                assert r.status == 102, (i, r.status, r.body)
+                read.release()
+            final = c.read_response()
+            assert final.status == 200 and final.body == b"final"
+    finally:
+        for _ in range(heartbeats):  # an upstream still waiting for the client ends now
+            read.release()
+        if h2_up is not None:
+            h2_up.stop()
+    assert h2_up is None or not h2_up.errors, h2_up.errors
 
 def test_upstream_head_too_large_is_502_that_says_so(
     start_proxy: StartProxy, serve: Callable[[Handler], ThreadedServer]

@@ -17,7 +17,7 @@ import hmac
 import logging
 import re
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -55,7 +55,10 @@ def _plain(value: Any) -> Any:
 # Names (config keys, header fields, query parameters) whose values are secrets: the
 # known ones, and any that looks like one ("-" read as "_").
 SECRET_KEYS = frozenset(("token", "upstream_secret", "salt", "digest", "password", "secret"))
-SECRET_NAME = re.compile(r"passw(?:or)?d|secret|credential|private|api_?key|token(?!s)|_key$")
+# A signature (X-Amz-Signature, X-Goog-Signature, an Azure SAS's sig) signs a URL for
+# whoever holds it: a credential as a token is.
+SECRET_NAME = re.compile(r"passw(?:or)?d|secret|credential|private|api_?key|token(?!s)|_key$"
+                         r"|signature|(?:^|_)sig(?:_|$)")
 # Config keys that look like secrets and are not: what a balancer hashes on, and the
 # header an API key is read from.
 NOT_SECRET = frozenset(("hash_key", "api_key_header"))
@@ -63,6 +66,13 @@ NOT_SECRET = frozenset(("hash_key", "api_key_header"))
 # path, the header it comes in) or a duration or size (token_ttl, private_key_file).
 ABOUT_A_SECRET = re.compile(r"_(?:file|path|dir|header|ttl|ms|s|seconds|bytes|size|len"
                             r"|length)$")
+# The same for a header field or query parameter name, less the config keys' own
+# conventions (timeout_s, timeout_ms, api_key_header): a field X-Api-Key-S or
+# X-Api-Key-Header may well carry the key.
+ABOUT_A_SECRET_FIELD = re.compile(r"_(?:file|path|dir|ttl|seconds|bytes|size|len|length)$")
+# A query's name=value pairs, in a path or URL the config holds (a redirect's path, a
+# health check's path, ...).
+QUERY_PARAM = re.compile(r"([?&])([^=&#\s]+)=([^&#\s]*)")
 # Lists of [name, value] (or [name, op, value]) entries: a route that adds a credential
 # field (an upstream API key) or matches on one (or on a query parameter like api_key)
 # holds a secret in the entry's value.
@@ -71,21 +81,41 @@ NAMED_LISTS = frozenset(("headers", "header_rules", "request_headers_add",
 CREDENTIAL_FIELDS = frozenset(name.decode() for name in fields.CREDENTIAL_FIELDS)
 
 
-def secret_name(name: str) -> bool:
-    """Whether a config key, header field or query parameter name holds a secret."""
+def secret_name(name: str, field: bool = False) -> bool:
+    """Whether a config key (or, `field`, a header field or query parameter name) holds
+    a secret."""
     name = name.lower()
     if name in SECRET_KEYS or name in CREDENTIAL_FIELDS:
         return True
     name = name.replace("-", "_")
+    if field:
+        return (ABOUT_A_SECRET_FIELD.search(name) is None
+                and SECRET_NAME.search(name) is not None)
     return (name not in NOT_SECRET and ABOUT_A_SECRET.search(name) is None
             and SECRET_NAME.search(name) is not None)
 
 
 def _named_entry(entry: Any) -> Any:
     if (isinstance(entry, list) and len(entry) > 1 and entry[-1] is not None
-            and secret_name(str(entry[0]))):
+            and secret_name(str(entry[0]), field=True)):
         return [*entry[:-1], "<redacted>"]
     return _redacted(entry)
+
+
+def _query_param(m: re.Match[str]) -> str:
+    if secret_name(unquote(m[2]), field=True):
+        return f"{m[1]}{m[2]}=<redacted>"
+    return m[0]
+
+
+def _text(value: str) -> str:
+    """A config string without the password of any URL in it, nor the value of a
+    secret query parameter (?X-Amz-Signature=...)."""
+    value = without_password(value)
+    q = value.find("?")
+    if q < 0:
+        return value
+    return value[:q] + QUERY_PARAM.sub(_query_param, value[q:])
 
 
 def _secret(value: Any) -> Any:
@@ -103,7 +133,7 @@ def _secret(value: Any) -> Any:
 def _redacted(value: Any) -> Any:
     """Secrets out of a config tree: values of names that look like secrets (config
     keys, header fields, query parameters), and the password of any URL
-    (redis://:PASSWORD@host) wherever it is."""
+    (redis://:PASSWORD@host) and secret query parameters wherever they are."""
     if isinstance(value, dict):
         return {k: _secret(v) if secret_name(k)
                 else [_named_entry(e) for e in v] if k in NAMED_LISTS and isinstance(v, list)
@@ -112,7 +142,7 @@ def _redacted(value: Any) -> Any:
     if isinstance(value, list):
         return [_redacted(v) for v in value]
     if isinstance(value, str):
-        return without_password(value)
+        return _text(value)
     return value
 
 

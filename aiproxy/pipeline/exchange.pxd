@@ -54,7 +54,8 @@ cdef class Exchange(ExchangeBase):
     cdef public tuple filters  # tested for truth per request: a size check in C
     cdef public object up_headers, gate_task, trace_id, identity, llm
     cdef public object done_filters, splice, intent_decision, _gov
-    cdef public int info_count  # 1xx responses from upstreams (on_upstream_informational)
+    # The 1xx budget spent (on_upstream_informational) as of info_at
+    cdef public double info_used, info_at
     cdef public object upstream_error, no_intent, stream_error, tunnel_ended
     cdef public object tracer  # the tracing filter (governance/tracing.py), None when off
 

@@ -95,10 +95,13 @@ REPLAY_LIMIT = 64 * 1024
 CRLF = b"\r\n"
 INFINITY = float("inf")
 NO_INTENT = (None, None)  # the route table's `sem` for a request without an intent
-# 1xx responses one request may get before its final response; one more is a 502. Go's
-# client stops at 5; 103 Early Hints come one or two to a response. Without a cap an
-# upstream could send 1xx until the request times out, each passed to the client.
+# 1xx responses one request may get at once before its final response; one more is a
+# 502. Go's client stops at 5; 103 Early Hints come one or two to a response. Without a
+# cap an upstream could send 1xx until the request times out, each passed to the client.
+# The budget refills by one each INFORMATIONAL_REFILL_S, so a 102 Processing heartbeat
+# through a long call (one every few seconds) is never cut, and a flood still is.
 MAX_INFORMATIONAL = 16
+INFORMATIONAL_REFILL_S = 1.0
 # Failures of a request the upstream never got: an HTTP/2 stream refused or past a
 # GOAWAY's last stream id (RFC 9113 8.7, 6.8), or an HTTP/1.1 request whose first
 # write found the connection already reset.
@@ -180,7 +183,7 @@ class Exchange(ExchangeBase):
         "is_retry", "retry_handle", "req_timeout", "tok_tail", "hold", "body_len",
         "replayed", "filters", "up_headers", "inspect_limit", "gate_task", "continued",
         "trace_id", "identity", "llm", "done_filters", "splice", "intent_decision", "gov",
-        "info_count", "upstream_error", "no_intent", "grpc_status",
+        "info_used", "info_at", "upstream_error", "no_intent", "grpc_status",
         "stream_error", "drained", "tunnel_ended", "close_after", "tracer",
     )
 
@@ -1385,15 +1388,20 @@ class Exchange(ExchangeBase):
         downstream leaves out HTTP/1.0 clients). A 100 goes to a client that has not had
         one: the proxy answers an Expect: 100-continue itself (Expect is not forwarded),
         and a second 100 would tell the client nothing."""
-        self.info_count += 1
-        if self.info_count > MAX_INFORMATIONAL:
-            log.warning("upstream sent more than %d informational responses on route %s",
-                        MAX_INFORMATIONAL, self.route.name)
+        now = event_now()
+        used = self.info_used - (now - self.info_at) / INFORMATIONAL_REFILL_S
+        used = (used if used > 0.0 else 0.0) + 1.0
+        if used > MAX_INFORMATIONAL:
+            log.warning("upstream sent informational responses past the budget (%d at "
+                        "once, one a second after) on route %s", MAX_INFORMATIONAL,
+                        self.route.name)
             self.cluster.record(self.pool, True)  # as a garbled head would be
             self._drop_upstream()
             self.fail(502, "upstream_bad_response",
                       "upstream sent too many informational (1xx) responses")
             return
+        self.info_used = used
+        self.info_at = now
         if resp.status == 100:
             if self.continued:
                 return
