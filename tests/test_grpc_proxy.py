@@ -443,12 +443,18 @@ def test_grpc_timeout_after_response_headers(proxy: ProxyProc, servers: dict) ->
         hang.events
 
 
-@pytest.fixture(scope="module")
-def tracing_proxy(servers: dict[str, Any],
-                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
-    """[tracing] on (as in config/aiproxy.toml): every call has its trace filter."""
-    config = LISTENERS + f"""
-[tracing]
+# Filters that leave a call's response body alone: [tracing] (on in
+# config/aiproxy.toml) and a rate limit, whose filter only reads the body (to charge an
+# LLM response's tokens) and holds none of it back.
+CALL_FILTERS = {"tracing": "[tracing]\n",
+                "ratelimit": '[[ratelimits]]\nname = "calls"\nrequests_per_second = 1000\n'}
+
+
+@pytest.fixture(scope="module", params=list(CALL_FILTERS))
+def filtered_proxy(request: pytest.FixtureRequest, servers: dict[str, Any],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProc]:
+    """Every call has a filter that leaves its response body alone."""
+    config = LISTENERS + CALL_FILTERS[request.param] + f"""
 
 [[clusters]]
 name = "hang"
@@ -460,18 +466,19 @@ name = "hang"
 match = {{ path_prefix = "/test.Hang/" }}
 cluster = "hang"
 """
-    p = ProxyProc(tmp_path_factory.mktemp("grpc-tracing"), config, ("h2c", "mixed"))
+    p = ProxyProc(tmp_path_factory.mktemp("grpc-filtered"), config, ("h2c", "mixed"))
     yield p
     p.stop()
 
 
-def test_grpc_timeout_after_response_headers_with_tracing(tracing_proxy: ProxyProc,
+def test_grpc_timeout_after_response_headers_with_filters(filtered_proxy: ProxyProc,
                                                           servers: dict) -> None:
-    """As above with [tracing] on: its filter changes nothing of the response, so the
-    call still ends with grpc-status 4 trailers, not the RST_STREAM(INTERNAL_ERROR) that
-    grpcio callers read as INTERNAL "Received RST_STREAM with error code 2"."""
+    """As above with [tracing] or a rate limit on: their filters change nothing of the
+    response, so the call still ends with grpc-status 4 trailers, not the
+    RST_STREAM(INTERNAL_ERROR) that grpcio callers read as INTERNAL "Received RST_STREAM
+    with error code 2"."""
     hang: H2Upstream = servers["hang"]
-    with FrameClient(tracing_proxy.ports["h2c"]) as c:
+    with FrameClient(filtered_proxy.ports["h2c"]) as c:
         c.handshake()
         start = time.monotonic()
         c.send(*grpc_request(c, 1, "/test.Hang/Head", b"x", [("grpc-timeout", "700m")]))

@@ -334,18 +334,19 @@ redis_url = "redis://u:p@ss-SECRET@127.0.0.1:1/0"
 def test_config_view_hides_signed_query_and_field_secrets(start_proxy, demo_upstream):
     """The suffixes that mark a config key as about a secret (timeout_s, api_key_header)
     say nothing of a header field or query parameter: X-Api-Key-S and X-Api-Key-Header
-    are hidden. So are a signed URL's parameters (X-Amz-Signature, sig, ...) in a match
-    table or in a path's query (a redirect's, a health check's)."""
+    are hidden. So are a signed URL's parameters (X-Amz-Signature, sig, ...) and an API
+    key's (Google's ?key=) in a match table or in a path's query (a redirect's, a health
+    check's)."""
     admin = free_port()
     start_proxy(f"""
 [[clusters]]
 name = "up"
 endpoints = ["127.0.0.1:{demo_upstream}"]
-health_check = {{ path = "/healthz?access_token=HC-SECRET&probe=1", interval_ms = 60000 }}
+health_check = {{ path = "/healthz?access_token=HC-SECRET&probe=1&key=HK-SECRET", interval_ms = 60000 }}
 
 [[routes]]
 name = "signed"
-match = {{ path_prefix = "/s", query = {{ "X-Amz-Signature" = "AS-SECRET", "X-Amz-Credential" = "AC-SECRET", "X-Amz-Security-Token" = "AT-SECRET", sig = "SG-SECRET", signature = "SN-SECRET", token = "TK-SECRET", access_token = "AX-SECRET", page = "1" }}, headers = {{ "X-Api-Key-S" = "HS-SECRET" }} }}
+match = {{ path_prefix = "/s", query = {{ "X-Amz-Signature" = "AS-SECRET", "X-Amz-Credential" = "AC-SECRET", "X-Amz-Security-Token" = "AT-SECRET", sig = "SG-SECRET", signature = "SN-SECRET", token = "TK-SECRET", access_token = "AX-SECRET", key = "KY-SECRET", page = "1" }}, headers = {{ "X-Api-Key-S" = "HS-SECRET" }} }}
 redirect = {{ host = "bucket.example", path = "/obj?X-Amz-Date=20260101T000000Z&X-Amz-Signature=RS-SECRET&sig=RG-SECRET" }}
 
 [[routes]]
@@ -373,7 +374,7 @@ hash = "{hash_key("client-key")}"
     assert signed["redirect"]["path"] == \
         "/obj?X-Amz-Date=20260101T000000Z&X-Amz-Signature=<redacted>&sig=<redacted>"
     assert view["clusters"][0]["health_check"]["path"] == \
-        "/healthz?access_token=<redacted>&probe=1"
+        "/healthz?access_token=<redacted>&probe=1&key=<redacted>"
     assert rest["request_headers_add"] == [["x-api-key-header", "<redacted>"],
                                            ["x-token-s", "<redacted>"], ["x-token-ttl", "3600"]]
     # The config keys keep their exceptions.

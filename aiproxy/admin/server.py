@@ -89,8 +89,9 @@ def secret_name(name: str, field: bool = False) -> bool:
         return True
     name = name.replace("-", "_")
     if field:
-        return (ABOUT_A_SECRET_FIELD.search(name) is None
-                and SECRET_NAME.search(name) is not None)
+        # A bare "key" is an API key (Google's ?key=); as a config key, a TLS key file.
+        return name == "key" or (ABOUT_A_SECRET_FIELD.search(name) is None
+                                 and SECRET_NAME.search(name) is not None)
     return (name not in NOT_SECRET and ABOUT_A_SECRET.search(name) is None
             and SECRET_NAME.search(name) is not None)
 

@@ -158,11 +158,12 @@ def grpc_timeout(value: bytes | None) -> float | None:
 
 
 def body_untouched(filters: tuple) -> bool:
-    """No filter sees, holds back or replaces response body bytes (tracing, policy):
-    a gRPC call cut mid-response can end with its status in trailers straight away."""
+    """No filter holds back or replaces response body bytes (tracing, policy, rate
+    limits): a gRPC call cut mid-response can end with its status in trailers straight
+    away."""
     for f in filters:
         t = type(f)
-        if (t.response_body is not Filter.response_body
+        if ((t.response_body is not Filter.response_body and not t.reads_body_only)
                 or t.response_end is not Filter.response_end
                 or t.finishing is not Filter.finishing):
             return False

@@ -166,6 +166,10 @@ class Filter:
     """One request's filter. Subclasses override what they need."""
 
     __slots__ = ()
+    # True for a filter whose response_body only reads the bytes and returns them all
+    # (no response_end or finishing either): a gRPC call cut mid-response can still end
+    # with its status in trailers (Exchange.body_untouched).
+    reads_body_only = False
 
     def request(self, ex: Exchange) -> RequestResult | Awaitable[RequestResult]:
         return None

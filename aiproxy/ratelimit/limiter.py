@@ -171,6 +171,7 @@ def _kind_snaps(snaps: dict[Limiter, Snap] | None, tok_snaps: dict[Limiter, Snap
 
 class RateLimitFilter(Filter):
     __slots__ = ("factory", "grants", "counted", "ended", "snaps", "tok_snaps", "admitted")
+    reads_body_only = True  # response_body charges an LLM response's tokens, nothing more
 
     def __init__(self, factory: RateLimitFactory) -> None:
         self.factory = factory
