@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -41,6 +42,11 @@ class Lab:
         self.rec = Recorder()
         self.produced: dict[str, int] = {}
         self.deadlines: list[float | None] = []
+        self.holds: dict[str, threading.Event] = {}
+
+    def hold(self, tag: str) -> threading.Event:
+        """An event that Early calls tagged `tag` with x-hold wait for before their message."""
+        return self.holds.setdefault(tag, threading.Event())
 
     def _md(self, context: grpc.ServicerContext) -> dict[str, Any]:
         return dict(context.invocation_metadata())
@@ -104,10 +110,18 @@ class Lab:
             self.rec.add("done:count", tag)
 
     def early(self, request: bytes, context: Any) -> Iterator[bytes]:
-        """Initial metadata at once, the only message a second later."""
-        tag = self._md(context).get("x-tag")
+        """Initial metadata at once, the only message a second later (with x-hold: once
+        the test sets hold(tag), or the call ends)."""
+        md = self._md(context)
+        tag = md.get("x-tag")
         context.send_initial_metadata((("x-early", "yes"),))
-        if self._watch(context, 1.0):
+        if "x-hold" in md:
+            go = self.hold(tag)
+            while not go.wait(0.01):
+                if not context.is_active():
+                    self.rec.add("cancelled:early", tag)
+                    return
+        elif self._watch(context, 1.0):
             self.rec.add("cancelled:early", tag)
             return
         yield b"late"
@@ -491,11 +505,19 @@ def test_status_details_pass_through_intact(channel: grpc.Channel) -> None:
     assert trailers["x-why-bin"] == b"\x00\x80\xff"
 
 
-def test_initial_metadata_before_the_first_message(channel: grpc.Channel) -> None:
-    call = us(channel, "Early")(b"", timeout=10)
-    start = time.monotonic()
-    assert dict(call.initial_metadata())["x-early"] == "yes"
-    assert time.monotonic() - start < 0.8  # the message comes 1 s later
+def test_initial_metadata_before_the_first_message(channel: grpc.Channel, lab: Lab,
+                                                   request: pytest.FixtureRequest) -> None:
+    """The upstream holds its only message until the client has seen the initial
+    metadata: a proxy that kept the headers back for the first message would have the
+    call end at its deadline without them."""
+    tag = request.node.name
+    go = lab.hold(tag)
+    call = us(channel, "Early")(b"", metadata=[("x-tag", tag), ("x-hold", "1")], timeout=10)
+    try:
+        metadata = dict(call.initial_metadata())
+    finally:
+        go.set()
+    assert metadata.get("x-early") == "yes", metadata
     assert list(call) == [b"late"]
 
 

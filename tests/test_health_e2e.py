@@ -190,9 +190,16 @@ load_metrics = { path = "/metrics", interval_ms = 100 }
 tpm_weight = 0.0
 """) + ROUTE + admin(admin_port))
     wait_port("127.0.0.1", admin_port)
-    time.sleep(0.4)  # a few polls
+
+    def loads() -> dict[str, float | None]:
+        info = httpx.get(f"http://127.0.0.1:{admin_port}/clusters").json()[0]
+        return {e["address"]: e["reported_load_pct"] for e in info["endpoints"]}
+
+    # Both endpoints polled once (None until then), not a sleep that a loaded box outlasts.
+    deadline = time.monotonic() + 15
+    while None in loads().values():
+        assert time.monotonic() < deadline, loads()
+        time.sleep(0.05)
+    assert loads() == {f"127.0.0.1:{busy.port}": 97.0, f"127.0.0.1:{idle.port}": 5.0}
     seen = counts(asyncio.run(fan_out(proxy.url, 100, concurrency=2)))
     assert seen["idle"] > 85, seen
-    info = httpx.get(f"http://127.0.0.1:{admin_port}/clusters").json()[0]
-    loads = {e["address"]: e["reported_load_pct"] for e in info["endpoints"]}
-    assert loads[f"127.0.0.1:{busy.port}"] == 97.0
