@@ -28,6 +28,42 @@ OUR_XDP_PROGRAMS = frozenset({"xdp_guard"})  # bpf/xdp_guard.c's program (functi
 TC_NAME = "aiproxy_tc"
 NETNS_DIR = "/run/netns"  # where `ip netns add` puts its names
 
+# The XDP programs this process attached: id -> [name, fd, interfaces]. Opening a program
+# by id (BPF_PROG_GET_FD_BY_ID: its name, XDP_FLAGS_REPLACE's expected fd) takes
+# CAP_SYS_ADMIN, which the systemd unit does not grant (CAP_BPF and CAP_NET_ADMIN load and
+# attach): without it, what this process attached is known by its id and a dup of its fd,
+# so a reload can replace it and the stop detach it.
+_attached: dict[int, list] = {}
+
+
+def _hold(prog: Program) -> None:
+    info = prog_info(prog.fd)
+    held = _attached.get(info.id)
+    if held is None:
+        _attached[info.id] = [info.name, os.dup(prog.fd), 1]
+    else:
+        held[2] += 1
+
+
+def _release(prog_id: int) -> None:
+    held = _attached.get(prog_id)
+    if held is not None:
+        held[2] -= 1
+        if held[2] <= 0:
+            os.close(held[1])
+            del _attached[prog_id]
+
+
+def _open_prog(prog_id: int) -> int:
+    """A new fd for ``prog_id``: by id, or without CAP_SYS_ADMIN a dup of the one held."""
+    try:
+        return prog_fd_by_id(prog_id)
+    except BPFError as exc:
+        held = _attached.get(prog_id)
+        if exc.errno != errno.EPERM or held is None:
+            raise
+        return os.dup(held[1])
+
 
 class AttachError(BPFError):
     pass
@@ -131,11 +167,15 @@ def attach_xdp(ifname: str, prog: Program, mode: str = "auto", netns: str | None
                 else:
                     # One XDP program per interface: ours in the other mode goes first.
                     _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current.mode], expect=current.id)
+                    _release(current.id)
                     current = None
                     _xdp_set(ipr, index, prog.fd, XDP_MODE_FLAGS[m] | XDP_FLAGS_UPDATE_IF_NOEXIST)
             except Exception as exc:  # NetlinkError, BPFError
                 errors.append(f"{m}: {exc}")
                 continue
+            _hold(prog)
+            if current is not None:
+                _release(current.id)
             return m
     raise AttachError(f"cannot attach XDP program {prog.name} to {ifname}: " + "; ".join(errors))
 
@@ -152,6 +192,7 @@ def detach_xdp(ifname: str, netns: str | None = None) -> XdpProgram | None:
             except Exception as exc:  # NetlinkError, BPFError
                 raise AttachError(f"cannot detach XDP program {current} from {ifname}: {exc}",
                                   _netlink_errno(exc) or getattr(exc, "errno", 0)) from None
+            _release(current.id)
         return current
 
 
@@ -178,8 +219,8 @@ def _xdp_program(ipr, index: int) -> XdpProgram | None:
     if not state["mode"] or not state["prog_id"]:
         return None
     try:
-        fd = prog_fd_by_id(state["prog_id"])
-    except BPFError:  # replaced meanwhile: not known to be ours, so not touched
+        fd = _open_prog(state["prog_id"])
+    except BPFError:  # replaced meanwhile, or not ours to name: not touched
         return XdpProgram(state["prog_id"], "", state["mode"], False)
     try:
         info = prog_info(fd)
@@ -201,7 +242,7 @@ def _xdp_set(ipr, index: int, fd: int, flags: int, expect: int | None = None) ->
         attrs.append(["IFLA_XDP_FLAGS", flags])
         ipr.link("set", index=index, xdp={"attrs": attrs})
         return
-    expected = prog_fd_by_id(expect)
+    expected = _open_prog(expect)
     try:
         attrs += [["IFLA_XDP_FLAGS", flags | XDP_FLAGS_REPLACE],
                   ["IFLA_XDP_EXPECTED_FD", expected]]
