@@ -17,6 +17,18 @@ with a finalizer, whose GC header keeps a flag) keep the usual allocation.
 from cpython.object cimport PyObject, PyTypeObject
 from libc.string cimport memset
 
+cdef extern from *:
+    """
+    /* The GC header this relies on (PyGC_Head before the object, its flags kept by
+       PyObject_GC_UnTrack) is CPython 3.11-3.13's default build; elsewhere: no free list. */
+    #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000 && !defined(Py_GIL_DISABLED)
+    #define AIPROXY_FREELIST_LAYOUT 1
+    #else
+    #define AIPROXY_FREELIST_LAYOUT 0
+    #endif
+    """
+    int AIPROXY_FREELIST_LAYOUT
+
 cdef extern from "Python.h":
     ctypedef PyObject *(*allocfunc)(PyTypeObject *, Py_ssize_t)
     ctypedef struct TypeSlots "PyTypeObject":
@@ -68,10 +80,11 @@ cdef void _keep_or_free(void *p) noexcept:
 
 def install(type cls, int keep) -> bool:
     """Give `cls` (a static, GC-tracked C class without items or a finalizer) a free
-    list of up to `keep` objects' memory; False (and nothing changed) for any other."""
+    list of up to `keep` objects' memory; False (and nothing changed) for any other, or
+    on an interpreter whose object layout it was not written for."""
     global _type, _alloc, _free, _keep
     cdef TypeSlots *t = <TypeSlots *>cls
-    if _type != NULL or keep <= 0 or keep > MAX_KEEP or t.tp_itemsize != 0 \
+    if not AIPROXY_FREELIST_LAYOUT or _type != NULL or keep <= 0 or keep > MAX_KEEP or t.tp_itemsize != 0 \
             or t.tp_flags & Py_TPFLAGS_HEAPTYPE or not t.tp_flags & Py_TPFLAGS_HAVE_GC \
             or t.tp_finalize != NULL:
         return False
