@@ -63,11 +63,11 @@ def workers_proxy(tmp_path: Path) -> Iterator[Callable[[str], tuple[Proxy, int]]
     forkserver import in parallel, but on a loaded 2-core box that can pass 10 s."""
     started: list[Proxy] = []
 
-    def _start(body: str) -> tuple[Proxy, int]:
+    def _start(body: str, server: str = "") -> tuple[Proxy, int]:
         port, admin = free_port(), free_port()
         path = tmp_path / f"aiproxy-{len(started)}.toml"
         path.write_text(f'[[listeners]]\nname = "test"\naddress = "127.0.0.1:{port}"\n'
-                        + WORKERS + body + admin_block(admin))
+                        + WORKERS + server + body + admin_block(admin))
         proc = start_process([sys.executable, "-m", "aiproxy", "-c", str(path)])
         proxy = Proxy(proc, port, path)
         started.append(proxy)
@@ -179,6 +179,101 @@ def test_killed_worker_loses_only_its_requests_and_comes_back(workers_proxy, dem
     # scrape are kept (what it served after that scrape is lost with it), and every
     # request since is counted.
     assert total(found, "aiproxy_requests_total") >= total(snap, "aiproxy_requests_total") + 30
+
+
+HANG = "worker_hang_timeout_ms = 1000\n"  # pinged every 0.25 s
+
+
+def test_a_hung_worker_is_killed_and_restarted(workers_proxy, demo_upstream):
+    # A stopped process answers nothing, as a worker whose loop is stuck in a filter or
+    # a blocking call: the connections the kernel hands it hang. Before, the supervisor
+    # kept it (and its share of SO_REUSEPORT connections) forever.
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET, HANG)
+    (victim,) = [p for w, p in started(proxy.log()) if w == 1]
+    os.kill(victim, signal.SIGSTOP)
+    wait_for(lambda: any(serving(proxy.log(), p) for w, p in started(proxy.log())
+                         if w == 1 and p != victim), what="a new worker 1 serving")
+    log = proxy.log()
+    assert re.search(rf"worker 1 \(pid {victim}\) has not answered for \d+\.\d s: killing it",
+                     log), log
+    assert f"worker 1 (pid {victim}) killed by signal SIGKILL" in log
+    assert not _alive(victim)
+    for _ in range(30):  # new connections: some land on the new worker 1
+        with httpx.Client(base_url=proxy.url, timeout=10) as client:
+            assert client.get("/echo").status_code == 200
+    found = scrape(admin)
+    assert per_worker(found, "aiproxy_worker_requests_total")["1"] > 0
+    assert per_worker(found, "aiproxy_worker_hangs_total") == {"0": 0, "1": 1}
+    assert per_worker(found, "aiproxy_worker_restarts_total") == {"0": 0, "1": 1}
+    assert per_worker(found, "aiproxy_worker_up") == {"0": 1, "1": 1}
+
+
+def test_busy_and_idle_workers_are_not_taken_for_hung(workers_proxy, demo_upstream):
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET, HANG)
+    pids = [p for _, p in started(proxy.log())]
+    results: list = []
+
+    async def load() -> None:  # 16 clients for 3 s: a dozen ping rounds under load
+        stop = asyncio.Event()
+        tasks = _run_load(proxy.url, stop, results, clients=16, path="/echo")
+        await asyncio.sleep(3)
+        stop.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(load())
+    time.sleep(3)  # and a dozen idle
+    assert len(results) > 100 and all(r[1] == 200 for r in results), results[:5]
+    assert "has not answered" not in proxy.log()
+    assert [p for _, p in started(proxy.log())] == pids
+    found = scrape(admin)
+    assert per_worker(found, "aiproxy_worker_hangs_total") == {"0": 0, "1": 0}
+    assert per_worker(found, "aiproxy_worker_restarts_total") == {"0": 0, "1": 0}
+
+
+def test_a_stopped_supervisor_does_not_blame_its_workers(workers_proxy, demo_upstream):
+    # The whole proxy stopped and resumed (SIGSTOP of its cgroup, a paused container)
+    # while a ping was unanswered: the supervisor's first act on resuming is its overdue
+    # check, before it reads the answer waiting in the socket. The time it did not run
+    # itself is not counted against the workers.
+    proxy, admin = workers_proxy(simple_config(demo_upstream) + QUIET,
+                                 "worker_hang_timeout_ms = 5000\n")  # pinged every 1.25 s
+    pids = [p for _, p in started(proxy.log())]
+    os.kill(pids[1], signal.SIGSTOP)
+    time.sleep(2)  # a ping to it is out (it would be killed 5 s after that)
+    os.kill(proxy.proc.pid, signal.SIGSTOP)
+    os.kill(pids[0], signal.SIGSTOP)
+    time.sleep(6)
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+    os.kill(proxy.proc.pid, signal.SIGCONT)
+    time.sleep(2)
+    assert "has not answered" not in proxy.log(), proxy.log()
+    assert [p for _, p in started(proxy.log())] == pids
+    for _ in range(10):
+        with httpx.Client(base_url=proxy.url, timeout=10) as client:
+            assert client.get("/echo").status_code == 200
+    assert per_worker(scrape(admin), "aiproxy_worker_hangs_total") == {"0": 0, "1": 0}
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("0", 0),
+    ("1000", 1000),
+    ("999", "inline.toml:2: server.worker_hang_timeout_ms: must be 0 (off) or >= 1000, "
+            "got 999"),
+    ("-1", "inline.toml:2: server.worker_hang_timeout_ms: must be >= 0, got -1"),
+])
+def test_worker_hang_timeout_setting(value, expected):
+    from aiproxy.config import ConfigError, load_config_text
+
+    text = (f"[server]\nworker_hang_timeout_ms = {value}\n"
+            '[[listeners]]\nname = "l"\naddress = "127.0.0.1:8080"\n')
+    if isinstance(expected, int):
+        assert load_config_text(text, "inline.toml").server.worker_hang_timeout_ms == expected
+    else:
+        with pytest.raises(ConfigError) as err:
+            load_config_text(text, "inline.toml")
+        assert str(err.value) == expected
+    assert load_config_text(text.split("\n", 2)[2], "x").server.worker_hang_timeout_ms == 30000
 
 
 def test_crash_looping_worker_backs_off(workers_proxy, demo_upstream):

@@ -24,6 +24,7 @@ from .locate import KeyPath, Locator
 from .locate import format_path as _format_path
 from .schema import (
     MAX_WORKERS,
+    MIN_HANG_TIMEOUT_MS,
     REDIRECT_STATUSES,
     RETRY_ON,
     AccessLogConfig,
@@ -439,6 +440,11 @@ class _Checker:
             self.error(path, _range_message((1, MAX_WORKERS), workers))
         else:
             values["workers"] = workers
+        hang = values.get("worker_hang_timeout_ms")
+        if hang and hang < MIN_HANG_TIMEOUT_MS:
+            values.pop("worker_hang_timeout_ms")
+            self.error(("server", "worker_hang_timeout_ms"),
+                       f"must be 0 (off) or >= {MIN_HANG_TIMEOUT_MS}, got {hang}")
         return ServerConfig(**values)
 
     def listeners(self, data: dict[str, Any]) -> tuple[ListenerConfig, ...]:

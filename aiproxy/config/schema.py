@@ -19,6 +19,7 @@ def _bounded(default: int, lo: int, hi: int | None = None) -> Any:
 
 
 MAX_WORKERS = 1024
+MIN_HANG_TIMEOUT_MS = 1000
 
 
 def cpu_count() -> int:
@@ -34,6 +35,9 @@ class ServerConfig:
     # Processes serving the listeners; the loader turns "auto" (the default) into cpu_count().
     workers: int = field(default_factory=cpu_count)
     drain_timeout_ms: int = _bounded(10_000, 0)
+    # A worker whose event loop has not answered the supervisor's ping for this long is
+    # killed and restarted; 0 = never. The loader also refuses 1..MIN_HANG_TIMEOUT_MS-1.
+    worker_hang_timeout_ms: int = _bounded(30_000, 0)
 
 
 @dataclass(frozen=True, slots=True)

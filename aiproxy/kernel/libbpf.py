@@ -53,6 +53,10 @@ class BPFUnavailable(BPFError):
     """Kernel fast paths cannot run here; the caller falls back to user space."""
 
 
+class BPFPinError(BPFError):
+    """The pin directory cannot be made (bpffs not writable by this user)."""
+
+
 class BPFLoadError(BPFError):
     """The kernel refused to load a program; ``verifier_log`` says why."""
 
@@ -331,7 +335,11 @@ class BpfObject:
 
     def _set_pins(self, pin_dir: str) -> None:
         libbpf = lib()
-        os.makedirs(pin_dir, exist_ok=True)
+        try:
+            os.makedirs(pin_dir, exist_ok=True)
+        except OSError as exc:
+            raise BPFPinError(f"{self.name}: cannot pin its maps in {pin_dir}: cannot create "
+                              f"{exc.filename or pin_dir}: {exc.strerror}", exc.errno) from None
         m = libbpf.bpf_object__next_map(self._obj, None)
         while m:
             mname = libbpf.bpf_map__name(m).decode()

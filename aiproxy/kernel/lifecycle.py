@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from aiproxy.config.schema import KernelConfig
 
-from .libbpf import BPFError
+from .libbpf import BPFError, BPFPinError
 
 if TYPE_CHECKING:
     from .manager import KernelFastPaths
@@ -243,12 +243,30 @@ class ProxyKernel:
         fast = KernelFastPaths(cfg, pin_dir=self.pin_dir)
         try:
             attached = fast.start()
+        except BPFPinError as exc:
+            raise KernelStartError(self._pin_problem(exc)) from None
         except (BPFError, ValueError) as exc:
             raise KernelStartError(f"{self.source}: [kernel]: {exc}") from None
         for ifname, what in attached.items():
             log.info("kernel: %s: xdp_guard (%s)%s", ifname, what.get("xdp"),
                      ", tc_classify ingress+egress" if what.get("tc") else "")
         return fast
+
+    def _pin_problem(self, exc: BPFPinError) -> str:
+        """FILE:LINE: kernel.interfaces: why worker 0 cannot pin (a service user that may
+        not write in bpffs: systemd mounts /sys/fs/bpf mode 0700 for root)."""
+        from aiproxy.config.errors import Problem
+        from aiproxy.config.loader import read_config_text
+        from aiproxy.config.locate import Locator
+
+        try:
+            line = Locator(read_config_text(self.source)).line(("kernel", "interfaces"))
+        except Exception:  # noqa: BLE001 - a config given as text: no lines to name
+            line = 0
+        return str(Problem(self.source, line, "kernel.interfaces",
+                           f"{exc} (with workers > 1, worker 0 pins the XDP/TC maps in "
+                           "bpffs so that its restart keeps them: run as a user that may "
+                           "write there, or with workers = 1, which pins nothing)"))
 
     def _set_splice(self, wanted: bool) -> None:
         if not wanted:

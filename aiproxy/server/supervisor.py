@@ -48,6 +48,7 @@ BACKOFF_CAP = 30.0
 STABLE_AFTER = 10.0  # a worker that lived this long resets the backoff
 STOP_MARGIN = 5.0  # past drain_timeout, before stragglers get SIGKILL
 SCRAPE_TIMEOUT = 2.0
+HANG_CHECK_INTERVAL = 5.0  # seconds between liveness pings (less for a short hang timeout)
 # Families the supervisor owns: workers' own reload counters would count each reload N times.
 PARENT_FAMILIES = frozenset({"aiproxy_config_reloads", "aiproxy_config_reload_failures",
                              "aiproxy_config_last_reload_success"})
@@ -77,6 +78,9 @@ class WorkerSlot:
         self.text = ""  # the config text this worker runs
         self.started = 0.0
         self.restarts = 0
+        self.hangs = 0  # times killed for not answering (each also counts in restarts)
+        self.ping_sent: float | None = None  # when the unanswered ping went out
+        self.ping: asyncio.Task | None = None
         self.streak = 0  # quick deaths in a row
         self.metrics = WorkerMetrics()
         self.restart_timer: asyncio.TimerHandle | None = None
@@ -107,6 +111,7 @@ class Supervisor:
         self.reloads = 0
         self.reload_failures = 0
         self.last_reload_ok = 1
+        self.hang_checked = 0.0  # when _check_hangs last ran
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(WorkersCollector(self))
 
@@ -179,6 +184,7 @@ class Supervisor:
                     sd_notify.notify("WATCHDOG=1")
                     loop.call_later(watchdog, _ping)
                 _ping()
+            self._check_hangs()
             # Ignored until now (_run): a reload before every worker serves would reach
             # none of them, and tell systemd READY=1 early.
             loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
@@ -239,6 +245,7 @@ class Supervisor:
         slot.pid = process.pid
         slot.text = self.text
         slot.ready = False
+        slot.ping_sent = None
         slot.started = time.monotonic()
         self.all_exited.clear()
         log.info("worker %d started (pid %d)", slot.index, process.pid)
@@ -312,6 +319,54 @@ class Supervisor:
                   delay)
         slot.restarts += 1
         slot.restart_timer = self.loop.call_later(delay, self.spawn, slot)
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def _check_hangs(self) -> None:
+        """Every few seconds, ping each serving worker over its channel; one whose event
+        loop has left a ping unanswered for worker_hang_timeout_ms (a filter in an endless
+        loop, a blocking call, a stopped process) is SIGKILLed, and restarted as any worker
+        that dies. Time before a worker reported ready (model load) is not counted; a
+        reload's slow parts run in threads, so its loop keeps answering meanwhile."""
+        assert self.loop is not None
+        timeout = self.config.server.worker_hang_timeout_ms / 1000
+        interval = min(HANG_CHECK_INTERVAL, timeout / 4) if timeout else HANG_CHECK_INTERVAL
+        now = time.monotonic()
+        # Late by more than a round: this process did not run either (stopped, frozen
+        # cgroup); that time is not the workers' to answer for.
+        late = now - self.hang_checked - interval if self.hang_checked else 0.0
+        self.hang_checked = now
+        for slot in self.slots:
+            if self.stopping or not timeout or not slot.ready or slot.channel is None:
+                slot.ping_sent = None
+                continue
+            if slot.ping_sent is None:
+                slot.ping_sent = now
+                slot.ping = self.loop.create_task(self._ping(slot, slot.channel))
+                continue
+            if late > interval:
+                slot.ping_sent += late
+            silent = now - slot.ping_sent
+            if silent >= timeout and slot.pid is not None and slot.running:
+                log.error("worker %d (pid %d) has not answered for %.1f s: killing it",
+                          slot.index, slot.pid, silent)
+                slot.hangs += 1
+                slot.ping_sent = None
+                slot.ready = False  # not serving; _reap restarts it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(slot.pid, signal.SIGKILL)
+        if not self.stopping:
+            self.loop.call_later(interval, self._check_hangs)
+
+    async def _ping(self, slot: WorkerSlot, channel: Channel) -> None:
+        try:
+            await channel.call("ping")
+        except ConnectionError:
+            return  # the worker is gone: _reap takes over
+        except RuntimeError:
+            pass  # an error reply is an answer from its loop too
+        if slot.channel is channel:  # not a replaced worker's late answer
+            slot.ping_sent = None
 
     def signal_workers(self, sig: int) -> None:
         for slot in self.slots:
@@ -511,6 +566,10 @@ class WorkersCollector:
         restarts = CounterMetricFamily("aiproxy_worker_restarts",
                                        "Times the supervisor restarted the worker",
                                        labels=["worker"])
+        hangs = CounterMetricFamily("aiproxy_worker_hangs",
+                                    "Times the supervisor killed the worker because its "
+                                    "event loop did not answer for worker_hang_timeout_ms",
+                                    labels=["worker"])
         requests = CounterMetricFamily("aiproxy_worker_requests",
                                        "Requests answered by the worker (all its processes)",
                                        labels=["worker"])
@@ -518,9 +577,11 @@ class WorkersCollector:
             label = [str(slot.index)]
             up.add_metric(label, 1 if slot.ready else 0)
             restarts.add_metric(label, slot.restarts)
+            hangs.add_metric(label, slot.hangs)
             requests.add_metric(label, slot.metrics.total("aiproxy_requests_total"))
         yield up
         yield restarts
+        yield hangs
         yield requests
 
 

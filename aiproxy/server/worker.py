@@ -100,12 +100,15 @@ async def serve_worker(config: Config, sock: socket.socket, slot: int,
     async def spans(trace_id: str) -> list | None:
         return trace_spans(server.runtime, trace_id)
 
+    async def ping() -> None:  # the supervisor's liveness check: this loop runs
+        return None
+
     async def hurry() -> None:  # a second stop signal to the supervisor
         server.hurry()
 
     channel = await Channel.open(sock)
     handlers = {"reload": reload, "metrics": metrics, "routes": routes, "clusters": clusters,
-                "spans": spans, "hurry": hurry}
+                "spans": spans, "hurry": hurry, "ping": ping}
     serving = loop.create_task(channel.serve(handlers))
     # EOF on the channel means the supervisor is gone: stop rather than serve unsupervised.
     serving.add_done_callback(lambda _: stop.set())
