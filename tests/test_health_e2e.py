@@ -183,7 +183,9 @@ def test_llm_score_uses_polled_backend_load(start_proxy, tunable):  # noqa: F811
                          'vllm:gpu_cache_usage_perc{model_name="m"} 0.97\n')
     idle.metrics_text = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.05\n'
     admin_port = free_port()
-    proxy = start_proxy(cluster("c", busy.port, idle.port, extra="""
+    # One process: with workers, /clusters lists only the workers that have reported
+    # ready (none yet when the listener already accepts), and each polls on its own.
+    proxy = start_proxy(SINGLE_PROCESS + cluster("c", busy.port, idle.port, extra="""
 balancer = "llm_score"
 load_metrics = { path = "/metrics", interval_ms = 100 }
 [clusters.llm_score]
