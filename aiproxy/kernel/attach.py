@@ -54,6 +54,12 @@ def _release(prog_id: int) -> None:
             del _attached[prog_id]
 
 
+def forget_xdp(prog_id: int) -> None:
+    """An interface that went away took its attachment of ``prog_id`` with it: drop the
+    hold (its fd would keep the program loaded as long as this process lives)."""
+    _release(prog_id)
+
+
 def _open_prog(prog_id: int) -> int:
     """A new fd for ``prog_id``: by id, or without CAP_SYS_ADMIN a dup of the one held."""
     try:

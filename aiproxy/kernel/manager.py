@@ -177,7 +177,16 @@ class KernelFastPaths:
         done = self.attached.pop(ifname, {})
         try:
             if done.get("xdp"):
-                there = attach.detach_xdp(ifname, self.netns)
+                ours = (self.guard_obj.program("xdp_guard").info().id
+                        if self.guard_obj is not None else None)
+                try:
+                    there = attach.detach_xdp(ifname, self.netns)
+                except attach.AttachError as exc:
+                    if exc.errno == errno.ENODEV and ours is not None:
+                        attach.forget_xdp(ours)
+                    raise
+                if ours is not None and (there is None or there.id != ours):
+                    attach.forget_xdp(ours)  # detached or replaced by another: not ours to undo
                 if there is not None and not there.ours:
                     log.warning("kernel: %s: XDP program %s is not aiproxy's (xdp_guard was "
                                 "replaced); left attached", ifname, there)

@@ -85,6 +85,42 @@ def test_reload_after_an_attached_interface_vanished(veth: VethPair):
     finally:
         fast.stop()
     assert attach.interface_state("vsrv", veth.srv).xdp_prog_id is None
+    assert _prog_fds(before) == []  # the vanished interface's hold went too
+
+
+def _prog_fds(prog_id: int) -> list[str]:
+    """This process's fds on BPF program ``prog_id`` (what keeps it loaded)."""
+    found = []
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            info = open(f"/proc/self/fdinfo/{fd}").read()
+        except OSError:  # closed meanwhile (the listdir's own fd)
+            continue
+        if re.search(rf"^prog_id:\s+{prog_id}$", info, re.M):
+            found.append(fd)
+    return found
+
+
+@pytest.mark.parametrize("gone", [("link", "del", "bpfaudx0"),
+                                  ("link", "set", "dev", "bpfaudx0", "xdpgeneric", "off")])
+def test_stop_after_our_xdp_attachment_went_keeps_no_program(veth: VethPair, gone):
+    # attach.py keeps a dup of each attached XDP program's fd (for a process without
+    # CAP_SYS_ADMIN); an interface that went away took its attachment with it (or an
+    # operator detached it), and the stop left that dup open: the program stayed loaded
+    # as long as the process lived.
+    run("ip", "-n", veth.srv, "link", "add", "bpfaudx0", "type", "veth", "peer", "name",
+        "bpfaudx1")
+    run("ip", "-n", veth.srv, "link", "set", "bpfaudx0", "up")
+    fast = KernelFastPaths(KernelConfig(interfaces=("bpfaudx0",), xdp_mode="generic"),
+                           netns=veth.srv)
+    fast.start()
+    try:
+        ours = attach.interface_state("bpfaudx0", veth.srv).xdp_prog_id
+        assert ours is not None and _prog_fds(ours)
+        run("ip", "-n", veth.srv, *gone)
+    finally:
+        fast.stop()
+    assert _prog_fds(ours) == []
 
 
 def test_cli_attach_rerun_with_missing_interface_keeps_the_last_attach(veth, tmp_path):
