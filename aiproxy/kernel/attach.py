@@ -66,11 +66,12 @@ def state_dir() -> str:
     return (os.environ.get("RUNTIME_DIRECTORY") or "").split(":")[0] or STATE_DIR
 
 
-def _record_path(netns: str | None, index: int, ifname: str) -> str:
+def _record_path(netns: str | None, ifname: str) -> str:
     # The namespace by its inode: `ip netns exec NS aiproxy` (netns None) and
-    # `--netns NS` are the same interfaces, and two namespaces' "vsrv" are not.
+    # `--netns NS` are the same interfaces, and two namespaces' "vsrv" are not. By name,
+    # not index, so that a vanished interface's record can go; the index is in the record.
     where = os.path.join(NETNS_DIR, netns) if netns else "/proc/self/ns/net"
-    return os.path.join(state_dir(), f"xdp.{os.stat(where).st_ino}.{index}.{ifname}")
+    return os.path.join(state_dir(), f"xdp.{os.stat(where).st_ino}.{ifname}")
 
 
 def _state_failed(what: str, exc: OSError) -> None:
@@ -84,7 +85,7 @@ def _state_failed(what: str, exc: OSError) -> None:
 
 def _record(netns: str | None, index: int, ifname: str, prog_id: int, name: str) -> None:
     try:
-        path = _record_path(netns, index, ifname)
+        path = _record_path(netns, ifname)
         os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
@@ -95,9 +96,9 @@ def _record(netns: str | None, index: int, ifname: str, prog_id: int, name: str)
         _state_failed("write", exc)
 
 
-def _forget(netns: str | None, index: int, ifname: str) -> None:
+def _forget(netns: str | None, ifname: str) -> None:
     try:
-        os.unlink(_record_path(netns, index, ifname))
+        os.unlink(_record_path(netns, ifname))
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -107,10 +108,12 @@ def _forget(netns: str | None, index: int, ifname: str) -> None:
 def _recorded(netns: str | None, index: int, ifname: str) -> tuple[int, str] | None:
     """(prog id, name) recorded for the interface, if a record by us or root says so."""
     try:
-        with open(_record_path(netns, index, ifname)) as f:
+        with open(_record_path(netns, ifname)) as f:
             if os.fstat(f.fileno()).st_uid not in (0, os.geteuid()):
                 return None
             rec = json.load(f)
+        if rec["ifindex"] != index:  # another interface of that name since
+            return None
         return int(rec["prog_id"]), str(rec["prog_name"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -256,18 +259,20 @@ def detach_xdp(ifname: str, netns: str | None = None) -> XdpProgram | None:
     """Remove aiproxy's XDP program from ``ifname``. Returns the program that was there
     (None: none); one that is not aiproxy's (``ours`` False) is left attached."""
     with iproute(netns) as ipr:
-        index = _index(ipr, ifname, netns)
+        try:
+            index = _index(ipr, ifname, netns)
+        except AttachError:
+            _forget(netns, ifname)  # the interface is gone, and its programs with it
+            raise
         current = _xdp_program(ipr, index, netns, ifname)
-        if current is None:
-            _forget(netns, index, ifname)
-        elif current.ours:
+        if current is not None and current.ours:
             try:
                 _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current.mode], expect=current.id)
             except Exception as exc:  # NetlinkError, BPFError
                 raise AttachError(f"cannot detach XDP program {current} from {ifname}: {exc}",
                                   _netlink_errno(exc) or getattr(exc, "errno", 0)) from None
             _release(current.id)
-            _forget(netns, index, ifname)
+        _forget(netns, ifname)  # ours is gone, or was replaced by another's
         return current
 
 
