@@ -8,12 +8,16 @@ process that made them: detach explicitly.
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .libbpf import PROG_TYPE_XDP, BPFError, Program, prog_fd_by_id, prog_info
+
+log = logging.getLogger("aiproxy.kernel")
 
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
 XDP_FLAGS_SKB_MODE = 1 << 1
@@ -27,6 +31,7 @@ TC_HANDLE = 1
 OUR_XDP_PROGRAMS = frozenset({"xdp_guard"})  # bpf/xdp_guard.c's program (function) name
 TC_NAME = "aiproxy_tc"
 NETNS_DIR = "/run/netns"  # where `ip netns add` puts its names
+STATE_DIR = "/run/aiproxy"  # the XDP records' directory unless $RUNTIME_DIRECTORY names one
 
 # The XDP programs this process attached: id -> [name, fd, interfaces]. Opening a program
 # by id (BPF_PROG_GET_FD_BY_ID: its name, XDP_FLAGS_REPLACE's expected fd) takes
@@ -36,13 +41,82 @@ NETNS_DIR = "/run/netns"  # where `ip netns add` puts its names
 _attached: dict[int, list] = {}
 
 
-def _hold(prog: Program) -> None:
+def _hold(prog: Program):
     info = prog_info(prog.fd)
     held = _attached.get(info.id)
     if held is None:
         _attached[info.id] = [info.name, os.dup(prog.fd), 1]
     else:
         held[2] += 1
+    return info
+
+
+# What survives this process: a record per interface of the XDP program it attached
+# (id and name), in the runtime directory systemd keeps across restarts. A process that
+# cannot open programs by id (no CAP_SYS_ADMIN) takes the program its killed predecessor
+# left for ours when the interface still has the recorded id: ids are not reused within
+# a boot. Ids recognised that way, which it may replace or detach without their fd:
+_recognised: set[int] = set()
+_state_warned = False
+
+
+def state_dir() -> str:
+    """$RUNTIME_DIRECTORY (set by systemd from RuntimeDirectory=; the first of a list),
+    else /run/aiproxy."""
+    return (os.environ.get("RUNTIME_DIRECTORY") or "").split(":")[0] or STATE_DIR
+
+
+def _record_path(netns: str | None, ifname: str) -> str:
+    # The namespace by its inode: `ip netns exec NS aiproxy` (netns None) and
+    # `--netns NS` are the same interfaces, and two namespaces' "vsrv" are not. By name,
+    # not index, so that a vanished interface's record can go; the index is in the record.
+    where = os.path.join(NETNS_DIR, netns) if netns else "/proc/self/ns/net"
+    return os.path.join(state_dir(), f"xdp.{os.stat(where).st_ino}.{ifname}")
+
+
+def _state_failed(what: str, exc: OSError) -> None:
+    global _state_warned
+    if not _state_warned:
+        _state_warned = True
+        log.warning("kernel: cannot %s the XDP program record in %s (%s): after a "
+                    "crash, a start without CAP_SYS_ADMIN will take the xdp_guard still "
+                    "there for another tool's", what, state_dir(), exc)
+
+
+def _record(netns: str | None, index: int, ifname: str, prog_id: int, name: str) -> None:
+    try:
+        path = _record_path(netns, ifname)
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"netns": netns, "ifindex": index, "ifname": ifname,
+                       "prog_id": prog_id, "prog_name": name}, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _state_failed("write", exc)
+
+
+def _forget(netns: str | None, ifname: str) -> None:
+    try:
+        os.unlink(_record_path(netns, ifname))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        _state_failed("remove", exc)
+
+
+def _recorded(netns: str | None, index: int, ifname: str) -> tuple[int, str] | None:
+    """(prog id, name) recorded for the interface, if a record by us or root says so."""
+    try:
+        with open(_record_path(netns, ifname)) as f:
+            if os.fstat(f.fileno()).st_uid not in (0, os.geteuid()):
+                return None
+            rec = json.load(f)
+        if rec["ifindex"] != index:  # another interface of that name since
+            return None
+        return int(rec["prog_id"]), str(rec["prog_name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _release(prog_id: int) -> None:
@@ -157,7 +231,7 @@ def attach_xdp(ifname: str, prog: Program, mode: str = "auto", netns: str | None
     errors = []
     with iproute(netns) as ipr:
         index = _index(ipr, ifname, netns)
-        current = _xdp_program(ipr, index)
+        current = _xdp_program(ipr, index, netns, ifname)
         if current is not None and not current.ours:
             raise AttachError(foreign_message(ifname, current, "cannot attach xdp_guard"),
                               errno.EEXIST)
@@ -179,9 +253,10 @@ def attach_xdp(ifname: str, prog: Program, mode: str = "auto", netns: str | None
             except Exception as exc:  # NetlinkError, BPFError
                 errors.append(f"{m}: {exc}")
                 continue
-            _hold(prog)
+            info = _hold(prog)
             if current is not None:
                 _release(current.id)
+            _record(netns, index, ifname, info.id, info.name)
             return m
     raise AttachError(f"cannot attach XDP program {prog.name} to {ifname}: " + "; ".join(errors))
 
@@ -190,8 +265,12 @@ def detach_xdp(ifname: str, netns: str | None = None) -> XdpProgram | None:
     """Remove aiproxy's XDP program from ``ifname``. Returns the program that was there
     (None: none); one that is not aiproxy's (``ours`` False) is left attached."""
     with iproute(netns) as ipr:
-        index = _index(ipr, ifname, netns)
-        current = _xdp_program(ipr, index)
+        try:
+            index = _index(ipr, ifname, netns)
+        except AttachError:
+            _forget(netns, ifname)  # the interface is gone, and its programs with it
+            raise
+        current = _xdp_program(ipr, index, netns, ifname)
         if current is not None and current.ours:
             try:
                 _xdp_set(ipr, index, -1, XDP_MODE_FLAGS[current.mode], expect=current.id)
@@ -199,13 +278,14 @@ def detach_xdp(ifname: str, netns: str | None = None) -> XdpProgram | None:
                 raise AttachError(f"cannot detach XDP program {current} from {ifname}: {exc}",
                                   _netlink_errno(exc) or getattr(exc, "errno", 0)) from None
             _release(current.id)
+        _forget(netns, ifname)  # ours is gone, or was replaced by another's
         return current
 
 
 def xdp_program(ifname: str, netns: str | None = None) -> XdpProgram | None:
     """The XDP program attached to ``ifname`` (None: none)."""
     with iproute(netns) as ipr:
-        return _xdp_program(ipr, _index(ipr, ifname, netns))
+        return _xdp_program(ipr, _index(ipr, ifname, netns), netns, ifname)
 
 
 def xdp_state(ifname: str, netns: str | None = None) -> dict:
@@ -220,14 +300,20 @@ def foreign_message(ifname: str, prog: XdpProgram, what: str) -> str:
             f"not replaced (if it should go: ip link set dev {ifname} {off} off)")
 
 
-def _xdp_program(ipr, index: int) -> XdpProgram | None:
+def _xdp_program(ipr, index: int, netns: str | None, ifname: str) -> XdpProgram | None:
     state = _xdp_state(ipr, index)
     if not state["mode"] or not state["prog_id"]:
         return None
+    prog_id = state["prog_id"]
     try:
-        fd = _open_prog(state["prog_id"])
-    except BPFError:  # replaced meanwhile, or not ours to name: not touched
-        return XdpProgram(state["prog_id"], "", state["mode"], False)
+        fd = _open_prog(prog_id)
+    except BPFError as exc:  # replaced meanwhile, or not ours to name: not touched
+        rec = _recorded(netns, index, ifname) if exc.errno == errno.EPERM else None
+        if rec is None or rec[0] != prog_id or rec[1] not in OUR_XDP_PROGRAMS \
+                or state["mode"] not in XDP_MODE_FLAGS:
+            return XdpProgram(prog_id, "", state["mode"], False)
+        _recognised.add(prog_id)
+        return XdpProgram(prog_id, rec[1], state["mode"], True)
     try:
         info = prog_info(fd)
     finally:
@@ -248,7 +334,19 @@ def _xdp_set(ipr, index: int, fd: int, flags: int, expect: int | None = None) ->
         attrs.append(["IFLA_XDP_FLAGS", flags])
         ipr.link("set", index=index, xdp={"attrs": attrs})
         return
-    expected = _open_prog(expect)
+    try:
+        expected = _open_prog(expect)
+    except BPFError as exc:
+        if exc.errno != errno.EPERM or expect not in _recognised:
+            raise
+        # A predecessor's program, known by its record: its fd is out of reach, so no
+        # XDP_FLAGS_REPLACE. Set without UPDATE_IF_NOEXIST replaces whatever is there,
+        # checked just before to be that id.
+        if _xdp_state(ipr, index)["prog_id"] != expect:
+            raise AttachError(f"XDP program id {expect} was replaced meanwhile",
+                              errno.EEXIST) from None
+        ipr.link("set", index=index, xdp={"attrs": attrs + [["IFLA_XDP_FLAGS", flags]]})
+        return
     try:
         attrs += [["IFLA_XDP_FLAGS", flags | XDP_FLAGS_REPLACE],
                   ["IFLA_XDP_EXPECTED_FD", expected]]
