@@ -14,21 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO_ROOT, start_process, stop_process
+from tests.support import start_process, stop_process
 
 from .conftest import VethPair
-
-UNIT = REPO_ROOT / "config" / "aiproxy.service"
-NOBODY = 65534
-
-
-def unit_capabilities() -> str:
-    """The unit's AmbientCapabilities in setpriv's spelling (+bpf,+net_admin,...)."""
-    for line in UNIT.read_text().splitlines():
-        if line.startswith("AmbientCapabilities="):
-            caps = line.split("=", 1)[1].split()
-            return ",".join("+" + c.removeprefix("CAP_").lower() for c in caps)
-    raise AssertionError("the unit has no AmbientCapabilities")
+from .test_unit_capabilities import NOBODY, unit_capabilities
 
 
 def test_workers_with_a_bpffs_the_user_cannot_write_fail_cleanly(veth: VethPair):
