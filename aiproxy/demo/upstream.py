@@ -6,6 +6,9 @@ Endpoints (every response carries ``x-upstream: NAME``):
   The reply is deterministic: "You said: <last user message>", cut to ``max_tokens`` words
   (default 16). ``usage`` counts whitespace-separated words: prompt_tokens over the content of
   all messages, completion_tokens over the reply. Streams send one event per word.
+  Also served at Groq's ``/openai/v1/chat/completions`` and Azure OpenAI's
+  ``/openai/deployments/{deployment}/chat/completions`` (a body without "model" gets the
+  deployment as its model).
 - ``POST /v1/messages``           Anthropic Messages API, streamed (SSE) or not, with the same
   deterministic reply ("You said: <last user message>" cut to ``max_tokens`` words, which the
   Messages API requires). ``usage`` counts words too: ``input_tokens`` over ``system`` and all
@@ -137,7 +140,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return openai_error(400, "'max_tokens' must be a positive integer", param="max_tokens")
 
     app = request.app
-    model = body.get("model") if isinstance(body.get("model"), str) else MODEL_ID
+    model = body.get("model")
+    if not isinstance(model, str):
+        model = request.match_info.get("deployment", MODEL_ID)
     words = reply_words(messages, max_tokens)
     usage = _usage(_prompt_tokens(messages), len(words))
     completion_id = f"chatcmpl-{app[NAME_KEY]}-{next(app[COUNTER_KEY])}"
@@ -463,6 +468,8 @@ def build_app(name: str, token_delay_ms: float = 20,
     # on_response_prepare also covers streamed, WebSocket and router-generated error responses.
     app.on_response_prepare.append(_upstream_header(name, report_load))
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/openai/v1/chat/completions", chat_completions)
+    app.router.add_post("/openai/deployments/{deployment}/chat/completions", chat_completions)
     app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", models)
     app.router.add_route("*", "/echo", echo)
