@@ -1058,3 +1058,34 @@ def test_cluster_endpoint_beside_an_own_listener_is_allowed(tmp_path, listener, 
         '"127.0.0.1:9000"', f'"{endpoint}"')
     assert load_config_text(textwrap.dedent(text), "x.toml").clusters[0].endpoints[0].port \
         == int(endpoint.rsplit(":", 1)[1])
+
+
+def test_llm_api_prefixes(tmp_path):
+    cfg = load_config(write(tmp_path, BASE + """
+[llm]
+api_prefixes = ["/v1/", "/openai/v1/", "/openai/deployments/*/", "/v1/"]
+"""))
+    assert cfg.llm.api_prefixes == ("/v1/", "/openai/v1/", "/openai/deployments/*/")
+    assert load_config(write(tmp_path, BASE + "[llm]\n")).llm.api_prefixes == ("/v1/",)
+    assert problems(tmp_path, BASE + """
+[llm]
+api_prefixes = [
+  "openai/v1/",
+  "/openai/v1",
+  "/openai/deployments/gpt*/",
+  "/v1/?x=1/",
+  "/open ai/",
+  3,
+]
+""") == [
+        "11: llm.api_prefixes[0]: must start and end with '/', got 'openai/v1/'",
+        "12: llm.api_prefixes[1]: must start and end with '/', got '/openai/v1'",
+        "13: llm.api_prefixes[2]: '*' stands only for a whole path segment, "
+        "got '/openai/deployments/gpt*/'",
+        "14: llm.api_prefixes[3]: a path prefix has no query or fragment, got '/v1/?x=1/'",
+        "15: llm.api_prefixes[4]: must be printable ASCII without spaces (percent-encode "
+        "others), got '/open ai/'",
+        "16: llm.api_prefixes[5]: expected string, got integer",
+    ]
+    assert problems(tmp_path, BASE + "[llm]\napi_prefixes = []\n") == [
+        '9: llm.api_prefixes: give at least one prefix (default ["/v1/"])']

@@ -14,7 +14,7 @@ import pytest
 
 from aiproxy.llm.estimate import tokens_of_text
 from aiproxy.llm.facts import LlmFacts
-from aiproxy.llm.openai import SseReader, endpoint_of, read_request
+from aiproxy.llm.openai import ApiPaths, SseReader, endpoint_of, read_request
 from tests.conftest import simple_config
 from tests.support import free_port, start_demo_upstream, stop_process
 
@@ -556,3 +556,104 @@ def test_a_prefix_rewritten_api_is_accounted_cached_and_limited(start_proxy, dem
     with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(**{**ask, "max_tokens": 100})
     assert refused.value.response.headers["x-aiproxy-backpressure"] == "tokens"
+
+
+def test_api_paths_lookup_under_each_prefix():
+    paths = ApiPaths(("/v1/", "/openai/v1/", "/api/v1/", "/openai/deployments/*/"))
+    assert paths.lookup(b"/v1/chat/completions") == ("chat", None)
+    assert paths.lookup(b"/openai/v1/chat/completions/") == ("chat", None)
+    assert paths.lookup(b"/api/v1/embeddings") == ("embeddings", None)
+    assert paths.lookup(b"/openai/deployments/gpt4o/chat/completions") == ("chat", "gpt4o")
+    assert paths.lookup(b"/openai/deployments/e3/embeddings") == ("embeddings", "e3")
+    # `*` is one whole, non-empty segment; what follows must be an endpoint.
+    assert paths.lookup(b"/openai/deployments//chat/completions") is None
+    assert paths.lookup(b"/openai/deployments/a/b/chat/completions") is None
+    assert paths.lookup(b"/openai/deployments/gpt4o/models") is None
+    assert paths.lookup(b"/openai/v1/models") is None
+    assert paths.lookup(b"/other/v1/chat/completions") is None
+    assert ApiPaths().lookup(b"/openai/v1/chat/completions") is None
+
+
+def _prefix_proxy(start_proxy, demo_upstream: int, log: Path, llm: str) -> object:
+    return start_proxy(f"""
+        [server]
+        workers = 1
+
+        [access_log]
+        path = "{log}"
+        flush_interval_ms = 20
+
+        [llm]
+        {llm}
+
+        [cache]
+
+        [[clusters]]
+        name = "up"
+        endpoints = ["127.0.0.1:{demo_upstream}"]
+
+        [[routes]]
+        name = "openai"
+        match = {{ path_prefix = "/openai/" }}
+        cluster = "up"
+        """)
+
+
+def test_api_prefixes_account_and_cache_a_groq_style_path(start_proxy, demo_upstream,
+                                                           tmp_path):
+    # Groq serves the OpenAI API under /openai/v1/ (no rewrite: the upstream's own path).
+    log = tmp_path / "access.log"
+    proxy = _prefix_proxy(start_proxy, demo_upstream, log,
+                          'api_prefixes = ["/v1/", "/openai/v1/"]')
+    client = openai.OpenAI(base_url=f"{proxy.url}/openai/v1", api_key="k", max_retries=0)
+    ask = {"model": "demo-model", "max_tokens": 20, "messages": MESSAGES}
+    first = client.chat.completions.with_raw_response.create(**ask)
+    again = client.chat.completions.with_raw_response.create(**ask)
+    assert first.headers["x-aiproxy-cache"] == "miss"
+    assert again.headers["x-aiproxy-cache"] == "hit"
+    assert again.parse().id == first.parse().id
+    recs = _records(log, 2)
+    usage = first.parse().usage
+    llm = recs[0]["llm"]
+    assert (llm["model"], llm["prompt_tokens"], llm["completion_tokens"], llm["estimated"]) == (
+        "demo-model", usage.prompt_tokens, usage.completion_tokens, False)
+    assert recs[1]["llm"]["cached"] is True
+
+
+def test_default_api_prefix_leaves_other_paths_alone(start_proxy, demo_upstream, tmp_path):
+    log = tmp_path / "access.log"
+    proxy = _prefix_proxy(start_proxy, demo_upstream, log, "")
+    client = openai.OpenAI(base_url=f"{proxy.url}/openai/v1", api_key="k", max_retries=0)
+    answer = client.chat.completions.with_raw_response.create(
+        model="demo-model", max_tokens=20, messages=MESSAGES)
+    assert answer.parse().usage.completion_tokens > 0
+    assert "x-aiproxy-cache" not in answer.headers
+    assert "llm" not in _records(log, 1)[0]
+
+
+def test_azure_deployment_path_is_accounted_with_the_deployment_as_model(
+        start_proxy, demo_upstream, tmp_path):
+    log = tmp_path / "access.log"
+    proxy = _prefix_proxy(start_proxy, demo_upstream, log,
+                          'api_prefixes = ["/openai/deployments/*/"]')
+    client = openai.AzureOpenAI(azure_endpoint=proxy.url, api_key="k",
+                                api_version="2024-06-01", max_retries=0)
+    # The Azure client names the deployment in the path (and sends it as "model" too).
+    first = client.chat.completions.with_raw_response.create(
+        model="gpt4o-prod", max_tokens=20, messages=MESSAGES)
+    assert first.headers["x-aiproxy-cache"] == "miss"
+    assert first.parse().model == "gpt4o-prod"
+    # A body without "model" (Azure's own REST form): the deployment is the model, and
+    # each deployment has its own cache entries.
+    body = {"max_tokens": 20, "messages": MESSAGES}
+    with httpx.Client(base_url=proxy.url, headers={"api-key": "k"}) as c:
+        for deployment, mark in (("mini", "miss"), ("mini", "hit"), ("large", "miss")):
+            r = c.post(f"/openai/deployments/{deployment}/chat/completions",
+                       params={"api-version": "2024-06-01"}, json=body)
+            assert (r.status_code, r.headers["x-aiproxy-cache"]) == (200, mark)
+            assert r.json()["model"] == deployment
+    recs = _records(log, 4)
+    assert [rec["llm"]["model"] for rec in recs] == ["gpt4o-prod", "mini", "mini", "large"]
+    usage = first.parse().usage
+    assert (recs[0]["llm"]["prompt_tokens"], recs[0]["llm"]["completion_tokens"]) == (
+        usage.prompt_tokens, usage.completion_tokens)

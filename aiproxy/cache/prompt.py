@@ -45,7 +45,7 @@ from aiproxy.cache import freshness
 from aiproxy.cache.key import context_hash, embedding_key, prompt_key, request_hash
 from aiproxy.cache.redis_store import encode
 from aiproxy.cache.store import MemoryCache
-from aiproxy.llm.openai import endpoint_of
+from aiproxy.llm.openai import DEFAULT_PATHS, DEFAULT_PREFIXES, ApiPaths
 from aiproxy.pipeline.filters import (
     Filter,
     FilterFactory,
@@ -276,6 +276,7 @@ class CacheState:
         self.stored = 0
         self.ec_hits = 0
         self.ec_misses = 0
+        self.paths = DEFAULT_PATHS  # make_state: [llm] api_prefixes
 
     def index(self, where: tuple, vector: np.ndarray, key: str) -> None:
         """Add a stored request's embedding to the semantic index `where`."""
@@ -310,7 +311,7 @@ class CacheState:
 
     def decision_for(self, ex: Exchange, body: bytes) -> Any:
         """The stored intent decision for this request's body, if any."""
-        kind = endpoint_of(ex.path)
+        kind = self.paths.kind(ex.path)
         if kind is None or ex.method != b"POST":
             return None
         try:
@@ -561,6 +562,9 @@ def make_state(config: Config, previous: CacheState | None) -> CacheState | None
         return None
     state = previous if previous is not None else CacheState(cfg)
     state.configure(cfg)
+    # The embedding cache is asked before routing: [llm]'s prefixes, no prefix_rewrite.
+    state.paths = ApiPaths(config.llm.api_prefixes if config.llm is not None
+                           else DEFAULT_PREFIXES)
     return state
 
 

@@ -20,6 +20,7 @@ TOP_KEYS = ("llm", "ratelimits", "cache")
 BACKENDS = ("memory", "redis")
 BACKEND_ERRORS = ("open", "closed")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_PATH_TEXT = re.compile(r"[!-~]+")
 _FIELDS = {cls: tuple(f for f in cls.__dataclass_fields__) for cls in
            (LlmConfig, RateLimitConfig, CacheConfig)}
 
@@ -72,7 +73,29 @@ def llm(ck: _Checker, data: dict[str, Any]) -> LlmConfig | None:
         else:
             values["tenant_header"] = header.lower().encode("ascii")
     values["routes"] = _routes(ck, table, path, _route_names(data))
+    if "api_prefixes" in table:
+        values["api_prefixes"] = _api_prefixes(ck, table, path)
     return LlmConfig(**values)
+
+
+def _api_prefixes(ck: _Checker, table: dict[str, Any], path: KeyPath) -> tuple[str, ...]:
+    out: list[str] = []
+    items = ck.string_list(table, path, "api_prefixes")
+    for item_path, prefix in items:
+        if not (prefix.startswith("/") and prefix.endswith("/")):
+            ck.error(item_path, f"must start and end with '/', got '{prefix}'")
+        elif not _PATH_TEXT.fullmatch(prefix):
+            ck.error(item_path, f"must be printable ASCII without spaces (percent-encode "
+                                f"others), got {prefix!r}")
+        elif "?" in prefix or "#" in prefix:
+            ck.error(item_path, f"a path prefix has no query or fragment, got '{prefix}'")
+        elif any("*" in s and s != "*" for s in prefix.split("/")):
+            ck.error(item_path, f"'*' stands only for a whole path segment, got '{prefix}'")
+        elif prefix not in out:
+            out.append(prefix)
+    if table["api_prefixes"] == []:
+        ck.error(path + ("api_prefixes",), "give at least one prefix (default [\"/v1/\"])")
+    return tuple(out)
 
 
 def ratelimits(ck: _Checker, data: dict[str, Any]) -> tuple[RateLimitConfig, ...]:

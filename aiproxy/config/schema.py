@@ -379,6 +379,8 @@ class LlmConfig:
     max_tenants: int = _bounded(100, 1, 100_000)  # tenant labels in /metrics; more: "other"
     max_models: int = _bounded(50, 1, 10_000)
     routes: tuple[str, ...] = ()  # empty: every route
+    # where the endpoints are served ("*": one whole path segment, Azure's deployment)
+    api_prefixes: tuple[str, ...] = ("/v1/",)
 
 
 RATELIMIT_KEYS = ("tenant", "route", "model")

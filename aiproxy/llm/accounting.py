@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from aiproxy._fast.histogram import Histogram
 from aiproxy.llm.estimate import tokens_of_bytes
 from aiproxy.llm.facts import LlmFacts
-from aiproxy.llm.openai import JsonReader, SseReader, endpoint_of, read_request
+from aiproxy.llm.openai import ApiPaths, JsonReader, SseReader, read_request
 from aiproxy.pipeline.filters import Filter, FilterFactory
 from aiproxy.telemetry.metrics import BUCKETS
 
@@ -81,6 +81,7 @@ class LlmState:
 
     def configure(self, cfg: LlmConfig) -> None:
         self.cfg = cfg
+        self.paths = ApiPaths(cfg.api_prefixes)
         self.header = cfg.tenant_header
         self.apart = False  # make_state: whether the config authenticates (tenant_of)
         self.routes: set[str] | None = None
@@ -155,7 +156,8 @@ class LlmFilter(Filter):
         body = ex.request_body()
         info = read_request(f.endpoint, body, ex.request_body_whole(body),
                             ex.head.content_length)
-        f.model = info.model
+        if info.model is not None:
+            f.model = info.model
         f.stream = info.stream
         f.max_tokens = info.max_tokens
         f.prompt_tokens = info.prompt_tokens
@@ -252,18 +254,20 @@ class LlmFactory(FilterFactory):
     def start(self, ex: Exchange) -> Filter | None:
         if ex.method != b"POST":
             return None
-        kind = endpoint_of(ex.path)
-        if kind is None:
+        state = self.state
+        found = state.paths.lookup(ex.path)
+        if found is None:
             # A route that serves the upstream's /v1/ under another prefix (/openai/v1/
             # with prefix_rewrite = "/") carries the same API: read the path sent on.
             route = ex.route
             if route.prefix_rewrite is None:
                 return None
-            kind = endpoint_of(route.prefix_rewrite + ex.path[len(route.path_prefix):])
-            if kind is None:
+            found = state.paths.lookup(route.prefix_rewrite + ex.path[len(route.path_prefix):])
+            if found is None:
                 return None
-        state = self.state
-        facts = LlmFacts(kind, tenant_of(ex, state.header, state.apart))
+        facts = LlmFacts(found[0], tenant_of(ex, state.header, state.apart))
+        # Azure's deployment (a `*` segment) names the model a body without "model" uses.
+        facts.model = found[1]
         ex.llm = facts
         return LlmFilter(state, facts)
 

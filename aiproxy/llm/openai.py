@@ -23,13 +23,15 @@ from typing import Any
 from aiproxy import wirejson
 from aiproxy.llm.estimate import MESSAGE_OVERHEAD, tokens_of_bytes, tokens_of_text
 
+# The endpoints, by what follows an API prefix ([llm] api_prefixes, "/v1/" by default).
 ENDPOINTS = {
-    b"/v1/chat/completions": "chat",
-    b"/v1/completions": "completions",
-    b"/v1/embeddings": "embeddings",
-    b"/v1/responses": "responses",
-    b"/v1/messages": "messages",  # Anthropic's Messages API
+    b"chat/completions": "chat",
+    b"completions": "completions",
+    b"embeddings": "embeddings",
+    b"responses": "responses",
+    b"messages": "messages",  # Anthropic's Messages API
 }
+DEFAULT_PREFIXES = ("/v1/",)
 # Anthropic's usage: input apart from the tokens written to and read from its cache.
 CACHE_FIELDS = ("cache_creation_input_tokens", "cache_read_input_tokens")
 
@@ -53,9 +55,55 @@ _RESPONSES_TYPE = re.compile(rb'"type"\s*:\s*"response\.[^"]*"')
 JSON_LIMIT = 1 << 20  # response bytes kept to read a JSON body's usage and text
 
 
+# (kind, None) per endpoint: what ApiPaths.lookup returns for a prefix without `*`.
+_PLAIN = {tail: (kind, None) for tail, kind in ENDPOINTS.items()}
+_TAIL = b"(" + b"|".join(re.escape(t) for t in ENDPOINTS) + b")/*"
+
+
+class ApiPaths:
+    """Where the endpoints are served: [llm] api_prefixes, compiled once per config.
+    A `*` in a prefix is one whole path segment (Azure's /openai/deployments/*/)."""
+
+    __slots__ = ("plain", "pattern")
+
+    def __init__(self, prefixes: tuple[str, ...] = DEFAULT_PREFIXES) -> None:
+        self.plain = tuple(p.encode() for p in prefixes if "*" not in p)
+        patterns = [re.escape(p.encode()).replace(rb"\*", rb"([^/]+)")
+                    for p in prefixes if "*" in p]
+        self.pattern = (re.compile(b"(?:" + b"|".join(patterns) + b")" + _TAIL)
+                        if patterns else None)
+
+    def lookup(self, path: bytes) -> tuple[str, str | None] | None:
+        """(endpoint kind, the segment a `*` matched or None) of a request path; None
+        when it is no endpoint under these prefixes."""
+        for prefix in self.plain:
+            if path.startswith(prefix):
+                found = _PLAIN.get(path[len(prefix):].rstrip(b"/"))
+                if found is not None:
+                    return found
+        pattern = self.pattern
+        if pattern is not None:
+            m = pattern.fullmatch(path)
+            if m is not None:
+                groups = [g for g in m.groups() if g is not None]
+                # The last group is the endpoint, the one before it the last `*`.
+                kind = ENDPOINTS[groups[-1]]
+                segment = groups[-2].decode("utf-8", "replace")[:MODEL_CHARS]
+                return kind, segment
+        return None
+
+    def kind(self, path: bytes) -> str | None:
+        """The endpoint kind of a request path ("chat", ...), None for others."""
+        found = self.lookup(path)
+        return None if found is None else found[0]
+
+
+DEFAULT_PATHS = ApiPaths()
+
+
 def endpoint_of(path: bytes) -> str | None:
-    """The OpenAI endpoint kind of a request path ("chat", ...), None for others."""
-    return ENDPOINTS.get(path.rstrip(b"/")) if path[:4] == b"/v1/" else None
+    """The endpoint kind of a request path under the default /v1/, None for others."""
+    return DEFAULT_PATHS.kind(path)
 
 
 def _text(value: Any, out: list[str]) -> None:
