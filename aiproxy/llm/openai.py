@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from aiproxy import wirejson
@@ -60,11 +61,24 @@ _PLAIN = {tail: (kind, None) for tail, kind in ENDPOINTS.items()}
 _TAIL = b"(" + b"|".join(re.escape(t) for t in ENDPOINTS) + b")/*"
 
 
+def _one_prefix(prefix: bytes) -> Callable[[bytes], tuple[str, None] | None]:
+    n = len(prefix)
+    table = {prefix + tail: found for tail, found in _PLAIN.items()}
+
+    def lookup(path: bytes) -> tuple[str, None] | None:
+        return table.get(path.rstrip(b"/")) if path[:n] == prefix else None
+
+    return lookup
+
+
 class ApiPaths:
     """Where the endpoints are served: [llm] api_prefixes, compiled once per config.
-    A `*` in a prefix is one whole path segment (Azure's /openai/deployments/*/)."""
+    A `*` in a prefix is one whole path segment (Azure's /openai/deployments/*/).
 
-    __slots__ = ("plain", "pattern")
+    lookup(path): (endpoint kind, the segment the last `*` matched or None), or None when
+    the path is no endpoint under these prefixes."""
+
+    __slots__ = ("plain", "pattern", "lookup")
 
     def __init__(self, prefixes: tuple[str, ...] = DEFAULT_PREFIXES) -> None:
         self.plain = tuple(p.encode() for p in prefixes if "*" not in p)
@@ -72,10 +86,13 @@ class ApiPaths:
                     for p in prefixes if "*" in p]
         self.pattern = (re.compile(b"(?:" + b"|".join(patterns) + b")" + _TAIL)
                         if patterns else None)
+        self.lookup: Callable[[bytes], tuple[str, str | None] | None]
+        if self.pattern is None and len(self.plain) == 1:
+            self.lookup = _one_prefix(self.plain[0])  # the default: one bytes check
+        else:
+            self.lookup = self._lookup
 
-    def lookup(self, path: bytes) -> tuple[str, str | None] | None:
-        """(endpoint kind, the segment a `*` matched or None) of a request path; None
-        when it is no endpoint under these prefixes."""
+    def _lookup(self, path: bytes) -> tuple[str, str | None] | None:
         for prefix in self.plain:
             if path.startswith(prefix):
                 found = _PLAIN.get(path[len(prefix):].rstrip(b"/"))
