@@ -205,7 +205,7 @@ def test_a_file_replaced_while_a_worker_starts_is_picked_up(tmp_path, monkeypatc
     assert [r.id for r in state.current().rules][-1] == "late"
 
 
-def test_time_limited_grants_and_conditions():
+def test_time_limited_grants_and_conditions(tmp_path):
     now = datetime(2026, 1, 5, 10, 30, tzinfo=UTC)  # a Monday
     pf_text = """
 [roles]
@@ -230,11 +230,9 @@ effect = "allow"
 claims = { tier = ["gold", "platinum"] }
 rbac = true
 """
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as fh:
-        fh.write(pf_text)
-    policy = load_policy_files([fh.name])
+    path = tmp_path / "policy.toml"
+    path.write_text(pf_text)
+    policy = load_policy_files([str(path)])
     ts = now.timestamp()
     assert decide(policy, Request(subject="carol", now=ts)).rule == "temp"
     assert decide(policy, Request(subject="carol", now=ts + 3600)).allowed is False

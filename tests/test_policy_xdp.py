@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -43,10 +42,10 @@ effect = "allow"
 """
 
 
-def test_only_unconditional_cidr_denies_go_to_the_kernel():
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as fh:
-        fh.write(POLICY.format(denied="192.0.2.1", allowed="192.0.2.2"))
-    assert kernel_deny_cidrs(load_policy_files([fh.name])) == ("192.0.2.1/32",)
+def test_only_unconditional_cidr_denies_go_to_the_kernel(tmp_path):
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY.format(denied="192.0.2.1", allowed="192.0.2.2"))
+    assert kernel_deny_cidrs(load_policy_files([str(policy)])) == ("192.0.2.1/32",)
 
 
 def test_bpf_attach_pushes_policy_denies(veth, tmp_path):  # noqa: F811
