@@ -508,6 +508,24 @@ def test_cr_terminated_stream_is_counted_through_the_proxy(start_proxy, tmp_path
         assert llm["ttft_ms"] is not None
 
 
+def _miss_then_hit(client: openai.OpenAI, ask: dict, log) -> dict:
+    """Ask twice: a cache miss, then a hit with the same answer; the miss's access-log
+    `llm` object carries the upstream's usage and the hit's says cached. Returns the
+    miss's `llm` object."""
+    first = client.chat.completions.with_raw_response.create(**ask)
+    again = client.chat.completions.with_raw_response.create(**ask)
+    assert first.headers["x-aiproxy-cache"] == "miss"
+    assert again.headers["x-aiproxy-cache"] == "hit"
+    assert again.parse().id == first.parse().id
+    recs = _records(log, 2)
+    usage = first.parse().usage
+    llm = recs[0]["llm"]
+    assert (llm["prompt_tokens"], llm["completion_tokens"]) == (
+        usage.prompt_tokens, usage.completion_tokens)
+    assert recs[1]["llm"]["cached"] is True
+    return llm
+
+
 def test_a_prefix_rewritten_api_is_accounted_cached_and_limited(start_proxy, demo_upstream,
                                                                 tmp_path):
     # A route that serves the upstream's /v1/ under /openai/v1/ (prefix_rewrite): the
@@ -542,16 +560,7 @@ def test_a_prefix_rewritten_api_is_accounted_cached_and_limited(start_proxy, dem
         """)
     client = openai.OpenAI(base_url=f"{proxy.url}/openai/v1", api_key="k", max_retries=0)
     ask = {"model": "demo-model", "max_tokens": 20, "messages": MESSAGES}
-    first = client.chat.completions.with_raw_response.create(**ask)
-    again = client.chat.completions.with_raw_response.create(**ask)
-    assert first.headers["x-aiproxy-cache"] == "miss"
-    assert again.headers["x-aiproxy-cache"] == "hit"
-    assert again.parse().id == first.parse().id
-    recs = _records(log, 2)
-    usage = first.parse().usage
-    assert recs[0]["llm"]["prompt_tokens"] == usage.prompt_tokens
-    assert recs[0]["llm"]["completion_tokens"] == usage.completion_tokens
-    assert recs[1]["llm"]["cached"] is True
+    _miss_then_hit(client, ask, log)
     # The token bucket is charged: a request reserving more than 100 tokens is refused.
     with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(**{**ask, "max_tokens": 100})
@@ -607,17 +616,8 @@ def test_api_prefixes_account_and_cache_a_groq_style_path(start_proxy, demo_upst
                           'api_prefixes = ["/v1/", "/openai/v1/"]')
     client = openai.OpenAI(base_url=f"{proxy.url}/openai/v1", api_key="k", max_retries=0)
     ask = {"model": "demo-model", "max_tokens": 20, "messages": MESSAGES}
-    first = client.chat.completions.with_raw_response.create(**ask)
-    again = client.chat.completions.with_raw_response.create(**ask)
-    assert first.headers["x-aiproxy-cache"] == "miss"
-    assert again.headers["x-aiproxy-cache"] == "hit"
-    assert again.parse().id == first.parse().id
-    recs = _records(log, 2)
-    usage = first.parse().usage
-    llm = recs[0]["llm"]
-    assert (llm["model"], llm["prompt_tokens"], llm["completion_tokens"], llm["estimated"]) == (
-        "demo-model", usage.prompt_tokens, usage.completion_tokens, False)
-    assert recs[1]["llm"]["cached"] is True
+    llm = _miss_then_hit(client, ask, log)
+    assert (llm["model"], llm["estimated"]) == ("demo-model", False)
 
 
 def test_default_api_prefix_leaves_other_paths_alone(start_proxy, demo_upstream, tmp_path):
